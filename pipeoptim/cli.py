@@ -1,0 +1,61 @@
+"""The ``pipeoptim`` command: one sub-command per module in ``pipeoptim.commands``.
+
+Library errors (``ValueError`` subclasses whose messages say the rule, the values and the
+fix) are printed without a traceback and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from pipeoptim import __version__
+from pipeoptim.errors import PipeoptimError
+
+# Each module exposes ``register(subparsers)``, which adds its parser and sets ``func``.
+COMMAND_MODULES = (
+    "pipeoptim.commands.schedule",
+    "pipeoptim.commands.simulate",
+    "pipeoptim.commands.train",
+    "pipeoptim.commands.planning",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pipeoptim",
+        description="Plan, simulate and run pipeline-parallel training (PipeOptim and baselines).",
+    )
+    parser.add_argument("--version", action="version", version=f"pipeoptim {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            if err.name == name:  # a command not built in this checkout
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except PipeoptimError as err:
+        print(f"pipeoptim {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"pipeoptim {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Sub-commands of the ``pipeoptim`` CLI, one module each (see ``pipeoptim.cli``)."""

@@ -1,0 +1,130 @@
+"""``pipeoptim schedule`` (print, export or check a schedule) and ``pipeoptim methods``."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from pipeoptim.commands.common import add_json_flag, format_table, print_json
+from pipeoptim.errors import PlanError
+from pipeoptim.plan.actions import format_grid, format_schedule, load_csv, schedule_to_csv
+from pipeoptim.plan.methods import METHODS, build_schedule, get_method
+from pipeoptim.plan.validate import validate
+from pipeoptim.plan.versions import VersionReport, analyze_versions
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "schedule",
+        help="print a method's schedule grid, export it as CSV, or check an imported one",
+        description=(
+            "Generate a method's schedule for P stages, M micro-batches and N mini-batches "
+            "and print it as a grid (one row per rank, one column per clock step) or as the "
+            "per-rank CSV that torch.distributed.pipelining reads. With --load, validate and "
+            "print a CSV schedule instead."
+        ),
+    )
+    p.add_argument("--method", help=f"one of: {', '.join(METHODS)}")
+    p.add_argument("--stages", type=int, help="pipeline ranks P")
+    p.add_argument("--micro-batches", type=int, help="micro-batches M per mini-batch")
+    p.add_argument("--mini-batches", type=int, help="mini-batches N in the run")
+    p.add_argument("--virtual-stages", type=int, help="stages per rank (interleaved-1f1b)")
+    p.add_argument("--format", choices=("grid", "csv"), default="grid")
+    p.add_argument("--out", type=Path, help="write the CSV (or grid) to this file")
+    p.add_argument("--load", type=Path, help="validate and print this CSV schedule")
+    p.add_argument(
+        "--torch-compatible",
+        action="store_true",
+        help="leave update (U) actions out of the CSV, which PyTorch does not parse",
+    )
+    add_json_flag(p)
+    p.set_defaults(func=run_schedule)
+
+    m = sub.add_parser("methods", help="list the pipeline methods")
+    add_json_flag(m)
+    m.set_defaults(func=run_methods)
+
+
+def run_methods(args: argparse.Namespace) -> int:
+    rows = [
+        {
+            "name": m.name,
+            "weight_policy": m.weight_policy.value,
+            "asynchronous": m.asynchronous,
+            "micro_batched": m.micro_batched,
+            "description": m.description,
+        }
+        for m in METHODS.values()
+    ]
+    if args.json:
+        print_json(rows)
+    else:
+        print(
+            format_table(["method", "description"], [[r["name"], r["description"]] for r in rows])
+        )
+    return 0
+
+
+def _version_summary(report: VersionReport) -> list[dict[str, int]]:
+    return [
+        {
+            "stage": k,
+            "max_distance": report.max_distance(k),
+            "max_staleness": report.max_staleness(k),
+            "weight_copies": report.weight_copies[k],
+            "max_in_flight": report.max_in_flight[k],
+        }
+        for k in report.stages
+    ]
+
+
+def run_schedule(args: argparse.Namespace) -> int:
+    if args.load is not None:
+        schedule = load_csv(args.load)
+        m = validate(schedule)
+        source = str(args.load)
+        report = None
+    else:
+        if args.method is None or args.stages is None:
+            raise PlanError(
+                "schedule needs --method and --stages (or --load FILE); e.g. "
+                "`pipeoptim schedule --method pipeoptim --stages 4`"
+            )
+        schedule, shape = build_schedule(
+            args.method, args.stages, args.micro_batches, args.mini_batches, args.virtual_stages
+        )
+        m = validate(schedule, shape.micro_batches)
+        source = args.method
+        report = analyze_versions(schedule, get_method(args.method).weight_policy, m)
+    if args.format == "csv":
+        text = schedule_to_csv(schedule, include_updates=not args.torch_compatible)
+    else:
+        text = format_grid(schedule) + "\n"
+    if args.out is not None:
+        args.out.write_text(text)
+    if args.json:
+        print_json(
+            {
+                "source": source,
+                "micro_batches": m,
+                "ranks": len(schedule),
+                "steps": max(len(a) for a in schedule.values()),
+                "schedule": format_schedule(schedule),
+                "versions": _version_summary(report) if report else None,
+                "out": str(args.out) if args.out else None,
+            }
+        )
+    elif args.out is None:
+        print(text, end="")
+        if report is not None:
+            print()
+            print(
+                format_table(
+                    ["stage", "max s", "max staleness", "weight copies", "max in flight"],
+                    [list(r.values()) for r in _version_summary(report)],
+                )
+            )
+    else:
+        print(f"wrote {args.format} schedule ({source}, {len(schedule)} ranks) to {args.out}")
+    return 0

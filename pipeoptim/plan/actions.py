@@ -1,0 +1,209 @@
+"""The Action IR: one pipeline step of one stage, its text form and per-rank CSV files.
+
+A schedule is plain data, ``dict[rank, list[Action | None]]``, so it prints, parses,
+validates and saves. The text form ``"2F13"`` (stage 2, forward, micro-batch 13) and the
+CSV layout (one row per rank, an empty cell for an idle step) are the ones
+``torch.distributed.pipelining`` reads and writes, so schedules move both ways.
+"""
+
+from __future__ import annotations
+
+import csv
+import enum
+import io
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeoptim.errors import ScheduleError
+
+
+class Kind(str, enum.Enum):
+    """What an action does. The values are the text codes used in action strings."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+    UPDATE = "U"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+
+    @property
+    def is_compute(self) -> bool:
+        return self in (Kind.FORWARD, Kind.BACKWARD, Kind.UPDATE)
+
+    @property
+    def is_comm(self) -> bool:
+        return not self.is_compute
+
+
+F = Kind.FORWARD
+B = Kind.BACKWARD
+U = Kind.UPDATE
+
+# Kinds PyTorch knows but pipeoptim's methods never produce; parsing names them in the error.
+_FOREIGN_KINDS = ("I", "W", "UNSHARD", "RESHARD", "REDUCE_GRAD", "OVERLAP_F_B")
+# Longest codes first so "SEND_F" is not read as a stage followed by "S...".
+_CODES = sorted([k.value for k in Kind] + list(_FOREIGN_KINDS), key=len, reverse=True)
+_ACTION_RE = re.compile(r"^(\d+)(" + "|".join(_CODES) + r")(\d*)$")
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """One step of one stage.
+
+    ``mb`` is the global micro-batch id (mini-batch ``t`` with ``M`` micro-batches has ids
+    ``t*M .. t*M+M-1``). For an update (``U``) it is the mini-batch index ``t`` whose
+    accumulated gradient the update applies.
+    """
+
+    stage: int
+    kind: Kind
+    mb: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind.value}{self.mb}"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """Parse ``"2F13"``; the inverse of ``str``."""
+        stripped = text.strip()
+        match = _ACTION_RE.match(stripped)
+        if match is None:
+            raise ScheduleError(
+                f"malformed action {text!r}: an action is <stage><kind><micro-batch>, e.g. "
+                f"'2F13', with kind one of {', '.join(k.value for k in Kind)}"
+            )
+        stage, code, mb = match.groups()
+        if code in _FOREIGN_KINDS:
+            raise ScheduleError(
+                f"action {text!r} uses kind {code!r}, which pipeoptim's methods do not "
+                f"execute (split backward and FSDP actions); use F, B and U"
+            )
+        if mb == "":
+            raise ScheduleError(
+                f"action {text!r} has no micro-batch number; write it as e.g. '{stage}{code}0'"
+            )
+        return cls(int(stage), Kind(code), int(mb))
+
+
+Schedule = dict[int, list[Action | None]]
+"""Per-rank action lists; ``None`` is an idle step. Step ``i`` of every rank is one clock tick."""
+
+
+def parse_schedule(rows: Mapping[int, Sequence[str]]) -> Schedule:
+    """Parse per-rank action strings; empty strings become idle steps."""
+    return {
+        rank: [Action.parse(cell) if cell.strip() else None for cell in cells]
+        for rank, cells in rows.items()
+    }
+
+
+def format_schedule(schedule: Mapping[int, Sequence[Action | None]]) -> dict[int, list[str]]:
+    """The inverse of :func:`parse_schedule`."""
+    return {rank: ["" if a is None else str(a) for a in acts] for rank, acts in schedule.items()}
+
+
+def schedule_to_csv(
+    schedule: Mapping[int, Sequence[Action | None]], *, include_updates: bool = True
+) -> str:
+    """One CSV row per rank (ranks in order), empty cell = idle.
+
+    PyTorch's pipelining has no update action, so ``include_updates=False`` writes the
+    compute-only form it loads; the update steps are then left as idle cells.
+    """
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    for rank in sorted(schedule):
+        writer.writerow(
+            [
+                "" if a is None or (a.kind is U and not include_updates) else str(a)
+                for a in schedule[rank]
+            ]
+        )
+    return out.getvalue()
+
+
+def schedule_from_csv(text: str, *, source: str = "<csv>") -> Schedule:
+    """Parse a CSV written by :func:`schedule_to_csv` or by PyTorch's ``_dump_csv``."""
+    rows = list(csv.reader(io.StringIO(text)))
+    if not rows or all(not any(cell.strip() for cell in row) for row in rows):
+        raise ScheduleError(
+            f"{source} holds no schedule: expected one CSV row of actions per rank, e.g. "
+            f"'0F0,0B0,0U0'"
+        )
+    schedule: Schedule = {}
+    for rank, row in enumerate(rows):
+        try:
+            schedule[rank] = [Action.parse(c) if c.strip() else None for c in row]
+        except ScheduleError as err:
+            raise ScheduleError(f"{source}, row {rank + 1} (rank {rank}): {err}") from None
+    return schedule
+
+
+def save_csv(schedule: Mapping[int, Sequence[Action | None]], path: str | Path) -> None:
+    Path(path).write_text(schedule_to_csv(schedule))
+
+
+def load_csv(path: str | Path) -> Schedule:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as err:
+        raise ScheduleError(f"cannot read schedule file {str(p)!r}: {err.strerror}") from None
+    return schedule_from_csv(text, source=str(p))
+
+
+def compact(schedule: Mapping[int, Sequence[Action | None]]) -> dict[int, list[Action]]:
+    """Drop idle steps: each rank's actions in execution order."""
+    return {rank: [a for a in acts if a is not None] for rank, acts in schedule.items()}
+
+
+def format_grid(
+    schedule: Mapping[int, Sequence[Action | None]],
+    *,
+    mark: tuple[int, int] | None = None,
+    max_steps: int | None = None,
+) -> str:
+    """A fixed-width table, one row per rank; ``mark=(rank, step)`` brackets one cell.
+
+    With ``max_steps`` only a window of steps is shown (around the mark, if any), so
+    errors on long schedules stay readable.
+    """
+    ranks = sorted(schedule)
+    length = max((len(schedule[r]) for r in ranks), default=0)
+    lo, hi = 0, length
+    if max_steps is not None and length > max_steps:
+        center = mark[1] if mark is not None else 0
+        lo = max(0, min(center - max_steps // 2, length - max_steps))
+        hi = lo + max_steps
+    cells: dict[tuple[int, int], str] = {}
+    for r in ranks:
+        for s in range(lo, hi):
+            act = schedule[r][s] if s < len(schedule[r]) else None
+            text = "." if act is None else str(act)
+            if mark == (r, s):
+                text = f"[{text}]"
+            cells[(r, s)] = text
+    width = max([len(c) for c in cells.values()] + [len(str(hi - 1)), 3])
+    label = max(len(f"rank {r}") for r in ranks) if ranks else 4
+    header = " " * label + " " + " ".join(str(s).rjust(width) for s in range(lo, hi))
+    lines = [header.rstrip()]
+    for r in ranks:
+        row = " ".join(cells[(r, s)].rjust(width) for s in range(lo, hi))
+        lines.append(f"{f'rank {r}'.ljust(label)} {row}".rstrip())
+    if lo > 0 or hi < length:
+        lines.append(f"(steps {lo}..{hi - 1} of {length})")
+    return "\n".join(lines)
+
+
+def actions_of(schedule: Mapping[int, Iterable[Action | None]]) -> list[tuple[int, int, Action]]:
+    """Every action as ``(rank, step, action)``."""
+    return [
+        (rank, step, act)
+        for rank, acts in schedule.items()
+        for step, act in enumerate(acts)
+        if act is not None
+    ]

@@ -1,0 +1,200 @@
+"""The method registry: each method is a schedule generator, a weight policy and a predictor.
+
+The weight policy says which weight version a forward and a backward read (DESIGN.md,
+"Weight-version semantics"); ``versions.py`` applies it to any schedule, the runtime's
+stage implements it, and the simulator's memory model counts the copies it keeps.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pipeoptim.errors import PlanError
+from pipeoptim.plan import schedules
+from pipeoptim.plan.actions import Schedule
+from pipeoptim.plan.schedules import Order, Shape
+
+
+class WeightPolicy(str, enum.Enum):
+    """Which weights a forward and a backward read."""
+
+    FLUSH = "flush"
+    """Synchronous: every micro-batch of mini-batch t runs on W^(t); one copy."""
+    STASH = "stash"
+    """PipeDream: the forward reads the latest version and stashes it for its backward."""
+    DOUBLE_BUFFER = "double-buffer"
+    """PipeDream-2BW: all micro-batches of t read W^(t-1) (one behind); two buffers."""
+    PREDICT = "predict"
+    """Forward reads predicted weights of the version its backward will meet."""
+
+
+@dataclass(frozen=True)
+class Method:
+    """One pipeline training method."""
+
+    name: str
+    """Registry key, as typed on the command line."""
+    description: str
+    """One line for ``pipeoptim methods``."""
+    generator: Callable[[Shape], Order]
+    """Pure schedule generator."""
+    weight_policy: WeightPolicy
+    """Which weight version each forward/backward reads."""
+    prediction_rule: str | None = None
+    """Predictor the runtime builds (``optimizer``, ``spectrain``, ``xpipe``), if any."""
+    micro_batched: bool = True
+    """Splits a mini-batch into M micro-batches; if False, M is always 1."""
+    asynchronous: bool = False
+    """Never flushes: updates happen while other mini-batches are in flight."""
+    min_micro_batches_per_stage: bool = False
+    """Needs M >= P (number of ranks)."""
+    interleaved: bool = False
+    """Runs ``virtual_stages`` chunks per rank; needs M to be a multiple of P."""
+
+    def shape(
+        self,
+        num_ranks: int,
+        micro_batches: int | None = None,
+        mini_batches: int | None = None,
+        virtual_stages: int | None = None,
+    ) -> Shape:
+        """Check the sizes against this method's rules and fill in the defaults."""
+        if num_ranks < 1:
+            raise PlanError(f"need at least 1 stage (got {num_ranks}); pass --stages 1 or more")
+        if self.micro_batched:
+            m = micro_batches if micro_batches is not None else num_ranks
+        else:
+            if micro_batches not in (None, 1):
+                raise PlanError(
+                    f"{self.name} runs each mini-batch as one unit (got {micro_batches} "
+                    f"micro-batches); drop --micro-batches, or use a micro-batching method "
+                    f"({', '.join(n for n, m in METHODS.items() if m.micro_batched)})"
+                )
+            m = 1
+        if m < 1:
+            raise PlanError(f"need at least 1 micro-batch (got {m}); pass --micro-batches 1+")
+        if self.min_micro_batches_per_stage and m < num_ranks:
+            raise PlanError(
+                f"{self.name} needs at least as many micro-batches as stages (got {m} "
+                f"micro-batches for {num_ranks} stages); raise --micro-batches to "
+                f"{num_ranks} or more"
+            )
+        v = virtual_stages if virtual_stages is not None else (2 if self.interleaved else 1)
+        if v < 1 or (v > 1 and not self.interleaved):
+            raise PlanError(
+                f"{self.name} runs one stage per rank (got {v} virtual stages); "
+                f"use interleaved-1f1b for several stages per rank"
+            )
+        if self.interleaved and m % num_ranks:
+            raise PlanError(
+                f"{self.name} needs the micro-batch count to be a multiple of the rank "
+                f"count (got {m} micro-batches for {num_ranks} ranks); use "
+                f"--micro-batches {(m // num_ranks + 1) * num_ranks}"
+            )
+        n = mini_batches if mini_batches is not None else self.default_mini_batches(num_ranks)
+        if n < 1:
+            raise PlanError(f"need at least 1 mini-batch (got {n}); pass --mini-batches 1+")
+        return Shape(num_ranks, m, n, v)
+
+    def default_mini_batches(self, num_ranks: int) -> int:
+        """Enough mini-batches to show a steady state: 2P for asynchronous methods, else 2."""
+        return 2 * num_ranks if self.asynchronous else 2
+
+    def order(self, shape: Shape) -> Order:
+        return self.generator(shape)
+
+    def schedule(self, shape: Shape) -> Schedule:
+        """The clock grid of this method for ``shape``."""
+        return schedules.retime(self.generator(shape), shape.micro_batches)
+
+
+_REGISTRY = [
+    Method(
+        "gpipe",
+        "GPipe: all forwards then all backwards of M micro-batches, one update, flush",
+        schedules.gpipe,
+        WeightPolicy.FLUSH,
+    ),
+    Method(
+        "1f1b",
+        "1F1B with a flush per mini-batch (PipeDream-Flush, DAPPLE); needs M >= P",
+        schedules.one_f_one_b,
+        WeightPolicy.FLUSH,
+        min_micro_batches_per_stage=True,
+    ),
+    Method(
+        "interleaved-1f1b",
+        "interleaved 1F1B (Megatron-LM): v stages per rank, flush; M a multiple of P",
+        schedules.interleaved_one_f_one_b,
+        WeightPolicy.FLUSH,
+        min_micro_batches_per_stage=True,
+        interleaved=True,
+    ),
+    Method(
+        "pipedream",
+        "PipeDream: asynchronous 1F1B, forward on the latest weights, stashed for backward",
+        schedules.async_one_f_one_b,
+        WeightPolicy.STASH,
+        micro_batched=False,
+        asynchronous=True,
+    ),
+    Method(
+        "2bw",
+        "PipeDream-2BW: asynchronous 1F1B over micro-batches, weights one version behind",
+        schedules.async_one_f_one_b,
+        WeightPolicy.DOUBLE_BUFFER,
+        asynchronous=True,
+        min_micro_batches_per_stage=True,
+    ),
+    Method(
+        "spectrain",
+        "SpecTrain: asynchronous 1F1B, forward on weights predicted along the momentum",
+        schedules.async_one_f_one_b,
+        WeightPolicy.PREDICT,
+        prediction_rule="spectrain",
+        micro_batched=False,
+        asynchronous=True,
+    ),
+    Method(
+        "xpipe",
+        "XPipe: micro-batched asynchronous 1F1B, Adam-form prediction of the update target",
+        schedules.async_one_f_one_b,
+        WeightPolicy.PREDICT,
+        prediction_rule="xpipe",
+        asynchronous=True,
+    ),
+    Method(
+        "pipeoptim",
+        "PipeOptim: asynchronous 1F1B, forward on weights predicted by the optimizer's rule",
+        schedules.async_one_f_one_b,
+        WeightPolicy.PREDICT,
+        prediction_rule="optimizer",
+        micro_batched=False,
+        asynchronous=True,
+    ),
+]
+
+METHODS: dict[str, Method] = {m.name: m for m in _REGISTRY}
+
+
+def get_method(name: str) -> Method:
+    """Look a method up by name; the error lists the valid names."""
+    try:
+        return METHODS[name]
+    except KeyError:
+        raise PlanError(f"unknown method {name!r}; choose one of: {', '.join(METHODS)}") from None
+
+
+def build_schedule(
+    method: str,
+    num_ranks: int,
+    micro_batches: int | None = None,
+    mini_batches: int | None = None,
+    virtual_stages: int | None = None,
+) -> tuple[Schedule, Shape]:
+    """Generate and retime ``method``'s schedule; returns the grid and the resolved shape."""
+    m = get_method(method)
+    shape = m.shape(num_ranks, micro_batches, mini_batches, virtual_stages)
+    return m.schedule(shape), shape

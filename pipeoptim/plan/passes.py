@@ -1,0 +1,49 @@
+"""Lowering passes: small pure functions from a schedule to a schedule.
+
+``add_communication`` makes the point-to-point transfers explicit, the way
+``torch.distributed.pipelining`` lowers a compute-only schedule: a ``SEND_F`` right after
+each forward whose next stage lives on another rank, a ``RECV_F`` right before each
+forward whose previous stage does, and the same for backwards (``SEND_B``/``RECV_B``).
+Stage indices follow PyTorch: a send names the sending stage, a receive the receiving one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from pipeoptim.plan.actions import Action, B, F, Kind
+from pipeoptim.plan.schedules import Order, stage_ranks
+
+
+def add_communication(schedule: Mapping[int, Sequence[Action | None]]) -> Order:
+    """Insert sends and receives between stages on different ranks; idle steps are dropped."""
+    rank_of = stage_ranks(schedule)
+    last = max(rank_of, default=-1)
+    lowered: Order = {}
+    for rank, acts in schedule.items():
+        out: list[Action] = []
+        for a in acts:
+            if a is None or a.kind.is_comm:
+                if a is not None:
+                    out.append(a)
+                continue
+            k = a.stage
+            if a.kind is F and k > 0 and rank_of[k - 1] != rank:
+                out.append(Action(k, Kind.RECV_F, a.mb))
+            if a.kind is B and k < last and rank_of[k + 1] != rank:
+                out.append(Action(k, Kind.RECV_B, a.mb))
+            out.append(a)
+            if a.kind is F and k < last and rank_of[k + 1] != rank:
+                out.append(Action(k, Kind.SEND_F, a.mb))
+            if a.kind is B and k > 0 and rank_of[k - 1] != rank:
+                out.append(Action(k, Kind.SEND_B, a.mb))
+        lowered[rank] = out
+    return lowered
+
+
+def strip_communication(schedule: Mapping[int, Sequence[Action | None]]) -> Order:
+    """The compute-only form: drop communication actions and idle steps."""
+    return {
+        rank: [a for a in acts if a is not None and a.kind.is_compute]
+        for rank, acts in schedule.items()
+    }

@@ -1,0 +1,163 @@
+"""The Plan: the one unit the simulator, the runtime and the planner all consume.
+
+It names the method and its options, the pipeline's size, the optimizer, the stage
+boundaries (which layers each stage holds) and, where the planner made it, the stage
+graph with costs. It saves to and loads from JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from pipeoptim.errors import PlanError
+from pipeoptim.plan.methods import Method, get_method
+from pipeoptim.plan.schedules import Shape
+
+PLAN_FORMAT = "pipeoptim-plan"
+PLAN_VERSION = 1
+OPTIMIZER_FAMILIES = ("sgd", "adam", "adamw", "rmsprop")
+
+
+@dataclass
+class OptimizerSpec:
+    """The optimizer every stage builds (the user's torch.optim class and settings)."""
+
+    family: str = "sgd"
+    """One of sgd, adam, adamw, rmsprop."""
+    lr: float = 0.05
+    """Learning rate."""
+    options: dict[str, float | bool] = field(default_factory=dict)
+    """Further keyword arguments to the torch.optim constructor (momentum, weight_decay...)."""
+
+    def __post_init__(self) -> None:
+        if self.family not in OPTIMIZER_FAMILIES:
+            raise PlanError(
+                f"unknown optimizer {self.family!r}; choose one of: {', '.join(OPTIMIZER_FAMILIES)}"
+            )
+        if not self.lr > 0:
+            raise PlanError(f"learning rate must be positive (got {self.lr}); pass e.g. --lr 0.05")
+
+
+@dataclass
+class Plan:
+    """Everything needed to simulate or run one pipeline configuration."""
+
+    method: str
+    """Method name from the registry (``pipeoptim methods``)."""
+    num_stages: int
+    """Pipeline ranks P (one process/device each)."""
+    micro_batches: int = 1
+    """Micro-batches per mini-batch (1 for methods that do not micro-batch)."""
+    mini_batches: int | None = None
+    """Mini-batches in the run; None lets the consumer decide (epochs for the runtime)."""
+    virtual_stages: int = 1
+    """Stages per rank (interleaved-1f1b only)."""
+    prediction_offset: int = 0
+    """Added to the derived prediction distance s (1 reproduces the reference code's D-rank)."""
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    """Optimizer family and hyper-parameters."""
+    model: str | None = None
+    """Built-in model name or ``module:factory`` the plan was made for."""
+    batch_size: int | None = None
+    """Samples per mini-batch."""
+    boundaries: list[tuple[int, int]] | None = None
+    """Half-open layer ranges, one per stage; None splits layers evenly."""
+    stage_graph: dict[str, Any] | None = None
+    """Stage graph with costs (``plan.graph.stage_graph_to_dict``), where a planner made one."""
+    devices: list[str] | None = None
+    """Device per rank (``cpu``, ``cuda:0``...); None picks cuda where present, else cpu."""
+    notes: dict[str, Any] = field(default_factory=dict)
+    """Free-form provenance (predicted throughput, memory cap, bandwidth...)."""
+
+    def __post_init__(self) -> None:
+        self.shape()  # fail at construction, not deep inside a run
+        if self.boundaries is not None:
+            self.boundaries = [(int(a), int(b)) for a, b in self.boundaries]
+            check_boundaries(self.boundaries, self.num_stages * self.virtual_stages)
+
+    @property
+    def method_spec(self) -> Method:
+        return get_method(self.method)
+
+    def shape(self, mini_batches: int | None = None) -> Shape:
+        m = self.method_spec
+        return m.shape(
+            self.num_stages,
+            self.micro_batches if m.micro_batched else None,
+            mini_batches if mini_batches is not None else self.mini_batches,
+            self.virtual_stages if m.interleaved else None,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["format"], data["version"] = PLAN_FORMAT, PLAN_VERSION
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "<plan>") -> Plan:
+        if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
+            raise PlanError(
+                f'{source} is not a pipeoptim plan (no "format": "{PLAN_FORMAT}"); '
+                f"make one with `pipeoptim plan ... --out plan.json`"
+            )
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known - {"format", "version"})
+        if unknown:
+            raise PlanError(f"{source}: unknown plan fields {unknown}; valid: {sorted(known)}")
+        args = {k: v for k, v in data.items() if k in known}
+        if "optimizer" in args:
+            args["optimizer"] = OptimizerSpec(**args["optimizer"])
+        try:
+            return cls(**args)
+        except TypeError as err:
+            raise PlanError(f"{source}: {err}") from None
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        p = Path(path)
+        try:
+            data = json.loads(p.read_text())
+        except OSError as err:
+            raise PlanError(f"cannot read plan {str(p)!r}: {err.strerror}") from None
+        except json.JSONDecodeError as err:
+            raise PlanError(f"{p} is not valid JSON: {err}") from None
+        return cls.from_dict(data, source=str(p))
+
+
+def check_boundaries(boundaries: list[tuple[int, int]], num_stages: int) -> None:
+    """Stage ranges must be non-empty, contiguous from layer 0, one per stage."""
+    if len(boundaries) != num_stages:
+        raise PlanError(
+            f"plan has {len(boundaries)} stage ranges for {num_stages} stages; "
+            f"give one (start, end) layer range per stage"
+        )
+    expected = 0
+    for k, (start, end) in enumerate(boundaries):
+        if start != expected or end <= start:
+            raise PlanError(
+                f"stage {k} covers layers [{start}, {end}); stages must be non-empty and "
+                f"contiguous, so stage {k} must start at layer {expected}"
+            )
+        expected = end
+
+
+def even_boundaries(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """Split layers into stages of (almost) equal layer count."""
+    if num_stages > num_layers:
+        raise PlanError(
+            f"cannot split {num_layers} layers into {num_stages} stages; use at most "
+            f"{num_layers} stages or a model with more layers"
+        )
+    base, extra = divmod(num_layers, num_stages)
+    out, start = [], 0
+    for k in range(num_stages):
+        end = start + base + (1 if k < extra else 0)
+        out.append((start, end))
+        start = end
+    return out

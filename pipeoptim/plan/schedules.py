@@ -1,0 +1,242 @@
+"""Schedule generators: pure functions from a shape to per-rank action orders.
+
+A generator returns each rank's actions in execution order (no idle steps); :func:`retime`
+places those orders on a clock grid, one action per step, each action at the first step
+after its dependencies, which gives the ``Schedule`` the rest of the toolkit prints,
+validates and simulates. Asynchronous generators cover a whole run of N mini-batches as
+one continuous pipeline: they never flush.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from pipeoptim.errors import ScheduleError
+from pipeoptim.plan.actions import Action, B, F, Schedule, U, format_grid
+
+Order = dict[int, list[Action]]
+"""Per-rank actions in execution order, without idle steps."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The size of a run a generator lays out."""
+
+    num_ranks: int
+    """Pipeline ranks P (devices). Stage count is ``num_ranks * virtual_stages``."""
+    micro_batches: int = 1
+    """Micro-batches M per mini-batch; 1 for methods that do not micro-batch."""
+    mini_batches: int = 1
+    """Mini-batches N in the run (one optimizer update per stage each)."""
+    virtual_stages: int = 1
+    """Stages per rank (chunks v of interleaved 1F1B); 1 everywhere else."""
+
+    @property
+    def num_stages(self) -> int:
+        return self.num_ranks * self.virtual_stages
+
+    @property
+    def total_micro_batches(self) -> int:
+        return self.micro_batches * self.mini_batches
+
+
+def dependencies(action: Action, num_stages: int, micro_batches: int) -> list[Action]:
+    """Actions that must finish before ``action`` may start, on any rank.
+
+    F of stage k needs F of stage k-1; B of stage k needs B of stage k+1 (the last stage:
+    its own F) and its own F; an update needs every backward of its mini-batch.
+    """
+    k, mb = action.stage, action.mb
+    if action.kind is F:
+        return [Action(k - 1, F, mb)] if k > 0 else []
+    if action.kind is B:
+        own = Action(k, F, mb)
+        return [own] if k == num_stages - 1 else [Action(k + 1, B, mb), own]
+    if action.kind is U:
+        return [Action(k, B, mb * micro_batches + j) for j in range(micro_batches)]
+    return []
+
+
+def _one_f_one_b(
+    forwards: Sequence[Action],
+    backwards: Sequence[Action],
+    warmup: int,
+    after_backward: Callable[[Action], list[Action]] = lambda _: [],
+) -> list[Action]:
+    """``warmup`` forwards, then alternate one forward / one backward, then drain backwards.
+
+    ``after_backward`` inserts actions (updates) right after a given backward.
+    """
+    warmup = min(warmup, len(forwards))
+    order = list(forwards[:warmup])
+    pending_f = list(forwards[warmup:])
+    for b in backwards:
+        if pending_f:
+            order.append(pending_f.pop(0))
+        order.append(b)
+        order.extend(after_backward(b))
+    return order
+
+
+def gpipe(shape: Shape) -> Order:
+    """GPipe: all forwards, all backwards, one update, flush; per mini-batch."""
+    m = shape.micro_batches
+    order: Order = {}
+    for k in range(shape.num_ranks):
+        acts: list[Action] = []
+        for t in range(shape.mini_batches):
+            acts += [Action(k, F, t * m + j) for j in range(m)]
+            acts += [Action(k, B, t * m + j) for j in range(m)]
+            acts.append(Action(k, U, t))
+        order[k] = acts
+    return order
+
+
+def one_f_one_b(shape: Shape) -> Order:
+    """1F1B with a flush per mini-batch (PipeDream-Flush / DAPPLE)."""
+    p, m = shape.num_ranks, shape.micro_batches
+    order: Order = {}
+    for k in range(p):
+        acts: list[Action] = []
+        for t in range(shape.mini_batches):
+            mbs = range(t * m, (t + 1) * m)
+            acts += _one_f_one_b(
+                [Action(k, F, i) for i in mbs], [Action(k, B, i) for i in mbs], p - 1 - k
+            )
+            acts.append(Action(k, U, t))
+        order[k] = acts
+    return order
+
+
+def async_one_f_one_b(shape: Shape) -> Order:
+    """Asynchronous 1F1B, never flushed: stage k keeps ``P-1-k`` forwards in flight.
+
+    With M > 1 (PipeDream-2BW, XPipe) micro-batches stream continuously and each stage
+    updates after the last backward of every mini-batch.
+    """
+    p, m = shape.num_ranks, shape.micro_batches
+    total = shape.total_micro_batches
+    order: Order = {}
+    for k in range(p):
+
+        def update_after(b: Action, k: int = k) -> list[Action]:
+            return [Action(k, U, b.mb // m)] if b.mb % m == m - 1 else []
+
+        order[k] = _one_f_one_b(
+            [Action(k, F, i) for i in range(total)],
+            [Action(k, B, i) for i in range(total)],
+            p - 1 - k,
+            update_after,
+        )
+    return order
+
+
+def interleaved_one_f_one_b(shape: Shape) -> Order:
+    """Interleaved 1F1B (Megatron-LM): rank r holds stages r, r+P, ...; flush per mini-batch.
+
+    Micro-batches go through a rank's chunks in groups of P, the order of Megatron-LM's
+    schedule, which is deadlock-free when M is a multiple of P.
+    """
+    p, m, v = shape.num_ranks, shape.micro_batches, shape.virtual_stages
+    per_round = p * v
+    order: Order = {}
+    for r in range(p):
+        warmup = (p - r - 1) * 2 + (v - 1) * p if v > 1 else p - r - 1
+        acts: list[Action] = []
+        for t in range(shape.mini_batches):
+
+            def item(i: int, backward: bool, t: int = t, r: int = r) -> Action:
+                group, within = divmod(i, per_round)
+                chunk = within // p
+                if backward:
+                    chunk = v - 1 - chunk
+                return Action(r + chunk * p, B if backward else F, t * m + group * p + within % p)
+
+            acts += _one_f_one_b(
+                [item(i, False) for i in range(m * v)],
+                [item(i, True) for i in range(m * v)],
+                warmup,
+            )
+            acts += [Action(r + c * p, U, t) for c in range(v)]
+        order[r] = acts
+    return order
+
+
+def stage_ranks(order: Mapping[int, Sequence[Action | None]]) -> dict[int, int]:
+    """Which rank runs each stage (every stage's actions sit on one rank)."""
+    where: dict[int, int] = {}
+    for rank, acts in order.items():
+        for a in acts:
+            if a is not None:
+                where.setdefault(a.stage, rank)
+    return where
+
+
+def retime(order: Mapping[int, Sequence[Action | None]], micro_batches: int) -> Schedule:
+    """Place per-rank orders on a clock grid: each action at the first step after its deps.
+
+    Idle steps already in ``order`` are dropped first. Raises :class:`ScheduleError` with
+    the partial grid and the blocked actions marked when the orders deadlock.
+    """
+    queues = {r: [a for a in acts if a is not None] for r, acts in order.items()}
+    num_stages = max((a.stage for acts in queues.values() for a in acts), default=-1) + 1
+    present = {a for acts in queues.values() for a in acts}
+    done: dict[Action, int] = {}
+    grid: Schedule = {r: [] for r in queues}
+    cursor = dict.fromkeys(queues, 0)
+    remaining = sum(len(q) for q in queues.values())
+    step = 0
+    while remaining:
+        placed: list[tuple[int, Action]] = []
+        for r, q in queues.items():
+            if cursor[r] >= len(q):
+                continue
+            act = q[cursor[r]]
+            deps = [d for d in dependencies(act, num_stages, micro_batches) if d in present]
+            if all(d in done and done[d] < step for d in deps):
+                placed.append((r, act))
+        if not placed:
+            raise _deadlock_error(queues, cursor, grid, done, num_stages, micro_batches)
+        placed_ranks = {r for r, _ in placed}
+        for r in queues:
+            grid[r].append(None)
+        for r, act in placed:
+            grid[r][step] = act
+            done[act] = step
+            cursor[r] += 1
+        remaining -= len(placed_ranks)
+        step += 1
+    for r in grid:  # trailing idle steps carry no information
+        while grid[r] and grid[r][-1] is None:
+            grid[r].pop()
+    return grid
+
+
+def _deadlock_error(
+    queues: Mapping[int, list[Action]],
+    cursor: Mapping[int, int],
+    grid: Schedule,
+    done: Mapping[Action, int],
+    num_stages: int,
+    micro_batches: int,
+) -> ScheduleError:
+    blocked = []
+    shown: Schedule = {r: [*acts] for r, acts in grid.items()}
+    for r, q in queues.items():
+        if cursor[r] < len(q):
+            act = q[cursor[r]]
+            missing = [
+                str(d) for d in dependencies(act, num_stages, micro_batches) if d not in done
+            ]
+            blocked.append(f"rank {r} waits at {act} for {', '.join(missing)}")
+            shown[r] = [*shown[r], act]
+    step = len(next(iter(grid.values()), []))
+    first = min((r for r in queues if cursor[r] < len(queues[r])), default=0)
+    return ScheduleError(
+        f"schedule deadlocks at step {step}: no rank can run its next action.\n"
+        + "\n".join(blocked)
+        + "\nEach rank's next action waits for an action that comes later in some rank's"
+        " order; reorder so dependencies run first.\n"
+        + format_grid(shown, mark=(first, step), max_steps=24)
+    )

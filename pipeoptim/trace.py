@@ -1,0 +1,174 @@
+"""The Trace: what a run did, emitted alike by the simulator and the runtime.
+
+One schema for both producers means one metrics function and one plot compare a
+prediction with a measurement. Traces save as JSON and export to chrome-trace JSON,
+which Perfetto and chrome://tracing open.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeoptim.errors import PipeoptimError
+
+TRACE_FORMAT = "pipeoptim-trace"
+TRACE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    """One executed action."""
+
+    rank: int
+    """Process (device) that ran it."""
+    stage: int
+    """Pipeline stage the action belongs to."""
+    kind: str
+    """Action kind code: F, B, U, or a communication kind (SEND_F, RECV_F, SEND_B, RECV_B)."""
+    mb: int
+    """Global micro-batch id; for U the mini-batch index."""
+    start: float
+    """Start time in seconds from the run's start."""
+    end: float
+    """End time in seconds from the run's start."""
+    weight_version: int = 0
+    """Weight version the action used (for a predicted forward: the version it predicts)."""
+    bytes: int = 0
+    """Bytes moved (communication) or allocated (compute) by the action; 0 if unknown."""
+    distance: int = 0
+    """For a forward: updates between it and its backward (prediction distance s)."""
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class MemorySample:
+    """Memory held by one rank at one time."""
+
+    rank: int
+    time: float
+    bytes: int
+    detail: dict[str, int] = field(default_factory=dict)
+    """Breakdown (weights, stash, gradients, optimizer, activations), where known."""
+
+
+@dataclass
+class Trace:
+    """Events, memory samples and run metadata."""
+
+    events: list[TraceEvent] = field(default_factory=list)
+    memory: list[MemorySample] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Run metadata: ``method``, ``num_stages``, ``micro_batches``, ``mini_batches``,
+    ``batch_size`` (samples per mini-batch), ``source`` (``sim`` or ``runtime``), ``plan``."""
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted({e.rank for e in self.events} | {m.rank for m in self.memory})
+
+    def events_of(
+        self, rank: int | None = None, kinds: Iterable[str] | None = None
+    ) -> list[TraceEvent]:
+        wanted = set(kinds) if kinds is not None else None
+        return [
+            e
+            for e in self.events
+            if (rank is None or e.rank == rank) and (wanted is None or e.kind in wanted)
+        ]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": TRACE_FORMAT,
+            "version": TRACE_VERSION,
+            "meta": self.meta,
+            "events": [asdict(e) for e in self.events],
+            "memory": [asdict(m) for m in self.memory],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "<trace>") -> Trace:
+        if not isinstance(data, dict) or data.get("format") != TRACE_FORMAT:
+            raise PipeoptimError(
+                f'{source} is not a pipeoptim trace (no "format": "{TRACE_FORMAT}"); '
+                f"write one with --trace FILE from `pipeoptim simulate` or `pipeoptim train`"
+            )
+        try:
+            return cls(
+                events=[TraceEvent(**e) for e in data["events"]],
+                memory=[MemorySample(**m) for m in data.get("memory", [])],
+                meta=dict(data.get("meta", {})),
+            )
+        except (KeyError, TypeError) as err:
+            raise PipeoptimError(f"{source}: malformed trace ({err})") from None
+
+    def save(self, path: str | Path) -> None:
+        """Write JSON atomically, so a crash never leaves half a trace."""
+        p = Path(path)
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict()))
+        tmp.replace(p)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Trace:
+        p = Path(path)
+        try:
+            data = json.loads(p.read_text())
+        except OSError as err:
+            raise PipeoptimError(f"cannot read trace {str(p)!r}: {err.strerror}") from None
+        except json.JSONDecodeError as err:
+            raise PipeoptimError(f"{p} is not valid JSON: {err}") from None
+        return cls.from_dict(data, source=str(p))
+
+    def to_chrome_trace(self) -> dict[str, Any]:
+        """Chrome trace-event JSON: one thread per rank, microsecond timestamps."""
+        events: list[dict[str, Any]] = []
+        for rank in self.ranks:
+            events.append(
+                {
+                    "ph": "M",
+                    "name": "thread_name",
+                    "pid": 0,
+                    "tid": rank,
+                    "args": {"name": f"rank {rank}"},
+                }
+            )
+        for e in self.events:
+            events.append(
+                {
+                    "name": f"{e.stage}{e.kind}{e.mb}",
+                    "cat": e.kind,
+                    "ph": "X",
+                    "pid": 0,
+                    "tid": e.rank,
+                    "ts": e.start * 1e6,
+                    "dur": max(e.duration, 0.0) * 1e6,
+                    "args": {
+                        "stage": e.stage,
+                        "mb": e.mb,
+                        "weight_version": e.weight_version,
+                        "bytes": e.bytes,
+                        "distance": e.distance,
+                    },
+                }
+            )
+        for m in self.memory:
+            events.append(
+                {
+                    "ph": "C",
+                    "name": f"memory rank {m.rank}",
+                    "pid": 0,
+                    "tid": m.rank,
+                    "ts": m.time * 1e6,
+                    "args": {"bytes": m.bytes},
+                }
+            )
+        return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": self.meta}
+
+    def save_chrome_trace(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_chrome_trace()))

@@ -1,0 +1,115 @@
+"""Exact schedule tables for small cases, and sweeps that every generated schedule validates."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeoptim.errors import PlanError, ScheduleError
+from pipeoptim.plan import METHODS, build_schedule, get_method
+from pipeoptim.plan.actions import format_schedule
+from pipeoptim.plan.schedules import Shape, async_one_f_one_b, retime
+from pipeoptim.plan.validate import validate
+
+
+def table(method: str, p: int, m: int | None, n: int) -> dict[int, str]:
+    schedule, _ = build_schedule(method, p, m, n)
+    return {r: " ".join(c or "." for c in row) for r, row in format_schedule(schedule).items()}
+
+
+EXPECTED = {
+    ("gpipe", 2, 2, 1): {
+        0: "0F0 0F1 . . 0B0 0B1 0U0",
+        1: ". 1F0 1F1 1B0 1B1 1U0",
+    },
+    ("1f1b", 3, 3, 1): {
+        0: "0F0 0F1 0F2 . . 0B0 . 0B1 . 0B2 0U0",
+        1: ". 1F0 1F1 . 1B0 1F2 1B1 . 1B2 1U0",
+        2: ". . 2F0 2B0 2F1 2B1 2F2 2B2 2U0",
+    },
+    ("pipedream", 3, None, 4): {
+        0: "0F0 0F1 0F2 . . 0B0 0U0 0F3 0B1 0U1 . 0B2 0U2 . 0B3 0U3",
+        1: ". 1F0 1F1 . 1B0 1U0 1F2 1B1 1U1 1F3 1B2 1U2 . 1B3 1U3",
+        2: ". . 2F0 2B0 2U0 2F1 2B1 2U1 2F2 2B2 2U2 2F3 2B3 2U3",
+    },
+    ("2bw", 2, 2, 2): {
+        0: "0F0 0F1 . 0B0 0F2 0B1 0U0 0F3 0B2 . 0B3 0U1",
+        1: ". 1F0 1B0 1F1 1B1 1U0 1F2 1B2 1F3 1B3 1U1",
+    },
+    ("interleaved-1f1b", 2, 2, 1): {
+        0: "0F0 0F1 2F0 2F1 . 2B0 . 2B1 0B0 0B1 0U0 2U0",
+        1: ". 1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1 1U0 3U0",
+    },
+}
+
+
+@pytest.mark.parametrize("key", list(EXPECTED), ids=lambda k: f"{k[0]}-P{k[1]}")
+def test_exact_tables(key: tuple[str, int, int | None, int]) -> None:
+    assert table(*key) == EXPECTED[key]
+
+
+def test_async_methods_share_the_pipeline_and_differ_in_policy() -> None:
+    # pipeoptim, spectrain and pipedream run the same never-flushed 1F1B.
+    ref = table("pipedream", 3, None, 4)
+    assert table("pipeoptim", 3, None, 4) == ref
+    assert table("spectrain", 3, None, 4) == ref
+    assert table("xpipe", 2, 2, 2) == EXPECTED[("2bw", 2, 2, 2)]
+
+
+def test_async_never_flushes() -> None:
+    # In steady state the first stage starts mini-batch t + P - 1 before updating for t.
+    order = async_one_f_one_b(Shape(4, 1, 10))[0]
+    text = [str(a) for a in order]
+    assert text[:4] == ["0F0", "0F1", "0F2", "0F3"]
+    assert text[4:10] == ["0B0", "0U0", "0F4", "0B1", "0U1", "0F5"]
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("p", range(1, 9))
+def test_every_generated_schedule_validates(method: str, p: int) -> None:
+    spec = get_method(method)
+    for m in [p, p + 1, 2 * p] if spec.micro_batched else [None]:
+        if spec.interleaved and m is not None and m % p:
+            continue
+        for n in (1, 3, 2 * p + 1):
+            schedule, shape = build_schedule(method, p, m, n)
+            assert validate(schedule, shape.micro_batches) == shape.micro_batches
+            actions = [a for row in schedule.values() for a in row if a is not None]
+            stages = shape.num_stages
+            # counts: F and B per stage per micro-batch, one U per stage per mini-batch
+            assert len(actions) == stages * shape.total_micro_batches * 2 + stages * n
+
+
+@pytest.mark.parametrize("m", [1, 2, 5])
+def test_gpipe_and_xpipe_accept_fewer_micro_batches_than_stages(m: int) -> None:
+    for method in ("gpipe", "xpipe"):
+        schedule, shape = build_schedule(method, 4, m, 2)
+        validate(schedule, shape.micro_batches)
+
+
+@pytest.mark.parametrize(
+    ("method", "p", "m", "message"),
+    [
+        ("1f1b", 4, 2, "needs at least as many micro-batches as stages (got 2 micro-batches"),
+        ("2bw", 4, 3, "raise --micro-batches to 4 or more"),
+        ("interleaved-1f1b", 2, 3, "use --micro-batches 4"),
+        ("pipeoptim", 4, 4, "runs each mini-batch as one unit"),
+        ("gpipe", 0, 1, "need at least 1 stage"),
+        ("nope", 2, 2, "choose one of: gpipe, 1f1b"),
+    ],
+)
+def test_bad_shapes_are_rejected_with_the_fix(method: str, p: int, m: int, message: str) -> None:
+    with pytest.raises(PlanError, match=message.replace("(", r"\(")):
+        build_schedule(method, p, m, 2)
+
+
+def test_retime_reports_deadlock_with_blocked_actions() -> None:
+    from pipeoptim.plan.actions import Action, B, F
+
+    order = {
+        0: [Action(0, F, 0), Action(0, B, 0), Action(0, F, 1), Action(0, B, 1)],
+        1: [Action(1, F, 1), Action(1, B, 1), Action(1, F, 0), Action(1, B, 0)],
+    }
+    with pytest.raises(ScheduleError, match="deadlocks") as err:
+        retime(order, 1)
+    assert "rank 0 waits at 0B0 for 1B0" in str(err.value)
+    assert "rank 1 waits at 1F1 for 0F1" in str(err.value)
