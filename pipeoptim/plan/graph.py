@@ -1,0 +1,276 @@
+"""Layer graph and stage graph: the model and the pipeline as networkx DiGraphs.
+
+The layer graph is the profile as a chain (one node per layer with its costs, one edge per
+activation handed to the next layer). A partition cuts that chain into contiguous stages; the
+stage graph is the pipeline the plan runs: one node per stage with the stage's summed costs
+and its memory footprint under the chosen method, one edge per stage boundary carrying the
+bytes that cross it. The simulator, the runtime and the report read stage costs from the
+stage graph, and the plan file stores it (:func:`stage_graph_to_dict`).
+
+Stage memory, used here and by the partitioner (one formula for both)::
+
+    memory_bytes = weight_copies * param_bytes       # live weight versions
+                 + param_bytes                       # gradients
+                 + optimizer_state_bytes
+                 + activation_slots * activation_bytes   # stashed for in-flight backwards
+
+where ``activation_bytes`` sums the output activations of all the stage's layers for one
+batch of ``Profile.batch_size`` samples (what a backward needs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import networkx as nx
+
+from pipeoptim.errors import PlanError
+from pipeoptim.plan.profile import Profile
+
+__all__ = [
+    "STAGE_GRAPH_FORMAT",
+    "STAGE_GRAPH_VERSION",
+    "layer_graph",
+    "stage_graph",
+    "stage_graph_from_dict",
+    "stage_graph_to_dict",
+    "stage_memory_bytes",
+    "validate_boundaries",
+]
+
+STAGE_GRAPH_FORMAT = "pipeoptim.stage_graph"
+STAGE_GRAPH_VERSION = 1
+
+_STAGE_KEYS = (
+    "start",
+    "end",
+    "layers",
+    "layer_names",
+    "forward_s",
+    "backward_s",
+    "param_bytes",
+    "grad_bytes",
+    "optimizer_state_bytes",
+    "activation_bytes",
+    "weight_copies",
+    "activation_slots",
+    "memory_bytes",
+    "param_count",
+)
+
+
+def stage_memory_bytes(
+    param_bytes: int,
+    optimizer_state_bytes: int,
+    activation_bytes: int,
+    weight_copies: int,
+    activation_slots: int,
+) -> int:
+    """Peak memory of one stage, in bytes (formula in the module docstring)."""
+    return (
+        weight_copies * param_bytes
+        + param_bytes
+        + optimizer_state_bytes
+        + activation_slots * activation_bytes
+    )
+
+
+def validate_boundaries(
+    boundaries: Sequence[tuple[int, int]], num_layers: int
+) -> list[tuple[int, int]]:
+    """Check that ``boundaries`` cut layers ``0..num_layers`` into non-empty contiguous ranges.
+
+    Each entry is a half-open ``(start, end)`` layer range, one per stage, in stage order;
+    returns them as a list of int tuples.
+    """
+    hint = (
+        "boundaries must be half-open (start, end) layer ranges, one per stage, that start "
+        f"at 0, end at {num_layers} and each begin where the previous one ends, e.g. "
+        "[(0, 3), (3, 6)]"
+    )
+    if len(boundaries) == 0:
+        raise PlanError(f"no stages given; {hint}")
+    result: list[tuple[int, int]] = []
+    expected_start = 0
+    for stage, entry in enumerate(boundaries):
+        try:
+            start, end = (int(v) for v in entry)
+        except (TypeError, ValueError):
+            raise PlanError(f"stage {stage} has boundary {entry!r}; {hint}") from None
+        if start != expected_start:
+            raise PlanError(
+                f"stage {stage} starts at layer {start} but the previous stage ends at "
+                f"{expected_start} (got {list(boundaries)!r}); {hint}"
+            )
+        if end <= start:
+            raise PlanError(
+                f"stage {stage} is empty or reversed: ({start}, {end}) (got "
+                f"{list(boundaries)!r}); {hint}"
+            )
+        result.append((start, end))
+        expected_start = end
+    if expected_start != num_layers:
+        raise PlanError(
+            f"the stages end at layer {expected_start} but the profile has {num_layers} layers "
+            f"(got {list(boundaries)!r}); {hint}"
+        )
+    return result
+
+
+def layer_graph(profile: Profile) -> nx.DiGraph:
+    """The profile as a chain ``nx.DiGraph``.
+
+    Node ``i`` is layer ``i`` with attributes ``name, forward_s, backward_s,
+    activation_bytes, param_bytes, optimizer_state_bytes, param_count``; edge ``i -> i+1``
+    has ``bytes`` = layer ``i``'s output activation bytes. Graph attributes: ``batch_size,
+    optimizer, device, dtype_bytes``.
+    """
+    graph = nx.DiGraph(
+        batch_size=profile.batch_size,
+        optimizer=profile.optimizer,
+        device=profile.device,
+        dtype_bytes=profile.dtype_bytes,
+    )
+    for index, layer in enumerate(profile.layers):
+        graph.add_node(
+            index,
+            name=layer.name,
+            forward_s=layer.forward_s,
+            backward_s=layer.backward_s,
+            activation_bytes=layer.activation_bytes,
+            param_bytes=layer.param_bytes,
+            optimizer_state_bytes=layer.optimizer_state_bytes,
+            param_count=layer.param_count,
+        )
+    nx.add_path(graph, range(profile.num_layers))
+    for index in range(profile.num_layers - 1):
+        graph.edges[index, index + 1]["bytes"] = profile.layers[index].activation_bytes
+    return graph
+
+
+def _per_stage(name: str, value: int | Sequence[int], num_stages: int) -> list[int]:
+    values = [value] * num_stages if isinstance(value, int) else list(value)
+    if len(values) != num_stages:
+        raise PlanError(
+            f"{name} needs one value per stage: got {len(values)} values for {num_stages} "
+            "stages; pass a single int or a list with one entry per stage"
+        )
+    for stage, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise PlanError(f"{name} of stage {stage} must be a whole number >= 0, got {v!r}")
+    return values
+
+
+def stage_graph(
+    profile: Profile,
+    boundaries: Sequence[tuple[int, int]],
+    *,
+    weight_copies: int | Sequence[int] = 1,
+    activation_slots: int | Sequence[int] = 1,
+) -> nx.DiGraph:
+    """The pipeline as a chain ``nx.DiGraph`` with one node per stage.
+
+    ``boundaries`` are half-open ``(start, end)`` layer ranges, one per stage.
+    ``weight_copies`` and ``activation_slots`` (one int for all stages or one per stage) are
+    the method's memory factors, e.g. from
+    :func:`pipeoptim.plan.partition.method_memory_factors`.
+
+    Node ``k`` attributes: ``start, end, layers`` (list of layer indices), ``layer_names``,
+    ``forward_s, backward_s`` (summed), ``param_bytes, grad_bytes, optimizer_state_bytes,
+    activation_bytes`` (summed), ``weight_copies, activation_slots, memory_bytes``,
+    ``param_count``. Edge ``k -> k+1`` has ``bytes``: the activation of stage ``k``'s last
+    layer, sent forward once per batch (its gradient, the same size, comes back).
+    """
+    stages = validate_boundaries(boundaries, profile.num_layers)
+    copies = _per_stage("weight_copies", weight_copies, len(stages))
+    slots = _per_stage("activation_slots", activation_slots, len(stages))
+    graph = nx.DiGraph(
+        batch_size=profile.batch_size,
+        optimizer=profile.optimizer,
+        device=profile.device,
+        dtype_bytes=profile.dtype_bytes,
+        num_layers=profile.num_layers,
+    )
+    for k, (start, end) in enumerate(stages):
+        layers = profile.layers[start:end]
+        param = sum(layer.param_bytes for layer in layers)
+        state = sum(layer.optimizer_state_bytes for layer in layers)
+        act = sum(layer.activation_bytes for layer in layers)
+        graph.add_node(
+            k,
+            start=start,
+            end=end,
+            layers=list(range(start, end)),
+            layer_names=[layer.name for layer in layers],
+            forward_s=sum(layer.forward_s for layer in layers),
+            backward_s=sum(layer.backward_s for layer in layers),
+            param_bytes=param,
+            grad_bytes=param,
+            optimizer_state_bytes=state,
+            activation_bytes=act,
+            weight_copies=copies[k],
+            activation_slots=slots[k],
+            memory_bytes=stage_memory_bytes(param, state, act, copies[k], slots[k]),
+            param_count=sum(layer.param_count for layer in layers),
+        )
+    nx.add_path(graph, range(len(stages)))
+    for k, (_, end) in enumerate(stages[:-1]):
+        graph.edges[k, k + 1]["bytes"] = profile.layers[end - 1].activation_bytes
+    return graph
+
+
+def stage_graph_to_dict(graph: nx.DiGraph) -> dict[str, Any]:
+    """A JSON-able dict of a stage graph (for the plan file); inverse of
+    :func:`stage_graph_from_dict`."""
+    stages = []
+    for k in sorted(graph.nodes):
+        attrs = dict(graph.nodes[k])
+        stages.append({"index": int(k), **attrs})
+    edges = [
+        {"source": int(u), "target": int(v), **dict(data)}
+        for u, v, data in sorted(graph.edges(data=True), key=lambda e: (e[0], e[1]))
+    ]
+    return {
+        "format": STAGE_GRAPH_FORMAT,
+        "version": STAGE_GRAPH_VERSION,
+        "graph": dict(graph.graph),
+        "stages": stages,
+        "edges": edges,
+    }
+
+
+def stage_graph_from_dict(data: object) -> nx.DiGraph:
+    """Rebuild a stage graph from :func:`stage_graph_to_dict` output."""
+    fix = "write it with stage_graph_to_dict (or regenerate the plan)"
+    if not isinstance(data, dict):
+        raise PlanError(f"a stage graph must be a JSON object, got {type(data).__name__}; {fix}")
+    for key in ("version", "graph", "stages", "edges"):
+        if key not in data:
+            raise PlanError(f"the stage graph is missing the key {key!r}; {fix}")
+    if data["version"] != STAGE_GRAPH_VERSION:
+        raise PlanError(
+            f"the stage graph has version {data['version']!r}; this pipeoptim reads version "
+            f"{STAGE_GRAPH_VERSION}; {fix}"
+        )
+    graph = nx.DiGraph(**dict(data["graph"]))
+    stages = data["stages"]
+    if not isinstance(stages, list) or not stages:
+        raise PlanError(f"the stage graph's 'stages' must be a non-empty list; {fix}")
+    for position, raw in enumerate(stages):
+        if not isinstance(raw, dict):
+            raise PlanError(f"stages[{position}] must be an object; {fix}")
+        for key in ("index", *_STAGE_KEYS):
+            if key not in raw:
+                raise PlanError(f"stages[{position}] is missing the key {key!r}; {fix}")
+        attrs = {key: value for key, value in raw.items() if key != "index"}
+        graph.add_node(int(raw["index"]), **attrs)
+    for position, raw in enumerate(data["edges"]):
+        if not isinstance(raw, dict) or "source" not in raw or "target" not in raw:
+            raise PlanError(f"edges[{position}] needs 'source' and 'target' keys; {fix}")
+        u, v = int(raw["source"]), int(raw["target"])
+        if u not in graph or v not in graph:
+            raise PlanError(f"edges[{position}] joins unknown stages {u} -> {v}; {fix}")
+        attrs = {key: value for key, value in raw.items() if key not in ("source", "target")}
+        graph.add_edge(u, v, **attrs)
+    return graph

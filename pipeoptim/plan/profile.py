@@ -1,0 +1,440 @@
+"""Per-layer costs of a model: the input of the partitioner and of the simulator.
+
+A :class:`Profile` is what the planner knows about a model without touching torch: for each
+layer (in pipeline order) how long its forward and backward take and how many bytes its
+output activation, parameters and optimizer state occupy. The runtime profiler
+(``pipeoptim.runtime.profiler``) measures one; :meth:`Profile.uniform` and
+:meth:`Profile.from_costs` build synthetic ones for planning experiments and tests. Profiles
+save to and load from a versioned JSON file, so measuring (on a GPU machine) and planning
+(anywhere) can happen on different machines.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeoptim.errors import PlanError
+
+__all__ = [
+    "OPTIMIZER_STATE_FACTORS",
+    "PROFILE_FORMAT",
+    "PROFILE_VERSION",
+    "LayerProfile",
+    "Profile",
+    "optimizer_state_factor",
+]
+
+PROFILE_FORMAT = "pipeoptim.profile"
+PROFILE_VERSION = 1
+
+OPTIMIZER_STATE_FACTORS: dict[str, tuple[int, int]] = {
+    # optimizer: (state tensors per parameter without momentum, with momentum)
+    "sgd": (0, 1),
+    "adam": (2, 2),
+    "adamw": (2, 2),
+    "rmsprop": (1, 2),
+}
+"""Optimizer state size in multiples of the parameter bytes, without and with momentum."""
+
+_DEFAULT_MOMENTUM = {"sgd": True, "adam": True, "adamw": True, "rmsprop": False}
+
+
+def optimizer_state_factor(optimizer: str, *, momentum: bool | None = None) -> int:
+    """How many parameter-sized state tensors ``optimizer`` keeps per parameter.
+
+    SGD keeps its momentum buffer (1, or 0 with ``momentum=False``); Adam and AdamW keep the
+    two moments (2); RMSprop keeps the square average (1) plus a momentum buffer when
+    ``momentum=True`` (2). ``momentum=None`` takes the usual setting: SGD with momentum,
+    RMSprop without.
+    """
+    key = optimizer.lower()
+    if key not in OPTIMIZER_STATE_FACTORS:
+        valid = ", ".join(sorted(OPTIMIZER_STATE_FACTORS))
+        raise PlanError(
+            f"unknown optimizer {optimizer!r}: the state size is known for {valid}; "
+            "pick one of them or give optimizer_state_bytes explicitly"
+        )
+    use_momentum = _DEFAULT_MOMENTUM[key] if momentum is None else momentum
+    without, with_momentum = OPTIMIZER_STATE_FACTORS[key]
+    return with_momentum if use_momentum else without
+
+
+def _check_nonnegative_number(where: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise PlanError(f"{where} must be a number of seconds >= 0, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise PlanError(f"{where} must be a finite number of seconds >= 0, got {value!r}")
+    return float(value)
+
+
+def _check_nonnegative_int(where: str, value: object) -> int:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PlanError(f"{where} must be a whole number >= 0, got {value!r}")
+    if value < 0:
+        raise PlanError(f"{where} must be >= 0, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """Measured (or assumed) costs of one layer, for the profile's batch size."""
+
+    name: str
+    """Human-readable layer name, e.g. ``"3:Linear"``; only used in output."""
+
+    forward_s: float
+    """Forward time of the layer, in seconds."""
+
+    backward_s: float
+    """Backward time of the layer (input and weight gradients), in seconds."""
+
+    activation_bytes: int
+    """Bytes of the layer's output activation for one batch of ``Profile.batch_size``
+    samples; what crosses a stage boundary after this layer, and what the backward keeps."""
+
+    param_bytes: int
+    """Bytes of the layer's parameters (one weight copy). Gradients take as much again."""
+
+    optimizer_state_bytes: int
+    """Bytes of optimizer state for the layer's parameters (momentum, Adam moments...)."""
+
+    param_count: int
+    """Number of parameter elements (``param_bytes / dtype_bytes`` for one dtype)."""
+
+    def __post_init__(self) -> None:
+        where = f"layer {self.name!r}"
+        if not isinstance(self.name, str):
+            raise PlanError(f"a layer name must be a string, got {self.name!r}")
+        object.__setattr__(
+            self, "forward_s", _check_nonnegative_number(f"{where} forward_s", self.forward_s)
+        )
+        object.__setattr__(
+            self, "backward_s", _check_nonnegative_number(f"{where} backward_s", self.backward_s)
+        )
+        for name in ("activation_bytes", "param_bytes", "optimizer_state_bytes", "param_count"):
+            value = _check_nonnegative_int(f"{where} {name}", getattr(self, name))
+            object.__setattr__(self, name, value)
+
+    @property
+    def compute_s(self) -> float:
+        """Forward plus backward time, in seconds."""
+        return self.forward_s + self.backward_s
+
+
+_LAYER_KEYS = (
+    "name",
+    "forward_s",
+    "backward_s",
+    "activation_bytes",
+    "param_bytes",
+    "optimizer_state_bytes",
+    "param_count",
+)
+_PROFILE_KEYS = ("batch_size", "optimizer", "device", "layers")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Per-layer costs of a model split into an ordered list of layers."""
+
+    layers: tuple[LayerProfile, ...]
+    """The layers in pipeline order; a partition cuts this list into contiguous stages."""
+
+    batch_size: int
+    """Samples per batch the times and activation bytes were measured with (the size of one
+    pipeline unit: the micro-batch for micro-batched methods, the mini-batch otherwise)."""
+
+    optimizer: str
+    """Optimizer family the state bytes assume (``sgd``, ``adam``, ``adamw``, ``rmsprop``...)."""
+
+    device: str
+    """Where it was measured, e.g. ``"cuda:0"``, ``"cpu"`` or ``"synthetic"``."""
+
+    dtype_bytes: int = 4
+    """Bytes per parameter element (4 for fp32, 2 for fp16/bf16)."""
+
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Free-form JSON-able details (tool versions, repeats, device name, input shape...)."""
+
+    def __post_init__(self) -> None:
+        layers = tuple(self.layers)
+        if not layers:
+            raise PlanError(
+                "a profile needs at least one layer, got none; profile a model "
+                "with at least one module or build one with Profile.uniform"
+            )
+        for index, layer in enumerate(layers):
+            if not isinstance(layer, LayerProfile):
+                raise PlanError(f"layers[{index}] must be a LayerProfile, got {layer!r}")
+        object.__setattr__(self, "layers", layers)
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int):
+            raise PlanError(f"batch_size must be a whole number >= 1, got {self.batch_size!r}")
+        if self.batch_size < 1:
+            raise PlanError(f"batch_size must be >= 1, got {self.batch_size}")
+        if isinstance(self.dtype_bytes, bool) or not isinstance(self.dtype_bytes, int):
+            raise PlanError(f"dtype_bytes must be a whole number >= 1, got {self.dtype_bytes!r}")
+        if self.dtype_bytes < 1:
+            raise PlanError(f"dtype_bytes must be >= 1, got {self.dtype_bytes}")
+        if not isinstance(self.meta, dict):
+            raise PlanError(f"meta must be a dict, got {type(self.meta).__name__}")
+
+    # ----------------------------------------------------------------- constructors
+    @classmethod
+    def uniform(
+        cls,
+        num_layers: int,
+        forward_s: float = 1.0,
+        backward_s: float = 2.0,
+        activation_bytes: int = 0,
+        param_bytes: int = 0,
+        *,
+        optimizer: str = "sgd",
+        optimizer_state_bytes: int | None = None,
+        batch_size: int = 1,
+        dtype_bytes: int = 4,
+        device: str = "synthetic",
+    ) -> Profile:
+        """A synthetic profile of ``num_layers`` identical layers.
+
+        ``optimizer_state_bytes`` defaults to ``param_bytes`` times the optimizer's state
+        factor (:func:`optimizer_state_factor`).
+        """
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise PlanError(f"a uniform profile needs num_layers >= 1, got {num_layers!r}")
+        return cls.from_costs(
+            forward_s=[forward_s] * num_layers,
+            backward_s=[backward_s] * num_layers,
+            activation_bytes=[activation_bytes] * num_layers,
+            param_bytes=[param_bytes] * num_layers,
+            optimizer_state_bytes=(
+                None if optimizer_state_bytes is None else [optimizer_state_bytes] * num_layers
+            ),
+            optimizer=optimizer,
+            batch_size=batch_size,
+            dtype_bytes=dtype_bytes,
+            device=device,
+        )
+
+    @classmethod
+    def from_costs(
+        cls,
+        forward_s: Sequence[float],
+        backward_s: Sequence[float],
+        activation_bytes: Sequence[int],
+        param_bytes: Sequence[int],
+        *,
+        optimizer_state_bytes: Sequence[int] | None = None,
+        names: Sequence[str] | None = None,
+        optimizer: str = "sgd",
+        batch_size: int = 1,
+        dtype_bytes: int = 4,
+        device: str = "synthetic",
+        meta: Mapping[str, Any] | None = None,
+    ) -> Profile:
+        """A profile from per-layer cost lists (all of one length, one entry per layer).
+
+        ``optimizer_state_bytes`` defaults to ``param_bytes`` times the optimizer's state
+        factor; ``names`` default to ``"layer0"``, ``"layer1"``...; ``param_count`` is
+        ``param_bytes // dtype_bytes``.
+        """
+        count = len(forward_s)
+        lengths = {
+            "forward_s": count,
+            "backward_s": len(backward_s),
+            "activation_bytes": len(activation_bytes),
+            "param_bytes": len(param_bytes),
+        }
+        if optimizer_state_bytes is not None:
+            lengths["optimizer_state_bytes"] = len(optimizer_state_bytes)
+        if names is not None:
+            lengths["names"] = len(names)
+        if len(set(lengths.values())) != 1:
+            raise PlanError(
+                f"per-layer cost lists must all have one entry per layer, got lengths {lengths}; "
+                "pass lists of equal length"
+            )
+        if isinstance(dtype_bytes, bool) or not isinstance(dtype_bytes, int) or dtype_bytes < 1:
+            raise PlanError(f"dtype_bytes must be a whole number >= 1, got {dtype_bytes!r}")
+        if optimizer_state_bytes is None:
+            factor = optimizer_state_factor(optimizer)
+            optimizer_state_bytes = [factor * int(b) for b in param_bytes]
+        layers = tuple(
+            LayerProfile(
+                name=f"layer{i}" if names is None else names[i],
+                forward_s=forward_s[i],
+                backward_s=backward_s[i],
+                activation_bytes=activation_bytes[i],
+                param_bytes=param_bytes[i],
+                optimizer_state_bytes=optimizer_state_bytes[i],
+                param_count=int(param_bytes[i]) // dtype_bytes,
+            )
+            for i in range(count)
+        )
+        return cls(
+            layers=layers,
+            batch_size=batch_size,
+            optimizer=optimizer,
+            device=device,
+            dtype_bytes=dtype_bytes,
+            meta=dict(meta or {}),
+        )
+
+    # ----------------------------------------------------------------- totals
+    @property
+    def num_layers(self) -> int:
+        """Number of layers."""
+        return len(self.layers)
+
+    @property
+    def total_forward_s(self) -> float:
+        """Sum of the layers' forward times, in seconds."""
+        return math.fsum(layer.forward_s for layer in self.layers)
+
+    @property
+    def total_backward_s(self) -> float:
+        """Sum of the layers' backward times, in seconds."""
+        return math.fsum(layer.backward_s for layer in self.layers)
+
+    @property
+    def total_compute_s(self) -> float:
+        """Forward plus backward time of the whole model (one device, no pipeline), seconds."""
+        return self.total_forward_s + self.total_backward_s
+
+    @property
+    def total_param_bytes(self) -> int:
+        """Bytes of all parameters (one copy)."""
+        return sum(layer.param_bytes for layer in self.layers)
+
+    @property
+    def total_optimizer_state_bytes(self) -> int:
+        """Bytes of all optimizer state."""
+        return sum(layer.optimizer_state_bytes for layer in self.layers)
+
+    @property
+    def total_activation_bytes(self) -> int:
+        """Bytes of all layers' output activations for one batch."""
+        return sum(layer.activation_bytes for layer in self.layers)
+
+    @property
+    def total_param_count(self) -> int:
+        """Number of parameter elements of the whole model."""
+        return sum(layer.param_count for layer in self.layers)
+
+    # ----------------------------------------------------------------- JSON
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict with a ``format`` and ``version`` field."""
+        return {
+            "format": PROFILE_FORMAT,
+            "version": PROFILE_VERSION,
+            "batch_size": self.batch_size,
+            "optimizer": self.optimizer,
+            "device": self.device,
+            "dtype_bytes": self.dtype_bytes,
+            "meta": self.meta,
+            "layers": [asdict(layer) for layer in self.layers],
+        }
+
+    def to_json(self, *, indent: int | None = 2) -> str:
+        """The profile as JSON text (see :meth:`to_dict`)."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def save(self, path: str | Path) -> None:
+        """Write the profile as JSON to ``path``."""
+        Path(path).write_text(self.to_json() + "\n", encoding="utf-8")
+
+    @classmethod
+    def from_dict(cls, data: object, *, source: str = "profile") -> Profile:
+        """Build a profile from :meth:`to_dict` output; :class:`PlanError` names what is wrong."""
+        fix = "regenerate it with `pipeoptim profile` or Profile.save"
+        if not isinstance(data, dict):
+            raise PlanError(
+                f"{source} must be a JSON object with keys {', '.join(_PROFILE_KEYS)}, "
+                f"got {type(data).__name__}; {fix}"
+            )
+        fmt = data.get("format", PROFILE_FORMAT)
+        if fmt != PROFILE_FORMAT:
+            raise PlanError(f"{source} has format {fmt!r}, expected {PROFILE_FORMAT!r}; {fix}")
+        if "version" not in data:
+            raise PlanError(f"{source} is missing the key 'version'; {fix}")
+        version = data["version"]
+        if version != PROFILE_VERSION:
+            raise PlanError(
+                f"{source} has version {version!r}; this pipeoptim reads profile version "
+                f"{PROFILE_VERSION}; {fix}"
+            )
+        for key in _PROFILE_KEYS:
+            if key not in data:
+                raise PlanError(f"{source} is missing the key {key!r}; {fix}")
+        raw_layers = data["layers"]
+        if not isinstance(raw_layers, list):
+            raise PlanError(
+                f"{source} key 'layers' must be a list of layer objects, "
+                f"got {type(raw_layers).__name__}; {fix}"
+            )
+        layers = []
+        for index, raw in enumerate(raw_layers):
+            where = f"{source} layers[{index}]"
+            if not isinstance(raw, dict):
+                raise PlanError(f"{where} must be an object, got {type(raw).__name__}; {fix}")
+            for key in _LAYER_KEYS:
+                if key not in raw:
+                    raise PlanError(f"{where} is missing the key {key!r}; {fix}")
+            try:
+                layers.append(LayerProfile(**{key: raw[key] for key in _LAYER_KEYS}))
+            except PlanError as exc:
+                raise PlanError(f"{where}: {exc}; {fix}") from None
+        meta = data.get("meta", {})
+        try:
+            return cls(
+                layers=tuple(layers),
+                batch_size=data["batch_size"],
+                optimizer=str(data["optimizer"]),
+                device=str(data["device"]),
+                dtype_bytes=data.get("dtype_bytes", 4),
+                meta=meta if isinstance(meta, dict) else {},
+            )
+        except PlanError as exc:
+            raise PlanError(f"{source}: {exc}; {fix}") from None
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str = "profile") -> Profile:
+        """Parse JSON text written by :meth:`to_json`."""
+        if not text.strip():
+            raise PlanError(
+                f"{source} is empty; it should hold a profile JSON object with keys "
+                f"{', '.join(_PROFILE_KEYS)}; regenerate it with `pipeoptim profile` or "
+                "Profile.save"
+            )
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanError(
+                f"{source} is not valid JSON ({exc.msg} at line {exc.lineno} column "
+                f"{exc.colno}); regenerate it with `pipeoptim profile` or Profile.save"
+            ) from None
+        return cls.from_dict(data, source=source)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        """Read a profile JSON file written by :meth:`save`."""
+        file = Path(path)
+        try:
+            text = file.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise PlanError(
+                f"profile file {str(file)!r} does not exist; check the path or create it "
+                "with `pipeoptim profile`"
+            ) from None
+        except UnicodeDecodeError:
+            raise PlanError(
+                f"profile file {str(file)!r} is not UTF-8 text; it should be a profile JSON "
+                "file written by Profile.save"
+            ) from None
+        return cls.from_json(text, source=f"profile file {str(file)!r}")

@@ -1,0 +1,1 @@
+"""Torch runtime: stages, weight prediction, transport and the executor that runs a plan."""

@@ -1,0 +1,453 @@
+"""Weight predictors: the weights a mini-batch will meet at backward time, read off the optimizer.
+
+Why: in asynchronous 1F1B (no flush) stage k runs mini-batch t's forward while s updates are
+still to come before t's backward; PipeOptim runs that forward on ``Ŵ = W − lr·s·Δ`` so both
+passes see (nearly) one version. SpecTrain and XPipe differ only in Δ (DESIGN.md,
+"Weight-version semantics", "Δ per optimizer"). Δ is *read* from the user's ``torch.optim``
+state, never re-implemented. Where the state lacks the applied direction (SGD with μ = 0 or
+Nesterov, RMSprop without momentum, other optimizers) the last applied displacement
+``(W^(j-1) − W^(j)) / lr`` is recorded around ``step()``: exact, for one extra copy.
+Prediction uses ``torch._foreach_*`` ops, so it costs about one optimizer step.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch.optim import SGD, Adam, AdamW, NAdam, Optimizer, RAdam, RMSprop, lr_scheduler
+from torch.utils.hooks import RemovableHandle
+
+from pipeoptim.errors import RuntimeConfigError
+
+#: Valid values of ``predictor_for(..., rule=...)``.
+RULES: tuple[str, ...] = ("optimizer", "spectrain", "xpipe", "displacement")
+
+Tensor = torch.Tensor
+Deltas = list[list[Tensor | None]]
+
+
+def _check_s(s: int) -> int:
+    if not isinstance(s, int) or isinstance(s, bool) or s < 0:
+        raise RuntimeConfigError(
+            f"the prediction distance s is a count of future optimizer updates and must be an "
+            f"integer >= 0 (got {s!r}); pass s = number of updates between the forward and "
+            f"the backward of the mini-batch (0 runs the forward on the current weights)"
+        )
+    return int(s)
+
+
+def _state(optimizer: Optimizer, p: Tensor) -> dict[str, Any]:
+    # .get: optimizer.state is a defaultdict and indexing would create empty entries.
+    st = optimizer.state.get(p)
+    return st if st else {}
+
+
+class WeightPredictor:
+    """Base class: predicts ``Ŵ = W − Σ lr·Δ`` per parameter from optimizer state.
+
+    Subclasses choose Δ per param group: either from the optimizer state
+    (``_state_deltas``) or from the recorded last displacement (``_uses_displacement``).
+    """
+
+    name: ClassVar[str] = "base"
+    options: ClassVar[frozenset[str]] = frozenset({"auto_hooks"})
+
+    def __init__(self, optimizer: Optimizer, *, auto_hooks: bool = True) -> None:
+        if not isinstance(optimizer, Optimizer):
+            raise RuntimeConfigError(
+                f"a weight predictor reads a torch.optim.Optimizer's state (got "
+                f"{type(optimizer).__name__}); pass the stage's optimizer"
+            )
+        self.optimizer = optimizer
+        # Displacement record, one buffer per tracked parameter: holds W^(j-1) between
+        # before_step and after_step, then Δ = (W^(j-1) − W^(j)) / lr (the buffer is reused).
+        self._buf: dict[Tensor, Tensor] = {}
+        self._has_delta: set[Tensor] = set()
+        self._pending: list[tuple[list[Tensor], list[Tensor], float]] | None = None
+        # Hooks on the optimizer make the record impossible to forget and skip steps that
+        # never happen (e.g. GradScaler skipping an inf step); explicit calls stay harmless.
+        self._hooks: list[RemovableHandle] = []
+        if auto_hooks:
+            self._hooks = [
+                optimizer.register_step_pre_hook(lambda *_: self.before_step()),
+                optimizer.register_step_post_hook(lambda *_: self.after_step()),
+            ]
+
+    # -- what subclasses decide ------------------------------------------------------------
+    def _uses_displacement(self, group: dict[str, Any]) -> bool:
+        return False
+
+    def _state_deltas(self, group: dict[str, Any]) -> list[Tensor | None]:
+        raise NotImplementedError
+
+    # -- Δ ---------------------------------------------------------------------------------
+    def _group_deltas(self, group: dict[str, Any]) -> list[Tensor | None]:
+        # May alias optimizer state or the displacement buffer: internal use only.
+        params: list[Tensor] = group["params"]
+        if self._uses_displacement(group):
+            ds: list[Tensor | None] = [
+                self._buf[p] if p in self._has_delta else None for p in params
+            ]
+        else:
+            ds = self._state_deltas(group)
+        # Frozen parameters are never updated by torch.optim: forward uses W as it is.
+        return [d if p.requires_grad else None for p, d in zip(params, ds, strict=True)]
+
+    def delta(self) -> Deltas:
+        """Δ per param group, per parameter (fresh tensors); None: no state yet, Δ = 0."""
+        with torch.no_grad():
+            return [
+                [None if d is None else d.detach().clone() for d in self._group_deltas(g)]
+                for g in self.optimizer.param_groups
+            ]
+
+    # -- prediction ------------------------------------------------------------------------
+    def _params(self) -> list[Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _etas(self, s: int, lrs: Sequence[Sequence[float]] | None) -> list[float]:
+        groups = self.optimizer.param_groups
+        if lrs is None:
+            return [float(g["lr"]) * s for g in groups]
+        if len(lrs) != len(groups) or any(len(row) < s for row in lrs):
+            raise RuntimeConfigError(
+                f"lrs must hold, for each of the optimizer's {len(groups)} param groups, the "
+                f"learning rates of the next s={s} updates (got {len(lrs)} groups with "
+                f"{[len(row) for row in lrs]} rates); build it with future_lrs(scheduler, "
+                f"optimizer, s) or pass lrs=None to use the current lr"
+            )
+        return [float(sum(float(x) for x in row[:s])) for row in lrs]
+
+    def predict_into(
+        self, dest: list[Tensor], s: int, lrs: Sequence[Sequence[float]] | None = None
+    ) -> None:
+        """Write Ŵ for every parameter (flattened group order) into the preallocated ``dest``.
+
+        ``lrs[g]`` lists the learning rates of group g's next updates (at least s of them,
+        the first s are used): Σ lr replaces lr·s under a schedule.
+        """
+        s = _check_s(s)
+        params = self._params()
+        if len(dest) != len(params):
+            raise RuntimeConfigError(
+                f"predict_into needs one destination tensor per optimizer parameter (got "
+                f"{len(dest)} for {len(params)} parameters); allocate dest in the order "
+                f"'for group in param_groups for p in group[\"params\"]'"
+            )
+        etas = self._etas(s, lrs)
+        with torch.no_grad():
+            torch._foreach_copy_(dest, params)
+            if s == 0:
+                return
+            offset = 0
+            for group, eta in zip(self.optimizer.param_groups, etas, strict=True):
+                n = len(group["params"])
+                if eta != 0.0:
+                    pairs = [
+                        (dest[offset + i], d)
+                        for i, d in enumerate(self._group_deltas(group))
+                        if d is not None
+                    ]
+                    if pairs:
+                        torch._foreach_add_(
+                            [a for a, _ in pairs], [d for _, d in pairs], alpha=-eta
+                        )
+                offset += n
+
+    def predicted(self, s: int, lrs: Sequence[Sequence[float]] | None = None) -> list[Tensor]:
+        """Convenience form of :meth:`predict_into` that allocates the predicted copy."""
+        dest = [torch.empty_like(p) for p in self._params()]
+        self.predict_into(dest, s, lrs)
+        return dest
+
+    # -- displacement record ---------------------------------------------------------------
+    def before_step(self) -> None:
+        """Record W^(j-1) of displacement-tracked parameters (call right before step())."""
+        if self._pending is not None:  # already recorded for this step (hook + explicit call)
+            return
+        pending: list[tuple[list[Tensor], list[Tensor], float]] = []
+        with torch.no_grad():
+            for group in self.optimizer.param_groups:
+                if not self._uses_displacement(group):
+                    continue
+                lr = float(group["lr"])
+                live = [p for p in group["params"] if p.grad is not None and lr != 0.0]
+                # Parameters step() will not touch have no last displacement to repeat.
+                self._has_delta.difference_update(group["params"])
+                if not live:
+                    continue
+                bufs = [self._buf.get(p) for p in live]
+                for i, p in enumerate(live):
+                    if bufs[i] is None:
+                        self._buf[p] = bufs[i] = torch.empty_like(p)
+                ready = [b for b in bufs if b is not None]
+                torch._foreach_copy_(ready, live)
+                pending.append((live, ready, lr))
+        self._pending = pending
+
+    def after_step(self) -> None:
+        """Turn the record into Δ = (W^(j-1) − W^(j)) / lr (call right after step())."""
+        if self._pending is None:
+            return
+        with torch.no_grad():
+            for live, bufs, lr in self._pending:
+                torch._foreach_sub_(bufs, live)
+                torch._foreach_div_(bufs, lr)
+                self._has_delta.update(live)
+        self._pending = None
+
+    def close(self) -> None:
+        """Remove the hooks this predictor put on the optimizer."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Rule name and the recorded displacements (by flat parameter index; tensors are
+        references, as in ``Optimizer.state_dict``)."""
+        params = self._params()
+        disp = {i: self._buf[p] for i, p in enumerate(params) if p in self._has_delta}
+        return {"rule": self.name, "displacement": disp}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        if d.get("rule") != self.name:
+            raise RuntimeConfigError(
+                f"checkpoint holds the state of a {d.get('rule')!r} weight predictor but this "
+                f"stage uses {self.name!r}; build the predictor with the same rule and optimizer"
+            )
+        params = self._params()
+        disp: dict[int, Tensor] = d.get("displacement", {})
+        bad = [i for i in disp if not 0 <= int(i) < len(params)]
+        if bad:
+            raise RuntimeConfigError(
+                f"checkpoint has displacements for parameter indices {bad} but the optimizer "
+                f"has {len(params)} parameters; load it into the stage it was saved from"
+            )
+        self._buf, self._has_delta, self._pending = {}, set(), None
+        for i, t in disp.items():
+            p = params[int(i)]
+            self._buf[p] = t.detach().to(device=p.device, dtype=p.dtype, copy=True)
+            self._has_delta.add(p)
+
+
+class DisplacementPredictor(WeightPredictor):
+    """Any optimizer: Δ = last applied displacement (W^(j-1) − W^(j)) / lr."""
+
+    name = "displacement"
+
+    def _uses_displacement(self, group: dict[str, Any]) -> bool:
+        return True
+
+
+class SGDPredictor(WeightPredictor):
+    """SGD: Δ = momentum buffer (dampening and L2 decay are inside it).
+
+    With μ = 0 or Nesterov the applied direction (g, or g + μ·buf) is not in the state, so
+    those groups use the exact last displacement instead of reading a stale ``p.grad``.
+    """
+
+    name = "sgd"
+
+    def _uses_displacement(self, group: dict[str, Any]) -> bool:
+        return float(group["momentum"]) == 0.0 or bool(group.get("nesterov", False))
+
+    def _state_deltas(self, group: dict[str, Any]) -> list[Tensor | None]:
+        return [_state(self.optimizer, p).get("momentum_buffer") for p in group["params"]]
+
+
+class AdamPredictor(WeightPredictor):
+    """Adam / AdamW: Δ = m̂ / (sqrt(v̂) + ε), bias-corrected with the optimizer's own step.
+
+    amsgrad uses max_exp_avg_sq; Adam's L2 decay is already inside the moments. With
+    ``include_decoupled_decay`` the decoupled term λ·W of AdamW is added.
+    """
+
+    name = "adam"
+    options = frozenset({"auto_hooks", "include_decoupled_decay"})
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        *,
+        include_decoupled_decay: bool = False,
+        auto_hooks: bool = True,
+    ) -> None:
+        super().__init__(optimizer, auto_hooks=auto_hooks)
+        self.include_decoupled_decay = include_decoupled_decay
+
+    def _state_deltas(self, group: dict[str, Any]) -> list[Tensor | None]:
+        beta1, beta2 = (float(b) for b in group["betas"])
+        eps = float(group["eps"])
+        amsgrad = bool(group.get("amsgrad", False))
+        params: list[Tensor] = group["params"]
+        idx, ms, vs, bc1, bc2 = [], [], [], [], []  # parameters that have moments
+        for i, p in enumerate(params):
+            st = _state(self.optimizer, p)
+            step = float(st.get("step", 0.0))
+            if step <= 0 or "exp_avg" not in st or "exp_avg_sq" not in st:
+                continue
+            idx.append(i)
+            ms.append(st["exp_avg"])
+            vs.append(st.get("max_exp_avg_sq", st["exp_avg_sq"]) if amsgrad else st["exp_avg_sq"])
+            bc1.append(1.0 - beta1**step)
+            bc2.append(math.sqrt(1.0 - beta2**step))
+        out: list[Tensor | None] = [None] * len(params)
+        if not idx:
+            return out
+        # d = m / (bc1 · (sqrt(v)/sqrt(bc2) + ε)) with one temporary per parameter.
+        d = torch._foreach_sqrt(vs)
+        torch._foreach_div_(d, bc2)
+        torch._foreach_add_(d, eps)
+        torch._foreach_mul_(d, bc1)
+        torch._foreach_reciprocal_(d)
+        torch._foreach_mul_(d, ms)
+        wd = float(group.get("weight_decay", 0.0))
+        decoupled = group.get("decoupled_weight_decay", isinstance(self.optimizer, AdamW))
+        if self.include_decoupled_decay and decoupled and wd != 0.0:
+            torch._foreach_add_(d, [params[i] for i in idx], alpha=wd)
+        for i, t in zip(idx, d, strict=True):
+            out[i] = t
+        return out
+
+
+class XPipePredictor(AdamPredictor):
+    """XPipe: the Adam-form Δ, also applied to Adam-like optimizers (NAdam, RAdam)."""
+
+    name = "xpipe"
+
+
+class RMSpropPredictor(SGDPredictor):
+    """RMSprop: Δ = momentum buffer where momentum > 0, else g/(sqrt(v)+ε).
+
+    g_t is not kept in the state, so momentum-free groups use the last displacement, which
+    is exactly g_t / (sqrt(v_t) + ε) (centered: v_t − grad_avg²).
+    """
+
+    name = "rmsprop"
+
+    def _uses_displacement(self, group: dict[str, Any]) -> bool:
+        return float(group["momentum"]) == 0.0
+
+
+class SpecTrainPredictor(WeightPredictor):
+    """SpecTrain: Δ = smoothed gradient (SGD momentum buffer or Adam's raw exp_avg)."""
+
+    name = "spectrain"
+
+    def _state_deltas(self, group: dict[str, Any]) -> list[Tensor | None]:
+        out: list[Tensor | None] = []
+        for p in group["params"]:
+            st = _state(self.optimizer, p)
+            v = st.get("momentum_buffer")
+            out.append(v if v is not None else st.get("exp_avg"))
+        return out
+
+
+# Exact types: a subclass may change the update rule, and then only displacement is exact.
+_FAMILY: dict[type[Optimizer], type[WeightPredictor]] = {
+    SGD: SGDPredictor,
+    Adam: AdamPredictor,
+    AdamW: AdamPredictor,
+    RMSprop: RMSpropPredictor,
+}
+_ADAM_LIKE: tuple[type[Optimizer], ...] = (Adam, AdamW, NAdam, RAdam)
+
+
+def predictor_for(optimizer: Optimizer, rule: str = "optimizer", **options: Any) -> WeightPredictor:
+    """The predictor of a method's prediction rule for this optimizer.
+
+    "optimizer": by ``type(optimizer)`` (SGD, Adam, AdamW, RMSprop, else displacement);
+    "spectrain": smoothed gradient; "xpipe": Adam-form Δ for Adam-like optimizers, the
+    optimizer's own rule otherwise; "displacement": last applied displacement.
+    """
+    if rule not in RULES:
+        raise RuntimeConfigError(
+            f"unknown weight-prediction rule {rule!r}; valid rules are {', '.join(RULES)}"
+        )
+    cls: type[WeightPredictor]
+    if rule == "spectrain":
+        cls = SpecTrainPredictor
+    elif rule == "displacement":
+        cls = DisplacementPredictor
+    elif rule == "xpipe" and type(optimizer) in _ADAM_LIKE:
+        cls = XPipePredictor
+    else:
+        cls = _FAMILY.get(type(optimizer), DisplacementPredictor)
+    unknown = sorted(set(options) - cls.options)
+    if unknown:
+        raise RuntimeConfigError(
+            f"option(s) {unknown} do not apply to the {cls.name!r} predictor chosen for rule "
+            f"{rule!r} and {type(optimizer).__name__}; valid options: {sorted(cls.options)}"
+        )
+    return cls(optimizer, **options)
+
+
+class _LrOnlyOptimizer:
+    """Stands in for the optimizer inside a scheduler copy: schedulers only read and write
+    ``param_groups[i]["lr"]``, so the copy never touches parameters or optimizer state."""
+
+    _opt_called = True  # silences the "scheduler.step() before optimizer.step()" check
+
+    def __init__(self, groups: list[dict[str, Any]]) -> None:
+        self.defaults: dict[str, Any] = {}
+        self.param_groups = [
+            {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in g.items() if k != "params"}
+            for g in groups
+        ]
+
+    def step(self) -> None:  # pragma: no cover - never called
+        return None
+
+
+_LrOnlyOptimizer.step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+
+# Schedulers whose next values depend only on their own fields and the group lrs.
+_QUERYABLE: tuple[type[Any], ...] = (
+    lr_scheduler.LambdaLR,
+    lr_scheduler.MultiplicativeLR,
+    lr_scheduler.StepLR,
+    lr_scheduler.MultiStepLR,
+    lr_scheduler.ConstantLR,
+    lr_scheduler.LinearLR,
+    lr_scheduler.ExponentialLR,
+    lr_scheduler.PolynomialLR,
+    lr_scheduler.CosineAnnealingLR,
+)
+
+
+def future_lrs(scheduler: Any, optimizer: Optimizer, s: int) -> list[list[float]] | None:
+    """Learning rates of the next s updates, ``out[group][i]``, without touching either object.
+
+    Assumes one ``scheduler.step()`` after each ``optimizer.step()``: the first rate is the
+    current one. Steps a copy of the scheduler bound to an lr-only stand-in optimizer.
+    Returns None for schedulers that cannot be queried this way (e.g. ReduceLROnPlateau,
+    which needs future metrics); the caller then uses lr·s.
+    """
+    s = _check_s(s)
+    if type(scheduler) not in _QUERYABLE:
+        return None
+    if getattr(scheduler, "optimizer", None) is not optimizer:
+        raise RuntimeConfigError(
+            "future_lrs needs the scheduler together with the optimizer it schedules (got a "
+            "scheduler bound to another optimizer); pass the stage's own pair"
+        )
+    stub = _LrOnlyOptimizer(optimizer.param_groups)
+    try:
+        twin = copy.deepcopy(scheduler, {id(optimizer): stub})
+    except Exception:  # e.g. an lr_lambda closing over something uncopyable
+        return None
+    out: list[list[float]] = [[] for _ in stub.param_groups]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(s):
+            if i:
+                twin.step()
+            for row, g in zip(out, stub.param_groups, strict=True):
+                row.append(float(g["lr"]))
+    return out
