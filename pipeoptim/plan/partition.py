@@ -79,9 +79,10 @@ def _factor_rule(method: str, micro_batches: int) -> Callable[[int, int], tuple[
         "pipedream": lambda k, p: (p - k, p - k),
         # double-buffered weights, 1F1B over micro-batches
         "2bw": lambda k, p: (2, min(p - k, m)),
-        # prediction methods: current + predicted weights; async 1F1B, P - k units in flight
-        "spectrain": lambda k, p: (2, p - k),
-        "xpipe": lambda k, p: (2, p - k),
+        # prediction methods: current + predicted weights (the last stage, s = 0, predicts
+        # nothing); async 1F1B, P - k units in flight
+        "spectrain": lambda k, p: (1 if k == p - 1 else 2, p - k),
+        "xpipe": lambda k, p: (1 if k == p - 1 else 2, p - k),
         "pipeoptim": lambda k, p: (1 if k == p - 1 else 2, p - k),
     }
     return rules[method]
@@ -101,8 +102,8 @@ def method_memory_factors(method: str, num_stages: int, micro_batches: int) -> M
     interleaved-1f1b    1 (treated as 1f1b)        min(P-k, M)
     pipedream           P-k (stashed versions)     P-k
     2bw                 2                          min(P-k, M)
-    spectrain           2                          P-k
-    xpipe               2                          P-k (async: no flush)
+    spectrain           2, last stage 1            P-k
+    xpipe               2, last stage 1            P-k (async: no flush)
     pipeoptim           2, last stage 1            P-k
     ==================  =========================  ===================
 

@@ -246,7 +246,7 @@ def test_memory_factor_tables() -> None:
     ]
     for name in ("spectrain", "xpipe"):
         f = method_memory_factors(name, 3, 6)
-        assert [f(k, 3) for k in range(3)] == [(2, 3), (2, 2), (2, 1)]
+        assert [f(k, 3) for k in range(3)] == [(2, 3), (2, 2), (1, 1)]
     with pytest.raises(PlanError, match=r"unknown method 'zb'.*gpipe, 1f1b.*pipeoptim"):
         method_memory_factors("zb", 4, 4)
     with pytest.raises(PlanError, match="micro_batches must be a whole number >= 1"):
@@ -366,3 +366,18 @@ def test_format_bytes() -> None:
     assert format_bytes(1536) == "1.50 KiB"
     assert format_bytes(GiB + 1, round_up=True) == "1.01 GiB"
     assert format_bytes(GiB, round_up=True) == "1.00 GiB"
+
+
+# interleaved stages are per chunk; the table treats a rank like 1f1b
+@pytest.mark.parametrize("method", [m for m in MEMORY_METHODS if m != "interleaved-1f1b"])
+@pytest.mark.parametrize(("p", "m"), [(2, 2), (4, 4), (4, 8)])
+def test_memory_factors_agree_with_the_version_analysis(method: str, p: int, m: int) -> None:
+    """The partitioner's table and the schedule-derived copies/in-flight counts are one truth."""
+    from pipeoptim.plan import analyze_versions, build_schedule, get_method
+
+    spec = get_method(method)
+    schedule, shape = build_schedule(method, p, m if spec.micro_batched else None, 3 * p)
+    report = analyze_versions(schedule, spec.weight_policy, shape.micro_batches)
+    factors = method_memory_factors(method, p, shape.micro_batches)
+    for k in range(p):
+        assert factors(k, p) == (report.weight_copies[k], report.max_in_flight[k])
