@@ -70,10 +70,11 @@ def _one_f_one_b(
     """
     warmup = min(warmup, len(forwards))
     order = list(forwards[:warmup])
-    pending_f = list(forwards[warmup:])
+    next_f = warmup
     for b in backwards:
-        if pending_f:
-            order.append(pending_f.pop(0))
+        if next_f < len(forwards):
+            order.append(forwards[next_f])
+            next_f += 1
         order.append(b)
         order.extend(after_backward(b))
     return order

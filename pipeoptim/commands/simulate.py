@@ -1,0 +1,380 @@
+"""``pipeoptim simulate``: simulate one method or all of them and compare.
+
+Prints one row per method (throughput, bubble ratio, peak memory of the fullest stage,
+staleness, weight copies) and writes the HTML report, the traces and chrome traces on
+request. Costs come from ``--uniform F,B[,U]`` (the default, ``1,2``), a ``--profile`` or a
+``--plan``. With ``--method all`` methods that do not micro-batch run with M=1, interleaved
+1F1B with v=2, and methods whose shape rules reject the sizes are skipped with a note.
+
+Uniform costs describe the model cut into P stages (one per rank): F and B seconds per
+micro-batch and stage. Interleaved 1F1B cuts it into P*v chunks, each 1/v of a stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from pipeoptim.commands.common import add_json_flag, format_table, print_json
+from pipeoptim.errors import PlanError
+from pipeoptim.metrics import RunMetrics, compute_metrics
+from pipeoptim.plan.methods import METHODS, Method, get_method
+from pipeoptim.plan.schedules import Shape
+from pipeoptim.plan.units import format_bytes, parse_bandwidth, parse_bytes
+from pipeoptim.sim.costs import CostModel, parse_uniform
+from pipeoptim.trace import Trace
+
+__all__ = ["register", "run"]
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``simulate`` sub-command."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "simulate",
+        help="simulate methods and compare throughput, bubbles, memory and staleness",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--method",
+        default=None,
+        help="method name, comma-separated names, or 'all' (default: all, or the "
+        "plan's method with --plan)",
+    )
+    p.add_argument(
+        "--stages",
+        "-P",
+        type=int,
+        default=None,
+        help="pipeline ranks P (required unless --plan gives it)",
+    )
+    p.add_argument(
+        "--micro-batches",
+        "-M",
+        type=int,
+        default=None,
+        help="micro-batches per mini-batch (default: P; 1 for methods that do not micro-batch)",
+    )
+    p.add_argument(
+        "--mini-batches",
+        "-N",
+        type=int,
+        default=None,
+        help="mini-batches in the run (default: 2P asynchronous, 2 flushed)",
+    )
+    p.add_argument(
+        "--virtual-stages",
+        "-v",
+        type=int,
+        default=None,
+        help="stages per rank for interleaved-1f1b (default 2)",
+    )
+    src = p.add_mutually_exclusive_group()
+    src.add_argument(
+        "--uniform",
+        default=None,
+        metavar="F,B[,U]",
+        help="forward, backward (and update) seconds per stage and micro-batch (default 1,2)",
+    )
+    src.add_argument("--profile", type=Path, default=None, help="per-layer profile JSON")
+    p.add_argument(
+        "--plan",
+        type=Path,
+        default=None,
+        help="plan JSON: method, sizes, optimizer, boundaries, stage costs",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="samples per mini-batch for --profile/--plan costs (default: the "
+        "plan's, else the profile's batch size)",
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=("sgd", "adam", "adamw", "rmsprop"),
+        default=None,
+        help="optimizer family, sets the optimizer state size (default sgd)",
+    )
+    p.add_argument(
+        "--param-bytes",
+        default="0",
+        help="with --uniform: bytes of one weight copy per stage (e.g. 1GiB)",
+    )
+    p.add_argument(
+        "--activation-bytes",
+        default="0",
+        help="with --uniform: activation bytes per micro-batch and stage, also "
+        "sent across each stage boundary (e.g. 64MiB)",
+    )
+    p.add_argument(
+        "--bandwidth", default=None, help="link bandwidth, e.g. 25GB/s or 100Gbps (default: free)"
+    )
+    p.add_argument("--latency", type=float, default=0.0, help="link latency in seconds")
+    p.add_argument(
+        "--no-contention", action="store_true", help="transfers never queue on a link (pure delays)"
+    )
+    p.add_argument(
+        "--jitter",
+        type=float,
+        default=0.0,
+        help="lognormal sigma of a random factor on every duration (what-if runs)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="random seed for --jitter")
+    p.add_argument(
+        "--engine",
+        choices=("simpy", "fast"),
+        default="simpy",
+        help="simpy (queues links) or the fast evaluator (no link contention)",
+    )
+    p.add_argument("--html", type=Path, default=None, help="write the HTML report here")
+    p.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="write the trace JSON here (one file per method: NAME-METHOD.json when several)",
+    )
+    p.add_argument(
+        "--chrome-trace",
+        type=Path,
+        default=None,
+        help="write chrome-trace JSON (Perfetto) here, one per method likewise",
+    )
+    add_json_flag(p)
+    p.set_defaults(func=run)
+
+
+def _per_method_path(path: Path, method: str, several: bool) -> Path:
+    return path.with_name(f"{path.stem}-{method}{path.suffix}") if several else path
+
+
+def _methods(text: str) -> list[Method]:
+    if text == "all":
+        return list(METHODS.values())
+    return [get_method(name.strip()) for name in text.split(",") if name.strip()]
+
+
+def _shape(method: Method, args: argparse.Namespace, num_ranks: int, every: bool) -> Shape:
+    m = args.micro_batches
+    if not method.micro_batched and every:
+        m = None
+    v = args.virtual_stages if method.interleaved else None
+    return method.shape(num_ranks, m, args.mini_batches, v)
+
+
+def _costs(args: argparse.Namespace, shape: Shape, plan: Any, profile: Any) -> CostModel:
+    """The cost model of one job: the plan's stage graph, else the profile, else uniform."""
+    links: dict[str, Any] = {"latency_s": args.latency}
+    if args.bandwidth is not None:
+        links["bandwidth"] = parse_bandwidth(args.bandwidth)
+    options: dict[str, Any] = dict(links)
+    optimizer = args.optimizer or (plan.optimizer.family if plan is not None else None)
+    if optimizer:
+        options["optimizer"] = optimizer
+    batch = args.batch_size or (plan.batch_size if plan is not None else None)
+    if batch is not None:
+        options["batch_size"] = batch
+    stages = shape.num_stages
+    if plan is not None and plan.stage_graph is not None:
+        from pipeoptim.plan.graph import stage_graph_from_dict
+
+        graph = stage_graph_from_dict(plan.stage_graph)
+        if graph.number_of_nodes() == stages:
+            return CostModel.from_stage_graph(graph, shape.micro_batches, **options)
+    if profile is not None:
+        from pipeoptim.plan.plan import even_boundaries
+
+        bounds = (
+            plan.boundaries
+            if plan is not None and plan.boundaries is not None and len(plan.boundaries) == stages
+            else even_boundaries(profile.num_layers, stages)
+        )
+        return CostModel.from_profile(profile, bounds, shape.micro_batches, **options)
+    if plan is not None and args.uniform is None:
+        raise PlanError(
+            f"the plan has no stage costs for {stages} stages (no stage graph of that size), "
+            f"so there is nothing to simulate with; pass --profile FILE or --uniform F,B"
+        )
+    f, b, u = parse_uniform(args.uniform or "1,2")
+    v = shape.virtual_stages
+    return CostModel.uniform(
+        stages,
+        f / v,
+        b / v,
+        u / v,
+        param_bytes=parse_bytes(args.param_bytes) // v,
+        activation_bytes=parse_bytes(args.activation_bytes) // v,
+        boundary_bytes=parse_bytes(args.activation_bytes),
+        optimizer=optimizer or "sgd",
+        **links,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Simulate, print the table (or JSON), write the requested files."""
+    from pipeoptim.sim.engine import simulate
+    from pipeoptim.sim.evaluate import evaluate_trace
+
+    plan = profile = None
+    if args.plan is not None:
+        from pipeoptim.plan.plan import Plan
+
+        plan = Plan.load(args.plan)
+    if args.profile is not None:
+        from pipeoptim.plan.profile import Profile
+
+        profile = Profile.load(args.profile)
+    method_text = args.method or (plan.method if plan is not None else "all")
+    num_ranks = args.stages if args.stages is not None else (plan.num_stages if plan else None)
+    if num_ranks is None:
+        raise PlanError("simulate needs the pipeline size: pass --stages P (or --plan FILE)")
+    if plan is not None:
+        if args.micro_batches is None and plan.micro_batches > 1:
+            args.micro_batches = plan.micro_batches
+        if args.mini_batches is None and plan.mini_batches is not None:
+            args.mini_batches = plan.mini_batches
+        if args.virtual_stages is None and plan.virtual_stages > 1:
+            args.virtual_stages = plan.virtual_stages
+    methods = _methods(method_text)
+    every = len(methods) > 1
+    if not math.isfinite(args.jitter) or args.jitter < 0:
+        raise PlanError(f"--jitter must be >= 0 (got {args.jitter}); e.g. --jitter 0.1")
+
+    jobs: list[tuple[Method, Shape]] = []
+    skipped: list[tuple[str, str]] = []
+    for method in methods:
+        try:
+            jobs.append((method, _shape(method, args, num_ranks, every)))
+        except PlanError as err:
+            if not every:
+                raise
+            skipped.append((method.name, str(err)))
+    if not jobs:
+        raise PlanError(
+            "no method accepts these sizes: " + "; ".join(f"{name}: {why}" for name, why in skipped)
+        )
+    big = sum(s.num_ranks * s.total_micro_batches * 2 * s.virtual_stages for _, s in jobs)
+    traces: dict[str, Trace] = {}
+    metrics: dict[str, RunMetrics] = {}
+    bar = tqdm(
+        jobs,
+        desc="simulate",
+        unit="method",
+        file=sys.stderr,
+        disable=True if (len(jobs) < 3 and big < 200_000) else None,
+    )
+    for method, shape in bar:
+        bar.set_postfix_str(method.name)
+        costs = _costs(args, shape, plan, profile)
+        if args.engine == "fast":
+            trace = evaluate_trace(method, shape, costs, jitter=args.jitter, seed=args.seed)
+        else:
+            trace = simulate(
+                method,
+                shape,
+                costs,
+                jitter=args.jitter,
+                seed=args.seed,
+                contention=not args.no_contention,
+            )
+        traces[method.name] = trace
+        metrics[method.name] = compute_metrics(trace)
+    bar.close()
+    notes = [f"skipped {name}: {why}" for name, why in skipped]
+
+    several = len(traces) > 1
+    written: list[str] = []
+    for name, trace in traces.items():
+        if args.trace is not None:
+            out = _per_method_path(args.trace, name, several)
+            trace.save(out)
+            written.append(str(out))
+        if args.chrome_trace is not None:
+            out = _per_method_path(args.chrome_trace, name, several)
+            trace.save_chrome_trace(out)
+            written.append(str(out))
+    if args.html is not None:
+        from pipeoptim.viz.report import write_report
+
+        write_report(args.html, traces, metrics=metrics, notes=notes)
+        written.append(str(args.html))
+
+    if args.json:
+        print_json(
+            {
+                "runs": {
+                    name: {"shape": _shape_dict(traces[name]), **m.as_dict()}
+                    for name, m in metrics.items()
+                },
+                "skipped": [{"method": n, "reason": why} for n, why in skipped],
+                "written": written,
+            }
+        )
+        return 0
+    headers = [
+        "method",
+        "P",
+        "M",
+        "N",
+        "v",
+        "makespan s",
+        "samples/s",
+        "steady/s",
+        "bubble",
+        "peak memory",
+        "max staleness",
+        "copies",
+    ]
+    rows = []
+    for name, m in metrics.items():
+        meta = traces[name].meta
+        rows.append(
+            [
+                name,
+                meta["num_ranks"],
+                meta["micro_batches"],
+                meta["mini_batches"],
+                meta["virtual_stages"],
+                m.span_s,
+                m.throughput,
+                m.steady_throughput,
+                round(m.bubble_ratio, 4),
+                format_bytes(m.peak_memory_bytes) if m.peak_memory_bytes else "-",
+                m.max_staleness,
+                _copies(traces[name]),
+            ]
+        )
+    print(format_table(headers, rows))
+    for note in notes:
+        print(f"note: {note}")
+    for path in written:
+        print(f"wrote {path}")
+    return 0
+
+
+def _copies(trace: Trace) -> str:
+    """Weight copies per stage, run-length coded: ``2``, ``4,3,2,1``, ``2x63,1``."""
+    weights = trace.meta.get("weight_copies", {})
+    copies = [int(v) for _, v in sorted(weights.items(), key=lambda kv: int(kv[0]))]
+    if not copies:
+        return "-"
+    runs: list[list[int]] = []
+    for c in copies:
+        if runs and runs[-1][0] == c:
+            runs[-1][1] += 1
+        else:
+            runs.append([c, 1])
+    if len(runs) == 1:
+        return str(runs[0][0])
+    return ",".join(str(c) if n == 1 else f"{c}x{n}" for c, n in runs)
+
+
+def _shape_dict(trace: Trace) -> dict[str, Any]:
+    meta = trace.meta
+    keys = ("num_ranks", "num_stages", "micro_batches", "mini_batches", "virtual_stages")
+    return {k: meta.get(k) for k in keys}

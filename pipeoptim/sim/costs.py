@@ -1,0 +1,372 @@
+"""The cost model: how long every action takes and how many bytes every stage holds and sends.
+
+Both engines (the SimPy simulator and the fast evaluator) read one :class:`CostModel`, so
+their answers differ only where the engines differ (jitter, link contention). Everything is
+per *stage* and per *micro-batch* (the unit of work the pipeline moves): a method that does
+not micro-batch has one micro-batch per mini-batch.
+
+A cost model comes from
+
+* a uniform spec (:meth:`CostModel.uniform`, ``--uniform F,B[,U]``): every stage takes F
+  seconds forward and B seconds backward for one micro-batch (and U per update);
+* a :class:`~pipeoptim.plan.profile.Profile` and stage boundaries
+  (:meth:`CostModel.from_profile`): per-layer costs summed per stage, scaled from the
+  profile's batch to one micro-batch;
+* a stage graph (:meth:`CostModel.from_stage_graph`) or a :class:`~pipeoptim.plan.plan.Plan`
+  (:meth:`CostModel.from_plan`).
+
+Links: edge ``k`` joins stage ``k`` and ``k+1``. A transfer over it takes
+``latency_s[k] + bytes / bandwidth[k]`` (store-and-forward: the link is busy that long), and
+costs nothing when both stages sit on one rank.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from pipeoptim.errors import PlanError
+from pipeoptim.plan.profile import optimizer_state_factor
+
+if TYPE_CHECKING:
+    import networkx as nx
+
+    from pipeoptim.plan.plan import Plan
+    from pipeoptim.plan.profile import Profile
+
+__all__ = ["CostModel", "parse_uniform"]
+
+
+def _floats(name: str, values: float | Sequence[float], count: int) -> tuple[float, ...]:
+    raw = [values] * count if isinstance(values, (int, float)) else list(values)
+    if len(raw) != count:
+        raise PlanError(
+            f"{name} needs one value per {'edge' if 'edge' in name else 'stage'} "
+            f"(got {len(raw)} values for {count}); pass one number or a list of {count}"
+        )
+    out = []
+    for i, v in enumerate(raw):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0:
+            raise PlanError(f"{name}[{i}] must be a number >= 0, got {v!r}")
+        out.append(float(v))
+    return tuple(out)
+
+
+def _ints(name: str, values: int | Sequence[int], count: int) -> tuple[int, ...]:
+    raw = [values] * count if isinstance(values, (int, float)) else list(values)
+    if len(raw) != count:
+        raise PlanError(
+            f"{name} needs one value per {'edge' if 'edge' in name else 'stage'} "
+            f"(got {len(raw)} values for {count}); pass one number or a list of {count}"
+        )
+    out = []
+    for i, v in enumerate(raw):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+            raise PlanError(f"{name}[{i}] must be a whole number of bytes >= 0, got {v!r}")
+        out.append(int(v))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-stage durations and sizes, per-edge link costs. Stage ``k`` of ``num_stages``.
+
+    Build one with :meth:`uniform`, :meth:`from_profile`, :meth:`from_stage_graph` or
+    :meth:`from_plan`; the constructor checks lengths and signs.
+    """
+
+    forward_s: tuple[float, ...]
+    """Seconds of one micro-batch's forward, per stage."""
+    backward_s: tuple[float, ...]
+    """Seconds of one micro-batch's backward (input and weight gradients), per stage."""
+    update_s: tuple[float, ...]
+    """Seconds of one optimizer step, per stage. 0 makes updates instantaneous."""
+    predict_s: tuple[float, ...]
+    """Extra seconds a forward on predicted weights spends computing them, per stage
+    (added to the forward's duration; only forwards the version analysis marks predicted)."""
+    param_bytes: tuple[int, ...]
+    """Bytes of one weight copy, per stage. Gradients take as much again."""
+    optimizer_state_bytes: tuple[int, ...]
+    """Bytes of optimizer state, per stage (sgd with momentum 1x params, adam/adamw 2x,
+    rmsprop 1x)."""
+    activation_bytes: tuple[int, ...]
+    """Bytes one micro-batch keeps on a stage from its forward until its backward ends."""
+    send_forward_bytes: tuple[int, ...]
+    """Bytes stage ``k`` sends to stage ``k+1`` per micro-batch (activation), per edge."""
+    send_backward_bytes: tuple[int, ...]
+    """Bytes stage ``k+1`` sends back to stage ``k`` per micro-batch (gradient), per edge."""
+    latency_s: tuple[float, ...]
+    """Seconds every transfer over an edge takes on top of its bytes / bandwidth."""
+    bandwidth: tuple[float, ...]
+    """Bytes per second of each edge (``math.inf``: bytes cost no time)."""
+    samples_per_micro_batch: float = 1.0
+    """Samples in one micro-batch; throughput is reported in samples per second."""
+    optimizer: str = "sgd"
+    """Optimizer family the state bytes are for."""
+
+    def __post_init__(self) -> None:
+        s = len(self.forward_s)
+        if s < 1:
+            raise PlanError("a cost model needs at least one stage (got 0 forward times)")
+        e = s - 1
+        for name in ("forward_s", "backward_s", "update_s", "predict_s"):
+            object.__setattr__(self, name, _floats(name, getattr(self, name), s))
+        for name in ("param_bytes", "optimizer_state_bytes", "activation_bytes"):
+            object.__setattr__(self, name, _ints(name, getattr(self, name), s))
+        for name in ("send_forward_bytes", "send_backward_bytes"):
+            object.__setattr__(self, name, _ints(f"{name} (per edge)", getattr(self, name), e))
+        object.__setattr__(self, "latency_s", _floats("latency_s (per edge)", self.latency_s, e))
+        bw = _floats("bandwidth (per edge)", self.bandwidth, e)
+        if any(b == 0 for b in bw):
+            raise PlanError("bandwidth must be > 0 bytes/s on every edge (use inf for free links)")
+        object.__setattr__(self, "bandwidth", bw)
+        if not self.samples_per_micro_batch > 0:
+            raise PlanError(
+                f"samples_per_micro_batch must be > 0, got {self.samples_per_micro_batch}"
+            )
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def num_stages(self) -> int:
+        return len(self.forward_s)
+
+    @property
+    def grad_bytes(self) -> tuple[int, ...]:
+        """Bytes of the gradient buffer per stage (one parameter-sized copy)."""
+        return self.param_bytes
+
+    def transfer_s(self, edge: int, backward: bool = False) -> float:
+        """Seconds one micro-batch's activation (or gradient) takes over ``edge``."""
+        size = (self.send_backward_bytes if backward else self.send_forward_bytes)[edge]
+        bw = self.bandwidth[edge]
+        return self.latency_s[edge] + (0.0 if size == 0 or math.isinf(bw) else size / bw)
+
+    def bottleneck_s(self) -> float:
+        """Largest per-stage ``forward + backward + update``: the async steady-state period."""
+        return max(
+            f + b + u
+            for f, b, u in zip(self.forward_s, self.backward_s, self.update_s, strict=True)
+        )
+
+    def with_links(
+        self, *, latency_s: float | None = None, bandwidth: float | None = None
+    ) -> CostModel:
+        """The same model with every edge's latency and/or bandwidth replaced."""
+        e = self.num_stages - 1
+        return replace(
+            self,
+            latency_s=self.latency_s if latency_s is None else (latency_s,) * e,
+            bandwidth=self.bandwidth if bandwidth is None else (bandwidth,) * e,
+        )
+
+    def scaled(self, factor: float) -> CostModel:
+        """Times (not bytes) multiplied by ``factor``: a faster or slower device."""
+        return replace(
+            self,
+            forward_s=tuple(v * factor for v in self.forward_s),
+            backward_s=tuple(v * factor for v in self.backward_s),
+            update_s=tuple(v * factor for v in self.update_s),
+            predict_s=tuple(v * factor for v in self.predict_s),
+        )
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def uniform(
+        cls,
+        num_stages: int,
+        forward_s: float = 1.0,
+        backward_s: float = 2.0,
+        update_s: float = 0.0,
+        *,
+        predict_s: float = 0.0,
+        param_bytes: int = 0,
+        activation_bytes: int = 0,
+        boundary_bytes: int | None = None,
+        latency_s: float = 0.0,
+        bandwidth: float = math.inf,
+        optimizer: str = "sgd",
+        momentum: bool | None = None,
+        samples_per_micro_batch: float = 1.0,
+    ) -> CostModel:
+        """Every stage alike. ``boundary_bytes`` (sent per micro-batch over each edge, both
+        ways) defaults to ``activation_bytes``; optimizer state is ``param_bytes`` times the
+        optimizer's factor."""
+        if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+            raise PlanError(f"a cost model needs num_stages >= 1, got {num_stages!r}")
+        sent = activation_bytes if boundary_bytes is None else boundary_bytes
+        factor = optimizer_state_factor(optimizer, momentum=momentum)
+        e = num_stages - 1
+        return cls(
+            forward_s=(forward_s,) * num_stages,
+            backward_s=(backward_s,) * num_stages,
+            update_s=(update_s,) * num_stages,
+            predict_s=(predict_s,) * num_stages,
+            param_bytes=(param_bytes,) * num_stages,
+            optimizer_state_bytes=(factor * param_bytes,) * num_stages,
+            activation_bytes=(activation_bytes,) * num_stages,
+            send_forward_bytes=(sent,) * e,
+            send_backward_bytes=(sent,) * e,
+            latency_s=(latency_s,) * e,
+            bandwidth=(bandwidth,) * e,
+            samples_per_micro_batch=samples_per_micro_batch,
+            optimizer=optimizer,
+        )
+
+    @classmethod
+    def from_stages(
+        cls,
+        stages: Sequence[Mapping[str, Any]],
+        edge_bytes: Sequence[int],
+        *,
+        micro_batches: int = 1,
+        profile_batch: int = 1,
+        batch_size: float | None = None,
+        optimizer: str | None = None,
+        source_optimizer: str = "sgd",
+        update_s: float | Sequence[float] = 0.0,
+        predict_s: float | Sequence[float] = 0.0,
+        latency_s: float = 0.0,
+        bandwidth: float = math.inf,
+    ) -> CostModel:
+        """From per-stage sums measured on ``profile_batch`` samples.
+
+        ``stages[k]`` has ``forward_s, backward_s, param_bytes, optimizer_state_bytes,
+        activation_bytes``; ``edge_bytes[k]`` is what crosses edge ``k`` for that batch.
+        ``batch_size`` is the samples of one mini-batch (default: ``profile_batch``, i.e.
+        the profile was measured on one mini-batch); a micro-batch has
+        ``batch_size / micro_batches`` samples, and times and activation/transfer bytes
+        scale linearly from ``profile_batch`` to it. Parameter bytes do not scale. Optimizer
+        state is recomputed from the parameters when ``optimizer`` differs from
+        ``source_optimizer``.
+        """
+        if micro_batches < 1:
+            raise PlanError(f"micro_batches must be >= 1, got {micro_batches}")
+        mini = float(profile_batch if batch_size is None else batch_size)
+        per_micro = mini / micro_batches
+        scale = per_micro / profile_batch
+        family = optimizer or source_optimizer
+        if family != source_optimizer:
+            factor = optimizer_state_factor(family)
+            state = [factor * int(st["param_bytes"]) for st in stages]
+        else:
+            state = [int(st["optimizer_state_bytes"]) for st in stages]
+        s = len(stages)
+        sent = [round(int(b) * scale) for b in edge_bytes]
+        return cls(
+            forward_s=tuple(float(st["forward_s"]) * scale for st in stages),
+            backward_s=tuple(float(st["backward_s"]) * scale for st in stages),
+            update_s=_floats("update_s", update_s, s),
+            predict_s=_floats("predict_s", predict_s, s),
+            param_bytes=tuple(int(st["param_bytes"]) for st in stages),
+            optimizer_state_bytes=tuple(state),
+            activation_bytes=tuple(round(int(st["activation_bytes"]) * scale) for st in stages),
+            send_forward_bytes=tuple(sent),
+            send_backward_bytes=tuple(sent),
+            latency_s=(latency_s,) * (s - 1),
+            bandwidth=(bandwidth,) * (s - 1),
+            samples_per_micro_batch=per_micro,
+            optimizer=family,
+        )
+
+    @classmethod
+    def from_profile(
+        cls,
+        profile: Profile,
+        boundaries: Sequence[tuple[int, int]],
+        micro_batches: int = 1,
+        **options: Any,
+    ) -> CostModel:
+        """Sum the profile's layers per stage (``boundaries``: half-open layer ranges).
+
+        The bytes crossing edge ``k`` are the output activation of stage ``k``'s last layer.
+        ``options`` as for :meth:`from_stages` (``batch_size``, ``optimizer``, ``update_s``,
+        ``predict_s``, ``latency_s``, ``bandwidth``).
+        """
+        from pipeoptim.plan.graph import validate_boundaries
+
+        ranges = validate_boundaries(boundaries, profile.num_layers)
+        stages = []
+        for start, end in ranges:
+            layers = profile.layers[start:end]
+            stages.append(
+                {
+                    "forward_s": math.fsum(x.forward_s for x in layers),
+                    "backward_s": math.fsum(x.backward_s for x in layers),
+                    "param_bytes": sum(x.param_bytes for x in layers),
+                    "optimizer_state_bytes": sum(x.optimizer_state_bytes for x in layers),
+                    "activation_bytes": sum(x.activation_bytes for x in layers),
+                }
+            )
+        edges = [profile.layers[end - 1].activation_bytes for _, end in ranges[:-1]]
+        return cls.from_stages(
+            stages,
+            edges,
+            micro_batches=micro_batches,
+            profile_batch=profile.batch_size,
+            source_optimizer=profile.optimizer,
+            **options,
+        )
+
+    @classmethod
+    def from_stage_graph(
+        cls, graph: nx.DiGraph, micro_batches: int = 1, **options: Any
+    ) -> CostModel:
+        """From :func:`pipeoptim.plan.graph.stage_graph` output (nodes 0..S-1, edge ``bytes``)."""
+        nodes = sorted(graph.nodes)
+        stages = [dict(graph.nodes[k]) for k in nodes]
+        edges = [int(graph.edges[a, b].get("bytes", 0)) for a, b in itertools.pairwise(nodes)]
+        return cls.from_stages(
+            stages,
+            edges,
+            micro_batches=micro_batches,
+            profile_batch=int(graph.graph.get("batch_size", 1)),
+            source_optimizer=str(graph.graph.get("optimizer", "sgd")),
+            **options,
+        )
+
+    @classmethod
+    def from_plan(cls, plan: Plan, profile: Profile | None = None, **options: Any) -> CostModel:
+        """From a plan's stage graph, or from ``profile`` cut at the plan's boundaries.
+
+        The plan's ``batch_size`` and optimizer family apply unless ``options`` override
+        them.
+        """
+        options.setdefault("optimizer", plan.optimizer.family)
+        if plan.batch_size is not None:
+            options.setdefault("batch_size", plan.batch_size)
+        m = plan.shape(1).micro_batches
+        if plan.stage_graph is not None:
+            from pipeoptim.plan.graph import stage_graph_from_dict
+
+            return cls.from_stage_graph(stage_graph_from_dict(plan.stage_graph), m, **options)
+        if profile is None:
+            raise PlanError(
+                "the plan has no stage graph with costs, so the simulator has no stage costs; "
+                "pass --profile FILE (cut at the plan's boundaries) or use --uniform F,B"
+            )
+        stages = plan.num_stages * plan.virtual_stages
+        if plan.boundaries is not None:
+            bounds = plan.boundaries
+        else:
+            from pipeoptim.plan.plan import even_boundaries
+
+            bounds = even_boundaries(profile.num_layers, stages)
+        return cls.from_profile(profile, bounds, m, **options)
+
+
+def parse_uniform(text: str) -> tuple[float, float, float]:
+    """Parse ``"F,B"`` or ``"F,B,U"`` (seconds per micro-batch and per update)."""
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        values = []
+    if len(values) not in (2, 3) or any(not math.isfinite(v) or v < 0 for v in values):
+        raise PlanError(
+            f"--uniform takes forward and backward seconds per stage, optionally the update "
+            f"seconds, as 'F,B' or 'F,B,U' with numbers >= 0 (got {text!r}); e.g. --uniform 1,2"
+        )
+    return values[0], values[1], values[2] if len(values) == 3 else 0.0
