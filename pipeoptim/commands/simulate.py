@@ -103,14 +103,14 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--param-bytes",
-        default="0",
-        help="with --uniform: bytes of one weight copy per stage (e.g. 1GiB)",
+        default="1GiB",
+        help="with --uniform: bytes of one weight copy per stage (default 1GiB)",
     )
     p.add_argument(
         "--activation-bytes",
-        default="0",
+        default="128MiB",
         help="with --uniform: activation bytes per micro-batch and stage, also "
-        "sent across each stage boundary (e.g. 64MiB)",
+        "sent across each stage boundary (default 128MiB)",
     )
     p.add_argument(
         "--bandwidth", default=None, help="link bandwidth, e.g. 25GB/s or 100Gbps (default: free)"
