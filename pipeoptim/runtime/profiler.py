@@ -13,6 +13,7 @@ as ``nn.Module.to`` does.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -30,7 +31,7 @@ from pipeoptim.plan.profile import (
     optimizer_state_factor,
 )
 
-__all__ = ["profile_model"]
+__all__ = ["profile_builtin", "profile_model"]
 
 
 def _named_layers(layers: nn.Sequential | Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
@@ -260,3 +261,40 @@ def profile_model(
         dtype_bytes=dtype_bytes,
         meta=meta,
     )
+
+
+def profile_builtin(
+    model: str,
+    *,
+    batch_size: int = 64,
+    optimizer: str = "sgd",
+    repeats: int = 5,
+    device: str | None = None,
+    progress: bool = False,
+    seed: int = 0,
+) -> Profile:
+    """Profile a built-in model (or ``module:factory``) on a batch of its own training data.
+
+    The profile's ``meta["model"]`` records the name, so a plan made from it names the
+    model ``pipeoptim train --plan`` should build.
+    """
+    from pipeoptim.runtime.models import build_model
+
+    if batch_size < 1:
+        raise RuntimeConfigError(f"--batch-size must be at least 1 (got {batch_size})")
+    layers, data = build_model(model, seed)
+    sample = data.train_x[: min(batch_size, len(data.train_x))]
+    if len(sample) < batch_size:
+        raise RuntimeConfigError(
+            f"model {model!r} has {len(data.train_x)} training samples, fewer than "
+            f"--batch-size {batch_size}; use a smaller batch"
+        )
+    profile = profile_model(
+        layers,
+        sample,
+        optimizer=optimizer,
+        repeats=repeats,
+        device=device,
+        progress=progress,
+    )
+    return dataclasses.replace(profile, meta={**profile.meta, "model": model})

@@ -1,0 +1,241 @@
+"""``pipeoptim profile`` (measure a model per layer) and ``pipeoptim plan`` (partition, search)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from pipeoptim.commands.common import add_json_flag, format_table, print_json
+from pipeoptim.plan.graph import stage_graph_to_dict
+from pipeoptim.plan.methods import METHODS, get_method
+from pipeoptim.plan.plan import OPTIMIZER_FAMILIES, OptimizerSpec, Plan
+from pipeoptim.plan.profile import Profile
+from pipeoptim.plan.search import Candidate, evaluate_candidate, explain, search
+from pipeoptim.plan.units import format_bytes, parse_bandwidth, parse_bytes
+
+
+def register(sub: Any) -> None:
+    prof = sub.add_parser(
+        "profile",
+        help="measure per-layer times and sizes of a model into a profile JSON",
+        description=(
+            "Run each layer of a built-in model (or module:factory) on a sample batch and "
+            "record forward/backward time (median after warm-up), activation, parameter and "
+            "optimizer-state bytes. The profile needs no torch to read."
+        ),
+    )
+    prof.add_argument("--model", default="mlp", help="built-in model name or module:factory")
+    prof.add_argument("--batch-size", type=int, default=64, help="samples per mini-batch")
+    prof.add_argument("--optimizer", choices=OPTIMIZER_FAMILIES, default="sgd")
+    prof.add_argument("--repeats", type=int, default=5, help="timed runs per layer")
+    prof.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if any)")
+    prof.add_argument("--out", type=Path, required=True, help="profile JSON to write")
+    add_json_flag(prof)
+    prof.set_defaults(func=run_profile)
+
+    plan = sub.add_parser(
+        "plan",
+        help="partition a profiled model into stages and pick a method",
+        description=(
+            "Split the profile's layers into P contiguous stages that minimise the slowest "
+            "stage within a per-device memory cap (exact dynamic programme), for one method "
+            "or, with --method auto, for every method and micro-batch count, ranked by the "
+            "simulator's predicted throughput. Writes a plan JSON that `pipeoptim train "
+            "--plan` runs and `pipeoptim simulate --plan` predicts."
+        ),
+    )
+    src = plan.add_mutually_exclusive_group(required=True)
+    src.add_argument("--profile", type=Path, help="profile JSON from `pipeoptim profile`")
+    src.add_argument("--model", help="profile this model first (built-in name or module:factory)")
+    plan.add_argument("--stages", type=int, required=True, help="devices P")
+    plan.add_argument("--method", default="auto", help=f"auto or one of: {', '.join(METHODS)}")
+    plan.add_argument("--micro-batches", type=int, default=None, help="M (default: P)")
+    plan.add_argument("--memory-cap", default=None, help="per-device memory, e.g. 8GiB")
+    plan.add_argument("--bandwidth", default="inf", help="link bandwidth, e.g. 25GB/s")
+    plan.add_argument("--latency", type=float, default=0.0, help="link latency in seconds")
+    plan.add_argument("--optimizer", choices=OPTIMIZER_FAMILIES, default=None)
+    plan.add_argument("--lr", type=float, default=None, help="learning rate stored in the plan")
+    plan.add_argument("--batch-size", type=int, default=64, help="with --model: samples per batch")
+    plan.add_argument("--out", type=Path, default=None, help="plan JSON to write")
+    plan.add_argument("--html", type=Path, default=None, help="draw the partition to this page")
+    add_json_flag(plan)
+    plan.set_defaults(func=run_plan)
+
+
+def _profile_model(
+    model: str, batch_size: int, optimizer: str, repeats: int, device: str | None, progress: bool
+) -> Profile:
+    from pipeoptim.runtime.profiler import profile_builtin
+
+    return profile_builtin(
+        model,
+        batch_size=batch_size,
+        optimizer=optimizer,
+        repeats=repeats,
+        device=device,
+        progress=progress,
+    )
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    profile = _profile_model(
+        args.model,
+        args.batch_size,
+        args.optimizer,
+        args.repeats,
+        args.device,
+        progress=not args.json,
+    )
+    profile.save(args.out)
+    if args.json:
+        print_json({"out": str(args.out), **profile.to_dict()})
+        return 0
+    rows = [
+        [
+            i,
+            layer.name,
+            layer.forward_s * 1e3,
+            layer.backward_s * 1e3,
+            format_bytes(layer.activation_bytes),
+            format_bytes(layer.param_bytes),
+        ]
+        for i, layer in enumerate(profile.layers)
+    ]
+    print(format_table(["#", "layer", "forward ms", "backward ms", "activation", "params"], rows))
+    print(
+        f"wrote {profile.num_layers}-layer profile ({profile.device}, batch "
+        f"{profile.batch_size}) to {args.out}"
+    )
+    return 0
+
+
+def _stage_rows(candidate: Candidate, profile: Profile) -> list[list[Any]]:
+    part = candidate.partition
+    assert part is not None  # only feasible candidates get here
+    return [
+        [
+            k,
+            f"{a}..{b - 1}",
+            b - a,
+            part.stage_times[k] * 1e3,
+            format_bytes(part.stage_memory[k]),
+            part.weight_copies[k] if part.weight_copies else 1,
+        ]
+        for k, (a, b) in enumerate(part.boundaries)
+    ]
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    if args.profile is not None:
+        profile = Profile.load(args.profile)
+    else:
+        profile = _profile_model(
+            args.model, args.batch_size, args.optimizer or "sgd", 5, None, progress=not args.json
+        )
+    cap = parse_bytes(args.memory_cap) if args.memory_cap else None
+    bandwidth = math.inf if args.bandwidth in ("inf", "") else parse_bandwidth(args.bandwidth)
+    options = {
+        "memory_cap_bytes": cap,
+        "bandwidth_bytes_per_s": bandwidth,
+        "latency_s": args.latency,
+    }
+    if args.method == "auto":
+        ranked = search(
+            profile,
+            args.stages,
+            **options,
+            progress=None if args.json else lambda s: print(f"  evaluating {s}", file=sys.stderr),
+        )
+    else:
+        spec = get_method(args.method)
+        m = args.micro_batches if spec.micro_batched else 1
+        ranked = [
+            evaluate_candidate(
+                profile, args.stages, args.method, m if m is not None else args.stages, **options
+            )
+        ]
+    summary = explain(ranked, cap)  # raises when nothing fits, with the cap message
+    best = ranked[0]
+    assert best.partition is not None
+    family = args.optimizer or (
+        profile.optimizer if profile.optimizer in OPTIMIZER_FAMILIES else "sgd"
+    )
+    plan = Plan(
+        method=best.method,
+        num_stages=args.stages,
+        micro_batches=best.micro_batches,
+        optimizer=OptimizerSpec(family, args.lr if args.lr is not None else OptimizerSpec().lr),
+        model=args.model or profile.meta.get("model"),
+        batch_size=profile.batch_size,
+        boundaries=[(a, b) for a, b in best.partition.boundaries],
+        stage_graph=stage_graph_to_dict(best.partition.stage_graph(profile)),
+        notes={
+            "predicted_samples_per_s": best.throughput,
+            "predicted_bubble_ratio": best.bubble_ratio,
+            "memory_cap_bytes": cap,
+            "bandwidth_bytes_per_s": None if math.isinf(bandwidth) else bandwidth,
+            "why": summary,
+        },
+    )
+    if args.out is not None:
+        plan.save(args.out)
+    if args.html is not None:
+        from pipeoptim.viz.partition import write_partition_html
+
+        write_partition_html(
+            args.html, best.partition, profile, memory_cap_bytes=cap, summary=summary
+        )
+    table = [
+        {
+            "method": c.method,
+            "micro_batches": c.micro_batches,
+            "samples_per_s": c.throughput,
+            "bubble_ratio": c.bubble_ratio,
+            "max_staleness": c.max_staleness,
+            "peak_memory_bytes": c.peak_memory_bytes,
+            "infeasible": c.infeasible,
+        }
+        for c in ranked
+    ]
+    if args.json:
+        print_json(
+            {
+                "plan": plan.to_dict(),
+                "ranking": table,
+                "why": summary,
+                "out": str(args.out) if args.out else None,
+            }
+        )
+        return 0
+    print(
+        format_table(
+            ["stage", "layers", "count", "ms per unit", "memory", "weight copies"],
+            _stage_rows(best, profile),
+        )
+    )
+    print()
+    if len(ranked) > 1:
+        print(
+            format_table(
+                ["method", "M", "samples/s", "bubble", "staleness", "peak memory"],
+                [
+                    [
+                        c.method,
+                        c.micro_batches,
+                        c.throughput,
+                        c.bubble_ratio,
+                        c.max_staleness,
+                        format_bytes(c.peak_memory_bytes) if c.infeasible is None else "over cap",
+                    ]
+                    for c in ranked
+                ],
+            )
+        )
+        print()
+    print(summary)
+    if args.out is not None:
+        print(f"wrote plan to {args.out}")
+    return 0

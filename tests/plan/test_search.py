@@ -1,0 +1,142 @@
+"""Plan search ranks (method, M, partition) candidates by simulated throughput, then staleness."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeoptim.cli import main
+from pipeoptim.errors import PlanError
+from pipeoptim.plan.plan import Plan
+from pipeoptim.plan.profile import Profile
+from pipeoptim.plan.search import Candidate, evaluate_candidate, explain, rank, search
+
+
+def uneven(num_layers: int = 12) -> Profile:
+    fwd = [0.01 * (1 + (i % 4)) for i in range(num_layers)]
+    return Profile.from_costs(
+        fwd,
+        [2 * f for f in fwd],
+        [1_000_000] * num_layers,
+        [4_000_000] * num_layers,
+        batch_size=32,
+    )
+
+
+def test_ranking_prefers_fresh_weights_at_equal_speed() -> None:
+    ranked = search(uneven(), 4)
+    assert all(c.infeasible is None for c in ranked)
+    speeds = [c.throughput for c in ranked]
+    assert speeds[0] == pytest.approx(max(speeds), rel=0.011)
+    names = [c.method for c in ranked]
+    # same schedule, same speed: PipeOptim (staleness 0) before PipeDream (staleness P-1)
+    assert names.index("pipeoptim") < names.index("pipedream")
+    po = next(c for c in ranked if c.method == "pipeoptim")
+    pd = next(c for c in ranked if c.method == "pipedream")
+    assert po.throughput == pytest.approx(pd.throughput)
+    assert (po.max_staleness, pd.max_staleness) == (0, 3)
+    assert po.peak_memory_bytes < pd.peak_memory_bytes  # 2 weight copies instead of P-k
+
+
+def test_async_beats_flushed_with_few_micro_batches() -> None:
+    po = evaluate_candidate(uneven(), 4, "pipeoptim", 1, mini_batches=64)
+    gp = evaluate_candidate(uneven(), 4, "gpipe", 4, mini_batches=64)
+    assert po.throughput > gp.throughput
+    assert po.bubble_ratio < gp.bubble_ratio
+
+
+def test_memory_cap_rules_methods_out_and_explains() -> None:
+    from pipeoptim.plan.partition import method_memory_factors, min_memory_partition
+
+    least = {
+        m: min_memory_partition(
+            uneven(), 4, memory_factors=method_memory_factors(m, 4, 1)
+        ).peak_memory_bytes
+        for m in ("pipedream", "pipeoptim")
+    }
+    assert least["pipeoptim"] < least["pipedream"]
+    cap = (least["pipedream"] + least["pipeoptim"]) // 2
+    ranked = search(uneven(), 4, methods=["pipedream", "pipeoptim"], memory_cap_bytes=cap)
+    assert [c.method for c in ranked] == ["pipeoptim", "pipedream"]
+    assert ranked[1].infeasible is not None and "raise --memory-cap" in ranked[1].infeasible
+    text = explain(ranked, cap)
+    assert text.startswith("Run pipeoptim with 1 micro-batch(es)")
+    assert "Over the memory cap: pipedream." in text
+
+
+def test_nothing_fits() -> None:
+    ranked = search(uneven(), 4, methods=["gpipe"], memory_cap_bytes=1000)
+    with pytest.raises(PlanError, match="smallest possible peak"):
+        explain(ranked, 1000)
+
+
+def test_more_stages_than_layers() -> None:
+    with pytest.raises(PlanError, match="cannot split 12 layers into 13 stages"):
+        search(uneven(), 13)
+
+
+def test_rank_orders_by_speed_bucket_then_staleness_then_memory() -> None:
+    def cand(name: str, speed: float, stale: int) -> Candidate:
+        return Candidate(name, 1, None, throughput=speed, max_staleness=stale)
+
+    ranked = rank([cand("a", 100.0, 3), cand("b", 99.5, 0), cand("c", 120.0, 5)])
+    assert [c.method for c in ranked] == ["c", "b", "a"]
+
+
+def test_plan_cli_writes_a_plan_that_simulate_reads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prof = tmp_path / "profile.json"
+    uneven().save(prof)
+    out, html = tmp_path / "plan.json", tmp_path / "plan.html"
+    code = main(
+        [
+            "plan",
+            "--profile",
+            str(prof),
+            "--stages",
+            "3",
+            "--method",
+            "pipeoptim",
+            "--bandwidth",
+            "10GB/s",
+            "--out",
+            str(out),
+            "--html",
+            str(html),
+            "--json",
+        ]
+    )
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0
+    plan = Plan.load(out)
+    assert plan.method == "pipeoptim" and plan.num_stages == 3
+    assert plan.boundaries is not None and plan.boundaries[-1][1] == 12
+    assert data["ranking"][0]["samples_per_s"] > 0
+    assert '<script src="http' not in html.read_text()
+    code = main(["simulate", "--plan", str(out), "--json"])
+    sim = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert json.dumps(sim).count("pipeoptim") >= 1
+
+
+def test_plan_cli_infeasible_cap(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prof = tmp_path / "profile.json"
+    uneven().save(prof)
+    code = main(
+        [
+            "plan",
+            "--profile",
+            str(prof),
+            "--stages",
+            "4",
+            "--method",
+            "gpipe",
+            "--memory-cap",
+            "1MiB",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and "raise --memory-cap to at least" in err
