@@ -20,6 +20,7 @@ COMMAND_MODULES = (
     "pipeoptim.commands.simulate",
     "pipeoptim.commands.train",
     "pipeoptim.commands.planning",
+    "pipeoptim.commands.calibrate",
 )
 
 
