@@ -106,7 +106,7 @@ def costs_from_trace(trace: Trace) -> CostModel:
     for m in trace.memory:
         first_sample.setdefault(m.rank, m.detail)
     rank_of = {e.stage: e.rank for e in trace.events}
-    per_rank = defaultdict(int)
+    per_rank: dict[int, int] = defaultdict(int)
     for k in range(stages):
         per_rank[rank_of[k]] += 1
 
