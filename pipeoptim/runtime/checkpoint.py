@@ -1,0 +1,214 @@
+"""Per-stage checkpoints, written atomically, from which a run resumes exactly.
+
+Why segments: an asynchronous pipeline never flushes, so at no moment inside it are all
+stages' weights one consistent state: stage 0 has run forwards that stage 3 has not yet
+seen, and the stash of a mini-batch in flight is part of the state. The runtime therefore
+runs training as *segments* (one epoch, cut further by ``--checkpoint-every K`` mini-batches
+and at the last step), each one continuous never-flushed pipeline, and checkpoints at segment
+boundaries, where nothing is in flight. A stage's state there is exactly: weights, optimizer
+state, predictor state, its RNG stream and the step (mini-batches done; the data order is a
+function of the seed and the step). Resuming from step n runs the same segments an
+uninterrupted run with the same settings runs from n, so it produces the same weights
+bit for bit (the segmentation is a function of the step, the epoch length and K, never of
+where a run was interrupted).
+
+Layout::
+
+    DIR/step-00000044/stage-0.pt ... stage-{P-1}.pt   one file per stage, atomic (tmp + rename)
+    DIR/latest.json                                    {"step": 44, ...}, written last
+
+``latest.json`` names a step only once every stage file of that step is complete, so a
+crash while writing leaves the previous checkpoint in charge; older step folders are removed
+after the pointer moves. With one process per stage, ranks count their finished files in the
+process group's store and rank 0 moves the pointer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+from torch._C._distributed_c10d import Store
+
+from pipeoptim.errors import RuntimeConfigError
+
+__all__ = ["CHECKPOINT_FORMAT", "CheckpointStore", "Segment", "latest_step", "plan_segments"]
+
+CHECKPOINT_FORMAT = "pipeoptim-checkpoint"
+CHECKPOINT_VERSION = 1
+_LATEST = "latest.json"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Mini-batches ``first_step .. first_step + num_steps - 1``, one unflushed pipeline."""
+
+    index: int
+    first_step: int
+    num_steps: int
+
+
+def plan_segments(start: int, total: int, steps_per_epoch: int, every: int | None) -> list[Segment]:
+    """Cut steps ``start .. total-1`` at epoch ends and at multiples of ``every``: a pure
+    function of the step, so a resumed run runs the same segments as an uninterrupted one."""
+    out: list[Segment] = []
+    s = start
+    while s < total:
+        end = min(total, (s // steps_per_epoch + 1) * steps_per_epoch)
+        if every:
+            end = min(end, (s // every + 1) * every)
+        out.append(Segment(len(out), s, end - s))
+        s = end
+    return out
+
+
+def _step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}"
+
+
+def _atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """Write through a temporary file in the same folder, then rename over ``path``: a
+    reader sees the old file or the complete new one, never half of it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def latest_step(root: str | Path) -> dict[str, Any] | None:
+    """The ``latest.json`` record of a checkpoint folder, or None if it holds none."""
+    path = Path(root) / _LATEST
+    if not path.is_file():
+        return None
+    try:
+        record: dict[str, Any] = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise RuntimeConfigError(f"cannot read checkpoint pointer {path}: {err}") from None
+    return record
+
+
+class CheckpointStore:
+    """Writes and reads one run's checkpoints.
+
+    ``config`` is the run's identity (method, stages, model, optimizer, batch size, seed,
+    ...): a resume with a different identity could not continue the same run, so it is
+    refused with the fields that differ.
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        config: Mapping[str, Any],
+        *,
+        num_stages: int,
+        store: Store | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        timeout: float = 300.0,
+        abort_check: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.root = Path(root)
+        self.config = dict(config)
+        self.num_stages = num_stages
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self.abort_check = abort_check
+
+    # -- writing ---------------------------------------------------------------------------
+    def save(
+        self, step: int, states: Mapping[int, dict[str, Any]], extra: Mapping[str, Any]
+    ) -> None:
+        """Write this process's stage files for ``step``, then publish the step once every
+        stage's file exists."""
+        folder = _step_dir(self.root, step)
+        folder.mkdir(parents=True, exist_ok=True)
+        for k, state in states.items():
+            payload = {
+                "format": CHECKPOINT_FORMAT,
+                "version": CHECKPOINT_VERSION,
+                "stage": k,
+                "step": step,
+                "config": self.config,
+                **extra,
+                "state": state,
+            }
+            _atomic_write(folder / f"stage-{k}.pt", partial(torch.save, payload))
+        if self.store is None:
+            self._publish(step, extra)
+            return
+        key = f"pipeoptim/ckpt/{step}"
+        self.store.add(key, 1)
+        if self.rank != 0:
+            return
+        deadline = time.monotonic() + self.timeout
+        while self.store.add(key, 0) < self.world_size:
+            self.abort_check()
+            if time.monotonic() > deadline:
+                raise RuntimeConfigError(
+                    f"checkpoint of step {step}: not every rank wrote its stage file within "
+                    f"{self.timeout:.0f} s; the previous checkpoint stays the latest"
+                )
+            time.sleep(0.01)
+        self._publish(step, extra)
+
+    def _publish(self, step: int, extra: Mapping[str, Any]) -> None:
+        record = {"step": step, "num_stages": self.num_stages, "config": self.config, **extra}
+        text = (json.dumps(record, indent=2) + "\n").encode()
+        _atomic_write(self.root / _LATEST, lambda f: f.write(text))
+        for old in self.root.glob("step-*"):
+            number = old.name.removeprefix("step-")
+            if old.is_dir() and number.isdigit() and int(number) < step:
+                shutil.rmtree(old, ignore_errors=True)
+
+    # -- reading ---------------------------------------------------------------------------
+    def latest(self) -> dict[str, Any] | None:
+        """The newest complete checkpoint's record, after checking it belongs to this run."""
+        record = latest_step(self.root)
+        if record is None:
+            return None
+        theirs: dict[str, Any] = record.get("config", {})
+        diff = sorted(
+            k for k in set(theirs) | set(self.config) if theirs.get(k) != self.config.get(k)
+        )
+        if diff:
+            shown = "; ".join(
+                f"{k}: checkpoint {theirs.get(k)!r}, now {self.config.get(k)!r}" for k in diff
+            )
+            raise RuntimeConfigError(
+                f"the checkpoint in {self.root} is from a different run ({shown}); resume with "
+                f"the same settings, or use another --checkpoint-dir to start fresh"
+            )
+        return record
+
+    def load(self, step: int, stage: int, device: torch.device) -> dict[str, Any]:
+        path = _step_dir(self.root, step) / f"stage-{stage}.pt"
+        try:
+            payload: dict[str, Any] = torch.load(path, map_location=device, weights_only=True)
+        except FileNotFoundError:
+            raise RuntimeConfigError(
+                f"checkpoint of step {step} has no file for stage {stage} ({path}); the "
+                f"folder is damaged, point --checkpoint-dir at a complete one"
+            ) from None
+        except Exception as err:  # a truncated or foreign file: unpickling fails in many ways
+            raise RuntimeConfigError(
+                f"cannot read checkpoint {path} ({type(err).__name__}); the folder is damaged, "
+                f"point --checkpoint-dir at a complete one"
+            ) from None
+        if payload.get("format") != CHECKPOINT_FORMAT or payload.get("step") != step:
+            raise RuntimeConfigError(f"{path} is not a pipeoptim checkpoint of step {step}")
+        state: dict[str, Any] = payload["state"]
+        # RNG states are CPU byte tensors whatever the device.
+        state["rng"] = state["rng"].cpu()
+        return payload

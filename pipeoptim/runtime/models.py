@@ -1,0 +1,224 @@
+"""Built-in example models and the loader for user models (``--model module:factory``).
+
+A pipeline splits a model at layer boundaries, so every model here is a flat list of layers
+(an ``nn.Sequential``) with at least 8 layers, enough for up to 8 stages:
+
+* ``mlp``: a 9-layer perceptron on ``digits`` (64 features, 10 classes);
+* ``cnn``: a 12-layer convolutional net on ``digits`` seen as 1x8x8 images;
+* ``transformer``: a 10-layer transformer encoder on ``majority`` (15-bit strings).
+
+A user model is ``module:factory`` or ``path/to/file.py:factory``: ``factory()`` returns an
+``nn.Sequential`` or a list of modules. It trains on ``digits`` (input: a float tensor of 64
+features per sample, 10 classes) unless the factory's module defines ``dataset()`` returning
+a :class:`~pipeoptim.runtime.data.Dataset` (or a tuple ``(train_x, train_y, test_x,
+test_y)``; the class count is then ``max(label) + 1``). The last layer's output is the
+logits of a cross-entropy loss. Every rank builds the whole model from the same seed and
+keeps its own stages, so initial weights do not depend on the transport.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.plan.plan import even_boundaries
+from pipeoptim.runtime.data import Dataset, digits, majority
+
+__all__ = ["BUILTIN_MODELS", "build_model", "probe_outputs", "stage_boundaries"]
+
+
+class MeanOverSequence(nn.Module):
+    """Averages a (batch, sequence, features) tensor over the sequence."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.mean(dim=1)
+
+
+class LearnedPositions(nn.Module):
+    """Adds a learned position embedding to a (batch, sequence, features) tensor."""
+
+    def __init__(self, length: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(length, dim) * 0.02)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.weight[: x.shape[1]]
+
+
+def mlp() -> list[nn.Module]:
+    return [
+        nn.Linear(64, 128),
+        nn.ReLU(),
+        nn.Linear(128, 128),
+        nn.ReLU(),
+        nn.Linear(128, 128),
+        nn.ReLU(),
+        nn.Linear(128, 64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
+    ]
+
+
+def cnn() -> list[nn.Module]:
+    return [
+        nn.Unflatten(1, (1, 8, 8)),
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(32, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(32 * 4 * 4, 64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
+    ]
+
+
+def transformer(dim: int = 32, layers: int = 4) -> list[nn.Module]:
+    blocks: list[nn.Module] = [
+        nn.TransformerEncoderLayer(dim, 4, 2 * dim, dropout=0.0, batch_first=True)
+        for _ in range(layers)
+    ]
+    return [
+        nn.Embedding(2, dim),
+        LearnedPositions(15, dim),
+        *blocks,
+        MeanOverSequence(),
+        nn.Linear(dim, dim),
+        nn.Tanh(),
+        nn.Linear(dim, 2),
+    ]
+
+
+BUILTIN_MODELS: dict[str, tuple[Callable[[], list[nn.Module]], Callable[[], Dataset]]] = {
+    "mlp": (mlp, digits),
+    "cnn": (cnn, digits),
+    "transformer": (transformer, majority),
+}
+
+
+def _import(module_part: str, spec: str) -> ModuleType:
+    if module_part.endswith(".py") or "/" in module_part:
+        path = Path(module_part)
+        if not path.is_file():
+            raise RuntimeConfigError(f"model {spec!r}: no file {module_part!r}")
+        name = f"pipeoptim_user_model_{path.stem}"
+        if name in sys.modules:
+            return sys.modules[name]
+        file_spec = importlib.util.spec_from_file_location(name, path)
+        if file_spec is None or file_spec.loader is None:
+            raise RuntimeConfigError(f"model {spec!r}: cannot import {module_part!r}")
+        module = importlib.util.module_from_spec(file_spec)
+        sys.modules[name] = module
+        file_spec.loader.exec_module(module)
+        return module
+    if "" not in sys.path:  # like `python -m`, resolve modules from the working directory
+        sys.path.insert(0, "")
+    try:
+        return importlib.import_module(module_part)
+    except ModuleNotFoundError as err:
+        raise RuntimeConfigError(
+            f"model {spec!r}: cannot import module {module_part!r} ({err}); run from the "
+            f"directory that holds it or give a file path, e.g. examples/custom_model.py:make_model"
+        ) from None
+
+
+def _user_dataset(module: ModuleType, spec: str) -> Dataset:
+    make = getattr(module, "dataset", None)
+    if make is None:
+        return digits()
+    data: Any = make()
+    if isinstance(data, Dataset):
+        return data
+    if isinstance(data, tuple) and len(data) == 4:
+        train_x, train_y, test_x, test_y = (torch.as_tensor(t) for t in data)
+        classes = int(max(int(train_y.max()), int(test_y.max()) if len(test_y) else 0)) + 1
+        return Dataset(f"{spec}:dataset", train_x, train_y.long(), test_x, test_y.long(), classes)
+    raise RuntimeConfigError(
+        f"model {spec!r}: dataset() returned {type(data).__name__}; return a "
+        f"pipeoptim.runtime.data.Dataset or (train_x, train_y, test_x, test_y)"
+    )
+
+
+def build_model(name: str, seed: int) -> tuple[list[nn.Module], Dataset]:
+    """The model's layers, initialised from ``seed``, and the data set it trains on."""
+    if name in BUILTIN_MODELS:
+        factory, make_data = BUILTIN_MODELS[name]
+        torch.manual_seed(seed)
+        return factory(), make_data()
+    if ":" not in name:
+        raise RuntimeConfigError(
+            f"unknown model {name!r}; choose one of: {', '.join(BUILTIN_MODELS)}, or give "
+            f"your own as module:factory (e.g. examples/custom_model.py:make_model)"
+        )
+    module_part, _, attr = name.rpartition(":")
+    module = _import(module_part, name)
+    factory_fn = getattr(module, attr, None)
+    if not callable(factory_fn):
+        raise RuntimeConfigError(
+            f"model {name!r}: {module_part} has no callable {attr!r}; define "
+            f"def {attr}() -> nn.Sequential (or a list of layers)"
+        )
+    torch.manual_seed(seed)
+    built = factory_fn()
+    layers = list(built) if isinstance(built, (nn.Sequential, list, tuple)) else None
+    if not layers or not all(isinstance(m, nn.Module) for m in layers):
+        raise RuntimeConfigError(
+            f"model {name!r}: {attr}() returned {type(built).__name__}; return an "
+            f"nn.Sequential or a non-empty list of nn.Module layers"
+        )
+    return layers, _user_dataset(module, name)
+
+
+def stage_boundaries(
+    num_layers: int, num_stages: int, boundaries: list[tuple[int, int]] | None, model: str
+) -> list[tuple[int, int]]:
+    """The plan's layer ranges, or an even split; checked against the model."""
+    if num_stages > num_layers:
+        raise RuntimeConfigError(
+            f"model {model!r} has {num_layers} layers, too few for {num_stages} stages (a "
+            f"stage holds at least one layer); use --stages {num_layers} or fewer"
+        )
+    bounds = boundaries or even_boundaries(num_layers, num_stages)
+    if bounds[-1][1] != num_layers:
+        raise RuntimeConfigError(
+            f"the plan's stage boundaries cover {bounds[-1][1]} layers but model {model!r} "
+            f"has {num_layers}; make the plan for this model"
+        )
+    return bounds
+
+
+def probe_outputs(
+    layers: list[nn.Module], bounds: list[tuple[int, int]], sample: Tensor
+) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Per-sample shape and dtype of each stage's output, from one forward of the whole
+    model on ``sample``: receiving ranks allocate their buffers from it before any message."""
+    out: list[tuple[tuple[int, ...], torch.dtype]] = []
+    x = sample
+    modes = [layer.training for layer in layers]
+    for layer in layers:
+        layer.eval()  # the probe must not move batch-norm statistics
+    with torch.no_grad():
+        for start, end in bounds:
+            for layer in layers[start:end]:
+                x = layer(x)
+            if not isinstance(x, Tensor):
+                raise RuntimeConfigError(
+                    f"layer {end - 1} returns {type(x).__name__}; every layer of a pipelined "
+                    f"model must return one tensor (wrap layers that return tuples)"
+                )
+            out.append((tuple(x.shape[1:]), x.dtype))
+    for layer, mode in zip(layers, modes, strict=True):
+        layer.train(mode)
+    return out

@@ -1,0 +1,229 @@
+"""How activations and gradients move between stages: one interface, two implementations.
+
+The executor interprets the same lowered action list (``plan.passes.add_communication``)
+whatever carries the tensors, so the single-process path and the multi-process path cannot
+drift apart:
+
+* :class:`LocalTransport`: every rank lives in one process on one device and a message is a
+  dictionary entry. Deterministic, no threads; the fast path on CPU and on a single GPU.
+* :class:`DistTransport`: one rank per process over ``torch.distributed`` point-to-point
+  operations (gloo on CPU, NCCL on CUDA). Receives are posted early (``post_recv``, as the
+  executor looks ahead) and waited late (at the ``RECV`` action), sends are asynchronous and
+  reaped later, so communication overlaps compute.
+
+A message is named by ``(kind, receiving stage, micro-batch)``; on gloo the name becomes the
+message tag, so out-of-order posting is safe. NCCL ignores tags and matches messages per
+pair of ranks in posting order, which holds for every non-interleaved schedule (each
+directed pair carries one kind of message in micro-batch order).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch._C._distributed_c10d import Store
+
+from pipeoptim.errors import RuntimeConfigError
+
+__all__ = [
+    "DistTransport",
+    "FailureBoard",
+    "LocalTransport",
+    "MessageKey",
+    "PeerLostError",
+    "Transport",
+]
+
+MessageKey = tuple[str, int, int]
+"""``(kind, receiving stage, micro-batch)`` with kind ``act``, ``grad`` or ``eval``."""
+
+_KINDS = {"act": 0, "grad": 1, "eval": 2}
+_TAG_LIMIT = 2**30
+
+
+class PeerLostError(RuntimeConfigError):
+    """A peer rank stopped answering: it crashed, was killed, or stopped on an error."""
+
+    def __init__(self, message: str, peer: int) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
+class Transport(ABC):
+    """Point-to-point messages between the ranks of one pipeline."""
+
+    rank: int
+
+    @abstractmethod
+    def send(self, tensor: Tensor, peer: int, key: MessageKey) -> None:
+        """Send ``tensor`` to rank ``peer``; returns without waiting for delivery."""
+
+    @abstractmethod
+    def recv(self, key: MessageKey, peer: int, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
+        """The tensor named ``key`` from rank ``peer`` (blocks until it is there)."""
+
+    def post_recv(  # noqa: B027 - optional hook, a no-op where receives are instant
+        self, key: MessageKey, peer: int, shape: Sequence[int], dtype: torch.dtype
+    ) -> None:
+        """Announce a receive ahead of time so it can progress during compute."""
+
+    def ready(self, key: MessageKey) -> bool:
+        """Whether ``recv(key)`` would return without waiting on another rank's progress."""
+        return True
+
+    def flush(self) -> None:  # noqa: B027 - optional hook
+        """Wait until every message sent so far has left."""
+
+
+class LocalTransport(Transport):
+    """All ranks in one process: a shared mailbox. Messages are copies, as over a wire, so a
+    receiving stage can never write into a tensor the sending stage saved for backward."""
+
+    def __init__(self, rank: int, mailbox: dict[MessageKey, Tensor]) -> None:
+        self.rank = rank
+        self._mailbox = mailbox
+
+    @classmethod
+    def group(cls, world_size: int) -> list[LocalTransport]:
+        """One endpoint per rank, sharing a mailbox."""
+        mailbox: dict[MessageKey, Tensor] = {}
+        return [cls(r, mailbox) for r in range(world_size)]
+
+    def send(self, tensor: Tensor, peer: int, key: MessageKey) -> None:
+        if key in self._mailbox:
+            raise RuntimeError(f"rank {self.rank}: message {key} sent twice")
+        self._mailbox[key] = tensor.detach().clone()
+
+    def ready(self, key: MessageKey) -> bool:
+        return key in self._mailbox
+
+    def recv(self, key: MessageKey, peer: int, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
+        try:
+            return self._mailbox.pop(key)
+        except KeyError:
+            raise RuntimeError(
+                f"rank {self.rank}: message {key} from rank {peer} was never sent"
+            ) from None
+
+
+class DistTransport(Transport):
+    """One rank of a ``torch.distributed`` process group (already initialised).
+
+    Waits are bounded by the process group's timeout; a peer that dies surfaces as
+    :class:`PeerLostError` naming it (gloo notices a closed connection at once).
+    """
+
+    def __init__(self, rank: int, num_stages: int, device: torch.device) -> None:
+        self.rank = rank
+        self.device = device
+        self._num_stages = num_stages
+        self._recvs: dict[MessageKey, tuple[dist.Work, Tensor, int]] = {}
+        self._sends: list[tuple[dist.Work, Tensor, int, MessageKey]] = []
+
+    def _tag(self, key: MessageKey) -> int:
+        # Unique among the messages a pair of ranks has in flight; wraps on very long runs.
+        kind, stage, mb = key
+        return ((mb * self._num_stages + stage) * len(_KINDS) + _KINDS[kind]) % _TAG_LIMIT
+
+    def send(self, tensor: Tensor, peer: int, key: MessageKey) -> None:
+        buf = tensor.detach().contiguous()
+        work = dist.isend(buf, peer, tag=self._tag(key))
+        if work is None:  # pragma: no cover - only when this rank is not in the group
+            raise RuntimeError(f"rank {self.rank}: isend to rank {peer} returned no work")
+        self._sends.append((work, buf, peer, key))
+        if len(self._sends) > 64:
+            # Keep a long segment's send buffers bounded. Waiting on the oldest sends cannot
+            # deadlock: in a valid schedule their receivers get there without any message
+            # this rank has yet to send.
+            self._wait_sends(self._sends[:32])
+            del self._sends[:32]
+
+    def post_recv(
+        self, key: MessageKey, peer: int, shape: Sequence[int], dtype: torch.dtype
+    ) -> None:
+        if key in self._recvs:
+            return
+        buf = torch.empty(tuple(shape), dtype=dtype, device=self.device)
+        work = dist.irecv(buf, peer, tag=self._tag(key))
+        if work is None:  # pragma: no cover
+            raise RuntimeError(f"rank {self.rank}: irecv from rank {peer} returned no work")
+        self._recvs[key] = (work, buf, peer)
+
+    def recv(self, key: MessageKey, peer: int, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
+        self.post_recv(key, peer, shape, dtype)
+        work, buf, _ = self._recvs.pop(key)
+        self._wait(work, peer, f"{_describe(key)} from rank {peer}")
+        return buf
+
+    def flush(self) -> None:
+        self._wait_sends(self._sends)
+        self._sends = []
+
+    def _wait_sends(self, sends: list[tuple[dist.Work, Tensor, int, MessageKey]]) -> None:
+        for work, _, peer, key in sends:
+            self._wait(work, peer, f"delivery of {_describe(key)} to rank {peer}")
+
+    def _wait(self, work: dist.Work, peer: int, what: str) -> None:
+        try:
+            work.wait()
+        except RuntimeError as err:  # gloo/NCCL report a dead peer or a timeout this way
+            raise PeerLostError(
+                f"lost rank {peer} while waiting for {what}: {_cause(err)}", peer
+            ) from None
+
+
+def _cause(err: BaseException) -> str:
+    """The backend's message without its source location and boilerplate."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text)
+    return text.split(". This is typically")[0]
+
+
+def _describe(key: MessageKey) -> str:
+    kind, stage, mb = key
+    name = {"act": "the activation", "grad": "the gradient", "eval": "the evaluation batch"}[kind]
+    return f"{name} of micro-batch {mb} for stage {stage}"
+
+
+class FailureBoard:
+    """Failure notices between the ranks of one run, kept in the process group's store.
+
+    The first rank (or launcher) to post wins, so the record names the rank that failed
+    first and why; the others read it to report the cause instead of a bare "connection
+    closed". A store that is gone reads as no record.
+    """
+
+    KEY = "pipeoptim/abort"
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def post(self, rank: int, kind: str, message: str, **extra: Any) -> None:
+        """``kind``: error, nonfinite, peer (lost a peer: ``suspect``), died (launcher)."""
+        record = {"rank": rank, "kind": kind, "message": message, **extra}
+        with contextlib.suppress(RuntimeError):
+            self.store.compare_set(self.KEY, "", json.dumps(record))
+
+    def read(self) -> dict[str, Any] | None:
+        try:
+            if self.store.check([self.KEY]):
+                record: dict[str, Any] = json.loads(self.store.get(self.KEY))
+                return record
+        except (RuntimeError, ValueError):
+            return None
+        return None
+
+    def check(self) -> None:
+        """Raise :class:`PeerLostError` if another rank has failed."""
+        record = self.read()
+        if record is not None:
+            rank = int(record.get("suspect", record["rank"]))
+            raise PeerLostError(f"rank {rank} failed ({record['message']})", rank)
