@@ -90,6 +90,53 @@ def run_infeasible(label: str, profile: Profile, stages: int) -> None:
         print(f"{label}: cap 1GiB unexpectedly fits")
 
 
+def transformer_profile(blocks: int = 24, hidden: int = 1024, seq: int = 1024) -> Profile:
+    """A GPT-2-medium-like stack (per mini-batch of 8 sequences, fp16): embedding, attention
+    and MLP halves of each block, head. Times scale with FLOPs at ~100 TFLOP/s."""
+    batch, flops_per_s, dtype = 8, 100e12, 2
+    tokens = batch * seq
+    act = tokens * hidden * dtype
+    fwd: list[float] = [tokens * hidden * 2 / flops_per_s]
+    params: list[int] = [50_000 * hidden * dtype]
+    acts: list[int] = [act]
+    for _ in range(blocks):
+        attn = 4 * hidden * hidden
+        mlp = 8 * hidden * hidden
+        fwd += [
+            2 * tokens * attn / flops_per_s + 4 * tokens * seq * hidden / flops_per_s,
+            2 * tokens * mlp / flops_per_s,
+        ]
+        params += [attn * dtype, mlp * dtype]
+        acts += [act * 3, act * 5]
+    fwd.append(2 * tokens * hidden * 50_000 / flops_per_s)
+    params.append(50_000 * hidden * dtype)
+    acts.append(tokens * 50_000 * dtype)
+    return Profile.from_costs(
+        fwd, [2 * f for f in fwd], acts, params, optimizer="adam", batch_size=batch
+    )
+
+
+def run_search(stages: int, cap: str) -> None:
+    from pipeoptim.plan.search import explain, search
+    from pipeoptim.plan.units import parse_bandwidth, parse_bytes
+
+    profile = transformer_profile()
+    start = time.perf_counter()
+    ranked = search(
+        profile,
+        stages,
+        memory_cap_bytes=parse_bytes(cap),
+        bandwidth_bytes_per_s=parse_bandwidth(BANDWIDTH),
+        latency_s=LATENCY_S,
+    )
+    took = time.perf_counter() - start
+    print(
+        f"plan search: {profile.num_layers}-layer transformer profile, {stages} devices, cap "
+        f"{cap}: {len(ranked)} candidates (method x micro-batches) in {took:.3f} s"
+    )
+    print(f"  {explain(ranked, parse_bytes(cap))}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=1000)
@@ -105,6 +152,7 @@ def main() -> None:
     run_case("small", small, 8, None)
     run_case("small", small, 8, binding_cap(small, 8))
     run_infeasible("small", small, 8)
+    run_search(8, "16GiB")
 
 
 if __name__ == "__main__":
