@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeoptim.errors import PipeoptimError
+from pipeoptim.jsonfile import read_json
 
 TRACE_FORMAT = "pipeoptim-trace"
 TRACE_VERSION = 1
@@ -116,14 +117,12 @@ class Trace:
 
     @classmethod
     def load(cls, path: str | Path) -> Trace:
-        p = Path(path)
-        try:
-            data = json.loads(p.read_text())
-        except OSError as err:
-            raise PipeoptimError(f"cannot read trace {str(p)!r}: {err.strerror}") from None
-        except json.JSONDecodeError as err:
-            raise PipeoptimError(f"{p} is not valid JSON: {err}") from None
-        return cls.from_dict(data, source=str(p))
+        data = read_json(
+            path,
+            what="trace",
+            remedy="write one with --trace FILE from `pipeoptim simulate` or `pipeoptim train`",
+        )
+        return cls.from_dict(data, source=str(path))
 
     def to_chrome_trace(self) -> dict[str, Any]:
         """Chrome trace-event JSON: one thread per rank, microsecond timestamps."""

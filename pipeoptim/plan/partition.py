@@ -35,6 +35,7 @@ import numpy.typing as npt
 
 from pipeoptim.errors import PlanError
 from pipeoptim.plan.graph import stage_graph, stage_memory_bytes, validate_boundaries
+from pipeoptim.plan.methods import METHODS
 from pipeoptim.plan.profile import Profile
 from pipeoptim.plan.units import format_bytes, parse_bandwidth, parse_bytes
 
@@ -53,16 +54,7 @@ __all__ = [
 MemoryFactors = Callable[[int, int], tuple[int, int]]
 """``(stage_index, num_stages) -> (weight_copies, activation_slots)`` of one stage."""
 
-MEMORY_METHODS = (
-    "gpipe",
-    "1f1b",
-    "interleaved-1f1b",
-    "pipedream",
-    "2bw",
-    "spectrain",
-    "xpipe",
-    "pipeoptim",
-)
+MEMORY_METHODS = tuple(METHODS)
 """Methods :func:`method_memory_factors` knows."""
 
 _INT_LIMIT = 2**62  # caps above this are "no cap" (keeps int64 sums from overflowing)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeoptim.errors import PlanError
+from pipeoptim.jsonfile import read_json
 from pipeoptim.plan.methods import Method, get_method
 from pipeoptim.plan.schedules import Shape
 
@@ -120,14 +121,13 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
-        p = Path(path)
-        try:
-            data = json.loads(p.read_text())
-        except OSError as err:
-            raise PlanError(f"cannot read plan {str(p)!r}: {err.strerror}") from None
-        except json.JSONDecodeError as err:
-            raise PlanError(f"{p} is not valid JSON: {err}") from None
-        return cls.from_dict(data, source=str(p))
+        data = read_json(
+            path,
+            what="plan",
+            remedy="make one with `pipeoptim plan ... --out FILE`",
+            error=PlanError,
+        )
+        return cls.from_dict(data, source=str(path))
 
 
 def check_boundaries(boundaries: list[tuple[int, int]], num_stages: int) -> None:

@@ -19,6 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from pipeoptim.errors import PlanError
+from pipeoptim.jsonfile import read_json
+
+_REMEDY = "regenerate it with `pipeoptim profile` or Profile.save"
 
 __all__ = [
     "OPTIMIZER_STATE_FACTORS",
@@ -406,35 +409,17 @@ class Profile:
     @classmethod
     def from_json(cls, text: str, *, source: str = "profile") -> Profile:
         """Parse JSON text written by :meth:`to_json`."""
-        if not text.strip():
-            raise PlanError(
-                f"{source} is empty; it should hold a profile JSON object with keys "
-                f"{', '.join(_PROFILE_KEYS)}; regenerate it with `pipeoptim profile` or "
-                "Profile.save"
-            )
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise PlanError(
                 f"{source} is not valid JSON ({exc.msg} at line {exc.lineno} column "
-                f"{exc.colno}); regenerate it with `pipeoptim profile` or Profile.save"
+                f"{exc.colno}); {_REMEDY}"
             ) from None
         return cls.from_dict(data, source=source)
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
         """Read a profile JSON file written by :meth:`save`."""
-        file = Path(path)
-        try:
-            text = file.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise PlanError(
-                f"profile file {str(file)!r} does not exist; check the path or create it "
-                "with `pipeoptim profile`"
-            ) from None
-        except UnicodeDecodeError:
-            raise PlanError(
-                f"profile file {str(file)!r} is not UTF-8 text; it should be a profile JSON "
-                "file written by Profile.save"
-            ) from None
-        return cls.from_json(text, source=f"profile file {str(file)!r}")
+        data = read_json(path, what="profile file", remedy=_REMEDY, error=PlanError)
+        return cls.from_dict(data, source=f"profile file {str(path)!r}")

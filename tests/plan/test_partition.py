@@ -255,11 +255,6 @@ def test_memory_factor_tables() -> None:
         pd(4, 4)
 
 
-def test_memory_methods_match_registry() -> None:
-    methods = pytest.importorskip("pipeoptim.plan.methods")
-    assert set(MEMORY_METHODS) == set(methods.METHODS)
-
-
 def test_method_factors_change_the_partition_memory() -> None:
     p = Profile.uniform(8, 1.0, 1.0, activation_bytes=10, param_bytes=100, optimizer="sgd")
     f = method_memory_factors("pipedream", 4, 1)
