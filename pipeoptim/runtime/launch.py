@@ -238,6 +238,11 @@ def _trace(config: TrainConfig, results: list[RankResult]) -> Trace:
         "transport": config.transport,
         "model": config.model,
         "plan": config.plan.to_dict(),
+        # measured peak, the same key the simulator writes, so metrics compare them
+        "weight_copies": {
+            str(k): n
+            for k, n in sorted((k, n) for r in results for k, n in r.weight_copies.items())
+        },
     }
     return Trace(
         events=sorted((e for r in results for e in r.events), key=lambda e: (e.start, e.rank)),

@@ -154,6 +154,7 @@ def test_trace_records_every_action(tmp_path: Path) -> None:
     assert trace.memory and all(m.bytes > 0 for m in trace.memory)
     assert {"weights", "optimizer", "activations", "stash"} <= set(trace.memory[-1].detail)
     assert result.trace.meta == meta
+    assert meta["weight_copies"] == {"0": 2, "1": 2, "2": 1}  # measured, as metrics read it
 
 
 @pytest.mark.parametrize(("family", "lr"), [("sgd", 0.02), ("adam", 1e-3)])
