@@ -185,6 +185,10 @@ def rank(candidates: Sequence[Candidate], tie_tolerance: float = 0.01) -> list[C
     return sorted(feasible, key=key) + [c for c in candidates if c.infeasible is not None]
 
 
+def _rate(samples_per_s: float) -> str:
+    return f"{samples_per_s:,.0f}" if samples_per_s >= 100 else f"{samples_per_s:.3g}"
+
+
 def explain(ranked: Sequence[Candidate], memory_cap_bytes: int | None = None) -> str:
     """One paragraph: what to run and why, against the runner-up and the baselines."""
     feasible = [c for c in ranked if c.infeasible is None]
@@ -195,7 +199,7 @@ def explain(ranked: Sequence[Candidate], memory_cap_bytes: int | None = None) ->
     cap = f" within the {format_bytes(memory_cap_bytes)} cap" if memory_cap_bytes else ""
     text = (
         f"Run {best.method} with {best.micro_batches} micro-batch(es): predicted "
-        f"{best.throughput:.4g} samples/s, weight staleness {best.max_staleness}, peak stage "
+        f"{_rate(best.throughput)} samples/s, weight staleness {best.max_staleness}, peak stage "
         f"memory {format_bytes(best.peak_memory_bytes)}{cap}."
     )
     slower = [c for c in feasible[1:] if c.method != best.method]
@@ -204,7 +208,7 @@ def explain(ranked: Sequence[Candidate], memory_cap_bytes: int | None = None) ->
         ratio = best.throughput / other.throughput if other.throughput > 0 else math.inf
         pace = f"{ratio:.3g}x slower" if ratio > 1.001 else "as fast"
         text += (
-            f" Next best: {other.method} (M={other.micro_batches}), {other.throughput:.4g} "
+            f" Next best: {other.method} (M={other.micro_batches}), {_rate(other.throughput)} "
             f"samples/s ({pace}), staleness {other.max_staleness}, peak memory "
             f"{format_bytes(other.peak_memory_bytes)}."
         )

@@ -24,7 +24,9 @@ def partition_figure(
         + (" ..." if b - a > 6 else "")
         for a, b in partition.boundaries
     ]
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("time per batch (ms)", "memory (MiB)"))
+    fig = make_subplots(
+        rows=1, cols=2, subplot_titles=("time per pipeline unit (ms)", "memory (MiB)")
+    )
     compute = partition.stage_compute_s or partition.stage_times
     comm = partition.stage_comm_s or tuple(0.0 for _ in compute)
     fig.add_bar(
