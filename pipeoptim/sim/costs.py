@@ -40,34 +40,26 @@ if TYPE_CHECKING:
 __all__ = ["CostModel", "parse_uniform"]
 
 
-def _floats(name: str, values: float | Sequence[float], count: int) -> tuple[float, ...]:
+def _expand(name: str, values: float | Sequence[float], count: int) -> list[float]:
+    """One value per stage (or edge): a single number is repeated ``count`` times."""
     raw = [values] * count if isinstance(values, (int, float)) else list(values)
     if len(raw) != count:
         raise PlanError(
             f"{name} needs one value per {'edge' if 'edge' in name else 'stage'} "
             f"(got {len(raw)} values for {count}); pass one number or a list of {count}"
         )
-    out = []
     for i, v in enumerate(raw):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
             raise PlanError(f"{name}[{i}] must be a number >= 0, got {v!r}")
-        out.append(float(v))
-    return tuple(out)
+    return raw
+
+
+def _floats(name: str, values: float | Sequence[float], count: int) -> tuple[float, ...]:
+    return tuple(float(v) for v in _expand(name, values, count))
 
 
 def _ints(name: str, values: int | Sequence[int], count: int) -> tuple[int, ...]:
-    raw = [values] * count if isinstance(values, (int, float)) else list(values)
-    if len(raw) != count:
-        raise PlanError(
-            f"{name} needs one value per {'edge' if 'edge' in name else 'stage'} "
-            f"(got {len(raw)} values for {count}); pass one number or a list of {count}"
-        )
-    out = []
-    for i, v in enumerate(raw):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
-            raise PlanError(f"{name}[{i}] must be a whole number of bytes >= 0, got {v!r}")
-        out.append(int(v))
-    return tuple(out)
+    return tuple(int(v) for v in _expand(name, values, count))
 
 
 @dataclass(frozen=True)
