@@ -21,7 +21,6 @@ from pipeoptim.plan.methods import METHODS, get_method
 from pipeoptim.plan.partition import Partition, method_memory_factors, optimal_partition
 from pipeoptim.plan.profile import Profile
 from pipeoptim.plan.units import format_bytes
-from pipeoptim.plan.versions import analyze_versions
 
 
 @dataclass(frozen=True)
@@ -86,7 +85,7 @@ def evaluate_candidate(
     """Partition for ``method`` at ``micro_batches`` and simulate it."""
     # The simulator sits above the plan package; import it only where it is needed.
     from pipeoptim.sim.costs import CostModel
-    from pipeoptim.sim.evaluate import evaluate_method
+    from pipeoptim.sim.evaluate import compile_method, evaluate_program
 
     spec = get_method(method)
     shape = spec.shape(num_stages, micro_batches if spec.micro_batched else None, mini_batches)
@@ -115,8 +114,10 @@ def evaluate_candidate(
         bandwidth=bandwidth_bytes_per_s,
         latency_s=latency_s,
     )
-    result = evaluate_method(method, shape, costs)
-    report = analyze_versions(spec.order(shape), spec.weight_policy, shape.micro_batches)
+    # one compiled order (cached per method and shape) serves timing and versions
+    program = compile_method(method, shape)
+    result = evaluate_program(program, costs)
+    report = program.versions()
     return Candidate(
         method,
         shape.micro_batches,
