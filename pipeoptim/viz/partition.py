@@ -6,11 +6,11 @@ import html
 from pathlib import Path
 
 import plotly.graph_objects as go
-from plotly.offline import get_plotlyjs
 from plotly.subplots import make_subplots
 
 from pipeoptim.plan.partition import Partition
 from pipeoptim.plan.profile import Profile
+from pipeoptim.viz.report import offline_page
 
 
 def partition_figure(
@@ -87,9 +87,7 @@ def write_partition_html(
     body = fig.to_html(full_html=False, include_plotlyjs=False)
     out = Path(path)
     out.write_text(
-        "<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>pipeoptim plan</title>"
-        f"<script type='text/javascript'>{get_plotlyjs()}</script></head><body>"
-        f"<p>{html.escape(summary)}</p>{body}</body></html>\n",
+        offline_page("pipeoptim plan", [f"<p>{html.escape(summary)}</p>", body]),
         encoding="utf-8",
     )
     return out

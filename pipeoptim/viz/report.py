@@ -172,6 +172,11 @@ def render_report(
         parts.append(fig_html(timeline_figure(trace, max_events=max_events)))
         parts.append(fig_html(memory_figure(trace)))
         parts.append(fig_html(staleness_figure(runs[name])))
+    return offline_page(title, parts)
+
+
+def offline_page(title: str, parts: Sequence[str]) -> str:
+    """A whole HTML page with plotly.js inline, so it opens with no network."""
     return (
         "<!DOCTYPE html>\n<html><head><meta charset='utf-8'>"
         f"<title>{html.escape(title)}</title><style>{_STYLE}</style>"
