@@ -14,7 +14,10 @@ the module::
         # tensors; labels are class indices
         return train_x, train_y, test_x, test_y
 
-(or return a ``pipeoptim.runtime.data.Dataset``). Examples::
+(or return a ``pipeoptim.runtime.data.Dataset``); define ``loss(output, target)`` to train
+with another loss than cross-entropy. For full control (your DataLoader, optimizer,
+schedule, precision) use the library instead: ``examples/library_quickstart.py``.
+Examples::
 
     pipeoptim train --model examples/custom_model.py:make_model --stages 4
     pipeoptim train --model examples/custom_model.py:make_model --method pipedream \\

@@ -15,11 +15,18 @@ from typing import TYPE_CHECKING, Any
 from pipeoptim.commands.common import add_json_flag, print_json
 from pipeoptim.plan.methods import METHODS, get_method
 from pipeoptim.plan.plan import OptimizerSpec, Plan
+from pipeoptim.runtime.config import AMP_MODES, LR_SCHEDULES
+
+GPT_DEFAULTS = {"lr": 5e-4}
+"""What the gpt workload was tuned with (``runtime/gpt.py``); kept here so the command
+line does not import torch before it parses."""
 
 if TYPE_CHECKING:
-    from pipeoptim.runtime.launch import TrainConfig
+    from pipeoptim.runtime.config import TrainConfig
 
 DEFAULT_LR = {"sgd": 0.02, "adam": 1e-3, "adamw": 1e-3, "rmsprop": 1e-3}
+MODEL_OPTIMIZER = {"gpt": ("adamw", GPT_DEFAULTS["lr"])}
+"""Built-in models whose default optimizer (and its lr) is not SGD with momentum."""
 
 _EPILOG = """\
 examples:
@@ -31,11 +38,15 @@ examples:
   pipeoptim train --checkpoint-dir ckpt --checkpoint-every 20 [--resume]
   pipeoptim train --model examples/custom_model.py:make_model
 
-checkpoints and segments: an asynchronous pipeline never flushes, so training runs as
-segments (each epoch, cut further every --checkpoint-every K mini-batches), each one
-continuous never-flushed pipeline; checkpoints are written at segment ends, where nothing
-is in flight. --resume continues from the latest one and gives the same weights as an
-uninterrupted run with the same settings. Without a checkpoint, --resume starts fresh.
+checkpoints: an asynchronous pipeline never flushes, so the whole run is one continuous
+pipeline across epochs; it drains only every --checkpoint-every K mini-batches (and at the
+end), where checkpoints are written with nothing in flight. --resume continues from the
+latest one and gives the same weights as an uninterrupted run with the same settings.
+Without a checkpoint, --resume starts fresh.
+
+language model: --model gpt trains a small decoder-only transformer on a character corpus
+built offline from the Python standard library's own source files (AdamW, lr 2e-3 unless
+given; test loss and perplexity reported).
 
 user models: --model module:factory or path/to/file.py:factory, where factory() returns an
 nn.Sequential or a list of layers. It trains on digits (64 float features, 10 classes)
@@ -60,7 +71,7 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--method", help=f"one of {', '.join(METHODS)} (default pipeoptim)")
     p.add_argument("--stages", type=int, metavar="P", help="pipeline stages (default 4)")
-    p.add_argument("--model", help="mlp, cnn, transformer, or module:factory (default mlp)")
+    p.add_argument("--model", help="mlp, cnn, transformer, gpt, or module:factory (default mlp)")
     p.add_argument("--optimizer", help="sgd (momentum 0.9), adam, adamw or rmsprop (default sgd)")
     p.add_argument("--lr", type=float, help="learning rate (default 0.02 for sgd, else 1e-3)")
     p.add_argument(
@@ -104,6 +115,29 @@ def register(subparsers: Any) -> None:
         default=300.0,
         help="seconds a rank waits for another before failing (default 300)",
     )
+    p.add_argument(
+        "--lr-schedule",
+        default="constant",
+        choices=LR_SCHEDULES,
+        help="learning-rate schedule, stepped once per update on every stage (default constant)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        metavar="K",
+        help="warm-up updates of warmup-cosine (default 5%% of the run)",
+    )
+    p.add_argument(
+        "--amp",
+        choices=AMP_MODES,
+        help="mixed precision: bf16 (CPU and CUDA) or fp16 (CUDA, loss scaling per stage)",
+    )
+    p.add_argument(
+        "--grad-clip",
+        type=float,
+        metavar="NORM",
+        help="clip each stage's own gradient norm to NORM before its update",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_json_flag(p)
     p.set_defaults(func=handler)
@@ -111,7 +145,7 @@ def register(subparsers: Any) -> None:
 
 def build_config(args: argparse.Namespace) -> TrainConfig:
     """The TrainConfig of the command line: flags over --plan over the defaults."""
-    from pipeoptim.runtime.launch import TrainConfig  # torch loads only for this command
+    from pipeoptim.runtime.config import TrainConfig
 
     base = Plan.load(args.plan) if args.plan else None
     method = args.method or (base.method if base else "pipeoptim")
@@ -127,12 +161,17 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     else:  # P micro-batches, or the next count that divides the batch
         micro = next((m for m in range(stages, batch + 1) if batch % m == 0), stages)
         micro = micro if spec.micro_batched else 1
-    family = args.optimizer or (base.optimizer.family if base else "sgd")
+    model_family, model_lr = MODEL_OPTIMIZER.get(model, ("sgd", None))
+    family = args.optimizer or (base.optimizer.family if base else model_family)
     same_family = base is not None and base.optimizer.family == family
     lr = args.lr if args.lr is not None else (base.optimizer.lr if base and same_family else None)
     optimizer = OptimizerSpec(
         family,
-        lr if lr is not None else DEFAULT_LR.get(family, 1e-3),
+        lr
+        if lr is not None
+        else model_lr
+        if model_lr is not None and family == model_family
+        else DEFAULT_LR.get(family, 1e-3),
         dict(base.optimizer.options) if base and same_family else {},
     )
     offset = args.prediction_offset
@@ -163,6 +202,10 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         device=args.device,
         quiet=args.quiet or args.json,
         timeout=args.timeout,
+        lr_schedule=args.lr_schedule,
+        warmup=args.warmup,
+        amp=args.amp,
+        grad_clip=args.grad_clip,
     )
 
 
@@ -191,12 +234,21 @@ def handler(args: argparse.Namespace) -> int:
         f"({m} micro-batch{'es' if m > 1 else ''}), {result.transport} transport on {result.device}"
     )
     steps = result.end_step - result.start_step
+    train_acc = (
+        f", train accuracy {result.train_accuracy:.1%}" if result.train_accuracy is not None else ""
+    )
     print(
         f"steps {result.start_step}..{result.end_step} ({steps} mini-batches) in "
-        f"{result.train_seconds:.1f} s: final loss {result.final_loss:.4f}, train accuracy "
-        f"{result.train_accuracy:.1%}, test accuracy {result.test_accuracy:.1%}, "
+        f"{result.train_seconds:.1f} s: final loss {result.final_loss:.4f}{train_acc}, "
         f"{result.samples_per_second:.0f} samples/s"
     )
+    if result.eval is not None:
+        ev = result.eval
+        acc = f"test accuracy {ev.accuracy:.1%}, " if ev.accuracy is not None else ""
+        ppl = f", perplexity {ev.perplexity:.2f}" if config.model == "gpt" else ""
+        print(f"{acc}test loss {ev.loss:.4f}{ppl} ({ev.samples} samples)")
+    for note in result.notes:
+        print(f"note: {note}")
     copies = " ".join(str(result.weight_copies[k]) for k in sorted(result.weight_copies))
     print(f"weight copies per stage (peak): {copies}")
     if args.trace:

@@ -164,6 +164,20 @@ def interleaved_one_f_one_b(shape: Shape) -> Order:
     return order
 
 
+def forward_only(rank_of: Mapping[int, int], micro_batches: int) -> Order:
+    """Evaluation: every micro-batch forward through every stage, no backward, no update.
+
+    Each rank runs its stages' forwards in (micro-batch, stage) order, a topological order of
+    the forward dependencies, so any placement of stages on ranks finishes.
+    """
+    order: Order = {rank: [] for rank in sorted(set(rank_of.values()))}
+    stages = sorted(rank_of)
+    for mb in range(micro_batches):
+        for k in stages:
+            order[rank_of[k]].append(Action(k, F, mb))
+    return order
+
+
 def stage_ranks(order: Mapping[int, Sequence[Action | None]]) -> dict[int, int]:
     """Which rank runs each stage (every stage's actions sit on one rank)."""
     where: dict[int, int] = {}

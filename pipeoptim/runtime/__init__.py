@@ -1,14 +1,22 @@
-"""Torch runtime: stages, weight prediction, transport and the executor that runs a plan."""
+"""Torch runtime: the Pipeline library, stages, weight prediction, transports, the executor."""
 
 from typing import Any
 
-__all__ = ["TrainConfig", "TrainResult", "train"]
+__all__ = ["EvalResult", "FitResult", "Pipeline", "TrainConfig", "train"]
+
+_HOMES = {
+    "Pipeline": "pipeline",
+    "FitResult": "result",
+    "EvalResult": "result",
+    "TrainConfig": "config",
+    "train": "launch",
+}
 
 
 def __getattr__(name: str) -> Any:
     # Lazy: importing one runtime module (e.g. predict) need not load the whole executor.
-    if name in __all__:
-        from pipeoptim.runtime import launch
+    if name in _HOMES:
+        import importlib
 
-        return getattr(launch, name)
+        return getattr(importlib.import_module(f"pipeoptim.runtime.{_HOMES[name]}"), name)
     raise AttributeError(f"module 'pipeoptim.runtime' has no attribute {name!r}")

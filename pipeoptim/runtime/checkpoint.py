@@ -3,14 +3,14 @@
 Why segments: an asynchronous pipeline never flushes, so at no moment inside it are all
 stages' weights one consistent state: stage 0 has run forwards that stage 3 has not yet
 seen, and the stash of a mini-batch in flight is part of the state. The runtime therefore
-runs training as *segments* (one epoch, cut further by ``--checkpoint-every K`` mini-batches
-and at the last step), each one continuous never-flushed pipeline, and checkpoints at segment
-boundaries, where nothing is in flight. A stage's state there is exactly: weights, optimizer
-state, predictor state, its RNG stream and the step (mini-batches done; the data order is a
-function of the seed and the step). Resuming from step n runs the same segments an
-uninterrupted run with the same settings runs from n, so it produces the same weights
-bit for bit (the segmentation is a function of the step, the epoch length and K, never of
-where a run was interrupted).
+runs training as *segments*, each one continuous never-flushed pipeline, cut only every
+``checkpoint_every`` (and ``eval_every``) mini-batches and at the end; epochs do not cut.
+It checkpoints at segment boundaries, where nothing is in flight. A stage's state there is
+exactly: weights, optimizer, scheduler and predictor state, its RNG stream and the step
+(mini-batches done; the data position follows from it). Resuming from step n runs the same
+segments an uninterrupted run with the same settings runs from n, so it produces the same
+weights bit for bit (the segmentation is a function of the step and K, never of where a
+run was interrupted).
 
 Layout::
 
@@ -29,7 +29,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -56,15 +56,15 @@ class Segment:
     num_steps: int
 
 
-def plan_segments(start: int, total: int, steps_per_epoch: int, every: int | None) -> list[Segment]:
-    """Cut steps ``start .. total-1`` at epoch ends and at multiples of ``every``: a pure
-    function of the step, so a resumed run runs the same segments as an uninterrupted one."""
+def plan_segments(start: int, total: int, every: Iterable[int | None] = ()) -> list[Segment]:
+    """Cut steps ``start .. total-1`` at the multiples of each K in ``every`` (checkpoints,
+    evaluations): a pure function of the step, so a resumed run runs the same segments as an
+    uninterrupted one. Epochs do not cut: the pipeline runs on across them."""
+    periods = [k for k in every if k]
     out: list[Segment] = []
     s = start
     while s < total:
-        end = min(total, (s // steps_per_epoch + 1) * steps_per_epoch)
-        if every:
-            end = min(end, (s // every + 1) * every)
+        end = min([total] + [(s // k + 1) * k for k in periods])
         out.append(Segment(len(out), s, end - s))
         s = end
     return out

@@ -1,10 +1,9 @@
 """Built-in data sets and the deterministic order in which a run visits them.
 
-Every rank of a pipeline builds the same data set and the same order from the seed, so no
-rank ever ships inputs or labels to another: the first stage reads the inputs of a
-micro-batch, the last stage its labels. The order is a pure function of ``(seed, step)``,
-which is what lets a checkpoint store its data position as one integer and a resumed run
-visit exactly the samples an uninterrupted one would.
+The built-in data sets reach the pipeline as :class:`DatasetLoader` iterables, exactly as a
+user's ``DataLoader`` does. Their order is a pure function of ``(seed, step)``, which is
+what lets a checkpoint store its data position as one integer and a resumed run visit
+exactly the samples an uninterrupted one would.
 
 Nothing here downloads: ``digits`` is scikit-learn's bundled 8x8 digits (read straight from
 the package's data file when possible, so a worker process need not import scikit-learn),
@@ -15,6 +14,7 @@ from __future__ import annotations
 
 import gzip
 import importlib.util
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,8 +23,9 @@ import torch
 from torch import Tensor
 
 from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.runtime.feed import epoch_seed
 
-__all__ = ["BatchOrder", "Dataset", "MicroBatches", "digits", "majority"]
+__all__ = ["BatchOrder", "Dataset", "DatasetLoader", "digits", "majority"]
 
 SPLIT_SEED = 0
 """The train/test split is fixed, independent of ``--seed``, so accuracies compare."""
@@ -129,31 +130,44 @@ class BatchOrder:
     def indices(self, step: int) -> Tensor:
         epoch, pos = divmod(step, self.steps_per_epoch)
         if self._perm is None or self._perm[0] != epoch:
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            gen = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
             self._perm = (epoch, torch.randperm(self.num_samples, generator=gen))
         return self._perm[1][pos * self.batch_size : (pos + 1) * self.batch_size]
 
 
-class MicroBatches:
-    """Inputs and labels of micro-batch j of global step g, on the rank's device."""
+class DatasetLoader:
+    """A built-in data set's batches as an iterable of ``(input, target)``, the form
+    :class:`~pipeoptim.runtime.pipeline.Pipeline` reads any data in.
+
+    Training (``shuffle``): epoch e visits the :class:`BatchOrder` permutation of
+    ``(seed, e)`` in full batches; ``set_epoch`` selects the epoch, as with PyTorch's
+    ``DistributedSampler``. Evaluation (``shuffle=False``): the samples in order, the last
+    batch possibly smaller.
+    """
 
     def __init__(
-        self, data: Dataset, order: BatchOrder, micro_batches: int, device: torch.device
+        self, x: Tensor, y: Tensor, batch_size: int, *, seed: int = 0, shuffle: bool = True
     ) -> None:
-        self.data = data
-        self.order = order
-        self.size = order.batch_size // micro_batches
-        self.device = device
-        self._step = -1
-        self._idx = torch.empty(0, dtype=torch.long)
+        self.x, self.y = x, y
+        self.shuffle = shuffle
+        self.batch_size = batch_size
+        self.order = BatchOrder(len(x), batch_size, seed) if shuffle else None
+        self.epoch = 0
 
-    def _slice(self, step: int, j: int) -> Tensor:
-        if step != self._step:
-            self._step, self._idx = step, self.order.indices(step)
-        return self._idx[j * self.size : (j + 1) * self.size]
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
 
-    def inputs(self, step: int, j: int) -> Tensor:
-        return self.data.train_x[self._slice(step, j)].to(self.device, non_blocking=True)
+    def __len__(self) -> int:
+        if self.order is not None:
+            return self.order.steps_per_epoch
+        return -(-len(self.x) // self.batch_size)
 
-    def labels(self, step: int, j: int) -> Tensor:
-        return self.data.train_y[self._slice(step, j)].to(self.device, non_blocking=True)
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        if self.order is None:
+            for lo in range(0, len(self.x), self.batch_size):
+                yield self.x[lo : lo + self.batch_size], self.y[lo : lo + self.batch_size]
+            return
+        first = self.epoch * self.order.steps_per_epoch
+        for step in range(first, first + self.order.steps_per_epoch):
+            idx = self.order.indices(step)
+            yield self.x[idx], self.y[idx]

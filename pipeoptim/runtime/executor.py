@@ -11,50 +11,48 @@ every dependency is respected; with ``DistTransport`` each process runs its own 
 blocks on receives. The code that touches stages and tensors is the same in both cases, so
 a multi-process run computes bit for bit what the single-process one does.
 
-Every action becomes a :class:`~pipeoptim.trace.TraceEvent`, every compute action a memory
-sample. :class:`PipelineRun` is one process's share of a whole run.
+Data enters at stage 0 from a :class:`~pipeoptim.runtime.feed.TrainFeed`; the targets of
+each micro-batch travel from stage 0's rank to the last stage's as a ``target`` message.
+Evaluation is the same interpreter on a forward-only schedule
+(``plan.schedules.forward_only``). The executor interprets actions and nothing else: the
+model, checkpoints, progress and metrics belong to :mod:`pipeoptim.runtime.pipeline`.
+Losses stay on the device; nothing here synchronises with the host per micro-batch.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from torch import Tensor, nn
-from torch._C._distributed_c10d import Store
-from tqdm import tqdm
+from torch import Tensor
 
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.actions import Action, Kind
-from pipeoptim.plan.methods import Method, get_method
+from pipeoptim.plan.methods import Method
 from pipeoptim.plan.passes import add_communication
-from pipeoptim.plan.schedules import Shape, stage_ranks
+from pipeoptim.plan.schedules import Shape, forward_only, stage_ranks
 from pipeoptim.plan.versions import MicroBatchVersions, VersionReport, analyze_versions
-from pipeoptim.runtime.checkpoint import CheckpointStore, Segment, plan_segments
-from pipeoptim.runtime.data import BatchOrder, MicroBatches
-from pipeoptim.runtime.models import build_model, probe_outputs, stage_boundaries
+from pipeoptim.runtime.checkpoint import Segment
+from pipeoptim.runtime.feed import TrainFeed
 from pipeoptim.runtime.stage import Stage
 from pipeoptim.runtime.transport import MessageKey, Transport
 from pipeoptim.trace import MemorySample, TraceEvent
 
-if TYPE_CHECKING:
-    from pipeoptim.runtime.launch import TrainConfig
-
 __all__ = [
     "Boundary",
+    "EvalSums",
     "NonFiniteLossError",
-    "PipelineRun",
     "RankExecutor",
     "RankResult",
     "Recorder",
     "SegmentPlan",
     "drive_local",
+    "eval_plan",
     "segment_plan",
 ]
 
@@ -72,7 +70,7 @@ class NonFiniteLossError(RuntimeConfigError):
 
 @dataclass(frozen=True)
 class Boundary:
-    """One sample of a stage's output: what the next stage's rank allocates to receive."""
+    """One sample of a stage's output (or of the targets): what a receiving rank allocates."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -87,11 +85,13 @@ class SegmentPlan:
     """A segment's schedule: version analysis, lowered per-rank actions, stage placement."""
 
     shape: Shape
-    versions: VersionReport
+    versions: VersionReport | None
     actions: dict[int, list[Action]]
     rank_of: dict[int, int]
 
     def passes(self, stage: int) -> dict[int, MicroBatchVersions]:
+        if self.versions is None:
+            return {}
         return {mb: v for (k, mb), v in self.versions.passes.items() if k == stage}
 
 
@@ -105,6 +105,26 @@ def segment_plan(method: Method, shape: Shape) -> SegmentPlan:
         add_communication(order),
         stage_ranks(order),
     )
+
+
+@lru_cache(maxsize=8)
+def eval_plan(rank_of: tuple[tuple[int, int], ...], batches: int) -> SegmentPlan:
+    """The forward-only schedule of ``batches`` evaluation batches, lowered."""
+    placement = dict(rank_of)
+    order = forward_only(placement, batches)
+    ranks = len(set(placement.values()))
+    return SegmentPlan(Shape(ranks, 1, batches), None, add_communication(order), placement)
+
+
+@dataclass
+class EvalSums:
+    """Evaluation totals on the last stage's device: loss x samples, correct, targets."""
+
+    loss: Tensor
+    correct: Tensor
+    samples: int = 0
+    targets: int = 0
+    classifier: bool = True
 
 
 Mark = float | torch.cuda.Event
@@ -161,12 +181,13 @@ class Recorder:
         self._pending = []
 
 
-StepCallback = Callable[[int, float, int], None]
-"""Called on the rank of the last stage with (global step, loss, correct samples)."""
+StepCallback = Callable[[int, Tensor, Tensor | None, int], None]
+"""Called on the rank of the last stage with (global step, loss, correct, targets counted);
+loss and correct are device tensors, read by the caller at its log points."""
 
 
 class RankExecutor:
-    """Runs one rank's action list, one segment at a time."""
+    """Runs one rank's action list, one segment (or evaluation chunk) at a time."""
 
     def __init__(
         self,
@@ -175,36 +196,70 @@ class RankExecutor:
         transport: Transport,
         *,
         boundaries: Sequence[Boundary],
-        batches: MicroBatches,
+        target: Boundary,
+        micro_size: int,
+        rank_of: Mapping[int, int],
         recorder: Recorder,
+        feed: TrainFeed | None = None,
         on_step: StepCallback | None = None,
+        memory_every: int = 4,
     ) -> None:
         self.rank = rank
         self.stages = dict(stages)
         self.transport = transport
         self.boundaries = list(boundaries)
-        self.batches = batches
+        self.target = target
+        self.micro_size = micro_size
+        self.rank_of = dict(rank_of)
+        self.last = max(self.rank_of)
         self.recorder = recorder
+        self.feed = feed
         self.on_step = on_step
+        self.memory_every = max(1, memory_every)
         self._actions: list[Action] = []
         self._pos = 0
         self._first = 0  # global step of the segment's first mini-batch
         self._m = 1
-        self._rank_of: dict[int, int] = {}
         self._inputs: dict[tuple[int, int], Tensor] = {}  # (consuming stage, mb) -> tensor
         self._grads: dict[tuple[int, int], Tensor] = {}  # (consuming stage, mb) -> tensor
-        self._loss: dict[int, tuple[float, int, int]] = {}  # step -> (loss, correct, parts)
+        self._targets: dict[int, Tensor] = {}  # mb -> targets, first and last stage local
+        self._last_targets = 0  # target count of the latest micro-batch (a shape, no sync)
+        self._loss: dict[int, list[Any]] = {}  # step -> [loss, correct, parts, targets]
+        self._eval: list[tuple[Tensor, Tensor]] | None = None  # the chunk, on stage 0's rank
+        self._eval_sizes: list[int] = []
+        self._eval_first = 0  # evaluation batches before this chunk (message names)
+        self.eval_sums: EvalSums | None = None
 
     def begin(self, segment: Segment, plan: SegmentPlan) -> None:
-        self._first, self._m, self._rank_of = (
-            segment.first_step,
-            plan.shape.micro_batches,
-            plan.rank_of,
-        )
+        self._first, self._m = segment.first_step, plan.shape.micro_batches
         self._actions, self._pos = plan.actions.get(self.rank, []), 0
+        self._eval_sizes = []
         for k, stage in self.stages.items():
             stage.begin_segment(plan.passes(k))
         self._post_ahead()
+
+    def begin_eval(
+        self,
+        plan: SegmentPlan,
+        sizes: Sequence[int],
+        first: int,
+        batches: list[tuple[Tensor, Tensor]] | None,
+    ) -> None:
+        """Evaluate one chunk: ``sizes[i]`` samples in batch i, ``batches`` on stage 0's rank."""
+        self._actions, self._pos = plan.actions.get(self.rank, []), 0
+        self._first, self._m = 0, 1
+        self._eval, self._eval_sizes, self._eval_first = batches, list(sizes), first
+        self._post_ahead()
+
+    def end_eval(self) -> None:
+        self._actions, self._pos = [], 0
+        self._eval, self._eval_sizes = None, []
+        self._inputs.clear()
+        self._targets.clear()
+
+    @property
+    def evaluating(self) -> bool:
+        return bool(self._eval_sizes)
 
     @property
     def done(self) -> bool:
@@ -220,6 +275,8 @@ class RankExecutor:
             return False
         if a.kind in (Kind.RECV_F, Kind.RECV_B):
             return self.transport.ready(self._recv_spec(a)[0])
+        if self._needs_target_message(a):
+            return self.transport.ready(self._target_spec(a.mb)[0])
         return True
 
     def run(self) -> None:
@@ -230,6 +287,10 @@ class RankExecutor:
     def step(self) -> None:
         a = self._actions[self._pos]
         self._pos += 1
+        if self.evaluating:
+            self._execute(a)
+            self._post_ahead()
+            return
         rec = self.recorder
         start = rec.mark()
         version, nbytes, distance = self._execute(a)
@@ -239,7 +300,9 @@ class RankExecutor:
             self.rank, a.stage, a.kind.value, mb, 0.0, 0.0, version, nbytes, distance
         )
         rec.add(event, start, end)
-        if a.kind.is_compute:
+        # Sampled every few micro-batches: the pattern repeats with each one, so a sample of
+        # F, B and U of every k-th micro-batch sees the peaks without a sample per action.
+        if a.kind.is_compute and a.mb % self.memory_every == 0:
             detail: dict[str, int] = {}
             for stage in self.stages.values():
                 for key, value in stage.memory().items():
@@ -257,12 +320,15 @@ class RankExecutor:
         if stage is None or not a.kind.is_compute:
             return self._communicate(a)
         if a.kind is Kind.FORWARD:
+            if self.evaluating:
+                self._forward_eval(stage, mb)
+                return 0, 0, 0
             step, j = divmod(mb, self._m)
             g = self._first + step
-            x = self.batches.inputs(g, j) if k == 0 else self._inputs.pop((k, mb))
-            out = stage.forward(mb, x, self.batches.labels(g, j) if stage.is_last else None)
+            x = self._stage_input(k, mb, lambda: self._feed().micro_batch(g, j))
+            out = stage.forward(mb, x, self._take_target(mb) if stage.is_last else None)
             if stage.is_last:
-                self._record_loss(g, out, stage.correct)
+                self._record_loss(g, out, stage.correct, self._last_targets)
             else:
                 self._inputs[(k + 1, mb)] = out
             v = stage.versions(mb)
@@ -272,7 +338,7 @@ class RankExecutor:
             if k > 0:
                 if g_in is None:  # the input took no gradient; the sender still expects one
                     b = self.boundaries[k - 1]
-                    shape = (self.batches.size, *b.shape)
+                    shape = (self.micro_size, *b.shape)
                     g_in = torch.zeros(shape, dtype=b.grad_dtype, device=stage.device)
                 self._grads[(k - 1, mb)] = g_in
             return self._first + stage.versions(mb).backward_version, 0, 0
@@ -280,14 +346,83 @@ class RankExecutor:
         stage.update()
         return version, 0, 0
 
+    def _feed(self) -> TrainFeed:
+        if self.feed is None:
+            raise RuntimeError(f"rank {self.rank} holds stage 0 but was given no data")
+        return self.feed
+
+    def _stage_input(self, k: int, mb: int, read: Callable[[], tuple[Tensor, Tensor]]) -> Tensor:
+        """Stage 0 reads the data (and passes the targets on); other stages their input."""
+        if k > 0:
+            return self._inputs.pop((k, mb))
+        x, y = read()
+        if self.last in self.stages:
+            self._targets[mb] = y
+        else:
+            self.transport.send(y, self.rank_of[self.last], self._target_spec(mb)[0])
+        return x
+
+    def _needs_target_message(self, a: Action) -> bool:
+        return a.kind is Kind.FORWARD and a.stage == self.last and 0 not in self.stages
+
+    def _take_target(self, mb: int) -> Tensor:
+        if mb in self._targets:
+            y = self._targets.pop(mb)
+        else:
+            y = self.transport.recv(*self._target_spec(mb))
+        self._last_targets = y.numel()
+        return y
+
+    def _target_spec(self, mb: int) -> tuple[MessageKey, int, tuple[int, ...], torch.dtype]:
+        key: MessageKey = (
+            ("eval_target", self.last, self._eval_first + mb)
+            if self.evaluating
+            else ("target", self.last, self._global(mb))
+        )
+        n = self._size(mb)
+        return key, self.rank_of[0], (n, *self.target.shape), self.target.dtype
+
+    def _forward_eval(self, stage: Stage, mb: int) -> None:
+        k = stage.index
+        x = self._stage_input(k, mb, lambda: self._eval_batch(mb))
+        out = stage.forward_eval(x)
+        if not stage.is_last:
+            self._inputs[(k + 1, mb)] = out
+            return
+        y = self._take_target(mb)
+        n = self._size(mb)
+        loss = stage.loss(out, y, f"evaluation batch {self._eval_first + mb}").detach()
+        correct = stage._count_correct(out, y)
+        sums = self.eval_sums
+        if sums is None:
+            zero = torch.zeros((), device=stage.device)
+            sums = self.eval_sums = EvalSums(zero, zero.long(), classifier=correct is not None)
+        sums.loss = sums.loss + loss.float() * n
+        if correct is not None:
+            sums.correct = sums.correct + correct
+        sums.classifier = sums.classifier and correct is not None
+        sums.samples += n
+        sums.targets += y.numel()
+
+    def _eval_batch(self, mb: int) -> tuple[Tensor, Tensor]:
+        if self._eval is None:
+            raise RuntimeError(f"rank {self.rank} holds stage 0 but was given no batches")
+        x, y = self._eval[mb]
+        device = self.stages[0].device
+        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+
+    def _size(self, mb: int) -> int:
+        return self._eval_sizes[mb] if self.evaluating else self.micro_size
+
     def _communicate(self, a: Action) -> tuple[int, int, int]:
         k, mb = a.stage, a.mb
+        act, grad = ("eval", "eval") if self.evaluating else ("act", "grad")
         if a.kind is Kind.SEND_F:
             t = self._inputs.pop((k + 1, mb))
-            self.transport.send(t, self._rank_of[k + 1], ("act", k + 1, self._global(mb)))
+            self.transport.send(t, self.rank_of[k + 1], (act, k + 1, self._message_mb(mb)))
         elif a.kind is Kind.SEND_B:
             t = self._grads.pop((k - 1, mb))
-            self.transport.send(t, self._rank_of[k - 1], ("grad", k - 1, self._global(mb)))
+            self.transport.send(t, self.rank_of[k - 1], (grad, k - 1, self._message_mb(mb)))
         elif a.kind in (Kind.RECV_F, Kind.RECV_B):
             key, peer, shape, dtype = self._recv_spec(a)
             t = self.transport.recv(key, peer, shape, dtype)
@@ -297,37 +432,41 @@ class RankExecutor:
         return 0, t.numel() * t.element_size(), 0
 
     def _recv_spec(self, a: Action) -> tuple[MessageKey, int, tuple[int, ...], torch.dtype]:
-        n, k, mb = self.batches.size, a.stage, self._global(a.mb)
+        n, k, mb = self._size(a.mb), a.stage, self._message_mb(a.mb)
         if a.kind is Kind.RECV_F:
             b = self.boundaries[k - 1]
-            return ("act", k, mb), self._rank_of[k - 1], (n, *b.shape), b.dtype
+            kind = "eval" if self.evaluating else "act"
+            return (kind, k, mb), self.rank_of[k - 1], (n, *b.shape), b.dtype
         b = self.boundaries[k]
-        return ("grad", k, mb), self._rank_of[k + 1], (n, *b.shape), b.grad_dtype
+        return ("grad", k, mb), self.rank_of[k + 1], (n, *b.shape), b.grad_dtype
 
     def _global(self, mb: int) -> int:
         """A segment's micro-batch id as the run counts it (messages and the trace)."""
         return self._first * self._m + mb
 
+    def _message_mb(self, mb: int) -> int:
+        return self._eval_first + mb if self.evaluating else self._global(mb)
+
     def _post_ahead(self) -> None:
         for a in self._actions[self._pos : self._pos + LOOKAHEAD]:
             if a.kind in (Kind.RECV_F, Kind.RECV_B):
                 self.transport.post_recv(*self._recv_spec(a))
+            elif self._needs_target_message(a):
+                self.transport.post_recv(*self._target_spec(a.mb))
 
-    def _record_loss(self, step: int, loss: Tensor, correct: Tensor) -> None:
-        value = float(loss)
-        if value != value or abs(value) == float("inf"):
-            raise NonFiniteLossError(
-                f"non-finite loss ({value}) at step {step} (mini-batches count from 0); "
-                f"training stopped and the last good checkpoint was kept. Lower --lr, then "
-                f"resume from the checkpoint",
-                step,
-            )
-        total, right, parts = self._loss.pop(step, (0.0, 0, 0))
-        total, right, parts = total + value, right + int(correct), parts + 1
-        if parts < self._m:
-            self._loss[step] = (total, right, parts)
-        elif self.on_step is not None:
-            self.on_step(step, total, right)
+    def _record_loss(self, step: int, loss: Tensor, correct: Tensor | None, targets: int) -> None:
+        acc = self._loss.get(step)
+        if acc is None:
+            acc = self._loss[step] = [loss, correct, 0, 0]
+        else:
+            acc[0] = acc[0] + loss
+            acc[1] = None if correct is None or acc[1] is None else acc[1] + correct
+        acc[2] += 1
+        acc[3] += targets
+        if acc[2] == self._m:
+            del self._loss[step]
+            if self.on_step is not None:
+                self.on_step(step, acc[0], acc[1], acc[3])
 
 
 def drive_local(executors: Sequence[RankExecutor]) -> None:
@@ -352,14 +491,17 @@ class RankResult:
 
     ranks: list[int]
     steps_per_epoch: int = 0
+    skipped_samples: int = 0
+    batch_size: int = 0
     start_step: int = 0
     end_step: int = 0
     losses: dict[int, float] = field(default_factory=dict)
     correct: dict[int, int] = field(default_factory=dict)
-    test_correct: int = 0
-    test_total: int = 0
+    targets: dict[int, int] = field(default_factory=dict)
+    evals: list[dict[str, Any]] = field(default_factory=list)
     weight_copies: dict[int, int] = field(default_factory=dict)
     train_seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
     events: list[TraceEvent] = field(default_factory=list)
     memory: list[MemorySample] = field(default_factory=list)
 
@@ -369,209 +511,8 @@ class RankResult:
     @classmethod
     def from_json(cls, text: str | bytes) -> RankResult:
         d = json.loads(text)
-        for key in ("losses", "correct", "weight_copies"):
+        for key in ("losses", "correct", "targets", "weight_copies"):
             d[key] = {int(k): v for k, v in d[key].items()}
         d["events"] = [TraceEvent(**e) for e in d["events"]]
         d["memory"] = [MemorySample(**m) for m in d["memory"]]
         return cls(**d)
-
-
-class PipelineRun:
-    """One process's share of a training run: builds the stages of its ranks (every rank
-    builds the whole model from the seed and keeps its slices), runs the segments,
-    checkpoints between them and evaluates on the test set at the end."""
-
-    def __init__(
-        self,
-        config: TrainConfig,
-        transports: Mapping[int, Transport],
-        device: torch.device,
-        *,
-        origin: float,
-        store: Store | None = None,
-        world_size: int = 1,
-        abort_check: Callable[[], None] = lambda: None,
-    ) -> None:
-        plan, self.config, self.device = config.plan, config, device
-        self.method = get_method(plan.method)
-        self.transports = dict(transports)
-        layers, self.data = build_model(config.model, config.seed)
-        self.shape = plan.shape(1)
-        self.num_stages, m = self.shape.num_stages, self.shape.micro_batches
-        check_batch_size(config.batch_size, m)
-        bounds = stage_boundaries(len(layers), self.num_stages, plan.boundaries, config.model)
-        probe = probe_outputs(layers, bounds, self.data.train_x[:2])
-        self.boundaries = [Boundary(shape, dtype) for shape, dtype in probe]
-        self.rank_of = stage_ranks(self.method.order(self.shape))
-        self.order = BatchOrder(len(self.data.train_x), config.batch_size, config.seed)
-        self.recorder = Recorder(device, origin)
-        self.stages: dict[int, Stage] = {}
-        self.executors: list[RankExecutor] = []
-        for rank in sorted(self.transports):
-            mine = {
-                k: Stage(
-                    k,
-                    nn.Sequential(*layers[bounds[k][0] : bounds[k][1]]),
-                    num_stages=self.num_stages,
-                    method=self.method,
-                    optimizer=plan.optimizer,
-                    micro_batches=m,
-                    prediction_offset=plan.prediction_offset,
-                    device=device,
-                    seed=config.seed * 1000 + k + 1,
-                )
-                for k, r in sorted(self.rank_of.items())
-                if r == rank
-            }
-            self.stages.update(mine)
-            order = BatchOrder(len(self.data.train_x), config.batch_size, config.seed)
-            self.executors.append(
-                RankExecutor(
-                    rank,
-                    mine,
-                    self.transports[rank],
-                    boundaries=self.boundaries,
-                    batches=MicroBatches(self.data, order, m, device),
-                    recorder=self.recorder,
-                    on_step=self._on_step if self.num_stages - 1 in mine else None,
-                )
-            )
-        self.result = RankResult(sorted(self.transports), self.order.steps_per_epoch)
-        self.checkpoints: CheckpointStore | None = None
-        if config.checkpoint_dir:
-            self.checkpoints = CheckpointStore(
-                config.checkpoint_dir,
-                config.identity(),
-                num_stages=self.num_stages,
-                store=store,
-                rank=min(self.transports),
-                world_size=world_size,
-                timeout=config.timeout,
-                abort_check=abort_check,
-            )
-        self._bar: Any = None
-
-    @property
-    def owns_last_stage(self) -> bool:
-        return self.num_stages - 1 in self.stages
-
-    def total_steps(self) -> int:
-        """Mini-batches of the whole run: epochs, capped by max_steps."""
-        cfg, per_epoch = self.config, self.order.steps_per_epoch
-        total = cfg.epochs * per_epoch if cfg.epochs is not None else cfg.max_steps or 0
-        return min(total, cfg.max_steps) if cfg.max_steps is not None else total
-
-    def restore(self) -> int:
-        """Load the latest checkpoint when resuming; returns the step to start from."""
-        record = self.checkpoints.latest() if self.config.resume and self.checkpoints else None
-        if record is None or self.checkpoints is None:
-            return 0
-        step = int(record["step"])
-        for k, stage in self.stages.items():
-            stage.load_state_dict(self.checkpoints.load(step, k, self.device)["state"])
-        return step
-
-    def run(self) -> RankResult:
-        res = self.result
-        res.start_step = res.end_step = start = self.restore()
-        total = self.total_steps()
-        if self.owns_last_stage and not self.config.quiet and sys.stderr.isatty():
-            samples = max(total - start, 0) * self.config.batch_size
-            desc = self.config.plan.method
-            self._bar = tqdm(total=samples, unit="sample", unit_scale=True, desc=desc, leave=False)
-        t0 = time.perf_counter()
-        every = self.config.checkpoint_every
-        try:
-            for seg in plan_segments(start, total, self.order.steps_per_epoch, every):
-                self._run_segment(seg)
-                res.end_step = seg.first_step + seg.num_steps
-                res.train_seconds = time.perf_counter() - t0
-                if self.checkpoints is not None:
-                    self._checkpoint(res.end_step)
-        finally:
-            res.train_seconds = time.perf_counter() - t0
-            if self._bar is not None:
-                self._bar.close()
-            self.collect()
-        res.test_correct, res.test_total = self.evaluate()
-        return res
-
-    def collect(self) -> RankResult:
-        """The result so far (after a failure too: the trace of what ran)."""
-        self.recorder.resolve()
-        self.result.events, self.result.memory = self.recorder.events, self.recorder.memory
-        self.result.weight_copies = {k: s.peak_weight_copies for k, s in self.stages.items()}
-        return self.result
-
-    def _run_segment(self, seg: Segment) -> None:
-        s = self.shape
-        shape = Shape(s.num_ranks, s.micro_batches, seg.num_steps, s.virtual_stages)
-        plan = segment_plan(self.method, shape)
-        for ex in self.executors:
-            ex.begin(seg, plan)
-        if len(self.executors) == 1:
-            self.executors[0].run()
-        else:
-            drive_local(self.executors)
-        for t in self.transports.values():
-            t.flush()
-        self.recorder.resolve()
-
-    def _checkpoint(self, step: int) -> None:
-        assert self.checkpoints is not None
-        for k, stage in self.stages.items():
-            if not all(bool(torch.isfinite(p).all()) for p in stage.module.parameters()):
-                raise NonFiniteLossError(
-                    f"the weights of stage {k} became non-finite by step {step}; training "
-                    f"stopped and the last good checkpoint was kept. Lower --lr",
-                    step,
-                )
-        epoch, pos = divmod(step, self.order.steps_per_epoch)
-        states = {k: stage.state_dict() for k, stage in self.stages.items()}
-        extra = {"epoch": epoch, "data_position": {"epoch": epoch, "batch": pos}}
-        self.checkpoints.save(step, states, extra)
-
-    def _on_step(self, step: int, loss: float, correct: int) -> None:
-        self.result.losses[step] = loss
-        self.result.correct[step] = correct
-        if self._bar is not None:  # the rate tqdm shows is samples/s
-            self._bar.update(self.config.batch_size)
-            acc = correct / self.config.batch_size
-            self._bar.set_postfix(step=step, loss=f"{loss:.4f}", acc=f"{acc:.3f}")
-
-    def evaluate(self) -> tuple[int, int]:
-        """Test accuracy of the live weights: a forward-only pipeline, one batch at a time;
-        returns (correct, total) on the process of the last stage, else (0, 0)."""
-        x_all, y_all, bs = self.data.test_x, self.data.test_y, self.config.batch_size
-        transport = next(iter(self.transports.values()))
-        correct = 0
-        modes = {k: stage.module.training for k, stage in self.stages.items()}
-        for stage in self.stages.values():
-            stage.module.eval()  # dropout off, batch-norm statistics frozen
-        with torch.no_grad():
-            for i, lo in enumerate(range(0, len(x_all), bs)):
-                x = x_all[lo : lo + bs].to(self.device)
-                n = len(x)
-                for k, stage in sorted(self.stages.items()):
-                    if k > 0 and k - 1 not in self.stages:
-                        b, peer = self.boundaries[k - 1], self.rank_of[k - 1]
-                        x = transport.recv(("eval", k, i), peer, (n, *b.shape), b.dtype)
-                    x = stage.module(x)
-                    if k + 1 < self.num_stages and k + 1 not in self.stages:
-                        transport.send(x, self.rank_of[k + 1], ("eval", k + 1, i))
-                if self.owns_last_stage:
-                    y = y_all[lo : lo + bs].to(self.device)
-                    correct += int((x.argmax(dim=-1) == y).sum())
-        transport.flush()
-        for k, stage in self.stages.items():
-            stage.module.train(modes[k])
-        return (correct, len(x_all)) if self.owns_last_stage else (0, 0)
-
-
-def check_batch_size(batch_size: int, micro_batches: int) -> None:
-    if batch_size % micro_batches:
-        m = micro_batches
-        raise RuntimeConfigError(
-            f"batch size {batch_size} is not divisible by {m} micro-batches; use --batch-size "
-            f"{max(m, batch_size // m * m)}, or a micro-batch count that divides {batch_size}"
-        )

@@ -1,6 +1,8 @@
 """Start a training run: in this process, as P spawned processes, or as one torchrun rank.
 
-``train(config)`` is the one entry point:
+``train(config)`` is the entry point of ``pipeoptim train``; every path ends in
+:func:`run_config`, which builds a :class:`~pipeoptim.runtime.pipeline.Pipeline` from the
+config and calls ``fit``, as a library user's script would:
 
 * ``transport="local"``: every stage in this process on one device (cuda:0 where there is
   a GPU, else the CPU); the fast path, and the one for a single GPU;
@@ -24,47 +26,30 @@ Under torchrun, torchrun itself stops the other ranks.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 from pipeoptim.errors import PipeoptimError, RuntimeConfigError
-from pipeoptim.plan.plan import OptimizerSpec, Plan
-from pipeoptim.runtime.data import BatchOrder
-from pipeoptim.runtime.executor import (
-    NonFiniteLossError,
-    PipelineRun,
-    RankResult,
-    check_batch_size,
-)
-from pipeoptim.runtime.models import build_model, stage_boundaries
-from pipeoptim.runtime.transport import DistTransport, FailureBoard, LocalTransport, PeerLostError
-from pipeoptim.trace import Trace
+from pipeoptim.runtime.config import TrainConfig
+from pipeoptim.runtime.data import DatasetLoader
+from pipeoptim.runtime.executor import NonFiniteLossError, RankResult
+from pipeoptim.runtime.lr import scheduler_factory
+from pipeoptim.runtime.models import build_model, model_loss, stage_boundaries
+from pipeoptim.runtime.pipeline import Pipeline
+from pipeoptim.runtime.placement import pick_device
+from pipeoptim.runtime.result import FitResult, build_trace, merge
+from pipeoptim.runtime.transport import FailureBoard, PeerLostError
 
-__all__ = [
-    "DEFAULT_EPOCHS",
-    "RankFailedError",
-    "TrainConfig",
-    "TrainResult",
-    "pick_device",
-    "preflight",
-    "train",
-]
-
-DEFAULT_EPOCHS = 10
-"""Epochs when neither ``epochs`` nor ``max_steps`` is given (the digits MLP of the default
-run is past 95 % test accuracy by then)."""
+__all__ = ["RankFailedError", "build_run", "preflight", "run_config", "train"]
 
 
 class RankFailedError(RuntimeConfigError):
@@ -75,223 +60,77 @@ class RankFailedError(RuntimeConfigError):
         self.rank = rank
 
 
-def _default_plan() -> Plan:
-    return Plan("pipeoptim", 4, optimizer=OptimizerSpec("sgd", 0.02))
+def _meta(config: TrainConfig, device: str) -> dict[str, object]:
+    return {"transport": config.transport, "device": device, "model": config.model}
 
 
-@dataclass
-class TrainConfig:
-    """A training run: the plan plus what a plan does not say (length, data order, I/O).
-
-    ``plan.model`` and ``plan.batch_size`` name the model and the samples per mini-batch
-    (defaults ``mlp`` and 32).
-    """
-
-    plan: Plan = field(default_factory=_default_plan)
-    epochs: int | None = None
-    """Epochs to train; with ``max_steps`` also None, DEFAULT_EPOCHS."""
-    max_steps: int | None = None
-    """Stop after this many mini-batches in all (counted from the run's start)."""
-    transport: str = "local"
-    checkpoint_dir: str | None = None
-    checkpoint_every: int | None = None
-    """Also end a segment, and checkpoint, every K mini-batches (default: each epoch)."""
-    resume: bool = False
-    trace: str | None = None
-    seed: int = 0
-    device: str = "auto"
-    """``auto`` (cuda where present, else cpu), ``cpu``, ``cuda`` or ``cuda:N``."""
-    quiet: bool = True
-    """No progress bar."""
-    timeout: float = 300.0
-    """Seconds a rank waits for another before giving up (process-group timeout)."""
-
-    def __post_init__(self) -> None:
-        self.plan.model = self.plan.model or "mlp"
-        self.plan.batch_size = self.plan.batch_size or 32
-        if self.epochs is None and self.max_steps is None:
-            self.epochs = DEFAULT_EPOCHS
-        counts = {"epochs": self.epochs, "max-steps": self.max_steps}
-        counts.update({"checkpoint-every": self.checkpoint_every, "batch-size": self.batch_size})
-        for flag, value in counts.items():
-            if value is not None and value < 1:
-                raise RuntimeConfigError(f"--{flag} must be at least 1 (got {value})")
-        spec = self.plan.method_spec
-        if not spec.micro_batched and self.plan.micro_batches != 1:
-            spec.shape(self.plan.num_stages, self.plan.micro_batches)  # the registry's error
-        if self.transport not in ("local", "dist"):
-            raise RuntimeConfigError(f"unknown transport {self.transport!r}; use local or dist")
-        if not self.timeout > 0:
-            raise RuntimeConfigError(f"--timeout must be positive (got {self.timeout})")
-
-    @property
-    def model(self) -> str:
-        return self.plan.model or "mlp"
-
-    @property
-    def batch_size(self) -> int:
-        return self.plan.batch_size or 32
-
-    def identity(self) -> dict[str, Any]:
-        """What a checkpoint must agree on to be resumed by this run."""
-        p, shape = self.plan, self.plan.shape(1)
-        ident = {
-            "method": p.method,
-            "num_stages": p.num_stages,
-            "micro_batches": shape.micro_batches,
-            "virtual_stages": shape.virtual_stages,
-            "prediction_offset": p.prediction_offset,
-            "optimizer": asdict(p.optimizer),
-            "model": self.model,
-            "batch_size": self.batch_size,
-            "boundaries": p.boundaries,
-            "seed": self.seed,
-        }
-        normal: dict[str, Any] = json.loads(json.dumps(ident))  # tuples -> lists, as on disk
-        return normal
-
-    def to_json(self) -> str:
-        return json.dumps({**asdict(self), "plan": self.plan.to_dict()})
-
-    @classmethod
-    def from_json(cls, text: str) -> TrainConfig:
-        d = json.loads(text)
-        return cls(**{**d, "plan": Plan.from_dict(d["plan"])})
-
-
-@dataclass
-class TrainResult:
-    """The outcome of a run, merged over its ranks."""
-
-    method: str
-    num_stages: int
-    micro_batches: int
-    batch_size: int
-    model: str
-    transport: str
-    device: str
-    start_step: int
-    end_step: int
-    losses: list[float]
-    """Training loss of every mini-batch run (start_step .. end_step-1)."""
-    final_loss: float
-    """Mean training loss of the last (up to) 10 mini-batches."""
-    train_accuracy: float
-    """Training accuracy over the last (up to) one epoch of mini-batches."""
-    test_accuracy: float
-    samples_per_second: float
-    train_seconds: float
-    weight_copies: dict[int, int]
-    """Peak weight copies each stage held (live, stashed or buffered, predicted)."""
-    trace: Trace = field(repr=False)
-
-    def summary(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("trace")
-        return d
-
-
-def pick_device(requested: str, local_rank: int = 0) -> torch.device:
-    """``cuda:(local_rank % count)`` where GPUs exist and are allowed, else the CPU."""
-    if requested.startswith("cuda:"):
-        return torch.device(requested)
-    if requested == "cpu" or not torch.cuda.is_available():
-        if requested == "cuda":
-            raise RuntimeConfigError("--device cuda, but torch sees no GPU; use --device cpu")
-        return torch.device("cpu")
-    return torch.device("cuda", local_rank % torch.cuda.device_count())
-
-
-def _device_of(config: TrainConfig, rank: int | None) -> torch.device:
-    """--device if given, else the plan's device for this rank, else automatic. The local
-    transport (rank None) runs every stage on one device."""
-    devices = config.plan.devices
-    if config.device != "auto" or not devices:
-        return pick_device(config.device, int(os.environ.get("LOCAL_RANK", rank or 0)))
-    if rank is None:
-        if len(set(devices)) > 1:
-            raise RuntimeConfigError(
-                f"the plan puts ranks on several devices ({', '.join(devices)}), but the local "
-                f"transport runs every stage on one; use --transport dist, or --device"
-            )
-        return torch.device(devices[0])
-    if len(devices) != config.plan.num_stages:
-        raise RuntimeConfigError(
-            f"the plan lists {len(devices)} devices for {config.plan.num_stages} ranks; give "
-            f"one device per rank"
-        )
-    return torch.device(devices[rank])
-
-
-def _trace(config: TrainConfig, results: list[RankResult]) -> Trace:
-    shape = config.plan.shape(1)
-    start = min((r.start_step for r in results), default=0)
-    meta = {
-        "method": config.plan.method,
-        "num_stages": shape.num_stages,
-        "micro_batches": shape.micro_batches,
-        "mini_batches": max((r.end_step for r in results), default=0) - start,
-        "first_mini_batch": start,
-        "batch_size": config.batch_size,
-        "source": "runtime",
-        "units": {"time": "s", "bytes": "B"},
-        "transport": config.transport,
-        "model": config.model,
-        "plan": config.plan.to_dict(),
-        # measured peak, the same key the simulator writes, so metrics compare them
-        "weight_copies": {
-            str(k): n
-            for k, n in sorted((k, n) for r in results for k, n in r.weight_copies.items())
-        },
-    }
-    return Trace(
-        events=sorted((e for r in results for e in r.events), key=lambda e: (e.start, e.rank)),
-        memory=sorted((m for r in results for m in r.memory), key=lambda m: (m.time, m.rank)),
-        meta=meta,
-    )
-
-
-def _write_trace(config: TrainConfig, results: list[RankResult]) -> None:
+def _save_trace(config: TrainConfig, results: list[RankResult], device: str) -> None:
     if config.trace and results:
-        _trace(config, results).save(config.trace)
+        build_trace(config.plan, results, _meta(config, device)).save(config.trace)
 
 
-def _merge(config: TrainConfig, results: list[RankResult], device: str) -> TrainResult:
-    last = next((r for r in results if r.test_total), results[-1])
-    steps = sorted(last.losses)
-    losses = [last.losses[s] for s in steps]
-    window = steps[-max(1, last.steps_per_epoch) :]
-    seen = len(window) * config.batch_size
-    seconds = max(r.train_seconds for r in results)
-    copies = {k: n for r in results for k, n in r.weight_copies.items()}
-    shape = config.plan.shape(1)
-    return TrainResult(
-        method=config.plan.method,
-        num_stages=shape.num_stages,
-        micro_batches=shape.micro_batches,
-        batch_size=config.batch_size,
-        model=config.model,
+def build_run(
+    config: TrainConfig, *, store: Store | None = None
+) -> tuple[Pipeline, DatasetLoader, DatasetLoader]:
+    """``config`` as a library user would write it: the built-in model as a Pipeline, and
+    its training and test data as loaders."""
+    layers, data = build_model(config.model, config.seed)
+    train_data = DatasetLoader(data.train_x, data.train_y, config.batch_size, seed=config.seed)
+    test_data = DatasetLoader(data.test_x, data.test_y, config.batch_size, shuffle=False)
+    per_epoch = len(train_data)
+    total = config.epochs * per_epoch if config.epochs is not None else config.max_steps or 0
+    total = min(total, config.max_steps) if config.max_steps is not None else total
+    pipe = Pipeline(
+        layers,
+        plan=config.plan,
+        optimizer=config.plan.optimizer,
+        scheduler=scheduler_factory(config.lr_schedule, total, config.warmup),
+        loss_fn=model_loss(config.model),
         transport=config.transport,
-        device=device,
-        start_step=last.start_step,
-        end_step=last.end_step,
-        losses=losses,
-        final_loss=sum(losses[-10:]) / len(losses[-10:]) if losses else float("nan"),
-        train_accuracy=sum(last.correct[s] for s in window) / seen if seen else float("nan"),
-        test_accuracy=last.test_correct / last.test_total if last.test_total else float("nan"),
-        samples_per_second=(last.end_step - last.start_step) * config.batch_size / seconds
-        if seconds > 0
-        else 0.0,
-        train_seconds=seconds,
-        weight_copies=dict(sorted(copies.items())),
-        trace=_trace(config, results),
+        device=config.device,
+        amp=config.amp,
+        grad_clip=config.grad_clip,
+        checkpoint_dir=config.checkpoint_dir,
+        checkpoint_every=config.checkpoint_every,
+        seed=config.seed,
+        timeout=config.timeout,
+        progress=not config.quiet and sys.stderr.isatty(),
+        store=store,
+        run_identity=config.identity(),
     )
+    return pipe, train_data, test_data
 
 
-def train(config: TrainConfig) -> TrainResult | None:
+def run_config(config: TrainConfig, *, store: Store | None = None) -> FitResult:
+    """Train ``config`` (:func:`build_run`, then ``fit``). Every path of ``pipeoptim
+    train`` ends here (one process, or one rank of several)."""
+    pipe, train_data, test_data = build_run(config, store=store)
+    try:
+        result = pipe.fit(
+            train_data,
+            epochs=config.epochs,
+            max_steps=config.max_steps,
+            eval_data=test_data,
+            resume=config.resume,
+        )
+    except BaseException:
+        if store is not None:  # the launcher writes the trace from every rank's share
+            with contextlib.suppress(RuntimeError):
+                store.set(f"pipeoptim/result/{dist.get_rank()}", pipe.rank_result().to_json())
+        elif config.trace:
+            pipe.trace().save(config.trace)
+        raise
+    if store is not None:
+        store.set(f"pipeoptim/result/{dist.get_rank()}", pipe.rank_result().to_json())
+    elif config.trace:
+        result.trace.save(config.trace)
+    return result
+
+
+def train(config: TrainConfig) -> FitResult | None:
     """Run ``config``; returns the merged result (None on torchrun ranks other than 0)."""
     if config.transport == "local":
-        return _train_local(config)
+        return run_config(config)
     if "TORCHELASTIC_RUN_ID" in os.environ or (
         "RANK" in os.environ and "PIPEOPTIM_STORE_PORT" not in os.environ
     ):
@@ -299,28 +138,19 @@ def train(config: TrainConfig) -> TrainResult | None:
     return _spawn(config)
 
 
-def _train_local(config: TrainConfig) -> TrainResult:
-    device = _device_of(config, None)
-    transports = dict(enumerate(LocalTransport.group(config.plan.num_stages)))
-    run = PipelineRun(config, transports, device, origin=time.perf_counter())
-    try:
-        result = run.run()
-    except BaseException:
-        _write_trace(config, [run.collect()])
-        raise
-    merged = _merge(config, [result], str(device))
-    if config.trace:
-        merged.trace.save(config.trace)
-    return merged
-
-
 def preflight(config: TrainConfig) -> None:
     """The checks every rank would fail alike, made once before any process starts."""
     layers, data = build_model(config.model, config.seed)
     shape = config.plan.shape(1)
     stage_boundaries(len(layers), shape.num_stages, config.plan.boundaries, config.model)
-    check_batch_size(config.batch_size, shape.micro_batches)
-    BatchOrder(len(data.train_x), config.batch_size, config.seed)
+    m = shape.micro_batches
+    if config.batch_size % m:
+        raise RuntimeConfigError(
+            f"batch size {config.batch_size} is not divisible by {m} micro-batches; use "
+            f"--batch-size {max(m, config.batch_size // m * m)}, or a micro-batch count that "
+            f"divides {config.batch_size}"
+        )
+    DatasetLoader(data.train_x, data.train_y, config.batch_size, seed=config.seed)
     if config.device != "cpu" and torch.cuda.is_available():
         _check_gpus(config, config.plan.num_stages)
 
@@ -356,6 +186,19 @@ def _connect(config: TrainConfig, rank: int, world: int, store: Store | None) ->
     return device
 
 
+def _device_of(config: TrainConfig, rank: int) -> torch.device:
+    """--device if given, else the plan's device for this rank, else automatic."""
+    devices = config.plan.devices
+    if config.device != "auto" or not devices:
+        return pick_device(config.device, int(os.environ.get("LOCAL_RANK", rank)))
+    if len(devices) != config.plan.num_stages:
+        raise RuntimeConfigError(
+            f"the plan lists {len(devices)} devices for {config.plan.num_stages} ranks; give "
+            f"one device per rank"
+        )
+    return torch.device(devices[rank])
+
+
 def _check_gpus(config: TrainConfig, local_ranks: int) -> None:
     """NCCL cannot run two ranks on one GPU: refuse before any rendezvous."""
     count = torch.cuda.device_count()
@@ -367,23 +210,11 @@ def _check_gpus(config: TrainConfig, local_ranks: int) -> None:
         )
 
 
-def _run_rank(config: TrainConfig, rank: int, store: Store, device: torch.device) -> None:
-    """One rank's run (process group up); publishes its result, after a failure too."""
+def _run_rank(config: TrainConfig, rank: int, store: Store) -> FitResult:
+    """One rank's run (process group up); publishes its share, after a failure too."""
     board = FailureBoard(store)
-    run: PipelineRun | None = None
-    dist.barrier()  # a shared time origin for the trace
     try:
-        transport = DistTransport(rank, config.plan.shape(1).num_stages, device)
-        run = PipelineRun(
-            config,
-            {rank: transport},
-            device,
-            origin=time.perf_counter(),
-            store=store,
-            world_size=dist.get_world_size(),
-            abort_check=board.check,
-        )
-        store.set(f"pipeoptim/result/{rank}", run.run().to_json())
+        return run_config(config, store=store)
     except BaseException as err:
         message = str(err) if isinstance(err, PipeoptimError) else f"{type(err).__name__}: {err}"
         if isinstance(err, NonFiniteLossError):
@@ -392,9 +223,10 @@ def _run_rank(config: TrainConfig, rank: int, store: Store, device: torch.device
             board.post(rank, "peer", message, suspect=err.peer)
         else:
             board.post(rank, "error", message)
-        partial = run.collect() if run is not None else RankResult([rank])
+        key = f"pipeoptim/result/{rank}"
         with contextlib.suppress(RuntimeError):  # the store may be gone with the launcher
-            store.set(f"pipeoptim/result/{rank}", partial.to_json())
+            if not store.check([key]):
+                store.set(key, RankResult([rank]).to_json())
         raise
 
 
@@ -406,25 +238,24 @@ def _gather(store: Store, world: int, wait: float) -> list[RankResult]:
     return [RankResult.from_json(store.get(k)) for k in keys if store.check([k])]
 
 
-def _train_torchrun(config: TrainConfig) -> TrainResult | None:
+def _train_torchrun(config: TrainConfig) -> FitResult | None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = _connect(config, rank, world, None)
     store = dist.distributed_c10d._get_default_store()
+    label = f"{device.type} x{world}"
     try:
-        _run_rank(config, rank, store, device)
+        result = _run_rank(config, rank, store)
         dist.barrier()
     except BaseException:
         if rank == 0:
-            _write_trace(config, _gather(store, world, 5.0))
+            _save_trace(config, _gather(store, world, 5.0), label)
         raise
-    results = _gather(store, world, config.timeout) if rank == 0 else []
     dist.destroy_process_group()
     if rank != 0:
         return None
-    merged = _merge(config, results, f"{device.type} x{world}")
     if config.trace:
-        merged.trace.save(config.trace)
-    return merged
+        result.trace.save(config.trace)
+    return result
 
 
 # -- the launcher -----------------------------------------------------------------------------
@@ -437,7 +268,7 @@ def _describe_exit(code: int) -> str:
         return f"was killed by signal {-code}"
 
 
-def _spawn(config: TrainConfig) -> TrainResult:
+def _spawn(config: TrainConfig) -> FitResult:
     """Start one process per stage on this machine and watch them."""
     preflight(config)
     p = config.plan.num_stages
@@ -465,11 +296,12 @@ def _spawn(config: TrainConfig) -> TrainResult:
             proc.kill()
         raise
     results = _gather(store, p, 0.0)
-    _write_trace(config, results)
+    device = "cuda" if torch.cuda.is_available() and config.device != "cpu" else "cpu"
+    label = f"{device} x{p}"
+    _save_trace(config, results, label)
     if any(codes):
         raise _failure(FailureBoard(store), codes, stopped)
-    device = "cuda" if torch.cuda.is_available() and config.device != "cpu" else "cpu"
-    return _merge(config, results, f"{device} x{p}")
+    return merge(config.plan, results, _meta(config, label))
 
 
 def _watch(
@@ -530,8 +362,8 @@ def _worker_main() -> int:
     store = TCPStore(os.environ["MASTER_ADDR"], port, is_master=False, timeout=timeout)
     code = 0
     try:
-        device = _connect(config, rank, world, store)
-        _run_rank(config, rank, store, device)
+        _connect(config, rank, world, store)
+        _run_rank(config, rank, store)
         dist.barrier()  # nobody leaves while a peer may still be reading from it
     except PipeoptimError as err:
         print(f"pipeoptim train: rank {rank}: {err}", file=sys.stderr)

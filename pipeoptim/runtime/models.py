@@ -5,7 +5,9 @@ A pipeline splits a model at layer boundaries, so every model here is a flat lis
 
 * ``mlp``: a 9-layer perceptron on ``digits`` (64 features, 10 classes);
 * ``cnn``: a 12-layer convolutional net on ``digits`` seen as 1x8x8 images;
-* ``transformer``: a 10-layer transformer encoder on ``majority`` (15-bit strings).
+* ``transformer``: a 10-layer transformer encoder on ``majority`` (15-bit strings);
+* ``gpt``: a 9-unit decoder-only transformer, next-character prediction on the Python
+  standard library's own source (``runtime/gpt.py``), trained with a per-token loss.
 
 A user model is ``module:factory`` or ``path/to/file.py:factory``: ``factory()`` returns an
 ``nn.Sequential`` or a list of modules. It trains on ``digits`` (input: a float tensor of 64
@@ -27,13 +29,20 @@ from types import ModuleType
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.plan import even_boundaries
 from pipeoptim.runtime.data import Dataset, digits, majority
+from pipeoptim.runtime.gpt import gpt, lm_loss, python_corpus
 
-__all__ = ["BUILTIN_MODELS", "build_model", "probe_outputs", "stage_boundaries"]
+__all__ = [
+    "BUILTIN_MODELS",
+    "build_model",
+    "model_loss",
+    "stage_boundaries",
+]
 
 
 class MeanOverSequence(nn.Module):
@@ -105,7 +114,10 @@ BUILTIN_MODELS: dict[str, tuple[Callable[[], list[nn.Module]], Callable[[], Data
     "mlp": (mlp, digits),
     "cnn": (cnn, digits),
     "transformer": (transformer, majority),
+    "gpt": (gpt, python_corpus),
 }
+BUILTIN_LOSSES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"gpt": lm_loss}
+"""Built-in models whose loss is not plain cross-entropy on class labels."""
 
 
 def _import(module_part: str, spec: str) -> ModuleType:
@@ -199,26 +211,13 @@ def stage_boundaries(
     return bounds
 
 
-def probe_outputs(
-    layers: list[nn.Module], bounds: list[tuple[int, int]], sample: Tensor
-) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """Per-sample shape and dtype of each stage's output, from one forward of the whole
-    model on ``sample``: receiving ranks allocate their buffers from it before any message."""
-    out: list[tuple[tuple[int, ...], torch.dtype]] = []
-    x = sample
-    modes = [layer.training for layer in layers]
-    for layer in layers:
-        layer.eval()  # the probe must not move batch-norm statistics
-    with torch.no_grad():
-        for start, end in bounds:
-            for layer in layers[start:end]:
-                x = layer(x)
-            if not isinstance(x, Tensor):
-                raise RuntimeConfigError(
-                    f"layer {end - 1} returns {type(x).__name__}; every layer of a pipelined "
-                    f"model must return one tensor (wrap layers that return tuples)"
-                )
-            out.append((tuple(x.shape[1:]), x.dtype))
-    for layer, mode in zip(layers, modes, strict=True):
-        layer.train(mode)
-    return out
+def model_loss(name: str) -> Callable[[Tensor, Tensor], Tensor]:
+    """The loss a built-in model trains with (a user module may define ``loss``)."""
+    if name in BUILTIN_LOSSES:
+        return BUILTIN_LOSSES[name]
+    if ":" in name and name not in BUILTIN_MODELS:
+        module = _import(name.rpartition(":")[0], name)
+        user_loss = getattr(module, "loss", None)
+        if callable(user_loss):
+            return user_loss  # type: ignore[no-any-return]
+    return F.cross_entropy

@@ -24,29 +24,70 @@ live weights or the one frozen previous version). PREDICT copies the live weight
 writes the prediction ``Ŵ = W - lr·s·Δ`` into the parameters' storage for the forward and
 copies the live weights back, so the graph aliases the live storage and the backward runs
 on the current weights, as DESIGN.md specifies.
+
+Mixed precision (``amp``): the forward runs under ``torch.autocast``; master weights,
+optimizer state and prediction stay fp32. Autocast casts a weight to bf16/fp16 and the op
+saves that cast for its backward, so the backward would see the cast of the *forward's*
+weights (Ŵ). The stage keeps DESIGN.md's rule instead: a saved tensor that is a cast (or a
+view of a cast) of a weight alias is not kept; the backward re-casts the weights the policy
+says it uses (the live ones for predicting methods, the stashed version for PipeDream) when
+it needs them. Weights derived by other computations (``torch.nn.utils.parametrize``, weight
+norm) cannot be re-derived generically: for predicting methods their backward uses the value
+computed from Ŵ, and the stage says so once (``Stage.notes``).
 """
 
 from __future__ import annotations
 
 import copy
+import warnings
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
+from torch.nn.utils import parametrize
 from torch.optim import SGD, Adam, AdamW, Optimizer, RMSprop
+from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.methods import Method, WeightPolicy
 from pipeoptim.plan.plan import OptimizerSpec
 from pipeoptim.plan.versions import MicroBatchVersions, prediction_distance
-from pipeoptim.runtime.predict import WeightPredictor, predictor_for
+from pipeoptim.runtime.diagnose import describe_failure
+from pipeoptim.runtime.predict import WeightPredictor, future_lrs, predictor_for
 
-__all__ = ["OPTIMIZERS", "Stage", "make_optimizer"]
+__all__ = [
+    "AMP_DTYPES",
+    "OPTIMIZERS",
+    "LossFn",
+    "OptimizerFactory",
+    "SchedulerFactory",
+    "Stage",
+    "StageError",
+    "build_optimizer",
+    "checked_loss",
+    "make_optimizer",
+]
+
+OptimizerFactory = Callable[[list[Tensor]], Optimizer]
+"""Called with a stage's trainable parameters; returns the torch.optim optimizer over them."""
+SchedulerFactory = Callable[[Optimizer], Any]
+"""Called with a stage's optimizer; returns a torch.optim.lr_scheduler scheduler of it."""
+LossFn = Callable[[Tensor, Tensor], Tensor]
+"""(output of the last stage, targets) -> scalar loss (the mean over the micro-batch)."""
+
+AMP_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class StageError(RuntimeConfigError):
+    """User code (a layer, the loss, the optimizer or scheduler factory) failed in a stage;
+    the message names the stage, the unit and the values."""
+
 
 OPTIMIZERS: dict[str, type[Optimizer]] = {
     "sgd": SGD,
@@ -73,6 +114,115 @@ def make_optimizer(spec: OptimizerSpec, params: Iterable[Tensor]) -> Optimizer:
             f"cannot build {cls.__name__} with lr={spec.lr} and options {options}: {err}; "
             f"fix the optimizer options in the plan"
         ) from None
+
+
+def build_optimizer(
+    optimizer: OptimizerSpec | OptimizerFactory, params: Sequence[Tensor], stage: int
+) -> Optimizer:
+    """The stage's optimizer from a spec or a user factory, checked: it must be a
+    torch.optim.Optimizer over exactly the stage's trainable parameters."""
+    if isinstance(optimizer, OptimizerSpec):
+        return make_optimizer(optimizer, params)
+    try:
+        opt = optimizer(list(params))
+    except Exception as err:
+        raise StageError(
+            f"stage {stage}: the optimizer factory raised {type(err).__name__}: {err}; it is "
+            f"called with the list of the stage's trainable parameters, e.g. "
+            f"optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4)"
+        ) from err
+    if not isinstance(opt, Optimizer):
+        raise StageError(
+            f"stage {stage}: the optimizer factory returned {type(opt).__name__}, not a "
+            f"torch.optim.Optimizer; return e.g. torch.optim.SGD(params, lr=0.1)"
+        )
+    held = {id(p) for g in opt.param_groups for p in g["params"]}
+    if held != {id(p) for p in params}:
+        raise StageError(
+            f"stage {stage}: the optimizer factory built an optimizer over {len(held)} tensors "
+            f"that are not exactly the stage's {len(params)} trainable parameters; build it "
+            f"from the params argument it is given"
+        )
+    return opt
+
+
+def _build_scheduler(factory: SchedulerFactory, opt: Optimizer, stage: int) -> Any:
+    try:
+        sched = factory(opt)
+    except Exception as err:
+        raise StageError(
+            f"stage {stage}: the scheduler factory raised {type(err).__name__}: {err}; it is "
+            f"called with the stage's optimizer, e.g. scheduler=lambda opt: "
+            f"torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000)"
+        ) from err
+    if isinstance(sched, ReduceLROnPlateau):
+        raise StageError(
+            "ReduceLROnPlateau steps on a validation metric, which the stages of an "
+            "asynchronous pipeline do not share at update time; use a step-indexed schedule "
+            "(cosine, step, LambdaLR...)"
+        )
+    if not callable(getattr(sched, "step", None)) or getattr(sched, "optimizer", opt) is not opt:
+        raise StageError(
+            f"stage {stage}: the scheduler factory returned {type(sched).__name__}, not a "
+            f"torch.optim.lr_scheduler scheduler of the optimizer it was given"
+        )
+    return sched
+
+
+@dataclass(frozen=True)
+class _Recast:
+    """A saved weight cast, dropped at forward time: re-cast from ``source`` at backward."""
+
+    source: Tensor
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+# Backward nodes of ops whose output shares its input's storage.
+_VIEW_NODES = frozenset(
+    {
+        "TBackward0",
+        "TransposeBackward0",
+        "PermuteBackward0",
+        "ViewBackward0",
+        "UnsafeViewBackward0",
+        "ExpandBackward0",
+        "UnsqueezeBackward0",
+        "SqueezeBackward0",
+        "SqueezeBackward1",
+        "SqueezeBackward2",
+        "SliceBackward0",
+        "SelectBackward0",
+        "AsStridedBackward0",
+    }
+)
+
+
+def _cast_source(t: Tensor, aliases: dict[Any, Tensor]) -> Tensor | None:
+    """The weight storage ``t`` is a cast (or a view of a cast) of, else None."""
+    node = t.grad_fn
+    while node is not None and type(node).__name__ in _VIEW_NODES:
+        node = node.next_functions[0][0]
+    if node is None or type(node).__name__ != "ToCopyBackward0":
+        return None
+    source = aliases.get(node.next_functions[0][0])
+    if source is None or not source.is_contiguous():
+        return None
+    if t.untyped_storage().nbytes() != source.numel() * t.element_size():
+        return None  # not laid out like a plain cast of the whole weight
+    return source
+
+
+def _derived_weights(module: nn.Module) -> list[str]:
+    """Submodules whose weights are computed in the forward (parametrizations, weight norm)."""
+    found = []
+    for name, sub in module.named_modules():
+        hooks = getattr(sub, "_forward_pre_hooks", {}).values()
+        if parametrize.is_parametrized(sub) or any(type(h).__name__ == "WeightNorm" for h in hooks):
+            found.append(name or type(sub).__name__)
+    return found
 
 
 class _Alias(torch.autograd.Function):
@@ -105,7 +255,8 @@ class Stage:
     The executor calls :meth:`begin_segment` with this stage's passes (local micro-batch id
     to versions) of the segment's schedule, then :meth:`forward`, :meth:`backward` and
     :meth:`update` in the schedule's order. Micro-batch losses are scaled by 1/M so the
-    accumulated gradient is that of the mini-batch mean.
+    accumulated gradient is that of the mini-batch mean. Nothing here reads a value back to
+    the host: losses and correct counts stay on the device until the caller reads them.
     """
 
     def __init__(
@@ -115,12 +266,16 @@ class Stage:
         *,
         num_stages: int,
         method: Method,
-        optimizer: OptimizerSpec,
+        optimizer: OptimizerSpec | OptimizerFactory,
         micro_batches: int,
         prediction_offset: int = 0,
         device: torch.device | str = "cpu",
         seed: int = 0,
-        loss_fn: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy,
+        loss_fn: LossFn = F.cross_entropy,
+        scheduler: SchedulerFactory | None = None,
+        amp: str | None = None,
+        grad_clip: float | None = None,
+        first_unit: int = 0,
     ) -> None:
         self.index = index
         self.is_last = index == num_stages - 1
@@ -131,14 +286,43 @@ class Stage:
         self.micro_batches = micro_batches
         self.prediction_offset = prediction_offset
         self.loss_fn = loss_fn
+        self.first_unit = first_unit
+        self.grad_clip = grad_clip
+        self.notes: list[str] = []
+        """What this stage does differently from DESIGN.md's rule, said once each."""
+        self.amp_dtype = AMP_DTYPES[amp] if amp is not None else None
+        if self.amp_dtype is torch.float16 and self.device.type != "cuda":
+            raise StageError(
+                f"amp='fp16' needs a CUDA device (stage {index} is on {self.device}); use "
+                f"amp='bf16' on CPU"
+            )
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         # A stage of parameter-free layers (a lone ReLU) has nothing to update.
-        self.optimizer = make_optimizer(optimizer, self._params) if self._params else None
+        self.optimizer = build_optimizer(optimizer, self._params, index) if self._params else None
+        self.scheduler = (
+            _build_scheduler(scheduler, self.optimizer, index)
+            if scheduler is not None and self.optimizer is not None
+            else None
+        )
+        self.scaler = (
+            torch.amp.GradScaler(self.device.type)
+            if self.amp_dtype is torch.float16 and self.optimizer is not None
+            else None
+        )
         self.predictor: WeightPredictor | None = None
         if self.policy is WeightPolicy.PREDICT and self.optimizer is not None:
             self.predictor = predictor_for(self.optimizer, method.prediction_rule or "optimizer")
+            derived = _derived_weights(self.module)
+            if derived:
+                self._note(
+                    f"stage {index}: {', '.join(derived)} compute their weights in the forward "
+                    f"(parametrization or weight norm); the backward uses that value computed "
+                    f"from the predicted weights, not from the current ones"
+                )
+        self._future_lrs: list[list[float]] | None = None  # cached until the next update
+        self._lrs_unknown = False  # the scheduler cannot be queried: lr·s it is
         self._tracks_versions = self.policy is not WeightPolicy.PREDICT
         self._passes: dict[int, MicroBatchVersions] = {}
         self._cur = 0  # updates in this segment: the live weights are version _cur
@@ -148,13 +332,18 @@ class Stage:
         self._backup: list[Tensor] | None = None  # live weights aside during a predicted F
         self._saved: dict[int, tuple[Tensor, Tensor]] = {}  # mb -> (input, output or loss)
         self._act_bytes: dict[int, int] = {}
-        self.correct = torch.zeros((), dtype=torch.long)
-        """Last stage: correct predictions of the latest forward."""
+        self.correct: Tensor | None = None
+        """Last stage: correct predictions of the latest forward (None: not a classifier)."""
         self.peak_weight_copies = 1
         self._static_bytes: dict[str, int] = {}
         gen = torch.Generator(device=self.device).manual_seed(seed)
         self._rng_state: Tensor = gen.get_state()
         self._refresh_static_bytes()
+
+    def _note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+            warnings.warn(text, stacklevel=3)
 
     # -- segments --------------------------------------------------------------------------
     def begin_segment(self, passes: dict[int, MicroBatchVersions]) -> None:
@@ -169,6 +358,37 @@ class Stage:
         )
 
     # -- passes ----------------------------------------------------------------------------
+    def _autocast(self) -> Any:
+        if self.amp_dtype is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+
+    def _run_units(self, weights: dict[str, Tensor], x: Tensor) -> Tensor:
+        try:
+            out: Tensor = functional_call(self.module, weights, (x,))
+        except Exception as err:
+            raise StageError(self._failure(x, err)) from err
+        return out
+
+    def _failure(self, x: Tensor, err: Exception) -> str:
+        with self._autocast():
+            return describe_failure(
+                list(self.module), x, stage=self.index, first_unit=self.first_unit, error=err
+            )
+
+    def loss(self, out: Tensor, target: Tensor, where: str) -> Tensor:
+        """``loss_fn(out, target)``, checked to be a scalar; errors name the values."""
+        return checked_loss(self.loss_fn, out, target, where, self.index)
+
+    def _count_correct(self, out: Tensor, target: Tensor) -> Tensor | None:
+        """Correct argmax predictions, where the output is a score per class of each target."""
+        if target.is_floating_point() or out.dim() != target.dim() + 1:
+            return None
+        if out.shape[:-1] != target.shape:
+            return None
+        with torch.no_grad():
+            return (out.argmax(dim=-1) == target).sum()
+
     def forward(self, mb: int, x: Tensor, target: Tensor | None = None) -> Tensor:
         """Run micro-batch ``mb``; returns the (detached) output, or on the last stage the
         loss already divided by M."""
@@ -184,37 +404,58 @@ class Stage:
         weight_ptrs = {t.untyped_storage().data_ptr() for t in sources}
         counted: set[int] = set()
         act = 0
+        aliases: dict[Any, Tensor] = {}
+        recast = self.amp_dtype is not None
 
-        def pack(t: Tensor) -> Tensor:
+        def pack(t: Tensor) -> Tensor | _Recast:
             nonlocal act
+            if recast and t.dtype == self.amp_dtype:
+                source = _cast_source(t, aliases)
+                if source is not None:
+                    return _Recast(
+                        source, t.dtype, tuple(t.shape), t.stride(), int(t.storage_offset())
+                    )
             ptr = t.untyped_storage().data_ptr()
             if ptr not in weight_ptrs and ptr not in counted:
                 counted.add(ptr)
                 act += t.untyped_storage().nbytes()
             return t
 
-        with self.rng(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with (
+            self.rng(),
+            torch.autograd.graph.saved_tensors_hooks(pack, _unpack),
+            self._autocast(),
+        ):
             if s > 0:
                 self._write_prediction(s)
             try:
-                weights = {
-                    n: _alias(p, src)
-                    for n, p, src in zip(self._names, self._params, sources, strict=True)
-                }
-                out: Tensor = functional_call(self.module, weights, (x_in,))
+                weights = {}
+                for n, p, src in zip(self._names, self._params, sources, strict=True):
+                    weights[n] = w = _alias(p, src)
+                    aliases[w.grad_fn] = src
+                out = self._run_units(weights, x_in)
             finally:
                 if s > 0:
                     self._restore_live()
             if self.is_last:
                 if target is None:
-                    raise RuntimeError(f"stage {self.index}: the last stage needs labels")
-                with torch.no_grad():
-                    self.correct = (out.argmax(dim=-1) == target).sum()
-                out = self.loss_fn(out, target) / self.micro_batches
+                    raise RuntimeError(f"stage {self.index}: the last stage needs targets")
+                self.correct = self._count_correct(out, target)
+                out = self.loss(out, target, f"micro-batch {mb}") / self.micro_batches
         pack(out)
         self._saved[mb] = (x_in, out)
         self._act_bytes[mb] = act
         return out.detach()
+
+    def forward_eval(self, x: Tensor) -> Tensor:
+        """Forward on the live weights without autograd (evaluation); the caller puts the
+        module in eval mode."""
+        with torch.no_grad(), self._autocast():
+            try:
+                out: Tensor = self.module(x)
+            except Exception as err:
+                raise StageError(self._failure(x, err)) from err
+        return out
 
     def backward(self, mb: int, grad: Tensor | None = None) -> Tensor | None:
         """Backward of micro-batch ``mb``; returns the gradient of its input (None on the
@@ -227,29 +468,44 @@ class Stage:
             )
         x_in, out = self._saved.pop(mb)
         self._act_bytes.pop(mb, None)
+        scaler = self.scaler
         if out.requires_grad:
             with self.rng():
                 if self.is_last:
-                    torch.autograd.backward(out)
+                    torch.autograd.backward(scaler.scale(out) if scaler else out)
                 elif grad is not None:
-                    torch.autograd.backward(out, grad)
+                    torch.autograd.backward(out, scaler.scale(grad) if scaler else grad)
         if self._tracks_versions:
             self._inflight[v.forward_version] -= 1
             self._release(v.forward_version)
-        return x_in.grad if x_in.requires_grad else None
+        g_in = x_in.grad if x_in.requires_grad else None
+        if g_in is not None and scaler is not None:  # send the true gradient upstream
+            g_in = g_in / scaler.scale(torch.ones((), device=g_in.device))
+        return g_in
 
     def update(self) -> None:
-        """Apply the accumulated gradient with the optimizer (one update per mini-batch)."""
+        """Apply the accumulated gradient with the optimizer (one update per mini-batch),
+        then step the LR scheduler. The predictor records its state through the optimizer's
+        step hooks, so a step a GradScaler skips records nothing."""
         cur = self._cur
         if self._tracks_versions and self._pending_f[cur] + self._inflight[cur] > 0:
             self._freeze(cur)
-        if self.optimizer is not None:
-            if self.predictor is not None:
-                self.predictor.before_step()
-            self.optimizer.step()
-            if self.predictor is not None:
-                self.predictor.after_step()
-            self.optimizer.zero_grad(set_to_none=True)
+        opt = self.optimizer
+        if opt is not None:
+            if self.scaler is not None:
+                if self.grad_clip is not None:
+                    self.scaler.unscale_(opt)
+                    nn.utils.clip_grad_norm_(self._params, self.grad_clip)
+                self.scaler.step(opt)
+                self.scaler.update()
+            else:
+                if self.grad_clip is not None:
+                    nn.utils.clip_grad_norm_(self._params, self.grad_clip)
+                opt.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
+            opt.zero_grad(set_to_none=True)
+        self._future_lrs = None
         self._cur += 1
         self._note_copies()
         self._refresh_static_bytes()
@@ -306,6 +562,22 @@ class Stage:
         if version in self._stash and self._pending_f[version] + self._inflight[version] <= 0:
             del self._stash[version]
 
+    def _lrs(self, s: int) -> list[list[float]] | None:
+        """Learning rates of the next s updates under the scheduler (None: use lr·s)."""
+        if self.scheduler is None or self.optimizer is None or self._lrs_unknown:
+            return None
+        cached = self._future_lrs
+        if cached is None or any(len(row) < s for row in cached):
+            cached = future_lrs(self.scheduler, self.optimizer, s)
+            if cached is None:
+                self._lrs_unknown = True
+                self._note(
+                    f"stage {self.index}: {type(self.scheduler).__name__} cannot be queried for "
+                    f"its future learning rates; prediction uses the current lr times s"
+                )
+            self._future_lrs = cached
+        return cached
+
     def _write_prediction(self, s: int) -> None:
         assert self.predictor is not None
         live = [p.data for p in self._params]
@@ -313,8 +585,8 @@ class Stage:
             self._backup = [torch.empty_like(t) for t in live]
             self._note_copies()
         torch._foreach_copy_(self._backup, live)
-        # predict_into copies W into dest before adding -lr*s*Δ, so dest may be the params.
-        self.predictor.predict_into(live, s)
+        # predict_into copies W into dest before adding -Σlr·Δ, so dest may be the params.
+        self.predictor.predict_into(live, s, self._lrs(s))
 
     def _restore_live(self) -> None:
         assert self._backup is not None
@@ -371,12 +643,15 @@ class Stage:
 
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Weights, optimizer, predictor and RNG state; only valid between segments."""
+        """Weights, optimizer, scheduler, loss scaler, predictor and RNG state; only valid
+        between segments."""
         if self._saved or self._stash:
             raise RuntimeError(f"stage {self.index}: checkpoint with passes in flight")
         return {
             "module": self.module.state_dict(),
             "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+            "scaler": None if self.scaler is None else self.scaler.state_dict(),
             "predictor": None if self.predictor is None else self.predictor.state_dict(),
             "rng": self._rng_state,
         }
@@ -387,7 +662,45 @@ class Stage:
             # A copy: torch.optim keeps same-device tensors as given, which would alias a
             # state dict that is still in use elsewhere.
             self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state.get("scaler") is not None:
+            self.scaler.load_state_dict(state["scaler"])
         if self.predictor is not None and state.get("predictor") is not None:
             self.predictor.load_state_dict(state["predictor"])
         self._rng_state = state["rng"].clone()
+        self._future_lrs = None
         self._refresh_static_bytes()
+
+
+def checked_loss(loss_fn: LossFn, out: Tensor, target: Tensor, where: str, stage: int) -> Tensor:
+    """``loss_fn(out, target)``, checked to be a scalar; errors name the stage and values."""
+    try:
+        loss = loss_fn(out, target)
+    except Exception as err:
+        raise StageError(
+            f"stage {stage} (the last): the loss failed on {where}: {type(err).__name__}: "
+            f"{err} (output shape {tuple(out.shape)} {out.dtype}, targets shape "
+            f"{tuple(target.shape)} {target.dtype}{_target_range(target)}); check the targets "
+            f"and the loss function"
+        ) from err
+    if not isinstance(loss, Tensor) or loss.dim() != 0:
+        shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+        raise StageError(
+            f"the loss function returned {shape}, not a scalar tensor; reduce it (e.g. "
+            f"reduction='mean' or .mean()) so every micro-batch gives one number"
+        )
+    return loss
+
+
+def _unpack(saved: Tensor | _Recast) -> Tensor:
+    if isinstance(saved, _Recast):
+        cast = saved.source.detach().to(saved.dtype)
+        return cast.as_strided(saved.size, saved.stride, saved.offset)
+    return saved
+
+
+def _target_range(target: Tensor) -> str:
+    if target.is_floating_point() or target.numel() == 0:
+        return ""
+    return f", values {int(target.min())}..{int(target.max())}"

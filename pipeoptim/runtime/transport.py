@@ -43,9 +43,10 @@ __all__ = [
 ]
 
 MessageKey = tuple[str, int, int]
-"""``(kind, receiving stage, micro-batch)`` with kind ``act``, ``grad`` or ``eval``."""
+"""``(kind, receiving stage, micro-batch)``: kind ``act``, ``grad``, ``target`` (stage 0's rank
+to the last stage's), or ``eval`` / ``eval_target`` for evaluation batches."""
 
-_KINDS = {"act": 0, "grad": 1, "eval": 2}
+_KINDS = {"act": 0, "grad": 1, "eval": 2, "target": 3, "eval_target": 4}
 _TAG_LIMIT = 2**30
 
 
@@ -189,7 +190,13 @@ def _cause(err: BaseException) -> str:
 
 def _describe(key: MessageKey) -> str:
     kind, stage, mb = key
-    name = {"act": "the activation", "grad": "the gradient", "eval": "the evaluation batch"}[kind]
+    name = {
+        "act": "the activation",
+        "grad": "the gradient",
+        "target": "the targets",
+        "eval": "the evaluation batch",
+        "eval_target": "the evaluation targets",
+    }[kind]
     return f"{name} of micro-batch {mb} for stage {stage}"
 
 

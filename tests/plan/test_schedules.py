@@ -7,7 +7,7 @@ import pytest
 from pipeoptim.errors import PlanError, ScheduleError
 from pipeoptim.plan import METHODS, build_schedule, get_method
 from pipeoptim.plan.actions import format_schedule
-from pipeoptim.plan.schedules import Shape, async_one_f_one_b, retime
+from pipeoptim.plan.schedules import Shape, async_one_f_one_b, forward_only, retime
 from pipeoptim.plan.validate import validate
 
 
@@ -113,3 +113,13 @@ def test_retime_reports_deadlock_with_blocked_actions() -> None:
         retime(order, 1)
     assert "rank 0 waits at 0B0 for 1B0" in str(err.value)
     assert "rank 1 waits at 1F1 for 0F1" in str(err.value)
+
+
+def test_forward_only_evaluation_order_exact_table() -> None:
+    """Evaluation: (micro-batch, stage) order per rank, interleaved placement included."""
+    order = forward_only({0: 0, 1: 1, 2: 0, 3: 1}, 2)
+    assert {r: [str(a) for a in acts] for r, acts in order.items()} == {
+        0: ["0F0", "2F0", "0F1", "2F1"],
+        1: ["1F0", "3F0", "1F1", "3F1"],
+    }
+    assert forward_only({0: 0}, 0) == {0: []}

@@ -12,9 +12,11 @@ from torch import Tensor, nn
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.runtime.checkpoint import Segment, latest_step, plan_segments
+from pipeoptim.runtime.config import TrainConfig
 from pipeoptim.runtime.data import Dataset
 from pipeoptim.runtime.executor import NonFiniteLossError
-from pipeoptim.runtime.launch import TrainConfig, TrainResult, train
+from pipeoptim.runtime.launch import train
+from pipeoptim.runtime.result import FitResult
 from pipeoptim.trace import Trace
 
 HERE = Path(__file__)
@@ -116,14 +118,15 @@ def assert_same(a: object, b: object) -> None:
 )
 def test_resumed_run_equals_uninterrupted_run(tmp_path: Path, method: str, family: str) -> None:
     """RMSprop without momentum makes the predictor keep displacement state: it must travel
-    in the checkpoint too. Steps: segments [0,4) [4,8) [8,10) [10,12) (epoch = 10 steps)."""
+    in the checkpoint too. Segments [0,4) [4,8) [8,12): the last one runs across the epoch
+    boundary at step 10 without a drain, before and after the resume."""
     whole = train(config(tmp_path / "a", 12, method=method, family=family))
     first = train(config(tmp_path / "b", 8, method=method, family=family))
     rest = train(config(tmp_path / "b", 12, method=method, family=family, resume=True))
     assert (
-        isinstance(whole, TrainResult)
-        and isinstance(first, TrainResult)
-        and isinstance(rest, TrainResult)
+        isinstance(whole, FitResult)
+        and isinstance(first, FitResult)
+        and isinstance(rest, FitResult)
     )
     assert (rest.start_step, rest.end_step) == (8, 12)
     assert first.losses + rest.losses == whole.losses  # bit for bit
@@ -147,7 +150,9 @@ def test_nan_loss_stops_names_the_step_and_keeps_the_last_good_checkpoint(tmp_pa
         assert isinstance(state, dict)
         assert all(torch.isfinite(t).all() for t in state["module"].values())
     ran = Trace.load(trace)
-    assert ran.events and max(e.mb for e in ran.events_of(kinds=["U"])) == 5
+    # Losses are read at log points (here the segment's end), not per micro-batch: the
+    # segment [4, 8) ran to its end before the NaN of step 6 was seen.
+    assert ran.events and max(e.mb for e in ran.events_of(kinds=["U"])) == 7
     # The kept checkpoint resumes: the rebuilt NaN layer counts from 0 again, so two more
     # mini-batches from step 4 run clean.
     resumed = train(config(tmp_path / "ckpt", 6, model="nan_net", family="sgd", resume=True))
@@ -184,18 +189,18 @@ def test_pointer_names_only_complete_checkpoints(tmp_path: Path) -> None:
 
 
 def test_segments_are_a_function_of_the_step() -> None:
-    assert plan_segments(0, 12, 10, 4) == [
-        Segment(0, 0, 4),
-        Segment(1, 4, 4),
-        Segment(2, 8, 2),
-        Segment(3, 10, 2),
-    ]
-    resumed = plan_segments(8, 12, 10, 4)
-    assert [(s.first_step, s.num_steps) for s in resumed] == [(8, 2), (10, 2)]
-    assert [(s.first_step, s.num_steps) for s in plan_segments(0, 25, 10, None)] == [
-        (0, 10),
-        (10, 10),
-        (20, 5),
+    assert plan_segments(0, 12, [4]) == [Segment(0, 0, 4), Segment(1, 4, 4), Segment(2, 8, 4)]
+    resumed = plan_segments(8, 12, [4])
+    assert [(s.first_step, s.num_steps) for s in resumed] == [(8, 4)]
+    # No period: one never-flushed pipeline over the whole run, whatever the epochs.
+    assert [(s.first_step, s.num_steps) for s in plan_segments(0, 25, [None])] == [(0, 25)]
+    # Checkpoints every 4 and evaluations every 6 both cut.
+    assert [(s.first_step, s.num_steps) for s in plan_segments(0, 13, [4, 6])] == [
+        (0, 4),
+        (4, 2),
+        (6, 2),
+        (8, 4),
+        (12, 1),
     ]
 
 

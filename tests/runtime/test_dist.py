@@ -17,11 +17,14 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.runtime.checkpoint import latest_step
+from pipeoptim.runtime.config import TrainConfig
 from pipeoptim.runtime.data import Dataset
 from pipeoptim.runtime.executor import NonFiniteLossError
-from pipeoptim.runtime.launch import RankFailedError, TrainConfig, TrainResult, train
+from pipeoptim.runtime.launch import RankFailedError, train
+from pipeoptim.runtime.result import FitResult
 from pipeoptim.trace import Trace
 
 pytestmark = pytest.mark.slow
@@ -102,7 +105,7 @@ def one_thread(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def test_dist_transport_equals_local_bit_for_bit(
     tmp_path: Path, one_thread: None, method: str, stages: int, micro: int
 ) -> None:
-    runs: dict[str, TrainResult] = {}
+    runs: dict[str, FitResult] = {}
     for transport in ("local", "dist"):
         cfg = config(
             method,
@@ -172,5 +175,7 @@ def test_world_size_must_match_the_stages(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "0")
-    with pytest.raises(Exception, match="world size 2 does not match the plan's 4 pipeline stages"):
+    with pytest.raises(
+        RuntimeConfigError, match="world size 2 does not match the plan's 4 pipeline stages"
+    ):
         train(config("pipeoptim", 4, 1, "dist", max_steps=2))

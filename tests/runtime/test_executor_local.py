@@ -15,12 +15,12 @@ from pipeoptim.plan.methods import METHODS, get_method
 from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.plan.schedules import Shape
 from pipeoptim.plan.versions import analyze_versions
+from pipeoptim.runtime.config import TrainConfig
 from pipeoptim.runtime.data import BatchOrder, Dataset
-from pipeoptim.runtime.executor import PipelineRun
-from pipeoptim.runtime.launch import TrainConfig, train
+from pipeoptim.runtime.launch import build_run, train
 from pipeoptim.runtime.models import build_model
+from pipeoptim.runtime.pipeline import Pipeline
 from pipeoptim.runtime.stage import Stage, make_optimizer
-from pipeoptim.runtime.transport import LocalTransport
 from pipeoptim.trace import Trace
 
 HERE = Path(__file__)
@@ -63,11 +63,11 @@ def config(
     return TrainConfig(plan, **kw)  # type: ignore[arg-type]
 
 
-def local_run(cfg: TrainConfig) -> PipelineRun:
-    transports = dict(enumerate(LocalTransport.group(cfg.plan.num_stages)))
-    run = PipelineRun(cfg, transports, torch.device("cpu"), origin=0.0)
-    run.run()
-    return run
+def local_run(cfg: TrainConfig) -> Pipeline:
+    """The config's Pipeline after ``fit`` (no evaluation), for its stages and losses."""
+    pipe, data, _ = build_run(cfg)
+    pipe.fit(data, epochs=cfg.epochs, max_steps=cfg.max_steps)
+    return pipe
 
 
 @pytest.mark.parametrize(

@@ -15,9 +15,9 @@ and micro-batch i of mini-batch t = i // M, picks weights by the closed forms of
 * every method: ``W^(t+1) = optimizer step from W^(t)`` with the gradient of mini-batch t
   (mean loss over its micro-batches).
 
-A run is a sequence of segments (epochs, cut every ``--checkpoint-every`` K), each a fresh
-never-flushed pipeline: t, i and the versions above count from the segment's first
-mini-batch (``segment_start + ...``), which the reference applies too.
+A run is a sequence of segments (cut every ``checkpoint_every`` K, never at epoch ends),
+each a fresh never-flushed pipeline: t, i and the versions above count from the segment's
+first mini-batch (``segment_start + ...``), which the reference applies too.
 
 Backward "on the current weights" is written as a hand-made Linear whose backward takes the
 weights to use as an argument, so the reference does not share the runtime's mechanism.
@@ -35,12 +35,11 @@ from torch import Tensor, nn
 
 from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.plan import OptimizerSpec, Plan
+from pipeoptim.runtime.config import TrainConfig
 from pipeoptim.runtime.data import BatchOrder, Dataset
-from pipeoptim.runtime.executor import PipelineRun
-from pipeoptim.runtime.launch import TrainConfig
+from pipeoptim.runtime.launch import build_run
 from pipeoptim.runtime.models import build_model, stage_boundaries
 from pipeoptim.runtime.stage import make_optimizer
-from pipeoptim.runtime.transport import LocalTransport
 
 HERE = Path(__file__)
 SEED = 3
@@ -61,6 +60,10 @@ def dataset() -> Dataset:
 def config(
     method: str, stages: int, micro: int, family: str, lr: float, **kw: object
 ) -> TrainConfig:
+    steps = kw.pop("max_steps", 8)
+    every = kw.pop("checkpoint_every", None)
+    schedule = str(kw.pop("lr_schedule", "constant"))
+    ckpt = kw.pop("checkpoint_dir", None)
     plan = Plan(
         method,
         stages,
@@ -68,21 +71,26 @@ def config(
         optimizer=OptimizerSpec(family, lr),
         model=f"{HERE}:tiny",
         batch_size=8 if 8 % micro == 0 else 4 * micro,
-        **{k: v for k, v in kw.items() if k not in ("max_steps", "checkpoint_every")},  # type: ignore[arg-type]
+        **kw,  # type: ignore[arg-type]
     )
-    steps = kw.pop("max_steps", 8)
-    every = kw.pop("checkpoint_every", None)
-    return TrainConfig(plan, max_steps=steps, checkpoint_every=every, seed=SEED, device="cpu")  # type: ignore[arg-type]
+    return TrainConfig(
+        plan,
+        max_steps=steps,  # type: ignore[arg-type]
+        checkpoint_every=every,  # type: ignore[arg-type]
+        checkpoint_dir=ckpt,  # type: ignore[arg-type]
+        seed=SEED,
+        device="cpu",
+        lr_schedule=schedule,
+    )
 
 
 def run_pipeline(cfg: TrainConfig) -> tuple[list[float], list[list[Tensor]]]:
     p = cfg.plan.num_stages
-    run = PipelineRun(
-        cfg, dict(enumerate(LocalTransport.group(p))), torch.device("cpu"), origin=0.0
-    )
-    result = run.run()
+    pipe, data, _ = build_run(cfg)
+    pipe.fit(data, max_steps=cfg.max_steps)
+    result = pipe.result
     losses = [result.losses[s] for s in sorted(result.losses)]
-    weights = [[t.detach().clone() for t in run.stages[k].module.parameters()] for k in range(p)]
+    weights = [[t.detach().clone() for t in pipe.stages[k].module.parameters()] for k in range(p)]
     return losses, weights
 
 
@@ -118,7 +126,22 @@ def delta(opt: torch.optim.Optimizer, p: Tensor, rule: str) -> Tensor:
     return (m / (1 - b1**step)) / ((v / (1 - b2**step)).sqrt() + eps)
 
 
-def reference(cfg: TrainConfig) -> tuple[list[float], list[list[Tensor]]]:
+def schedule(cfg: TrainConfig) -> list[float]:
+    """The learning rate of every update, written out: constant, or cosine annealing to 0
+    over the run (torch's closed form for CosineAnnealingLR)."""
+    lr, total = cfg.plan.optimizer.lr, cfg.max_steps or 0
+    if cfg.lr_schedule == "constant":
+        return [lr] * (total + 8)
+    assert cfg.lr_schedule == "cosine"
+    return [lr * (1 + math.cos(math.pi * j / total)) / 2 for j in range(total + 8)]
+
+
+def reference(
+    cfg: TrainConfig, *, sum_of_lrs: bool = True
+) -> tuple[list[float], list[list[Tensor]]]:
+    """``sum_of_lrs``: predict with the learning rates of the next s updates (Σlr, the
+    rule); False: with the current rate times s (what a schedule-blind predictor does)."""
+    lrs = schedule(cfg)
     method = get_method(cfg.plan.method)
     policy, rule = method.weight_policy.value, method.prediction_rule
     p, m = cfg.plan.num_stages, cfg.plan.shape(1).micro_batches
@@ -133,8 +156,7 @@ def reference(cfg: TrainConfig) -> tuple[list[float], list[list[Tensor]]]:
     size = cfg.batch_size // m
     losses = []
     for t in range(cfg.max_steps or 0):
-        every = cfg.checkpoint_every or order.steps_per_epoch
-        start = max(t // order.steps_per_epoch * order.steps_per_epoch, t // every * every)
+        start = t // cfg.checkpoint_every * cfg.checkpoint_every if cfg.checkpoint_every else 0
         idx = order.indices(t)
         grads = [[torch.zeros_like(w) for w in ps] for ps in params]
         total = 0.0
@@ -151,10 +173,9 @@ def reference(cfg: TrainConfig) -> tuple[list[float], list[list[Tensor]]]:
                     wf = wb = history[k][start + max(t - start - 1, 0)]
                 else:  # predict
                     s = t - base
-                    lr = cfg.plan.optimizer.lr
+                    eta = sum(lrs[base : base + s]) if sum_of_lrs else lrs[base] * s
                     wf = [
-                        w - lr * s * d
-                        for w, d in zip(history[k][base], deltas[k][base], strict=True)
+                        w - eta * d for w, d in zip(history[k][base], deltas[k][base], strict=True)
                     ]
                     wb = current
                 wf = [w.clone().requires_grad_() for w in wf]
@@ -181,6 +202,8 @@ def reference(cfg: TrainConfig) -> tuple[list[float], list[list[Tensor]]]:
                 w.grad = g
             opt = opts[k]
             if opt is not None:  # a stage of parameter-free layers has nothing to update
+                for group in opt.param_groups:
+                    group["lr"] = lrs[t]
                 opt.step()
             history[k].append([w.detach().clone() for w in params[k]])
             deltas[k].append([delta(opt, w, rule or "optimizer") for w in params[k]] if opt else [])
@@ -217,11 +240,13 @@ def test_async_method_matches_the_version_table(
 
 
 @pytest.mark.parametrize("method", ["pipedream", "2bw", "pipeoptim"])
-def test_segments_restart_the_pipeline(method: str) -> None:
-    """Cut every 3 mini-batches (and at the epoch end, 8 steps): versions count from each
-    segment's start, as the reference applies them."""
+def test_segments_restart_the_pipeline(tmp_path: Path, method: str) -> None:
+    """Cut every 3 mini-batches (checkpoints), not at the epoch end (8 steps): versions
+    count from each segment's start, as the reference applies them."""
     micro = 3 if method == "2bw" else 1
-    cfg = config(method, 3, micro, "sgd", 0.1, max_steps=11, checkpoint_every=3)
+    cfg = config(
+        method, 3, micro, "sgd", 0.1, max_steps=11, checkpoint_every=3, checkpoint_dir=str(tmp_path)
+    )
     got_losses, got_weights = run_pipeline(cfg)
     want_losses, want_weights = reference(cfg)
     assert got_losses == pytest.approx(want_losses, abs=1e-5)
@@ -243,3 +268,18 @@ def test_prediction_offset_shifts_the_distance() -> None:
     got, _ = run_pipeline(cfg)
     plain, _ = run_pipeline(config("pipeoptim", 3, 1, "sgd", 0.1))
     assert got != pytest.approx(plain, abs=1e-6)
+
+
+@pytest.mark.parametrize(("family", "lr"), [("sgd", 0.1), ("adam", 0.01)])
+def test_prediction_under_a_schedule_uses_the_sum_of_the_next_rates(family: str, lr: float) -> None:
+    """Cosine annealing over the run, 11 steps across an epoch end (8 steps), 4 stages: the
+    forward of stage k predicts with the rates of the s updates to come (Σlr), and that is
+    distinguishable from the current rate times s."""
+    cfg = config("pipeoptim", 4, 1, family, lr, max_steps=11, lr_schedule="cosine")
+    got_losses, got_weights = run_pipeline(cfg)
+    want_losses, want_weights = reference(cfg)
+    assert got_losses == pytest.approx(want_losses, abs=1e-5)
+    for got, want in zip(got_weights, want_weights, strict=True):
+        assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, want, strict=True))
+    blind, _ = reference(cfg, sum_of_lrs=False)
+    assert got_losses != pytest.approx(blind, abs=1e-5)

@@ -26,7 +26,12 @@ def passes(method: str, text: str, micro_batches: int = 1) -> dict[int, MicroBat
 
 
 def make_stage(
-    method: str, family: str = "sgd", m: int = 1, layers: nn.Module | None = None
+    method: str,
+    family: str = "sgd",
+    m: int = 1,
+    layers: nn.Module | None = None,
+    amp: str | None = None,
+    lr: float = 0.1,
 ) -> Stage:
     torch.manual_seed(0)
     return Stage(
@@ -34,8 +39,9 @@ def make_stage(
         nn.Sequential(layers if layers is not None else nn.Linear(3, 2)),
         num_stages=2,
         method=get_method(method),
-        optimizer=OptimizerSpec(family, 0.1),
+        optimizer=OptimizerSpec(family, lr),
         micro_batches=m,
+        amp=amp,
     )
 
 
@@ -126,6 +132,61 @@ def test_double_buffer_runs_minibatch_t_on_the_previous_version() -> None:
     dx2 = stage.backward(2, g2)
     assert dx2 is not None and torch.allclose(dx2, g2 @ w0[0], atol=1e-6)
     assert stage.peak_weight_copies == 2
+
+
+def bf16(t: Tensor) -> Tensor:
+    return t.to(torch.bfloat16)
+
+
+def test_bf16_predicted_forward_and_backward_on_the_current_weights_recast() -> None:
+    """Under autocast the op saves the bf16 cast of the weights its forward used (Ŵ); the
+    stage keeps DESIGN.md's rule instead: the input gradient uses bf16(W) of the weights
+    present at backward time, the weight gradient the forward's bf16 activations. Written
+    out literally with bf16 matmuls."""
+    stage = make_stage("pipeoptim", amp="bf16", lr=1.0)  # a large step: Ŵ far from W
+    stage.index = 1
+    warm_up(stage)
+    stage.begin_segment(passes("pipeoptim", "0F0 0F1 0B0 0U0 0B1 0U1"))
+    x0, x1, g0, g1 = torch.randn(4, 3), torch.randn(4, 3), torch.randn(4, 2), torch.randn(4, 2)
+    stage.forward(0, x0)
+    assert stage.predictor is not None
+    w_hat, b_hat = stage.predictor.predicted(1)
+    out1 = stage.forward(1, x1)
+    assert out1.dtype == torch.bfloat16
+    assert torch.equal(out1, torch.addmm(bf16(b_hat), bf16(x1), bf16(w_hat).T))  # on Ŵ
+    stage.backward(0, g0)
+    stage.update()
+    lin = stage.module[0]
+    assert isinstance(lin, nn.Linear)
+    w_now = lin.weight.detach().clone()
+    dx1 = stage.backward(1, bf16(g1))
+    assert dx1 is not None and dx1.dtype == torch.float32  # the input's dtype
+    assert torch.equal(dx1, (bf16(g1) @ bf16(w_now)).float())  # recast of the current W
+    assert not torch.allclose(dx1, (bf16(g1) @ bf16(w_hat)).float(), atol=1e-2)
+    assert lin.weight.grad is not None and lin.weight.grad.dtype == torch.float32
+    assert torch.equal(lin.weight.grad, (bf16(g1).T @ bf16(x1)).float())
+
+
+def test_bf16_stash_backward_recasts_the_stashed_version() -> None:
+    stage = make_stage("pipedream", amp="bf16", lr=1.0)
+    stage.index = 1
+    stage.begin_segment(passes("pipedream", "0F0 0F1 0B0 0U0 0B1 0U1"))
+    w0 = stage.module[0].weight.detach().clone()  # type: ignore[union-attr]
+    stage.forward(0, torch.randn(4, 3))
+    stage.forward(1, torch.randn(4, 3))
+    stage.backward(0, torch.randn(4, 2))
+    stage.update()
+    g1 = bf16(torch.randn(4, 2))
+    dx1 = stage.backward(1, g1)
+    assert dx1 is not None and torch.equal(dx1, (g1 @ bf16(w0)).float())
+
+
+def test_parametrized_weights_are_stated_as_a_deviation() -> None:
+    layer = nn.utils.parametrizations.weight_norm(nn.Linear(3, 2))
+    with pytest.warns(UserWarning, match="compute their weights in the forward"):
+        stage = make_stage("pipeoptim", layers=layer)
+    assert stage.notes and "not from the current ones" in stage.notes[0]
+    assert not make_stage("pipedream", layers=layer).notes  # no prediction, no deviation
 
 
 def test_stage_refuses_an_order_that_contradicts_the_analysis() -> None:

@@ -89,6 +89,22 @@ def test_plan_file_with_flags_on_top(capsys: pytest.CaptureFixture[str], tmp_pat
     assert code == 0 and json.loads(out)["num_stages"] == 2  # flag wins; boundaries dropped
 
 
+def test_schedule_precision_and_clipping_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--lr-schedule", "warmup-cosine", "--warmup", "2", "--amp", "bf16"]
+    code, out, _ = run_cli([*args, "--grad-clip", "0.5", "--max-steps", "8", "--json"], capsys)
+    assert code == 0
+    data = json.loads(out)
+    assert (data["end_step"], data["notes"]) == (8, [])
+    assert data["eval"]["samples"] == 359 and 0.0 < data["eval"]["accuracy"] <= 1.0
+
+
+def test_gpt_model_via_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(["--model", "gpt", "--max-steps", "3"], capsys)
+    assert code == 0
+    assert "model gpt, adamw lr 0.0005" in out
+    assert re.search(r"test accuracy [\d.]+%, test loss [\d.]+, perplexity [\d.]+ \(1538", out)
+
+
 def test_user_model_example(capsys: pytest.CaptureFixture[str]) -> None:
     model = str(ROOT / "examples" / "custom_model.py") + ":make_model"
     code, out, _ = run_cli(
@@ -113,6 +129,9 @@ def test_user_model_example(capsys: pytest.CaptureFixture[str]) -> None:
         (["--resume"], "--resume needs --checkpoint-dir"),
         (["--plan", "no/such/plan.json"], "cannot read plan"),
         (["--epochs", "0"], "--epochs must be at least 1"),
+        (["--amp", "fp16", "--device", "cpu"], "amp='fp16' needs a CUDA device"),
+        (["--lr-schedule", "warmup-cosine", "--warmup", "5"], "--warmup 5 is not shorter"),
+        (["--grad-clip", "0"], "--grad-clip must be positive"),
     ],
 )
 def test_bad_input_exits_2_with_a_message(

@@ -1,0 +1,266 @@
+"""How a user's batches enter the pipeline: read in order, checked, split into micro-batches.
+
+Only the rank that holds stage 0 reads the data. It gives each micro-batch's inputs to
+stage 0 and sends its targets to the rank of the last stage (one small extra message per
+micro-batch, the size of the targets: for classification B/M integers, for a language model
+B/M x T of them, both tiny next to the activations). No other rank touches the data, so a
+``DataLoader`` with workers runs once, not once per rank, and the ranks cannot disagree about
+what a batch holds.
+
+Any iterable of ``(input, target)`` tensor pairs works. Every training batch must have the
+same shape (receiving ranks allocate fixed buffers): the partial last batch a ``DataLoader``
+yields without ``drop_last`` is left out of the epoch and counted, other odd batches are
+refused with the fix. Exact resume: before each epoch the order is re-seeded from
+``(seed, epoch)`` (``set_epoch`` where the data has it, the loader's and sampler's
+generators, and the global RNG a shuffling ``DataLoader`` draws its seed from), and a
+resumed run skips to its position by reading past the batches already trained on.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from pipeoptim.errors import RuntimeConfigError
+
+__all__ = ["BatchSpec", "EvalReader", "TrainFeed", "epoch_seed", "steps_per_epoch"]
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The seed of epoch ``epoch``'s data order (the built-in loaders use the same one)."""
+    return seed * 1_000_003 + epoch
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """What every batch of a run looks like: samples, and per-sample shapes and dtypes."""
+
+    batch_size: int
+    input_shape: tuple[int, ...]
+    input_dtype: torch.dtype
+    target_shape: tuple[int, ...]
+    target_dtype: torch.dtype
+
+    @classmethod
+    def of(cls, x: Tensor, y: Tensor) -> BatchSpec:
+        return cls(len(x), tuple(x.shape[1:]), x.dtype, tuple(y.shape[1:]), y.dtype)
+
+    def check(self, x: Tensor, y: Tensor, where: str, *, any_size: bool = False) -> None:
+        """Refuse a batch that differs from this spec in anything but (with ``any_size``)
+        its sample count."""
+        got = BatchSpec.of(x, y)
+        if not any_size and got.batch_size != self.batch_size:
+            raise RuntimeConfigError(
+                f"{where} has {got.batch_size} samples but the first batch had "
+                f"{self.batch_size}: every training batch must have the same size (the "
+                f"receiving ranks allocate fixed buffers); use DataLoader(..., drop_last=True)"
+            )
+        for name, a, b in (
+            ("inputs", (got.input_shape, got.input_dtype), (self.input_shape, self.input_dtype)),
+            (
+                "targets",
+                (got.target_shape, got.target_dtype),
+                (self.target_shape, self.target_dtype),
+            ),
+        ):
+            if a != b:
+                raise RuntimeConfigError(
+                    f"{where} has {name} of per-sample shape {a[0]} and dtype {a[1]}, but the "
+                    f"first batch had {b[0]} and {b[1]}: every batch must match (pad "
+                    f"sequences to one length)"
+                )
+
+
+def as_batch(item: Any, where: str) -> tuple[Tensor, Tensor]:
+    """``item`` as an ``(input, target)`` pair of tensors with one batch dimension."""
+    if not isinstance(item, (tuple, list)) or len(item) != 2:
+        kind = f"a {type(item).__name__}" + (
+            f" of length {len(item)}" if isinstance(item, (tuple, list)) else ""
+        )
+        raise RuntimeConfigError(
+            f"{where} is {kind}; the data must yield (input, target) pairs, e.g. a "
+            f"DataLoader over a TensorDataset(inputs, targets)"
+        )
+    x, y = item
+    for name, t in (("input", x), ("target", y)):
+        if not isinstance(t, Tensor):
+            raise RuntimeConfigError(
+                f"{where}: the {name} is a {type(t).__name__}, not a torch.Tensor; convert it "
+                f"(torch.as_tensor) in the dataset or a collate_fn"
+            )
+        if t.dim() == 0:
+            raise RuntimeConfigError(
+                f"{where}: the {name} is a scalar tensor; batches need a leading batch dimension"
+            )
+    if len(x) != len(y):
+        raise RuntimeConfigError(
+            f"{where}: {len(x)} inputs but {len(y)} targets; give one target per sample"
+        )
+    return x, y
+
+
+def steps_per_epoch(data: Iterable[Any], given: int | None) -> tuple[int, int]:
+    """Full batches per epoch, and samples per epoch left out (a partial last batch).
+
+    The count must be known before training: a never-flushed pipeline is laid out for its
+    whole length in advance.
+    """
+    if given is not None:
+        if given < 1:
+            raise RuntimeConfigError(f"steps_per_epoch must be at least 1 (got {given})")
+        return given, 0
+    if isinstance(data, DataLoader) and data.batch_size is not None:
+        dataset: Any = data.dataset
+        if hasattr(dataset, "__len__") and not data.drop_last:
+            full, rest = divmod(len(dataset), data.batch_size)
+            if full == 0:
+                raise RuntimeConfigError(
+                    f"the DataLoader holds {len(dataset)} samples, fewer than one batch of "
+                    f"{data.batch_size}; lower batch_size"
+                )
+            return full, rest
+    if not hasattr(data, "__len__"):
+        raise RuntimeConfigError(
+            f"the training data ({type(data).__name__}) has no len(), and a never-flushed "
+            f"pipeline is laid out for its whole length in advance; pass "
+            f"fit(..., steps_per_epoch=N)"
+        )
+    n = len(data)  # type: ignore[arg-type]
+    if n < 1:
+        raise RuntimeConfigError(
+            "the training data is empty (len() is 0); give it at least one batch"
+        )
+    return n, 0
+
+
+def iterate_epoch(data: Iterable[Any], seed: int, epoch: int) -> Iterator[Any]:
+    """Iterate ``data`` for ``epoch`` with its order fixed by ``(seed, epoch)``."""
+    s = epoch_seed(seed, epoch)
+    set_epoch = getattr(data, "set_epoch", None)
+    if callable(set_epoch):
+        set_epoch(epoch)
+    if isinstance(data, DataLoader):
+        samplers = {data.sampler, getattr(data.batch_sampler, "sampler", None)}
+        for sampler in samplers:
+            if callable(getattr(sampler, "set_epoch", None)):
+                sampler.set_epoch(epoch)  # type: ignore[union-attr]
+            gen = getattr(sampler, "generator", None)
+            if isinstance(gen, torch.Generator):
+                gen.manual_seed(s)
+        if isinstance(data.generator, torch.Generator):
+            data.generator.manual_seed(s)
+    # A shuffling DataLoader draws its seed from the global RNG when the first batch is
+    # asked for; fork so the draw is reproducible and the caller's RNG is left alone.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(s)
+        it = iter(data)
+        first = next(it, _END)
+    return iter(()) if first is _END else itertools.chain([first], it)
+
+
+_END = object()
+
+
+class TrainFeed:
+    """Stage 0's rank: the micro-batches of global step ``g``, read in step order."""
+
+    def __init__(
+        self,
+        data: Iterable[Any],
+        *,
+        steps_per_epoch: int,
+        micro_batches: int,
+        device: torch.device,
+        seed: int,
+        start_step: int,
+    ) -> None:
+        self.data = data
+        self.steps_per_epoch = steps_per_epoch
+        self.micro_batches = micro_batches
+        self.device = device
+        self.seed = seed
+        self.spec: BatchSpec | None = None
+        self._epoch = start_step // steps_per_epoch
+        self._it = iterate_epoch(data, seed, self._epoch)
+        self._pos = 0
+        self._next = start_step  # the step the next batch read belongs to
+        self._peeked: tuple[Tensor, Tensor] | None = None
+        for _ in range(start_step % steps_per_epoch):  # resume: skip what was trained on
+            self._read()
+        self._step = -1
+        self._parts: tuple[tuple[Tensor, ...], tuple[Tensor, ...]] = ((), ())
+
+    def peek(self) -> tuple[Tensor, Tensor]:
+        """The next batch, not consumed (the run's first batch fixes the BatchSpec)."""
+        if self._peeked is None:
+            self._peeked = self._read()
+        return self._peeked
+
+    def _read(self) -> tuple[Tensor, Tensor]:
+        if self._peeked is not None:
+            batch, self._peeked = self._peeked, None
+            return batch
+        if self._pos == self.steps_per_epoch:
+            self._epoch += 1
+            self._it, self._pos = iterate_epoch(self.data, self.seed, self._epoch), 0
+        where = f"batch {self._pos} of epoch {self._epoch}"
+        item = next(self._it, _END)
+        if item is _END:
+            raise RuntimeConfigError(
+                f"the training data ended after {self._pos} batches in epoch {self._epoch}, "
+                f"but an epoch was counted as {self.steps_per_epoch} full batches; give "
+                f"steps_per_epoch to match the data, or make len() tell the truth"
+            )
+        x, y = as_batch(item, where)
+        if self.spec is None:
+            self.spec = BatchSpec.of(x, y)
+            if self.spec.batch_size % self.micro_batches:
+                m, b = self.micro_batches, self.spec.batch_size
+                raise RuntimeConfigError(
+                    f"batch size {b} is not divisible by {m} micro-batches; use a batch size "
+                    f"of {max(m, b // m * m)}, or a micro-batch count that divides {b}"
+                )
+        self.spec.check(x, y, where)
+        self._pos += 1
+        return x, y
+
+    def micro_batch(self, step: int, j: int) -> tuple[Tensor, Tensor]:
+        """Inputs and targets of micro-batch ``j`` of global step ``step``, on the device."""
+        if step != self._step:
+            if step != self._next:
+                raise RuntimeError(f"the feed was asked for step {step}, next is {self._next}")
+            x, y = self._read()
+            m = self.micro_batches
+            x = x.to(self.device, non_blocking=True)
+            y = y.to(self.device, non_blocking=True)
+            self._parts = (x.tensor_split(m), y.tensor_split(m))
+            self._step, self._next = step, step + 1
+        return self._parts[0][j], self._parts[1][j]
+
+
+class EvalReader:
+    """Evaluation batches in chunks of at most ``chunk``, any sizes, checked against the
+    training batches' per-sample shapes."""
+
+    def __init__(self, data: Iterable[Any], spec: BatchSpec | None, chunk: int = 64) -> None:
+        self._it = iter(data)
+        self.spec = spec
+        self.chunk = chunk
+        self._index = 0
+
+    def next_chunk(self) -> list[tuple[Tensor, Tensor]]:
+        out: list[tuple[Tensor, Tensor]] = []
+        for item in itertools.islice(self._it, self.chunk):
+            x, y = as_batch(item, f"evaluation batch {self._index}")
+            if self.spec is None:
+                self.spec = BatchSpec.of(x, y)
+            self.spec.check(x, y, f"evaluation batch {self._index}", any_size=True)
+            out.append((x, y))
+            self._index += 1
+        return out

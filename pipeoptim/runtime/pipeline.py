@@ -1,0 +1,683 @@
+"""The library entry point: ``Pipeline`` trains *your* model in *your* training script.
+
+    pipe = Pipeline(layers, method="pipeoptim", stages=4,
+                    optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4),
+                    scheduler=lambda opt: CosineAnnealingLR(opt, T_max=1000),
+                    loss_fn=F.cross_entropy, amp="bf16")
+    result = pipe.fit(train_loader, epochs=3, eval_data=test_loader)
+
+The same script runs in one process (``transport="local"``: every stage here, the way to
+emulate P stages on one device) or as one rank per stage under ``torchrun``
+(``transport="dist"``). Every stage builds its own optimizer (and scheduler) from the
+factories over its own parameters and steps it once per update. Training runs as one
+never-flushed pipeline over the whole ``fit``; it drains only where a checkpoint or an
+evaluation is due (``checkpoint_every``, ``eval_every``) and at the end.
+
+Only stage 0's rank reads the data (``feed.py``); shapes, batch counts and evaluation chunk
+sizes reach the other ranks through ``torch.distributed.broadcast_object_list``. A dry run of
+two samples through every stage (the *probe*) before any work finds the receive shapes and
+catches layers that do not chain, wrong feature counts, bad targets and non-scalar losses,
+naming the stage and the unit.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch._C._distributed_c10d import Store
+from tqdm import tqdm
+
+from pipeoptim.errors import PipeoptimError, RuntimeConfigError
+from pipeoptim.plan.methods import get_method
+from pipeoptim.plan.plan import OptimizerSpec, Plan
+from pipeoptim.plan.schedules import Shape
+from pipeoptim.runtime.checkpoint import CheckpointStore, Segment, plan_segments
+from pipeoptim.runtime.config import check_options, resolve_plan
+from pipeoptim.runtime.executor import (
+    Boundary,
+    NonFiniteLossError,
+    RankExecutor,
+    RankResult,
+    Recorder,
+    drive_local,
+    eval_plan,
+    segment_plan,
+)
+from pipeoptim.runtime.feed import BatchSpec, EvalReader, TrainFeed, steps_per_epoch
+from pipeoptim.runtime.models import stage_boundaries
+from pipeoptim.runtime.placement import join_group, local_device
+from pipeoptim.runtime.probe import probe_stages
+from pipeoptim.runtime.result import EvalResult, FitResult, build_trace, merge
+from pipeoptim.runtime.stage import (
+    LossFn,
+    OptimizerFactory,
+    SchedulerFactory,
+    Stage,
+)
+from pipeoptim.runtime.transport import DistTransport, FailureBoard, LocalTransport, Transport
+from pipeoptim.trace import Trace
+
+__all__ = ["Pipeline"]
+
+_FAMILIES = {"SGD": "sgd", "Adam": "adam", "AdamW": "adamw", "RMSprop": "rmsprop"}
+
+
+def _units(layers: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
+    units = list(layers) if isinstance(layers, (nn.Sequential, list, tuple)) else None
+    if not units or not all(isinstance(u, nn.Module) for u in units):
+        raise RuntimeConfigError(
+            f"Pipeline takes an nn.Sequential or a non-empty list of nn.Module units (got "
+            f"{type(layers).__name__}); each unit takes one tensor and returns one tensor"
+        )
+    return units
+
+
+class Pipeline:
+    """A model split into pipeline stages, trained with one of pipeoptim's methods.
+
+    ``layers``: an ``nn.Sequential`` or list of units (a stage holds consecutive units).
+    ``method``/``stages`` or ``plan`` (a Plan from ``pipeoptim plan``: its method, sizes and
+    boundaries; explicit arguments override it). ``optimizer(params)`` and
+    ``scheduler(optimizer)`` are called once per stage. ``loss_fn(output, target)`` returns
+    the mean loss. ``amp``: None, ``"bf16"`` (CPU and CUDA) or ``"fp16"`` (CUDA, loss
+    scaling per stage). ``grad_clip`` clips each stage's own gradient norm (stages update
+    independently, so there is no global norm). ``checkpoint_dir``/``checkpoint_every``
+    write per-stage checkpoints; ``fit(..., resume=True)`` continues from the latest.
+    ``log_every``: mini-batches between reads of the loss (the only host syncs of the
+    training loop); ``progress`` shows a progress bar.
+    """
+
+    def __init__(
+        self,
+        layers: nn.Module | Sequence[nn.Module],
+        method: str | None = None,
+        *,
+        stages: int | None = None,
+        plan: Plan | None = None,
+        optimizer: OptimizerFactory | OptimizerSpec | None = None,
+        scheduler: SchedulerFactory | None = None,
+        loss_fn: LossFn = F.cross_entropy,
+        micro_batches: int | None = None,
+        virtual_stages: int | None = None,
+        prediction_offset: int | None = None,
+        transport: str = "local",
+        device: str = "auto",
+        amp: str | None = None,
+        grad_clip: float | None = None,
+        checkpoint_dir: str | None = None,
+        checkpoint_every: int | None = None,
+        seed: int = 0,
+        timeout: float = 300.0,
+        progress: bool = False,
+        log_every: int = 50,
+        memory_every: int = 4,
+        store: Store | None = None,
+        run_identity: dict[str, Any] | None = None,
+    ) -> None:
+        self.units = _units(layers)
+        self.plan = resolve_plan(plan, method, stages, micro_batches, virtual_stages)
+        if prediction_offset is not None:
+            self.plan.prediction_offset = prediction_offset
+        check_options(optimizer, loss_fn, transport, amp, grad_clip, log_every, timeout)
+        if not isinstance(seed, int) or seed < 0:
+            raise RuntimeConfigError(f"seed must be a non-negative integer (got {seed!r})")
+        if checkpoint_every is not None and (
+            not isinstance(checkpoint_every, int) or checkpoint_every < 1
+        ):
+            raise RuntimeConfigError(
+                f"checkpoint_every must be a positive number of mini-batches (got "
+                f"{checkpoint_every!r})"
+            )
+        if checkpoint_every is not None and not checkpoint_dir:
+            raise RuntimeConfigError(
+                "checkpoint_every needs checkpoint_dir (where the checkpoints go)"
+            )
+        self.method = get_method(self.plan.method)
+        self.shape = self.plan.shape(1)
+        self.loss_fn, self.amp, self.seed = loss_fn, amp, seed
+        self.transport_name, self.timeout = transport, timeout
+        self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
+        self.progress, self.log_every, self.memory_every = progress, log_every, memory_every
+        n_stages = self.shape.num_stages
+        self.bounds = stage_boundaries(
+            len(self.units), n_stages, self.plan.boundaries, self.plan.model or "the model"
+        )
+        self.rank_of = segment_plan(self.method, self.shape).rank_of
+        self.last = n_stages - 1
+        self._owns_group = False
+        self.store = store
+        self.device, ranks = self._place(device)
+        self.transports: dict[int, Transport] = (
+            dict(enumerate(LocalTransport.group(self.shape.num_ranks)))
+            if transport == "local"
+            else {ranks[0]: DistTransport(ranks[0], self.shape.num_ranks, self.device)}
+        )
+        spec = optimizer if optimizer is not None else self.plan.optimizer
+        self.stages: dict[int, Stage] = {}
+        for k, r in sorted(self.rank_of.items()):
+            if r not in ranks:
+                continue
+            a, b = self.bounds[k]
+            self.stages[k] = Stage(
+                k,
+                nn.Sequential(*self.units[a:b]),
+                num_stages=n_stages,
+                method=self.method,
+                optimizer=spec,
+                micro_batches=self.shape.micro_batches,
+                prediction_offset=self.plan.prediction_offset,
+                device=self.device,
+                seed=seed * 1000 + k + 1,
+                loss_fn=loss_fn,
+                scheduler=scheduler,
+                amp=amp,
+                grad_clip=grad_clip,
+                first_unit=a,
+            )
+        self._record_optimizer()
+        self.identity = run_identity or self._identity()
+        if transport == "dist":
+            dist.barrier()  # a shared time origin for the trace
+        self.recorder = Recorder(self.device, time.perf_counter())
+        self.result = RankResult(ranks)
+        self._spec: BatchSpec | None = None
+        self._boundaries: list[Boundary] | None = None
+        self._target: Boundary | None = None
+        self._executors: list[RankExecutor] = []
+        self._step = 0
+        self._failed: str | None = None
+        self._pending: list[tuple[int, Tensor, Tensor | None, int]] = []
+        self._bar: Any = None
+        self._last_checkpoint: int | None = None
+        self._trace: Trace | None = None
+
+    # -- construction ----------------------------------------------------------------------
+    def _place(self, requested: str) -> tuple[torch.device, list[int]]:
+        """This process's device and ranks; joins (or starts) the process group for dist."""
+        if self.transport_name == "local":
+            device = local_device(requested, self.plan.devices)
+            return device, sorted(set(self.rank_of.values()))
+        device, rank, self._owns_group = join_group(
+            self.shape.num_ranks, requested, self.plan.devices, self.timeout
+        )
+        if self.store is None:
+            self.store = dist.distributed_c10d._get_default_store()
+        return device, [rank]
+
+    def _record_optimizer(self) -> None:
+        """The plan (and trace) name the optimizer the stages actually built."""
+        opt = next((s.optimizer for s in self.stages.values() if s.optimizer is not None), None)
+        if opt is None:
+            return
+        family = _FAMILIES.get(type(opt).__name__, self.plan.optimizer.family)
+        lr = float(opt.param_groups[0]["lr"])
+        self.plan.optimizer = OptimizerSpec(family, lr if lr > 0 else self.plan.optimizer.lr)
+
+    def _identity(self) -> dict[str, Any]:
+        """What a checkpoint must agree on to be resumed (the same on every rank)."""
+        p, shape = self.plan, self.shape
+        units = [[type(u).__name__, [list(t.shape) for t in u.parameters()]] for u in self.units]
+        return {
+            "method": p.method,
+            "num_stages": p.num_stages,
+            "micro_batches": shape.micro_batches,
+            "virtual_stages": shape.virtual_stages,
+            "prediction_offset": p.prediction_offset,
+            "boundaries": [list(b) for b in self.bounds],
+            "units": units,
+            "seed": self.seed,
+            "amp": self.amp,
+        }
+
+    # -- sharing between ranks -------------------------------------------------------------
+    def _share(self, obj: Any, stage: int) -> Any:
+        """``obj`` as computed on the rank of ``stage``, on every rank."""
+        if self.transport_name == "local":
+            return obj
+        box = [obj]
+        cuda = self.device.type == "cuda"
+        dist.broadcast_object_list(
+            box, src=self.rank_of[stage], device=self.device if cuda else None
+        )
+        return box[0]
+
+    def _on_first_rank(self, work: Any) -> Any:
+        """Run ``work`` on stage 0's rank and share its result; an error there is raised on
+        every rank (the original on stage 0's, its message elsewhere)."""
+        out: Any = None
+        error: BaseException | None = None
+        if 0 in self.stages:
+            try:
+                out = work()
+            except BaseException as err:
+                error = err
+                out = ("error", str(err) if isinstance(err, PipeoptimError) else repr(err))
+        out = self._share(out, 0)
+        if error is not None:
+            raise error
+        if isinstance(out, tuple) and len(out) == 2 and out[0] == "error":
+            raise RuntimeConfigError(f"stage 0's rank failed: {out[1]}")
+        return out
+
+    # -- the dry run -----------------------------------------------------------------------
+    def _probe(self, x: Tensor, y: Tensor) -> dict[str, Any]:
+        """Two samples through every stage: receive shapes, and user errors found early."""
+        boundaries = probe_stages(
+            self.units, self.bounds, x[:2], y[:2], self.loss_fn, self.amp, self.device
+        )
+        return {"spec": BatchSpec.of(x, y), "boundaries": boundaries}
+
+    def _adopt(self, info: dict[str, Any]) -> None:
+        """Take the run's shapes (from the probe) and build the executors once."""
+        spec: BatchSpec = info["spec"]
+        if self._spec is None:
+            self._boundaries = info["boundaries"]
+            self._target = Boundary(spec.target_shape, spec.target_dtype)
+            self._spec = spec
+            self._build_executors()
+        self._spec = replace(self._spec, batch_size=spec.batch_size)
+
+    def _build_executors(self) -> None:
+        assert self._boundaries is not None and self._target is not None
+        for rank in sorted(self.transports):
+            mine = {k: s for k, s in self.stages.items() if self.rank_of[k] == rank}
+            self._executors.append(
+                RankExecutor(
+                    rank,
+                    mine,
+                    self.transports[rank],
+                    boundaries=self._boundaries,
+                    target=self._target,
+                    micro_size=1,
+                    rank_of=self.rank_of,
+                    recorder=self.recorder,
+                    on_step=self._on_step if self.last in mine else None,
+                    memory_every=self.memory_every,
+                )
+            )
+
+    # -- training --------------------------------------------------------------------------
+    def fit(
+        self,
+        data: Iterable[Any],
+        *,
+        epochs: int | None = None,
+        max_steps: int | None = None,
+        eval_data: Iterable[Any] | None = None,
+        eval_every: int | None = None,
+        steps_per_epoch: int | None = None,
+        resume: bool = False,
+    ) -> FitResult:
+        """Train on ``data`` (an iterable of ``(input, target)`` batches) up to ``epochs``
+        epochs or ``max_steps`` mini-batches, both counted from the start of training
+        (step 0), so a resumed or repeated ``fit`` continues to the same end. Evaluates on
+        ``eval_data`` every ``eval_every`` mini-batches (each one drains the pipeline) and
+        at the end. Returns the merged result on every rank."""
+        self._check_usable()
+        for name, value in (
+            ("epochs", epochs),
+            ("max_steps", max_steps),
+            ("eval_every", eval_every),
+        ):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise RuntimeConfigError(f"{name} must be a positive integer (got {value!r})")
+        if epochs is None and max_steps is None:
+            epochs = 1
+        try:
+            return self._fit(
+                data, epochs, max_steps, eval_data, eval_every, steps_per_epoch, resume
+            )
+        except BaseException as err:
+            self._failed = f"{type(err).__name__}: {err}"
+            self._close_bar()
+            raise
+
+    def _check_usable(self) -> None:
+        if self._failed is None:
+            return
+        where = (
+            f"resume from {self.checkpoint_dir} with fit(..., resume=True)"
+            if self.checkpoint_dir
+            else "train again from the start (set checkpoint_dir to be able to resume)"
+        )
+        raise RuntimeConfigError(
+            f"this Pipeline stopped on an error ({self._failed}) and its stages may hold "
+            f"passes in flight, so it cannot train or evaluate again; build a new Pipeline "
+            f"and {where}"
+        )
+
+    def _checkpoints(self) -> CheckpointStore | None:
+        if not self.checkpoint_dir:
+            return None
+        return CheckpointStore(
+            self.checkpoint_dir,
+            self.identity,
+            num_stages=self.shape.num_stages,
+            store=self.store,
+            rank=min(self.transports),
+            world_size=len(self.rank_of) if self.store is None else dist.get_world_size(),
+            timeout=self.timeout,
+            abort_check=FailureBoard(self.store).check if self.store is not None else lambda: None,
+        )
+
+    def _restore(self, checkpoints: CheckpointStore | None) -> None:
+        record = checkpoints.latest() if checkpoints is not None else None
+        if record is None or checkpoints is None:
+            return
+        step = int(record["step"])
+        for k, stage in self.stages.items():
+            stage.load_state_dict(checkpoints.load(step, k, self.device)["state"])
+        self._step = self._last_checkpoint = step
+
+    def _fit(
+        self,
+        data: Iterable[Any],
+        epochs: int | None,
+        max_steps: int | None,
+        eval_data: Iterable[Any] | None,
+        eval_every: int | None,
+        given_spe: int | None,
+        resume: bool,
+    ) -> FitResult:
+        checkpoints = self._checkpoints()
+        if resume:
+            self._restore(checkpoints)
+        start = self._step
+        feed: TrainFeed | None = None
+
+        def read_first() -> dict[str, Any]:
+            nonlocal feed
+            spe, skipped = steps_per_epoch(data, given_spe)
+            feed = TrainFeed(
+                data,
+                steps_per_epoch=spe,
+                micro_batches=self.shape.micro_batches,
+                device=self.device,
+                seed=self.seed,
+                start_step=start,
+            )
+            x, y = feed.peek()
+            if self._spec is not None:
+                self._spec.check(x, y, "the first batch", any_size=True)
+                info = {"spec": BatchSpec.of(x, y), "boundaries": self._boundaries}
+            else:
+                info = self._probe(x, y)
+            return {**info, "spe": spe, "skipped": skipped}
+
+        info = self._on_first_rank(read_first)
+        self._adopt(info)
+        assert self._spec is not None
+        spe, batch = int(info["spe"]), self._spec.batch_size
+        self.plan.batch_size = batch
+        res = self.result
+        res.steps_per_epoch, res.skipped_samples, res.batch_size = spe, info["skipped"], batch
+        total = epochs * spe if epochs is not None else max_steps or 0
+        total = min(total, max_steps) if max_steps is not None else total
+        for ex in self._executors:
+            ex.micro_size = batch // self.shape.micro_batches
+            ex.feed = feed if 0 in ex.stages else None
+        res.start_step = res.end_step = start
+        if self.last in self.stages and self.progress:
+            samples = max(total - start, 0) * batch
+            self._bar = tqdm(total=samples, unit="sample", unit_scale=True, leave=False)
+            self._bar.set_description(self.plan.method)
+        t0 = time.perf_counter()
+        every = [self.checkpoint_every, eval_every if eval_data is not None else None]
+        try:
+            for seg in plan_segments(start, total, every):
+                self._run_segment(seg.first_step, seg.num_steps)
+                self._step = res.end_step = seg.first_step + seg.num_steps
+                res.train_seconds = time.perf_counter() - t0
+                self._flush_metrics()
+                at_end = self._step == total
+                if checkpoints is not None and (
+                    at_end or self._step % (self.checkpoint_every or total) == 0
+                ):
+                    self._checkpoint(checkpoints, spe)
+                due = eval_every is not None and self._step % eval_every == 0
+                if eval_data is not None and due and not at_end:
+                    self._evaluate(eval_data)
+        finally:
+            res.train_seconds = time.perf_counter() - t0
+            self._close_bar()
+        if eval_data is not None:
+            self._evaluate(eval_data)
+        return self._merged()
+
+    def _run_segment(self, first_step: int, num_steps: int) -> None:
+        s = self.shape
+        plan = segment_plan(
+            self.method, Shape(s.num_ranks, s.micro_batches, num_steps, s.virtual_stages)
+        )
+        seg = Segment(0, first_step, num_steps)
+        for ex in self._executors:
+            ex.begin(seg, plan)
+        if len(self._executors) == 1:
+            self._executors[0].run()
+        else:
+            drive_local(self._executors)
+        for t in self.transports.values():
+            t.flush()
+        self.recorder.resolve()
+
+    def _on_step(self, step: int, loss: Tensor, correct: Tensor | None, targets: int) -> None:
+        self._pending.append((step, loss, correct, targets))
+        if len(self._pending) >= self.log_every:
+            self._flush_metrics()
+
+    def _flush_metrics(self) -> None:
+        """Read the pending losses from the device (one sync) and check them."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        values = torch.stack([p[1].float() for p in pending]).tolist()
+        has_correct = all(p[2] is not None for p in pending)
+        right = torch.stack([p[2] for p in pending]).tolist() if has_correct else []  # type: ignore[misc]
+        res = self.result
+        for i, (step, _, _, targets) in enumerate(pending):
+            value = values[i]
+            if value != value or abs(value) == float("inf"):
+                raise NonFiniteLossError(self._nonfinite_message(value, step), step)
+            res.losses[step] = value
+            res.targets[step] = targets
+            if has_correct:
+                res.correct[step] = int(right[i])
+        if self._bar is not None:
+            self._bar.update(len(pending) * (self._spec.batch_size if self._spec else 1))
+            self._bar.set_postfix(step=pending[-1][0], loss=f"{values[-1]:.4f}")
+
+    def _nonfinite_message(self, value: float, step: int) -> str:
+        if self._last_checkpoint is not None:
+            kept = (
+                f"the last good checkpoint (step {self._last_checkpoint}) in "
+                f"{self.checkpoint_dir} was kept"
+            )
+        elif self.checkpoint_dir:
+            kept = "no checkpoint had been written yet"
+        else:
+            kept = "nothing was checkpointed (set checkpoint_dir to keep one)"
+        return (
+            f"non-finite loss ({value}) at step {step} (mini-batches count from 0); training "
+            f"stopped and {kept}. Lower the learning rate; where a deep asynchronous pipeline "
+            f"diverges, a micro-batched method (2bw, xpipe) or fewer stages also help"
+        )
+
+    def _checkpoint(self, checkpoints: CheckpointStore, spe: int) -> None:
+        for k, stage in self.stages.items():
+            finite = torch.stack([torch.isfinite(p).all() for p in stage.module.parameters()])
+            if finite.numel() and not bool(finite.all()):
+                raise NonFiniteLossError(
+                    self._nonfinite_message(float("nan"), self._step)
+                    + f" (the weights of stage {k} became non-finite)",
+                    self._step,
+                )
+        epoch, pos = divmod(self._step, spe)
+        states = {k: stage.state_dict() for k, stage in self.stages.items()}
+        extra = {"epoch": epoch, "data_position": {"epoch": epoch, "batch": pos}}
+        checkpoints.save(self._step, states, extra)
+        self._last_checkpoint = self._step
+
+    def _close_bar(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    # -- evaluation ------------------------------------------------------------------------
+    def evaluate(self, data: Iterable[Any]) -> EvalResult:
+        """Loss (and accuracy) of the live weights on ``data``: a forward-only schedule
+        through the stages, any batch sizes. The same result on every rank."""
+        self._check_usable()
+        try:
+            return self._evaluate(data)
+        except BaseException as err:
+            self._failed = f"{type(err).__name__}: {err}"
+            raise
+
+    def _evaluate(self, data: Iterable[Any]) -> EvalResult:
+        reader = EvalReader(data, self._spec) if 0 in self.stages else None
+        modes = {k: s.module.training for k, s in self.stages.items()}
+        for s in self.stages.values():
+            s.module.eval()  # dropout off, batch-norm statistics frozen
+        first = 0
+        try:
+            while True:
+                chunk: list[tuple[Tensor, Tensor]] = []
+
+                def read(
+                    first: int = first, chunk: list[tuple[Tensor, Tensor]] = chunk
+                ) -> dict[str, Any]:
+                    chunk[:] = reader.next_chunk() if reader is not None else []
+                    if not chunk and first == 0:
+                        raise RuntimeConfigError(
+                            "the evaluation data is empty; give it at least one batch"
+                        )
+                    probe = self._probe(*chunk[0]) if chunk and self._spec is None else None
+                    return {"sizes": [len(x) for x, _ in chunk], "probe": probe}
+
+                info = self._on_first_rank(read)
+                if info["probe"] is not None:
+                    self._adopt(info["probe"])
+                sizes: list[int] = info["sizes"]
+                if not sizes:
+                    break
+                placement = tuple(sorted(self.rank_of.items()))
+                plan = eval_plan(placement, len(sizes))
+                for ex in self._executors:
+                    ex.begin_eval(plan, sizes, first, chunk if 0 in ex.stages else None)
+                if len(self._executors) == 1:
+                    self._executors[0].run()
+                else:
+                    drive_local(self._executors)
+                for t in self.transports.values():
+                    t.flush()
+                first += len(sizes)
+        finally:
+            for k, s in self.stages.items():
+                s.module.train(modes[k])
+            for ex in self._executors:
+                ex.end_eval()
+        return self._eval_result()
+
+    def _eval_result(self) -> EvalResult:
+        out: dict[str, Any] | None = None
+        for ex in self._executors:
+            sums = ex.eval_sums
+            if sums is not None:
+                loss = float(sums.loss) / max(sums.samples, 1)
+                acc = int(sums.correct) / sums.targets if sums.classifier else None
+                out = {"loss": loss, "accuracy": acc, "samples": sums.samples, "step": self._step}
+                ex.eval_sums = None
+        shared = self._share(out, self.last)
+        if shared is None:
+            raise RuntimeError("the evaluation produced no result on the last stage")
+        self.result.evals.append(shared)
+        return EvalResult.from_dict(shared)
+
+    # -- results, state --------------------------------------------------------------------
+    def rank_result(self) -> RankResult:
+        """This process's share so far (after a failure too: the trace of what ran)."""
+        self.recorder.resolve()
+        res = self.result
+        res.events, res.memory = self.recorder.events, self.recorder.memory
+        res.weight_copies = {k: s.peak_weight_copies for k, s in self.stages.items()}
+        res.notes = sorted({n for s in self.stages.values() for n in s.notes})
+        return res
+
+    def _meta(self) -> dict[str, Any]:
+        ranks = self.shape.num_ranks
+        device = (
+            str(self.device) if self.transport_name == "local" else f"{self.device.type} x{ranks}"
+        )
+        return {
+            "transport": self.transport_name,
+            "device": device,
+            "model": self.plan.model or "custom",
+        }
+
+    def _merged(self) -> FitResult:
+        mine = self.rank_result()
+        if self.transport_name == "dist":
+            texts: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(texts, mine.to_json())
+            results = [RankResult.from_json(t) for t in texts]
+        else:
+            results = [mine]
+        merged = merge(self.plan, results, self._meta())
+        self._trace = merged.trace
+        return merged
+
+    def trace(self) -> Trace:
+        """The trace of the last ``fit`` (every rank's events), or of what ran so far."""
+        if self._trace is not None and self._failed is None:
+            return self._trace
+        return build_trace(self.plan, [self.rank_result()], self._meta())
+
+    @property
+    def step(self) -> int:
+        """Mini-batches trained so far (the global step)."""
+        return self._step
+
+    def state_dict(self) -> dict[str, Any]:
+        """This process's stages (weights, optimizer, scheduler, predictor, RNG) and the step."""
+        self._check_usable()
+        return {
+            "format": "pipeoptim-pipeline",
+            "step": self._step,
+            "stages": {k: s.state_dict() for k, s in self.stages.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or state.get("format") != "pipeoptim-pipeline":
+            raise RuntimeConfigError(
+                "load_state_dict takes what Pipeline.state_dict() returned (no "
+                "'format': 'pipeoptim-pipeline' in it)"
+            )
+        missing = sorted(set(self.stages) - set(state["stages"]))
+        if missing:
+            raise RuntimeConfigError(
+                f"the state holds stages {sorted(state['stages'])} but this process runs "
+                f"{sorted(self.stages)} (missing {missing}); load the state saved by the same "
+                f"rank of a Pipeline of the same shape"
+            )
+        for k, s in self.stages.items():
+            s.load_state_dict(state["stages"][k])
+        self._step = int(state["step"])
+
+    def close(self) -> None:
+        """Leave the process group this Pipeline started (dist under torchrun)."""
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_group = False
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

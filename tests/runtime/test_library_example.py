@@ -1,0 +1,51 @@
+"""``examples/library_quickstart.py``: one process, and the same script under torchrun (gloo,
+2 and 4 processes), train to the same numbers bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "examples" / "library_quickstart.py"
+
+
+def run(args: list[str], *, nproc: int | None = None) -> dict[str, Any]:
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+        if nproc
+        else [sys.executable]
+    )
+    done = subprocess.run(
+        [*launcher, str(SCRIPT), "--epochs", "1", "--device", "cpu", "--json", *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+        # one thread everywhere: a matmul's summation order depends on its thread count
+        env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, done.stdout  # only the first stage's rank reports
+    result: dict[str, Any] = json.loads(lines[0])
+    return result
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_torchrun_equals_one_process_bit_for_bit(stages: int) -> None:
+    local = run(["--stages", str(stages)])
+    dist = run(["--stages", str(stages), "--transport", "dist"], nproc=stages)
+    assert local["transport"] == "local" and dist["transport"] == "dist"
+    assert dist["device"] == f"cpu x{stages}"
+    assert len(local["losses"]) == 46  # 1,500 samples in batches of 32
+    assert dist["losses"] == local["losses"]
+    assert dist["eval"] == local["eval"]
+    assert local["eval"]["accuracy"] > 0.5  # one epoch: well past chance (0.1)
