@@ -1,13 +1,15 @@
 """The ``pipeoptim`` command: one sub-command per module in ``pipeoptim.commands``.
 
 Library errors (``ValueError`` subclasses whose messages say the rule, the values and the
-fix) are printed without a traceback and exit with status 2.
+fix) are printed without a traceback and exit with status 2. A reader that stops early
+(``pipeoptim methods --json | head -1``) ends the command quietly, also with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -49,13 +51,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        _silence_stdout()
+        return 2
     except PipeoptimError as err:
         print(f"pipeoptim {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"pipeoptim {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _silence_stdout() -> None:
+    """The reader closed the pipe: point stdout at devnull so the interpreter's final flush
+    does not fail again (the recipe in Python's ``signal`` documentation)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a real file (captured in tests)
+        pass
 
 
 if __name__ == "__main__":

@@ -22,3 +22,15 @@ class PlanError(PipeoptimError):
 
 class RuntimeConfigError(PipeoptimError):
     """A training run was configured inconsistently (world size, batch size, optimizer...)."""
+
+
+class WorkLimitError(PlanError):
+    """The requested work (actions, memory, file size) is over a documented limit.
+
+    Raised before anything is built, by :mod:`pipeoptim.plan.limits`; the message gives the
+    estimate, the limit and the fix.
+    """
+
+
+class OutputPathError(PipeoptimError):
+    """An output path (``--out``, ``--html``, ``--trace``...) cannot be written."""

@@ -246,7 +246,7 @@ def _peak_memory(trace: Trace, stage_rank: Mapping[int, int]) -> dict[int, int]:
     for sample in trace.memory:
         rank_peak[sample.rank] = max(rank_peak.get(sample.rank, 0), sample.bytes)
         for key, value in sample.detail.items():
-            if key.startswith("stage:"):
+            if key.startswith("stage:") and key[6:].isdigit():
                 k = int(key[6:])
                 peaks[k] = max(peaks.get(k, 0), int(value))
     per_rank: dict[int, list[int]] = {}

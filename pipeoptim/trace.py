@@ -13,11 +13,54 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeoptim.errors import PipeoptimError
 from pipeoptim.jsonfile import read_json
+from pipeoptim.schema import Dict, Int, List, Num, Obj, Opt, Str, check_header, validate
 
 TRACE_FORMAT = "pipeoptim-trace"
 TRACE_VERSION = 1
+_REMEDY = "write one with --trace FILE from `pipeoptim simulate` or `pipeoptim train`"
+
+_EVENT_SCHEMA = Obj(
+    {
+        "rank": Int(minimum=0),
+        "stage": Int(minimum=0),
+        "kind": Str(),
+        "mb": Int(),
+        "start": Num(),
+        "end": Num(),
+        "weight_version": Int(),
+        "bytes": Int(minimum=0),
+        "distance": Int(),
+    },
+    required=("rank", "stage", "kind", "mb", "start", "end"),
+    extra=False,
+)
+_MEMORY_SCHEMA = Obj(
+    {"rank": Int(minimum=0), "time": Num(), "bytes": Int(minimum=0), "detail": Dict(Int())},
+    required=("rank", "time", "bytes"),
+    extra=False,
+)
+_META_SCHEMA = Obj(
+    {
+        "method": Opt(Str()),
+        "source": Opt(Str()),
+        "transport": Opt(Str()),
+        "num_ranks": Opt(Int(minimum=0)),
+        "num_stages": Opt(Int(minimum=0)),
+        "micro_batches": Opt(Int(minimum=1)),
+        "mini_batches": Opt(Int(minimum=0)),
+        "virtual_stages": Opt(Int(minimum=1)),
+        "batch_size": Opt(Num(minimum=0)),
+        "samples_per_micro_batch": Opt(Num(minimum=0)),
+        "weight_copies": Opt(Dict(Int(), int_keys=True)),
+        "plan": Opt(Dict()),
+    }
+)
+TRACE_SCHEMA = Obj(
+    {"meta": _META_SCHEMA, "events": List(_EVENT_SCHEMA), "memory": List(_MEMORY_SCHEMA)},
+    required=("events",),
+)
+"""The trace file's fields and types; ``meta`` may hold further keys of any type."""
 
 
 @dataclass(frozen=True)
@@ -94,19 +137,21 @@ class Trace:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "<trace>") -> Trace:
-        if not isinstance(data, dict) or data.get("format") != TRACE_FORMAT:
-            raise PipeoptimError(
-                f'{source} is not a pipeoptim trace (no "format": "{TRACE_FORMAT}"); '
-                f"write one with --trace FILE from `pipeoptim simulate` or `pipeoptim train`"
-            )
-        try:
-            return cls(
-                events=[TraceEvent(**e) for e in data["events"]],
-                memory=[MemorySample(**m) for m in data.get("memory", [])],
-                meta=dict(data.get("meta", {})),
-            )
-        except (KeyError, TypeError) as err:
-            raise PipeoptimError(f"{source}: malformed trace ({err})") from None
+        """Check ``data`` against :data:`TRACE_SCHEMA`, then build the trace."""
+        check_header(
+            data,
+            fmt=TRACE_FORMAT,
+            versions=(TRACE_VERSION,),
+            source=source,
+            what="pipeoptim trace",
+            remedy=_REMEDY,
+        )
+        checked = validate(data, TRACE_SCHEMA, source=source, remedy=_REMEDY)
+        return cls(
+            events=[TraceEvent(**e) for e in checked["events"]],
+            memory=[MemorySample(**m) for m in checked.get("memory", [])],
+            meta=dict(checked.get("meta", {})),
+        )
 
     def save(self, path: str | Path) -> None:
         """Write JSON atomically, so a crash never leaves half a trace."""
@@ -117,11 +162,7 @@ class Trace:
 
     @classmethod
     def load(cls, path: str | Path) -> Trace:
-        data = read_json(
-            path,
-            what="trace",
-            remedy="write one with --trace FILE from `pipeoptim simulate` or `pipeoptim train`",
-        )
+        data = read_json(path, what="trace", remedy=_REMEDY)
         return cls.from_dict(data, source=str(path))
 
     def to_chrome_trace(self) -> dict[str, Any]:

@@ -7,7 +7,16 @@ from pathlib import Path
 from typing import Any
 
 from pipeoptim.calibrate import calibrate, format_comparison
-from pipeoptim.commands.common import add_json_flag, format_table, print_json
+from pipeoptim.commands.common import (
+    ResultFiles,
+    add_json_flag,
+    check_output_paths,
+    format_table,
+    print_json,
+)
+from pipeoptim.errors import PipeoptimError
+from pipeoptim.plan.limits import check_work, estimate_work
+from pipeoptim.plan.plan import Plan
 from pipeoptim.trace import Trace
 
 _LOCAL_NOTE = (
@@ -35,20 +44,47 @@ def register(sub: Any) -> None:
     p.set_defaults(func=run_calibrate)
 
 
+def _check_measured(trace: Trace, source: str) -> None:
+    """The sizes calibration will build, checked before it builds them: the plan's stage
+    count against the stages the trace measured, and the simulated run against the work
+    limit (a trace edited by hand can claim 10**9 stages or mini-batches)."""
+    data = trace.meta.get("plan")
+    if not isinstance(data, dict):
+        return  # calibrate() says what a runtime trace needs
+    plan = Plan.from_dict(data, source=f"the plan in {source}")
+    stages = plan.num_stages * plan.virtual_stages
+    measured = len({e.stage for e in trace.events if e.kind == "F"})
+    if stages > measured:
+        raise PipeoptimError(
+            f"the plan in {source} has {stages:,} stages, but the trace has forwards of "
+            f"{measured:,}; calibrate from the whole trace of one run (every rank's events)"
+        )
+    mini_batches = trace.meta.get("mini_batches")
+    if isinstance(mini_batches, int) and mini_batches >= 1:
+        estimate = estimate_work(plan.method_spec, plan.shape(mini_batches))
+        check_work(estimate, what="calibrating")
+
+
 def run_calibrate(args: argparse.Namespace) -> int:
+    check_output_paths(args, ["--html", "--out-trace"], inputs=["--trace"])
     measured = Trace.load(args.trace)
+    _check_measured(measured, str(args.trace))
     predicted, rows = calibrate(measured)
     local = measured.meta.get("transport") == "local"
+    files = ResultFiles()
     if args.out_trace is not None:
-        predicted.save(args.out_trace)
+        files.write(args.out_trace, predicted.save)
     if args.html is not None:
         from pipeoptim.viz.report import write_report
 
-        write_report(
+        files.write(
             args.html,
-            {"measured": measured, "predicted": predicted},
-            title="pipeoptim calibration: measured run against the simulator",
-            notes=[_LOCAL_NOTE] if local else [],
+            lambda p: write_report(
+                p,
+                {"measured": measured, "predicted": predicted},
+                title="pipeoptim calibration: measured run against the simulator",
+                notes=[_LOCAL_NOTE] if local else [],
+            ),
         )
     if args.json:
         print_json(
@@ -65,10 +101,14 @@ def run_calibrate(args: argparse.Namespace) -> int:
                     for r in rows
                 ],
                 "transport": measured.meta.get("transport"),
+                "written": files.written,
+                "not_written": files.failed,
             }
         )
-        return 0
+        return files.finish("calibrate")
     print(format_table(["quantity", "measured", "predicted", "error"], format_comparison(rows)))
     if local:
         print(_LOCAL_NOTE)
-    return 0
+    for path in files.written:
+        print(f"wrote {path}")
+    return files.finish("calibrate")

@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from pathlib import Path
 from typing import Any
 
-from pipeoptim.commands.common import add_json_flag, format_table, print_json
+from pipeoptim.commands.common import (
+    ResultFiles,
+    add_json_flag,
+    check_number,
+    check_output_paths,
+    format_table,
+    print_json,
+)
+from pipeoptim.errors import PlanError
 from pipeoptim.plan.graph import stage_graph_to_dict
+from pipeoptim.plan.limits import MAX_PROFILE_BATCH, MAX_PROFILE_REPEATS
 from pipeoptim.plan.methods import METHODS, get_method
 from pipeoptim.plan.plan import OPTIMIZER_FAMILIES, OptimizerSpec, Plan
 from pipeoptim.plan.profile import Profile
@@ -65,6 +75,21 @@ def register(sub: Any) -> None:
     plan.set_defaults(func=run_plan)
 
 
+def _check_whole(flag: str, value: int, maximum: int, why: str) -> None:
+    if not 1 <= value <= maximum:
+        raise PlanError(f"{flag} must be between 1 and {maximum:,} (got {value:,}); {why}")
+
+
+def _check_batch(batch_size: int) -> None:
+    _check_whole(
+        "--batch-size",
+        batch_size,
+        MAX_PROFILE_BATCH,
+        "the simulator scales a profile's costs linearly to any batch size, so profile "
+        "with a smaller batch, e.g. --batch-size 64",
+    )
+
+
 def _profile_model(
     model: str, batch_size: int, optimizer: str, repeats: int, device: str | None, progress: bool
 ) -> Profile:
@@ -81,6 +106,14 @@ def _profile_model(
 
 
 def run_profile(args: argparse.Namespace) -> int:
+    check_output_paths(args, ["--out"])
+    _check_batch(args.batch_size)
+    _check_whole(
+        "--repeats",
+        args.repeats,
+        MAX_PROFILE_REPEATS,
+        "the profile keeps the median, which a few repeats already settle, e.g. --repeats 5",
+    )
     profile = _profile_model(
         args.model,
         args.batch_size,
@@ -89,10 +122,11 @@ def run_profile(args: argparse.Namespace) -> int:
         args.device,
         progress=not args.json,
     )
-    profile.save(args.out)
+    files = ResultFiles()
+    files.write(args.out, profile.save)
     if args.json:
-        print_json({"out": str(args.out), **profile.to_dict()})
-        return 0
+        print_json({"out": str(args.out) if files.ok else None, **profile.to_dict()})
+        return files.finish("profile")
     rows = [
         [
             i,
@@ -105,11 +139,14 @@ def run_profile(args: argparse.Namespace) -> int:
         for i, layer in enumerate(profile.layers)
     ]
     print(format_table(["#", "layer", "forward ms", "backward ms", "activation", "params"], rows))
-    print(
-        f"wrote {profile.num_layers}-layer profile ({profile.device}, batch "
-        f"{profile.batch_size}) to {args.out}"
-    )
-    return 0
+    if files.ok:
+        print(
+            f"wrote {profile.num_layers}-layer profile ({profile.device}, batch "
+            f"{profile.batch_size}) to {args.out}"
+        )
+    else:  # the measurement is not lost: print it, to be saved by hand
+        print(profile.to_json())
+    return files.finish("profile")
 
 
 def _stage_rows(candidate: Candidate, profile: Profile) -> list[list[Any]]:
@@ -129,6 +166,11 @@ def _stage_rows(candidate: Candidate, profile: Profile) -> list[list[Any]]:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    check_output_paths(args, ["--out", "--html"], inputs=["--profile"])
+    check_number("--latency", args.latency, minimum=0, example="0.0001 (seconds per transfer)")
+    check_number("--lr", args.lr, above=0, example="0.05")
+    if args.model is not None:
+        _check_batch(args.batch_size)
     if args.profile is not None:
         profile = Profile.load(args.profile)
     else:
@@ -180,13 +222,18 @@ def run_plan(args: argparse.Namespace) -> int:
             "why": summary,
         },
     )
+    files = ResultFiles()
     if args.out is not None:
-        plan.save(args.out)
+        files.write(args.out, plan.save)
     if args.html is not None:
         from pipeoptim.viz.partition import write_partition_html
 
-        write_partition_html(
-            args.html, best.partition, profile, memory_cap_bytes=cap, summary=summary
+        partition = best.partition
+        files.write(
+            args.html,
+            lambda p: write_partition_html(
+                p, partition, profile, memory_cap_bytes=cap, summary=summary
+            ),
         )
     table = [
         {
@@ -206,10 +253,10 @@ def run_plan(args: argparse.Namespace) -> int:
                 "plan": plan.to_dict(),
                 "ranking": table,
                 "why": summary,
-                "out": str(args.out) if args.out else None,
+                "out": str(args.out) if args.out and str(args.out) in files.written else None,
             }
         )
-        return 0
+        return files.finish("plan")
     print(
         format_table(
             ["stage", "layers", "count", "ms per unit", "memory", "weight copies"],
@@ -228,7 +275,11 @@ def run_plan(args: argparse.Namespace) -> int:
                         c.throughput,
                         c.bubble_ratio,
                         c.max_staleness,
-                        format_bytes(c.peak_memory_bytes) if c.infeasible is None else "over cap",
+                        format_bytes(c.peak_memory_bytes)
+                        if c.infeasible is None
+                        else "not simulated"
+                        if c.skipped
+                        else "over cap",
                     ]
                     for c in ranked
                 ],
@@ -236,6 +287,8 @@ def run_plan(args: argparse.Namespace) -> int:
         )
         print()
     print(summary)
-    if args.out is not None:
+    if args.out is not None and str(args.out) in files.written:
         print(f"wrote plan to {args.out}")
-    return 0
+    elif args.out is not None:  # the plan is not lost: print it, to be saved by hand
+        print(json.dumps(plan.to_dict(), indent=2))
+    return files.finish("plan")

@@ -6,7 +6,13 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from pipeoptim.commands.common import add_json_flag, format_table, print_json
+from pipeoptim.commands.common import (
+    ResultFiles,
+    add_json_flag,
+    check_output_paths,
+    format_table,
+    print_json,
+)
 from pipeoptim.errors import PlanError
 from pipeoptim.plan.actions import format_grid, format_schedule, load_csv, schedule_to_csv
 from pipeoptim.plan.methods import METHODS, build_schedule, get_method
@@ -80,6 +86,7 @@ def _version_summary(report: VersionReport) -> list[dict[str, int]]:
 
 
 def run_schedule(args: argparse.Namespace) -> int:
+    check_output_paths(args, ["--out"])
     if args.load is not None:
         schedule = load_csv(args.load)
         m = validate(schedule)
@@ -101,8 +108,9 @@ def run_schedule(args: argparse.Namespace) -> int:
         text = schedule_to_csv(schedule, include_updates=not args.torch_compatible)
     else:
         text = format_grid(schedule) + "\n"
-    if args.out is not None:
-        args.out.write_text(text)
+    files = ResultFiles()
+    if args.out is not None and not files.write(args.out, lambda p: p.write_text(text)):
+        args.out = None  # not written: print the schedule instead, so it is not lost
     if args.json:
         print_json(
             {
@@ -127,4 +135,4 @@ def run_schedule(args: argparse.Namespace) -> int:
             )
     else:
         print(f"wrote {args.format} schedule ({source}, {len(schedule)} ranks) to {args.out}")
-    return 0
+    return files.finish("schedule")

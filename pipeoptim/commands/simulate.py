@@ -13,16 +13,30 @@ micro-batch and stage. Interleaved 1F1B cuts it into P*v chunks, each 1/v of a s
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from pipeoptim.commands.common import add_json_flag, format_table, print_json
+from pipeoptim.commands.common import (
+    ResultFiles,
+    add_json_flag,
+    check_number,
+    check_output_paths,
+    format_table,
+    print_json,
+)
 from pipeoptim.errors import PlanError
 from pipeoptim.metrics import RunMetrics, compute_metrics
+from pipeoptim.plan.limits import (
+    MAX_JITTER,
+    check_total,
+    check_work,
+    estimate_work,
+    fit_budget,
+    max_actions,
+)
 from pipeoptim.plan.methods import METHODS, Method, get_method
 from pipeoptim.plan.schedules import Shape
 from pipeoptim.plan.units import format_bytes, parse_bandwidth, parse_bytes
@@ -215,10 +229,71 @@ def _costs(args: argparse.Namespace, shape: Shape, plan: Any, profile: Any) -> C
     )
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """Everything about the flags alone, before any file is read or work is done."""
+    check_output_paths(
+        args, ["--html", "--trace", "--chrome-trace"], inputs=["--plan", "--profile"]
+    )
+    check_number("--latency", args.latency, minimum=0, example="0.0001 (seconds per transfer)")
+    check_number("--jitter", args.jitter, minimum=0, maximum=MAX_JITTER, example="0.1")
+    if args.virtual_stages is not None and args.virtual_stages < 1:
+        raise PlanError(
+            f"--virtual-stages must be at least 1 stage per rank (got {args.virtual_stages}); "
+            f"pass 2 (the default) or more for interleaved-1f1b, or leave it out"
+        )
+    if args.batch_size is not None and args.batch_size < 1:
+        raise PlanError(
+            f"--batch-size must be at least 1 sample per mini-batch (got {args.batch_size}); "
+            f"e.g. --batch-size 64"
+        )
+
+
+def _check_costs(costs: CostModel, args: argparse.Namespace) -> None:
+    """A run whose forwards and backwards take no time has no throughput to report."""
+    if not any(f + b > 0 for f, b in zip(costs.forward_s, costs.backward_s, strict=True)):
+        source = (
+            f"--profile {args.profile}"
+            if args.profile is not None
+            else f"--plan {args.plan}"
+            if args.uniform is None and args.plan is not None
+            else f"--uniform {args.uniform}"
+        )
+        raise PlanError(
+            f"every stage's forward and backward take 0 s (from {source}), so the run takes "
+            f"no time and has no throughput; give positive times, e.g. --uniform 1,2"
+        )
+
+
+def _fit(
+    jobs: list[tuple[Method, Shape]], every: bool, skipped: list[tuple[str, str]]
+) -> list[tuple[Method, Shape]]:
+    """Refuse (one method) or skip with a note (several) what is over the work limit."""
+    estimates = [estimate_work(method, shape) for method, shape in jobs]
+    if not every:
+        check_total(estimates)
+        return jobs
+    keep = fit_budget([e.cost for e in estimates])
+    if not any(keep):  # even the smallest is over: its own message has the numbers and fix
+        check_work(min(estimates, key=lambda e: e.cost))
+    limit = max_actions()
+    for e, kept in zip(estimates, keep, strict=True):
+        if not kept:
+            why = (
+                f"about {e.amount()}, over the limit of {limit:,}; use fewer --mini-batches"
+                if e.cost > limit
+                else f"about {e.amount()}, and with the others over the limit of "
+                f"{limit:,}; simulate it alone with --method {e.method}"
+            )
+            skipped.append((e.method, why))
+    return [job for job, kept in zip(jobs, keep, strict=True) if kept]
+
+
 def run(args: argparse.Namespace) -> int:
     """Simulate, print the table (or JSON), write the requested files."""
     from pipeoptim.sim.engine import simulate
     from pipeoptim.sim.evaluate import evaluate_trace
+
+    _check_args(args)
 
     plan = profile = None
     if args.plan is not None:
@@ -242,8 +317,6 @@ def run(args: argparse.Namespace) -> int:
             args.virtual_stages = plan.virtual_stages
     methods = _methods(method_text)
     every = len(methods) > 1
-    if not math.isfinite(args.jitter) or args.jitter < 0:
-        raise PlanError(f"--jitter must be >= 0 (got {args.jitter}); e.g. --jitter 0.1")
 
     jobs: list[tuple[Method, Shape]] = []
     skipped: list[tuple[str, str]] = []
@@ -254,6 +327,8 @@ def run(args: argparse.Namespace) -> int:
             if not every:
                 raise
             skipped.append((method.name, str(err)))
+    if jobs:
+        jobs = _fit(jobs, every, skipped)
     if not jobs:
         raise PlanError(
             "no method accepts these sizes: " + "; ".join(f"{name}: {why}" for name, why in skipped)
@@ -271,6 +346,7 @@ def run(args: argparse.Namespace) -> int:
     for method, shape in bar:
         bar.set_postfix_str(method.name)
         costs = _costs(args, shape, plan, profile)
+        _check_costs(costs, args)
         if args.engine == "fast":
             trace = evaluate_trace(method, shape, costs, jitter=args.jitter, seed=args.seed)
         else:
@@ -288,21 +364,17 @@ def run(args: argparse.Namespace) -> int:
     notes = [f"skipped {name}: {why}" for name, why in skipped]
 
     several = len(traces) > 1
-    written: list[str] = []
+    files = ResultFiles()
     for name, trace in traces.items():
         if args.trace is not None:
-            out = _per_method_path(args.trace, name, several)
-            trace.save(out)
-            written.append(str(out))
+            files.write(_per_method_path(args.trace, name, several), trace.save)
         if args.chrome_trace is not None:
-            out = _per_method_path(args.chrome_trace, name, several)
-            trace.save_chrome_trace(out)
-            written.append(str(out))
+            files.write(_per_method_path(args.chrome_trace, name, several), trace.save_chrome_trace)
     if args.html is not None:
         from pipeoptim.viz.report import write_report
 
-        write_report(args.html, traces, metrics=metrics, notes=notes)
-        written.append(str(args.html))
+        files.write(args.html, lambda p: write_report(p, traces, metrics=metrics, notes=notes))
+    written = files.written
 
     if args.json:
         print_json(
@@ -313,9 +385,10 @@ def run(args: argparse.Namespace) -> int:
                 },
                 "skipped": [{"method": n, "reason": why} for n, why in skipped],
                 "written": written,
+                "not_written": files.failed,
             }
         )
-        return 0
+        return files.finish("simulate")
     headers = [
         "method",
         "P",
@@ -354,7 +427,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: {note}")
     for path in written:
         print(f"wrote {path}")
-    return 0
+    return files.finish("simulate")
 
 
 def _copies(trace: Trace) -> str:

@@ -9,10 +9,13 @@ sees the method train to > 90 % test accuracy in seconds on any CPU. Flags overr
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeoptim.commands.common import add_json_flag, print_json
+from pipeoptim.commands.common import add_json_flag, check_output_paths, print_json
+from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.methods import METHODS, get_method
 from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.runtime.config import AMP_MODES, LR_SCHEDULES
@@ -101,6 +104,13 @@ def register(subparsers: Any) -> None:
         help="also cut a segment and checkpoint every K mini-batches (default: per epoch)",
     )
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in D")
+    p.add_argument(
+        "--keep-checkpoints",
+        type=int,
+        metavar="K",
+        help="keep the K newest checkpoints; a resume falls back to an older one when the "
+        "newest is damaged (default 2)",
+    )
     p.add_argument("--trace", metavar="FILE", help="write the run's trace (pipeoptim trace JSON)")
     p.add_argument("--seed", type=int, default=0, help="weights and data order (default 0)")
     p.add_argument(
@@ -147,12 +157,31 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     """The TrainConfig of the command line: flags over --plan over the defaults."""
     from pipeoptim.runtime.config import TrainConfig
 
+    for flag, value in (
+        ("stages", args.stages),
+        ("batch-size", args.batch_size),
+        ("micro-batches", args.micro_batches),
+        ("keep-checkpoints", args.keep_checkpoints),
+    ):
+        if value is not None and value < 1:
+            raise RuntimeConfigError(f"--{flag} must be at least 1 (got {value})")
+    if args.prediction_offset is not None and args.prediction_offset < 0:
+        raise RuntimeConfigError(
+            f"--prediction-offset must be 0 or more (got {args.prediction_offset}): it adds "
+            f"updates to the derived distance s; 0 is the paper's rule, 1 the reference code's"
+        )
     base = Plan.load(args.plan) if args.plan else None
     method = args.method or (base.method if base else "pipeoptim")
     spec = get_method(method)
     stages = args.stages if args.stages is not None else (base.num_stages if base else 4)
     model = args.model or (base.model if base and base.model else "mlp")
     same_layout = base is not None and stages == base.num_stages and model == (base.model or model)
+    if base is not None and base.boundaries and not same_layout:
+        print(
+            f"pipeoptim train: note: the plan's partition was made for {base.num_stages} stages "
+            f"of model {base.model}; running {stages} stages of {model} with an even split",
+            file=sys.stderr,
+        )
     batch = args.batch_size or (base.batch_size if base else None) or 32
     if args.micro_batches is not None:
         micro = args.micro_batches
@@ -206,24 +235,48 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         warmup=args.warmup,
         amp=args.amp,
         grad_clip=args.grad_clip,
+        keep_checkpoints=args.keep_checkpoints or 2,
     )
 
 
+def _check_checkpoint_dir(path: str) -> None:
+    """Before any work: a folder that is, or can become, a writable checkpoint folder."""
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise RuntimeConfigError(
+            f"--checkpoint-dir {path!r} is a file, not a folder; give a folder (it is created "
+            f"if missing)"
+        )
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise RuntimeConfigError(
+            f"--checkpoint-dir {path!r}: cannot create or write it under {str(existing)!r}; "
+            f"give a folder you can write"
+        )
+
+
 def handler(args: argparse.Namespace) -> int:
+    from pipeoptim.runtime.executor import NonFiniteLossError
     from pipeoptim.runtime.launch import train
 
+    check_output_paths(args, ["--trace"])
+    if args.checkpoint_dir:
+        _check_checkpoint_dir(args.checkpoint_dir)
     config = build_config(args)
-    if args.resume and not args.checkpoint_dir:
-        print("pipeoptim train: --resume needs --checkpoint-dir D", file=sys.stderr)
-        return 2
-    result = train(config)
+    try:
+        result = train(config)
+    except NonFiniteLossError as err:
+        if args.json and err.partial is not None:  # what ran, with the error
+            print_json({**err.partial.summary(), "error": str(err)})
+        raise
     if result is None:  # a torchrun rank other than 0: rank 0 reports
         return 0
+    status = 2 if result.unwritten else 0
     if args.json:
         summary = result.summary()
-        summary["trace_file"] = args.trace
+        summary["trace_file"] = args.trace if not result.unwritten else None
         print_json(summary)
-        return 0
+        return status
     plan = config.plan
     m = result.micro_batches
     ranks = f" on {plan.num_stages} ranks" if plan.num_stages != result.num_stages else ""
@@ -251,8 +304,10 @@ def handler(args: argparse.Namespace) -> int:
         print(f"note: {note}")
     copies = " ".join(str(result.weight_copies[k]) for k in sorted(result.weight_copies))
     print(f"weight copies per stage (peak): {copies}")
-    if args.trace:
+    if args.trace and not result.unwritten:
         print(f"trace: {args.trace}")
     if config.checkpoint_dir:
         print(f"checkpoint: {config.checkpoint_dir} (step {result.end_step})")
-    return 0
+    for path in result.unwritten:
+        print(f"pipeoptim train: not written: {path} (see the note above)", file=sys.stderr)
+    return status

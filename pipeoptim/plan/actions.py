@@ -128,7 +128,13 @@ def schedule_to_csv(
 
 def schedule_from_csv(text: str, *, source: str = "<csv>") -> Schedule:
     """Parse a CSV written by :func:`schedule_to_csv` or by PyTorch's ``_dump_csv``."""
-    rows = list(csv.reader(io.StringIO(text)))
+    try:
+        rows = list(csv.reader(io.StringIO(text)))
+    except csv.Error as err:
+        raise ScheduleError(
+            f"{source} is not a CSV schedule ({err}); expected one row of actions per rank, "
+            f"e.g. '0F0,0B0,0U0'"
+        ) from None
     if not rows or all(not any(cell.strip() for cell in row) for row in rows):
         raise ScheduleError(
             f"{source} holds no schedule: expected one CSV row of actions per rank, e.g. "
@@ -148,11 +154,21 @@ def save_csv(schedule: Mapping[int, Sequence[Action | None]], path: str | Path) 
 
 
 def load_csv(path: str | Path) -> Schedule:
+    """Read a CSV schedule file; a missing, binary, oversized or malformed file raises
+    :class:`ScheduleError` naming the file (and the row for a bad action)."""
+    from pipeoptim.jsonfile import read_text  # jsonfile imports plan.limits, which needs us
+    from pipeoptim.plan.limits import max_actions
+
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as err:
-        raise ScheduleError(f"cannot read schedule file {str(p)!r}: {err.strerror}") from None
+    remedy = "write one with `pipeoptim schedule --format csv --out FILE`"
+    text = read_text(p, what="schedule file", remedy=remedy, error=ScheduleError)
+    cells, limit = text.count(",") + text.count("\n") + 1, max_actions()
+    if cells > limit:
+        raise ScheduleError(
+            f"schedule file {str(p)!r} has about {cells:,} cells; the limit is {limit:,} "
+            f"(pipeoptim.plan.limits.MAX_GRID_CELLS); load a shorter schedule (fewer "
+            f"mini-batches)"
+        )
     return schedule_from_csv(text, source=str(p))
 
 

@@ -26,7 +26,9 @@ from typing import Any
 import networkx as nx
 
 from pipeoptim.errors import PlanError
+from pipeoptim.plan.limits import MAX_STAGE_BYTES
 from pipeoptim.plan.profile import Profile
+from pipeoptim.schema import Int, List, Num, Obj, Str, validate
 
 __all__ = [
     "STAGE_GRAPH_FORMAT",
@@ -58,6 +60,54 @@ _STAGE_KEYS = (
     "memory_bytes",
     "param_count",
 )
+_STAGE_SCHEMA = Obj(
+    {
+        "index": Int(minimum=0),
+        "start": Int(minimum=0),
+        "end": Int(minimum=0),
+        "layers": List(Int(minimum=0)),
+        "layer_names": List(Str()),
+        "forward_s": Num(minimum=0),
+        "backward_s": Num(minimum=0),
+        "param_bytes": Int(minimum=0, maximum=MAX_STAGE_BYTES),
+        "grad_bytes": Int(minimum=0, maximum=MAX_STAGE_BYTES),
+        "optimizer_state_bytes": Int(minimum=0, maximum=MAX_STAGE_BYTES),
+        "activation_bytes": Int(minimum=0, maximum=MAX_STAGE_BYTES),
+        "weight_copies": Int(minimum=1),
+        "activation_slots": Int(minimum=0),
+        "memory_bytes": Int(minimum=0, maximum=MAX_STAGE_BYTES),
+        "param_count": Int(minimum=0, maximum=MAX_STAGE_BYTES),
+    },
+    required=("index", *_STAGE_KEYS),
+)
+STAGE_GRAPH_SCHEMA = Obj(
+    {
+        "format": Str(),
+        "version": Int(),
+        "graph": Obj(
+            {
+                "batch_size": Int(minimum=1),
+                "optimizer": Str(),
+                "device": Str(),
+                "dtype_bytes": Int(minimum=1),
+                "num_layers": Int(minimum=0),
+            }
+        ),
+        "stages": List(_STAGE_SCHEMA),
+        "edges": List(
+            Obj(
+                {
+                    "source": Int(minimum=0),
+                    "target": Int(minimum=0),
+                    "bytes": Int(minimum=0, maximum=MAX_STAGE_BYTES),
+                },
+                required=("source", "target"),
+            )
+        ),
+    },
+    required=("version", "graph", "stages", "edges"),
+)
+"""The stage graph's fields and types, as in a plan file's ``stage_graph``."""
 
 
 def stage_memory_bytes(
@@ -240,37 +290,37 @@ def stage_graph_to_dict(graph: nx.DiGraph) -> dict[str, Any]:
     }
 
 
-def stage_graph_from_dict(data: object) -> nx.DiGraph:
-    """Rebuild a stage graph from :func:`stage_graph_to_dict` output."""
+def stage_graph_from_dict(data: object, source: str = "the stage graph") -> nx.DiGraph:
+    """Rebuild a stage graph from :func:`stage_graph_to_dict` output (checked against
+    :data:`STAGE_GRAPH_SCHEMA`; stages numbered 0..S-1, joined k -> k+1)."""
     fix = "write it with stage_graph_to_dict (or regenerate the plan)"
-    if not isinstance(data, dict):
-        raise PlanError(f"a stage graph must be a JSON object, got {type(data).__name__}; {fix}")
-    for key in ("version", "graph", "stages", "edges"):
-        if key not in data:
-            raise PlanError(f"the stage graph is missing the key {key!r}; {fix}")
-    if data["version"] != STAGE_GRAPH_VERSION:
+    checked = validate(data, STAGE_GRAPH_SCHEMA, source=source, remedy=fix, error=PlanError)
+    if checked["version"] != STAGE_GRAPH_VERSION:
         raise PlanError(
-            f"the stage graph has version {data['version']!r}; this pipeoptim reads version "
+            f"{source} has version {checked['version']!r}; this pipeoptim reads version "
             f"{STAGE_GRAPH_VERSION}; {fix}"
         )
-    graph = nx.DiGraph(**dict(data["graph"]))
-    stages = data["stages"]
-    if not isinstance(stages, list) or not stages:
-        raise PlanError(f"the stage graph's 'stages' must be a non-empty list; {fix}")
-    for position, raw in enumerate(stages):
-        if not isinstance(raw, dict):
-            raise PlanError(f"stages[{position}] must be an object; {fix}")
-        for key in ("index", *_STAGE_KEYS):
-            if key not in raw:
-                raise PlanError(f"stages[{position}] is missing the key {key!r}; {fix}")
+    graph = nx.DiGraph(**checked["graph"])
+    stages = checked["stages"]
+    if not stages:
+        raise PlanError(f"{source}'s 'stages' must be a non-empty list; {fix}")
+    indices = sorted(raw["index"] for raw in stages)
+    if indices != list(range(len(stages))):
+        raise PlanError(
+            f"{source} numbers its stages {indices[:10]}; they must be 0..{len(stages) - 1}, "
+            f"each once; {fix}"
+        )
+    for raw in stages:
         attrs = {key: value for key, value in raw.items() if key != "index"}
-        graph.add_node(int(raw["index"]), **attrs)
-    for position, raw in enumerate(data["edges"]):
-        if not isinstance(raw, dict) or "source" not in raw or "target" not in raw:
-            raise PlanError(f"edges[{position}] needs 'source' and 'target' keys; {fix}")
-        u, v = int(raw["source"]), int(raw["target"])
+        graph.add_node(raw["index"], **attrs)
+    for position, raw in enumerate(checked["edges"]):
+        u, v = raw["source"], raw["target"]
         if u not in graph or v not in graph:
-            raise PlanError(f"edges[{position}] joins unknown stages {u} -> {v}; {fix}")
+            raise PlanError(f"{source}: edges[{position}] joins unknown stages {u} -> {v}; {fix}")
         attrs = {key: value for key, value in raw.items() if key not in ("source", "target")}
         graph.add_edge(u, v, **attrs)
+    missing = [k for k in range(len(stages) - 1) if not graph.has_edge(k, k + 1)]
+    if missing:
+        k = missing[0]
+        raise PlanError(f"{source} has no edge {k} -> {k + 1}; stages form a chain; {fix}")
     return graph

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pipeoptim.errors import PlanError
 from pipeoptim.plan import schedules
 from pipeoptim.plan.actions import Schedule
+from pipeoptim.plan.limits import check_grid, estimate_work
 from pipeoptim.plan.schedules import Order, Shape
 
 
@@ -82,7 +83,14 @@ class Method:
                 f"{num_ranks} or more"
             )
         v = virtual_stages if virtual_stages is not None else (2 if self.interleaved else 1)
-        if v < 1 or (v > 1 and not self.interleaved):
+        if v < 1:
+            fix = (
+                "pass --virtual-stages 2 (the default) or more"
+                if self.interleaved
+                else "leave --virtual-stages out (it is for interleaved-1f1b)"
+            )
+            raise PlanError(f"need at least 1 virtual stage per rank (got {v}); {fix}")
+        if v > 1 and not self.interleaved:
             raise PlanError(
                 f"{self.name} runs one stage per rank (got {v} virtual stages); "
                 f"use interleaved-1f1b for several stages per rank"
@@ -106,7 +114,9 @@ class Method:
         return self.generator(shape)
 
     def schedule(self, shape: Shape) -> Schedule:
-        """The clock grid of this method for ``shape``."""
+        """The clock grid of this method for ``shape``; refuses a grid over
+        :data:`pipeoptim.plan.limits.MAX_GRID_CELLS` before building it."""
+        check_grid(estimate_work(self, shape))
         return schedules.retime(self.generator(shape), shape.micro_batches)
 
 

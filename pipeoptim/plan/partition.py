@@ -35,6 +35,7 @@ import numpy.typing as npt
 
 from pipeoptim.errors import PlanError
 from pipeoptim.plan.graph import stage_graph, stage_memory_bytes, validate_boundaries
+from pipeoptim.plan.limits import check_partition_size
 from pipeoptim.plan.methods import METHODS
 from pipeoptim.plan.profile import Profile
 from pipeoptim.plan.units import format_bytes, parse_bandwidth, parse_bytes
@@ -170,6 +171,7 @@ def _check_stages(num_layers: int, num_stages: int) -> None:
             f"cannot split {num_layers} layers into {num_stages} stages; "
             f"use at most {num_layers} stages"
         )
+    check_partition_size(num_layers, num_stages)
 
 
 def stage_comm_s(

@@ -14,12 +14,45 @@ from typing import Any
 
 from pipeoptim.errors import PlanError
 from pipeoptim.jsonfile import read_json
+from pipeoptim.plan.graph import STAGE_GRAPH_SCHEMA
 from pipeoptim.plan.methods import Method, get_method
 from pipeoptim.plan.schedules import Shape
+from pipeoptim.schema import Dict, Int, List, Num, Obj, Opt, Str, check_header, validate
 
 PLAN_FORMAT = "pipeoptim-plan"
 PLAN_VERSION = 1
 OPTIMIZER_FAMILIES = ("sgd", "adam", "adamw", "rmsprop")
+_REMEDY = "make one with `pipeoptim plan ... --out FILE`"
+
+_OPTIMIZER_SCHEMA = Obj(
+    {
+        "family": Str(),
+        "lr": Num(),
+        "options": Dict(),
+    },
+    extra=False,
+)
+PLAN_SCHEMA = Obj(
+    {
+        "method": Str(),
+        "num_stages": Int(minimum=1),
+        "micro_batches": Int(minimum=1),
+        "mini_batches": Opt(Int(minimum=1)),
+        "virtual_stages": Int(minimum=1),
+        "prediction_offset": Int(),
+        "optimizer": _OPTIMIZER_SCHEMA,
+        "model": Opt(Str()),
+        "batch_size": Opt(Int(minimum=1)),
+        "boundaries": Opt(
+            List(List(Int(minimum=0), length=2), what="a list of [start, end] layer ranges")
+        ),
+        "stage_graph": Opt(STAGE_GRAPH_SCHEMA),
+        "devices": Opt(List(Str())),
+        "notes": Dict(),
+    },
+    required=("method", "num_stages"),
+)
+"""The plan file's fields and types (the dataclass below documents each field)."""
 
 
 @dataclass
@@ -99,21 +132,27 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "<plan>") -> Plan:
-        if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
-            raise PlanError(
-                f'{source} is not a pipeoptim plan (no "format": "{PLAN_FORMAT}"); '
-                f"make one with `pipeoptim plan ... --out plan.json`"
-            )
+        """Check ``data`` against :data:`PLAN_SCHEMA`, then build (and check) the plan."""
+        check_header(
+            data,
+            fmt=PLAN_FORMAT,
+            versions=(PLAN_VERSION,),
+            source=source,
+            what="pipeoptim plan",
+            remedy=_REMEDY,
+            error=PlanError,
+        )
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known - {"format", "version"})
         if unknown:
             raise PlanError(f"{source}: unknown plan fields {unknown}; valid: {sorted(known)}")
-        args = {k: v for k, v in data.items() if k in known}
+        checked = validate(data, PLAN_SCHEMA, source=source, remedy=_REMEDY, error=PlanError)
+        args = {k: v for k, v in checked.items() if k in known}
         if "optimizer" in args:
             args["optimizer"] = OptimizerSpec(**args["optimizer"])
         try:
             return cls(**args)
-        except TypeError as err:
+        except PlanError as err:
             raise PlanError(f"{source}: {err}") from None
 
     def save(self, path: str | Path) -> None:
@@ -121,12 +160,7 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
-        data = read_json(
-            path,
-            what="plan",
-            remedy="make one with `pipeoptim plan ... --out FILE`",
-            error=PlanError,
-        )
+        data = read_json(path, what="plan", remedy=_REMEDY, error=PlanError)
         return cls.from_dict(data, source=str(path))
 
 

@@ -20,6 +20,8 @@ from typing import Any
 
 from pipeoptim.errors import PlanError
 from pipeoptim.jsonfile import read_json
+from pipeoptim.plan.limits import MAX_LAYER_BYTES
+from pipeoptim.schema import Dict, Int, List, Num, Obj, Str, check_header, validate
 
 _REMEDY = "regenerate it with `pipeoptim profile` or Profile.save"
 
@@ -141,6 +143,31 @@ _LAYER_KEYS = (
     "param_count",
 )
 _PROFILE_KEYS = ("batch_size", "optimizer", "device", "layers")
+
+_LAYER_SCHEMA = Obj(
+    {
+        "name": Str(),
+        "forward_s": Num(minimum=0),
+        "backward_s": Num(minimum=0),
+        "activation_bytes": Int(minimum=0, maximum=MAX_LAYER_BYTES),
+        "param_bytes": Int(minimum=0, maximum=MAX_LAYER_BYTES),
+        "optimizer_state_bytes": Int(minimum=0, maximum=MAX_LAYER_BYTES),
+        "param_count": Int(minimum=0, maximum=MAX_LAYER_BYTES),
+    },
+    required=_LAYER_KEYS,
+)
+PROFILE_SCHEMA = Obj(
+    {
+        "batch_size": Int(minimum=1),
+        "optimizer": Str(),
+        "device": Str(),
+        "dtype_bytes": Int(minimum=1),
+        "meta": Dict(),
+        "layers": List(_LAYER_SCHEMA),
+    },
+    required=_PROFILE_KEYS,
+)
+"""The profile file's fields and types (unknown keys are allowed, for newer files)."""
 
 
 @dataclass(frozen=True)
@@ -355,56 +382,32 @@ class Profile:
     @classmethod
     def from_dict(cls, data: object, *, source: str = "profile") -> Profile:
         """Build a profile from :meth:`to_dict` output; :class:`PlanError` names what is wrong."""
-        fix = "regenerate it with `pipeoptim profile` or Profile.save"
-        if not isinstance(data, dict):
-            raise PlanError(
-                f"{source} must be a JSON object with keys {', '.join(_PROFILE_KEYS)}, "
-                f"got {type(data).__name__}; {fix}"
-            )
-        fmt = data.get("format", PROFILE_FORMAT)
-        if fmt != PROFILE_FORMAT:
-            raise PlanError(f"{source} has format {fmt!r}, expected {PROFILE_FORMAT!r}; {fix}")
-        if "version" not in data:
-            raise PlanError(f"{source} is missing the key 'version'; {fix}")
-        version = data["version"]
-        if version != PROFILE_VERSION:
-            raise PlanError(
-                f"{source} has version {version!r}; this pipeoptim reads profile version "
-                f"{PROFILE_VERSION}; {fix}"
-            )
-        for key in _PROFILE_KEYS:
-            if key not in data:
-                raise PlanError(f"{source} is missing the key {key!r}; {fix}")
-        raw_layers = data["layers"]
-        if not isinstance(raw_layers, list):
-            raise PlanError(
-                f"{source} key 'layers' must be a list of layer objects, "
-                f"got {type(raw_layers).__name__}; {fix}"
-            )
-        layers = []
-        for index, raw in enumerate(raw_layers):
-            where = f"{source} layers[{index}]"
-            if not isinstance(raw, dict):
-                raise PlanError(f"{where} must be an object, got {type(raw).__name__}; {fix}")
-            for key in _LAYER_KEYS:
-                if key not in raw:
-                    raise PlanError(f"{where} is missing the key {key!r}; {fix}")
-            try:
-                layers.append(LayerProfile(**{key: raw[key] for key in _LAYER_KEYS}))
-            except PlanError as exc:
-                raise PlanError(f"{where}: {exc}; {fix}") from None
-        meta = data.get("meta", {})
+        check_header(
+            data,
+            fmt=PROFILE_FORMAT,
+            versions=(PROFILE_VERSION,),
+            source=source,
+            what="profile",
+            remedy=_REMEDY,
+            error=PlanError,
+            format_required=False,
+            version_required=True,
+        )
+        checked = validate(data, PROFILE_SCHEMA, source=source, remedy=_REMEDY, error=PlanError)
         try:
+            layers = tuple(
+                LayerProfile(**{key: raw[key] for key in _LAYER_KEYS}) for raw in checked["layers"]
+            )
             return cls(
-                layers=tuple(layers),
-                batch_size=data["batch_size"],
-                optimizer=str(data["optimizer"]),
-                device=str(data["device"]),
-                dtype_bytes=data.get("dtype_bytes", 4),
-                meta=meta if isinstance(meta, dict) else {},
+                layers=layers,
+                batch_size=checked["batch_size"],
+                optimizer=checked["optimizer"],
+                device=checked["device"],
+                dtype_bytes=checked.get("dtype_bytes", 4),
+                meta=checked.get("meta", {}),
             )
         except PlanError as exc:
-            raise PlanError(f"{source}: {exc}; {fix}") from None
+            raise PlanError(f"{source}: {exc}; {_REMEDY}") from None
 
     @classmethod
     def from_json(cls, text: str, *, source: str = "profile") -> Profile:

@@ -16,7 +16,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from pipeoptim.errors import PlanError
+from pipeoptim.errors import PlanError, WorkLimitError
+from pipeoptim.plan.limits import estimate_work, fit_budget, max_actions
 from pipeoptim.plan.methods import METHODS, get_method
 from pipeoptim.plan.partition import Partition, method_memory_factors, optimal_partition
 from pipeoptim.plan.profile import Profile
@@ -40,7 +41,10 @@ class Candidate:
     max_staleness: int = 0
     """Largest weight staleness of an applied gradient (0: fresh weights)."""
     infeasible: str | None = None
-    """Why the candidate cannot run (memory cap), or None."""
+    """Why the candidate cannot run (memory cap) or was not simulated (work limit), or None."""
+    skipped: bool = False
+    """Not simulated: the search's candidates together were over the work limit
+    (:data:`pipeoptim.plan.limits.MAX_ACTIONS`); ``infeasible`` says why."""
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -104,7 +108,7 @@ def evaluate_candidate(
             memory_factors=method_memory_factors(method, num_stages, shape.micro_batches),
         )
     except PlanError as err:
-        if "memory" not in str(err):
+        if isinstance(err, WorkLimitError) or "memory" not in str(err):
             raise
         return Candidate(method, shape.micro_batches, None, infeasible=str(err))
     costs = CostModel.from_profile(
@@ -152,24 +156,52 @@ def search(
             f"cannot split {profile.num_layers} layers into {num_stages} stages; use at "
             f"most {profile.num_layers} stages"
         )
+    pairs = [(name, m) for name in names for m in micro_batch_options(name, num_stages)]
+    sizes = [_actions(name, num_stages, m, mini_batches) for name, m in pairs]
+    keep = fit_budget(sizes)
     found: list[Candidate] = []
-    for name in names:
-        for m in micro_batch_options(name, num_stages):
-            if progress is not None:
-                progress(f"{name} M={m}")
-            found.append(
-                evaluate_candidate(
-                    profile,
-                    num_stages,
-                    name,
-                    m,
-                    memory_cap_bytes=memory_cap_bytes,
-                    bandwidth_bytes_per_s=bandwidth_bytes_per_s,
-                    latency_s=latency_s,
-                    mini_batches=mini_batches,
-                )
+    for (name, m), size, kept in zip(pairs, sizes, keep, strict=True):
+        if not kept:
+            found.append(_skipped(name, m, size))
+            continue
+        if progress is not None:
+            progress(f"{name} M={m}")
+        found.append(
+            evaluate_candidate(
+                profile,
+                num_stages,
+                name,
+                m,
+                memory_cap_bytes=memory_cap_bytes,
+                bandwidth_bytes_per_s=bandwidth_bytes_per_s,
+                latency_s=latency_s,
+                mini_batches=mini_batches,
             )
+        )
     return rank(found, tie_tolerance)
+
+
+def _actions(method: str, num_stages: int, micro_batches: int, mini_batches: int | None) -> int:
+    """Simulated actions of one candidate (0 where the method's rules refuse the sizes:
+    evaluating it raises the rule's own message)."""
+    spec = get_method(method)
+    try:
+        shape = spec.shape(num_stages, micro_batches if spec.micro_batched else None, mini_batches)
+    except PlanError:
+        return 0
+    return estimate_work(spec, shape).cost
+
+
+def _skipped(method: str, micro_batches: int, size: int) -> Candidate:
+    limit = max_actions()
+    why = (
+        f"not simulated: about {size:,} actions, over the limit of {limit:,}"
+        if size > limit
+        else f"not simulated: about {size:,} actions, and with the other candidates the search "
+        f"is over its limit of {limit:,} actions; plan it alone with --method {method} "
+        f"--micro-batches {micro_batches}"
+    )
+    return Candidate(method, micro_batches, None, infeasible=why, skipped=True)
 
 
 def rank(candidates: Sequence[Candidate], tie_tolerance: float = 0.01) -> list[Candidate]:
@@ -214,7 +246,12 @@ def explain(ranked: Sequence[Candidate], memory_cap_bytes: int | None = None) ->
             f"{format_bytes(other.peak_memory_bytes)}."
         )
     fits = {c.method for c in feasible}
-    out = sorted({c.method for c in ranked if c.infeasible is not None} - fits)
+    out = sorted({c.method for c in ranked if c.infeasible is not None and not c.skipped} - fits)
     if out:
         text += f" Over the memory cap: {', '.join(out)}."
+    skipped = [f"{c.method} M={c.micro_batches}" for c in ranked if c.skipped]
+    if skipped:
+        text += (
+            f" Not simulated (over the work limit, pipeoptim.plan.limits): {', '.join(skipped)}."
+        )
     return text

@@ -71,10 +71,12 @@ def validate(
                     f"stage {a.stage}; a stage's actions must all be on one rank",
                 )
     num_stages = max(stage_rank) + 1
-    missing_stages = sorted(set(range(num_stages)) - set(stage_rank))
+    missing_stages = _missing(sorted(stage_rank), num_stages)
     if missing_stages:
+        more = " (and more)" if len(missing_stages) >= 10 else ""
         raise ScheduleError(
-            f"stages {missing_stages} have no actions; stages must be numbered 0..{num_stages - 1}"
+            f"stages {missing_stages}{more} have no actions; stages must be numbered "
+            f"0..{num_stages - 1}"
         )
     m = micro_batches if micro_batches is not None else infer_micro_batches(schedule)
     _check_counts(schedule, position, num_stages, stage_rank)
@@ -93,6 +95,21 @@ def validate(
                     f"orders through schedules.retime)",
                 )
     return m
+
+
+def _missing(present: Sequence[int], count: int, most: int = 10) -> list[int]:
+    """Up to ``most`` numbers of ``0..count-1`` not in the sorted ``present`` (without
+    building the range: a stray stage id of 10**9 must not allocate 10**9 entries)."""
+    out: list[int] = []
+    expected = 0
+    for k in [*present, count]:
+        while expected < k and len(out) < most:
+            out.append(expected)
+            expected += 1
+        if len(out) >= most:
+            break
+        expected = k + 1
+    return out
 
 
 def _check_counts(

@@ -16,20 +16,27 @@ Layout::
 
     DIR/step-00000044/stage-0.pt ... stage-{P-1}.pt   one file per stage, atomic (tmp + rename)
     DIR/latest.json                                    {"step": 44, ...}, written last
+    DIR/.lock                                          held (flock) by the run writing here
 
 ``latest.json`` names a step only once every stage file of that step is complete, so a
-crash while writing leaves the previous checkpoint in charge; older step folders are removed
-after the pointer moves. With one process per stage, ranks count their finished files in the
-process group's store and rank 0 moves the pointer.
+crash while writing leaves the previous checkpoint in charge; the ``keep`` newest step
+folders stay (default 2), older ones are removed after the pointer moves. A resume takes the
+newest step whose every stage file reads back, and says so when that is not the pointer's.
+With one process per stage, ranks count their finished files in the process group's store
+and rank 0 moves the pointer. One run at a time: the writer holds an advisory lock on
+``.lock`` (released by the kernel if it dies), and a second run is refused with the holder's
+pid and host; a fresh run refuses a folder that already holds another run's checkpoints.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
+import socket
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -40,11 +47,20 @@ from torch._C._distributed_c10d import Store
 
 from pipeoptim.errors import RuntimeConfigError
 
-__all__ = ["CHECKPOINT_FORMAT", "CheckpointStore", "Segment", "latest_step", "plan_segments"]
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "CheckpointStore",
+    "DirectoryLock",
+    "Segment",
+    "latest_step",
+    "plan_segments",
+]
 
 CHECKPOINT_FORMAT = "pipeoptim-checkpoint"
 CHECKPOINT_VERSION = 1
 _LATEST = "latest.json"
+_LOCK = ".lock"
+DEFAULT_KEEP = 2
 
 
 @dataclass(frozen=True)
@@ -56,18 +72,16 @@ class Segment:
     num_steps: int
 
 
-def plan_segments(start: int, total: int, every: Iterable[int | None] = ()) -> list[Segment]:
+def plan_segments(start: int, total: int, every: Iterable[int | None] = ()) -> Iterator[Segment]:
     """Cut steps ``start .. total-1`` at the multiples of each K in ``every`` (checkpoints,
     evaluations): a pure function of the step, so a resumed run runs the same segments as an
     uninterrupted one. Epochs do not cut: the pipeline runs on across them."""
     periods = [k for k in every if k]
-    out: list[Segment] = []
-    s = start
-    while s < total:
+    s, index = start, 0
+    while s < total:  # a generator: a run of 10^9 steps holds one segment at a time
         end = min([total] + [(s // k + 1) * k for k in periods])
-        out.append(Segment(len(out), s, end - s))
-        s = end
-    return out
+        yield Segment(index, s, end - s)
+        s, index = end, index + 1
 
 
 def _step_dir(root: Path, step: int) -> Path:
@@ -78,11 +92,15 @@ def _atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
     """Write through a temporary file in the same folder, then rename over ``path``: a
     reader sees the old file or the complete new one, never half of it."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # no half file left behind
+        raise
 
 
 def latest_step(root: str | Path) -> dict[str, Any] | None:
@@ -95,6 +113,49 @@ def latest_step(root: str | Path) -> dict[str, Any] | None:
     except (OSError, json.JSONDecodeError) as err:
         raise RuntimeConfigError(f"cannot read checkpoint pointer {path}: {err}") from None
     return record
+
+
+class DirectoryLock:
+    """An advisory lock on a checkpoint folder (``flock`` on ``DIR/.lock``): one writer at a
+    time. The kernel drops it when the holder exits, however it exits."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self._file: Any = None
+
+    def acquire(self) -> None:
+        if self._file is not None:
+            return
+        path = self.root / _LOCK
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            f = open(path, "a+")  # noqa: SIM115 - held open for the lock's lifetime
+        except OSError as err:
+            raise RuntimeConfigError(
+                f"cannot use checkpoint folder {self.root}: {err.strerror}; give a folder "
+                f"you can write (--checkpoint-dir)"
+            ) from None
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "an unknown process"
+            f.close()
+            raise RuntimeConfigError(
+                f"checkpoint folder {self.root} is in use by another run ({holder}); wait "
+                f"for it to finish, or give this run another --checkpoint-dir"
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
+        f.flush()
+        self._file = f
+
+    def release(self) -> None:
+        if self._file is not None:
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+            self._file.close()
+            self._file = None
 
 
 class CheckpointStore:
@@ -116,8 +177,14 @@ class CheckpointStore:
         world_size: int = 1,
         timeout: float = 300.0,
         abort_check: Callable[[], None] = lambda: None,
+        keep: int = DEFAULT_KEEP,
     ) -> None:
+        if keep < 1:
+            raise RuntimeConfigError(
+                f"keep-checkpoints must be at least 1 (got {keep}); the newest is always kept"
+            )
         self.root = Path(root)
+        self.keep = keep
         self.config = dict(config)
         self.num_stages = num_stages
         self.store = store
@@ -144,7 +211,17 @@ class CheckpointStore:
                 **extra,
                 "state": state,
             }
-            _atomic_write(folder / f"stage-{k}.pt", partial(torch.save, payload))
+            path = folder / f"stage-{k}.pt"
+            try:
+                _atomic_write(path, partial(torch.save, payload))
+            except OSError as err:
+                previous = latest_step(self.root)
+                kept = f"step {previous['step']}" if previous else "none"
+                raise RuntimeConfigError(
+                    f"cannot write checkpoint {path}: {err.strerror or err}; the latest "
+                    f"checkpoint stays the previous one ({kept}). Free space, or point "
+                    f"--checkpoint-dir elsewhere and resume from it"
+                ) from None
         if self.store is None:
             self._publish(step, extra)
             return
@@ -167,10 +244,19 @@ class CheckpointStore:
         record = {"step": step, "num_stages": self.num_stages, "config": self.config, **extra}
         text = (json.dumps(record, indent=2) + "\n").encode()
         _atomic_write(self.root / _LATEST, lambda f: f.write(text))
-        for old in self.root.glob("step-*"):
-            number = old.name.removeprefix("step-")
-            if old.is_dir() and number.isdigit() and int(number) < step:
-                shutil.rmtree(old, ignore_errors=True)
+        kept = [s for s in self.steps() if s <= step][: self.keep]
+        for old in self.steps():
+            if old not in kept:
+                shutil.rmtree(_step_dir(self.root, old), ignore_errors=True)
+
+    def steps(self) -> list[int]:
+        """Steps that have a folder here, newest first."""
+        found = []
+        for folder in self.root.glob("step-*"):
+            number = folder.name.removeprefix("step-")
+            if folder.is_dir() and number.isdigit():
+                found.append(int(number))
+        return sorted(found, reverse=True)
 
     # -- reading ---------------------------------------------------------------------------
     def latest(self) -> dict[str, Any] | None:
@@ -178,6 +264,10 @@ class CheckpointStore:
         record = latest_step(self.root)
         if record is None:
             return None
+        self._check_identity(record)
+        return record
+
+    def _check_identity(self, record: Mapping[str, Any]) -> None:
         theirs: dict[str, Any] = record.get("config", {})
         diff = sorted(
             k for k in set(theirs) | set(self.config) if theirs.get(k) != self.config.get(k)
@@ -190,7 +280,46 @@ class CheckpointStore:
                 f"the checkpoint in {self.root} is from a different run ({shown}); resume with "
                 f"the same settings, or use another --checkpoint-dir to start fresh"
             )
-        return record
+
+    def newest_readable(self) -> tuple[dict[str, Any] | None, str | None]:
+        """The newest step whose every stage file reads back, as a record, and a sentence
+        when that is not the step ``latest.json`` names (it was damaged)."""
+        try:
+            pointer = self.latest()
+        except RuntimeConfigError as err:
+            if "different run" in str(err):
+                raise
+            pointer = None
+        candidates = self.steps()
+        if pointer is not None and int(pointer["step"]) not in candidates:
+            candidates.insert(0, int(pointer["step"]))
+        if pointer is not None:  # nothing newer than the pointer was complete
+            candidates = [s for s in candidates if s <= int(pointer["step"])]
+        problems: list[str] = []
+        for step in candidates:
+            try:
+                payloads = [self.load(step, k, torch.device("cpu")) for k in range(self.num_stages)]
+            except RuntimeConfigError as err:
+                problems.append(f"step {step}: {err}")
+                continue
+            record = {k: v for k, v in payloads[0].items() if k not in ("state", "stage")}
+            record["num_stages"] = self.num_stages
+            self._check_identity(record)
+            if not problems:
+                return record, None
+            return record, (
+                f"the newest checkpoint could not be read ({'; '.join(problems)}); resumed from "
+                f"step {step}, the newest complete one"
+            )
+        if problems:
+            raise RuntimeConfigError(
+                f"no checkpoint in {self.root} reads back ({'; '.join(problems)}); point "
+                f"--checkpoint-dir at a complete one, or start fresh without --resume"
+            )
+        return None, None
+
+    def holds_checkpoints(self) -> bool:
+        return (self.root / _LATEST).exists() or bool(self.steps())
 
     def load(self, step: int, stage: int, device: torch.device) -> dict[str, Any]:
         path = _step_dir(self.root, step) / f"stage-{stage}.pt"

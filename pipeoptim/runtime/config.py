@@ -36,6 +36,9 @@ LR_SCHEDULES = ("constant", "cosine", "warmup-cosine", "step")
 
 AMP_MODES = ("bf16", "fp16")
 
+MAX_SEED = 2**32 - 1
+"""Seeds go up to this: per-stage and per-epoch seeds derived from it must fit in 64 bits."""
+
 
 def _default_plan() -> Plan:
     return Plan("pipeoptim", 4, optimizer=OptimizerSpec("sgd", 0.02))
@@ -81,6 +84,8 @@ class TrainConfig:
     """Mixed precision: None (fp32), ``bf16`` (CPU and CUDA) or ``fp16`` (CUDA)."""
     grad_clip: float | None = None
     """Clip each stage's gradient norm to this value before its update."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept in ``checkpoint_dir`` (a resume falls back past a damaged one)."""
 
     def __post_init__(self) -> None:
         self.plan.model = self.plan.model or "mlp"
@@ -92,6 +97,8 @@ class TrainConfig:
         for flag, value in counts.items():
             if value is not None and value < 1:
                 raise RuntimeConfigError(f"--{flag} must be at least 1 (got {value})")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise RuntimeConfigError(f"--seed must be in 0..{MAX_SEED} (got {self.seed})")
         if self.warmup is not None and self.warmup < 0:
             raise RuntimeConfigError(f"--warmup must be 0 or more updates (got {self.warmup})")
         spec = self.plan.method_spec
@@ -112,6 +119,12 @@ class TrainConfig:
             )
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise RuntimeConfigError(f"--grad-clip must be positive (got {self.grad_clip})")
+        if self.checkpoint_every is not None and not self.checkpoint_dir:
+            raise RuntimeConfigError(
+                "--checkpoint-every needs --checkpoint-dir (where the checkpoints go)"
+            )
+        if self.resume and not self.checkpoint_dir:
+            raise RuntimeConfigError("--resume needs --checkpoint-dir D")
 
     @property
     def model(self) -> str:
@@ -122,7 +135,9 @@ class TrainConfig:
         return self.plan.batch_size or 32
 
     def identity(self) -> dict[str, Any]:
-        """What a checkpoint must agree on to be resumed by this run."""
+        """What a checkpoint must agree on to be resumed by this run: what fixes the shapes
+        of the state and the data order. The learning rate, its schedule, clipping and
+        precision may change on resume (``hyperparameters``)."""
         p, shape = self.plan, self.plan.shape(1)
         ident = {
             "method": p.method,
@@ -130,16 +145,24 @@ class TrainConfig:
             "micro_batches": shape.micro_batches,
             "virtual_stages": shape.virtual_stages,
             "prediction_offset": p.prediction_offset,
-            "optimizer": asdict(p.optimizer),
+            "optimizer": {"family": p.optimizer.family, "options": p.optimizer.options},
             "model": self.model,
             "batch_size": self.batch_size,
             "boundaries": p.boundaries,
             "seed": self.seed,
-            "lr_schedule": self.lr_schedule,
-            "amp": self.amp,
         }
         normal: dict[str, Any] = json.loads(json.dumps(ident))  # tuples -> lists, as on disk
         return normal
+
+    def hyperparameters(self) -> dict[str, Any]:
+        """What a resume may change; recorded in checkpoints and the trace."""
+        return {
+            "lr": self.plan.optimizer.lr,
+            "lr_schedule": self.lr_schedule,
+            "warmup": self.warmup,
+            "grad_clip": self.grad_clip,
+            "amp": self.amp,
+        }
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "plan": self.plan.to_dict()})

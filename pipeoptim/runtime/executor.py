@@ -61,11 +61,13 @@ LOOKAHEAD = 8
 
 
 class NonFiniteLossError(RuntimeConfigError):
-    """The loss became NaN or infinite; training stops at that step."""
+    """The loss became NaN or infinite; training stops at that step. ``partial`` holds the
+    run's result up to the stop, where it could be gathered (a ``FitResult``)."""
 
     def __init__(self, message: str, step: int) -> None:
         super().__init__(message)
         self.step = step
+        self.partial: Any = None
 
 
 @dataclass(frozen=True)
@@ -135,13 +137,17 @@ class Recorder:
 
     Times are seconds since ``origin``, a ``perf_counter`` value taken after all ranks met
     (ranks of one machine share the clock). On CUDA actions are timed with events, resolved
-    at segment ends, so timing never stalls the device mid-segment.
+    at segment ends, so timing never stalls the device mid-segment. At most ``limit``
+    events (and as many memory samples) are kept, the first ones of the run: a trace of a
+    very long run shows its beginning and ``truncated`` says so.
     """
 
-    def __init__(self, device: torch.device, origin: float) -> None:
+    def __init__(self, device: torch.device, origin: float, limit: int = 500_000) -> None:
         self.cuda = device.type == "cuda"
         self.device = device
         self.origin = origin
+        self.limit = limit
+        self.truncated = False
         self.events: list[TraceEvent] = []
         self.memory: list[MemorySample] = []
         self._pending: list[tuple[TraceEvent | MemorySample, Any, Any]] = []
@@ -157,7 +163,14 @@ class Recorder:
             return ev
         return time.perf_counter() - self.origin
 
+    @property
+    def full(self) -> bool:
+        return len(self.events) + len(self._pending) >= self.limit
+
     def add(self, item: TraceEvent | MemorySample, start: Mark, end: Mark) -> None:
+        if self.full:
+            self.truncated = True
+            return
         if isinstance(start, float) and isinstance(end, float):
             self._store(item, start, end)
         else:
@@ -287,11 +300,12 @@ class RankExecutor:
     def step(self) -> None:
         a = self._actions[self._pos]
         self._pos += 1
-        if self.evaluating:
+        rec = self.recorder
+        if self.evaluating or rec.full:  # not traced
             self._execute(a)
+            rec.truncated = rec.truncated or not self.evaluating
             self._post_ahead()
             return
-        rec = self.recorder
         start = rec.mark()
         version, nbytes, distance = self._execute(a)
         end = rec.mark()

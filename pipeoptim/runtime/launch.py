@@ -30,6 +30,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -48,6 +49,7 @@ from pipeoptim.runtime.pipeline import Pipeline
 from pipeoptim.runtime.placement import pick_device
 from pipeoptim.runtime.result import FitResult, build_trace, merge
 from pipeoptim.runtime.transport import FailureBoard, PeerLostError
+from pipeoptim.trace import Trace
 
 __all__ = ["RankFailedError", "build_run", "preflight", "run_config", "train"]
 
@@ -64,9 +66,28 @@ def _meta(config: TrainConfig, device: str) -> dict[str, object]:
     return {"transport": config.transport, "device": device, "model": config.model}
 
 
+def write_trace(trace: Trace, path: str | None) -> str | None:
+    """Save ``trace`` to ``path``; on failure the reason (the run's results are kept)."""
+    if not path:
+        return None
+    try:
+        trace.save(path)
+    except OSError as err:
+        return f"trace not written to {path}: {err.strerror or err}"
+    return None
+
+
 def _save_trace(config: TrainConfig, results: list[RankResult], device: str) -> None:
     if config.trace and results:
-        build_trace(config.plan, results, _meta(config, device)).save(config.trace)
+        write_trace(build_trace(config.plan, results, _meta(config, device)), config.trace)
+
+
+def _finish(config: TrainConfig, result: FitResult) -> FitResult:
+    problem = write_trace(result.trace, config.trace)
+    if problem:
+        result.notes.append(problem)
+        result.unwritten.append(config.trace or "")
+    return result
 
 
 def build_run(
@@ -95,8 +116,10 @@ def build_run(
         seed=config.seed,
         timeout=config.timeout,
         progress=not config.quiet and sys.stderr.isatty(),
+        keep_checkpoints=config.keep_checkpoints,
         store=store,
         run_identity=config.identity(),
+        hyperparameters=config.hyperparameters(),
     )
     return pipe, train_data, test_data
 
@@ -117,14 +140,13 @@ def run_config(config: TrainConfig, *, store: Store | None = None) -> FitResult:
         if store is not None:  # the launcher writes the trace from every rank's share
             with contextlib.suppress(RuntimeError):
                 store.set(f"pipeoptim/result/{dist.get_rank()}", pipe.rank_result().to_json())
-        elif config.trace:
-            pipe.trace().save(config.trace)
+        else:
+            write_trace(pipe.trace(), config.trace)
         raise
     if store is not None:
         store.set(f"pipeoptim/result/{dist.get_rank()}", pipe.rank_result().to_json())
-    elif config.trace:
-        result.trace.save(config.trace)
-    return result
+        return result
+    return _finish(config, result)
 
 
 def train(config: TrainConfig) -> FitResult | None:
@@ -253,9 +275,7 @@ def _train_torchrun(config: TrainConfig) -> FitResult | None:
     dist.destroy_process_group()
     if rank != 0:
         return None
-    if config.trace:
-        result.trace.save(config.trace)
-    return result
+    return _finish(config, result)
 
 
 # -- the launcher -----------------------------------------------------------------------------
@@ -281,6 +301,7 @@ def _spawn(config: TrainConfig) -> FitResult:
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
         "PIPEOPTIM_STORE_PORT": str(port),
+        "PIPEOPTIM_LAUNCHER_PID": str(os.getpid()),
         "WORLD_SIZE": str(p),
         "PIPEOPTIM_CONFIG": config.to_json(),
     }
@@ -298,10 +319,13 @@ def _spawn(config: TrainConfig) -> FitResult:
     results = _gather(store, p, 0.0)
     device = "cuda" if torch.cuda.is_available() and config.device != "cpu" else "cpu"
     label = f"{device} x{p}"
-    _save_trace(config, results, label)
     if any(codes):
-        raise _failure(FailureBoard(store), codes, stopped)
-    return merge(config.plan, results, _meta(config, label))
+        _save_trace(config, results, label)
+        error = _failure(FailureBoard(store), codes, stopped)
+        if isinstance(error, NonFiniteLossError) and any(r.losses for r in results):
+            error.partial = merge(config.plan, results, _meta(config, label))
+        raise error
+    return _finish(config, merge(config.plan, results, _meta(config, label)))
 
 
 def _watch(
@@ -351,10 +375,31 @@ def _failure(board: FailureBoard, codes: list[int], stopped: set[int]) -> Pipeop
     )
 
 
+def _exit_with_parent(rank: int, parent: int, period: float = 0.5) -> None:
+    """Stop this rank quietly within ``period`` seconds of the death of its launcher
+    (process ``parent``): a kill -9 leaves no one to stop it, and its peers would wait out
+    their timeouts. The pid comes from the launcher, so a launcher that died while this
+    process was still starting is noticed too."""
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent:
+                print(
+                    f"pipeoptim train: rank {rank}: the launching process is gone; stopping",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os._exit(1)
+            time.sleep(period)
+
+    threading.Thread(target=watch, name="pipeoptim-parent-watch", daemon=True).start()
+
+
 def _worker_main() -> int:
     """A spawned child: one rank, connected to the store its launcher hosts."""
     config = TrainConfig.from_json(os.environ["PIPEOPTIM_CONFIG"])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    _exit_with_parent(rank, int(os.environ["PIPEOPTIM_LAUNCHER_PID"]))
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores; torchrun sets it to 1
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     port = int(os.environ["PIPEOPTIM_STORE_PORT"])

@@ -23,7 +23,9 @@ naming the stage and the unit.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -35,11 +37,18 @@ from torch._C._distributed_c10d import Store
 from tqdm import tqdm
 
 from pipeoptim.errors import PipeoptimError, RuntimeConfigError
+from pipeoptim.plan.limits import estimate_work
 from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.plan.schedules import Shape
-from pipeoptim.runtime.checkpoint import CheckpointStore, Segment, plan_segments
-from pipeoptim.runtime.config import check_options, resolve_plan
+from pipeoptim.runtime.checkpoint import (
+    DEFAULT_KEEP,
+    CheckpointStore,
+    DirectoryLock,
+    Segment,
+    plan_segments,
+)
+from pipeoptim.runtime.config import MAX_SEED, check_options, resolve_plan
 from pipeoptim.runtime.executor import (
     Boundary,
     NonFiniteLossError,
@@ -67,6 +76,18 @@ from pipeoptim.trace import Trace
 __all__ = ["Pipeline"]
 
 _FAMILIES = {"SGD": "sgd", "Adam": "adam", "AdamW": "adamw", "RMSprop": "rmsprop"}
+
+SEGMENT_PASSES = 2**16
+"""At most this many forward passes (mini-batches x stages x micro-batches) in one
+never-flushed segment. A segment's schedule is laid out in advance, so this bounds the
+memory of a long run: at 4 stages a drain (P-1 idle steps) every 16,384 mini-batches."""
+
+SEGMENT_ACTIONS = 4_000_000
+"""The most compute actions one segment may hold (about 140 B each in the executor); only
+absurd shapes reach it (a segment is at most SEGMENT_PASSES passes, or 4P mini-batches)."""
+
+HISTORY = 100_000
+"""Per-step losses kept in memory (the newest); a run of 10^9 steps keeps no more."""
 
 
 def _units(layers: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
@@ -118,16 +139,18 @@ class Pipeline:
         progress: bool = False,
         log_every: int = 50,
         memory_every: int = 4,
+        keep_checkpoints: int = DEFAULT_KEEP,
         store: Store | None = None,
         run_identity: dict[str, Any] | None = None,
+        hyperparameters: dict[str, Any] | None = None,
     ) -> None:
         self.units = _units(layers)
         self.plan = resolve_plan(plan, method, stages, micro_batches, virtual_stages)
         if prediction_offset is not None:
             self.plan.prediction_offset = prediction_offset
         check_options(optimizer, loss_fn, transport, amp, grad_clip, log_every, timeout)
-        if not isinstance(seed, int) or seed < 0:
-            raise RuntimeConfigError(f"seed must be a non-negative integer (got {seed!r})")
+        if not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+            raise RuntimeConfigError(f"seed must be an integer in 0..{MAX_SEED} (got {seed!r})")
         if checkpoint_every is not None and (
             not isinstance(checkpoint_every, int) or checkpoint_every < 1
         ):
@@ -141,6 +164,17 @@ class Pipeline:
             )
         self.method = get_method(self.plan.method)
         self.shape = self.plan.shape(1)
+        per_step = self.shape.num_stages * self.shape.micro_batches
+        self.segment_limit = max(4 * self.shape.num_ranks, SEGMENT_PASSES // per_step)
+        """Mini-batches per segment at most (see SEGMENT_PASSES)."""
+        work = estimate_work(self.method, replace(self.shape, mini_batches=self.segment_limit))
+        if work.actions > SEGMENT_ACTIONS:
+            raise RuntimeConfigError(
+                f"one never-flushed segment ({self.segment_limit} mini-batches of "
+                f"{self.shape.num_stages} stages x {self.shape.micro_batches} micro-batches) "
+                f"is about {work.actions:,} actions, over the limit of {SEGMENT_ACTIONS:,}; "
+                f"use fewer micro-batches (each carries B/M samples) or fewer stages"
+            )
         self.loss_fn, self.amp, self.seed = loss_fn, amp, seed
         self.transport_name, self.timeout = transport, timeout
         self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
@@ -183,6 +217,11 @@ class Pipeline:
             )
         self._record_optimizer()
         self.identity = run_identity or self._identity()
+        self.keep_checkpoints = keep_checkpoints
+        self.hyperparameters = hyperparameters or {"lr": self.plan.optimizer.lr}
+        """What a resume may change (recorded in checkpoints and the trace)."""
+        self._resumed_with: dict[str, Any] = {}
+        self._notes: list[str] = []
         if transport == "dist":
             dist.barrier()  # a shared time origin for the trace
         self.recorder = Recorder(self.device, time.perf_counter())
@@ -331,12 +370,16 @@ class Pipeline:
         if epochs is None and max_steps is None:
             epochs = 1
         try:
-            return self._fit(
-                data, epochs, max_steps, eval_data, eval_every, steps_per_epoch, resume
-            )
+            checkpoints = self._checkpoints()
+            with self._folder(checkpoints, resume):
+                return self._train(
+                    checkpoints, data, epochs, max_steps, eval_data, eval_every, steps_per_epoch
+                )
         except BaseException as err:
             self._failed = f"{type(err).__name__}: {err}"
             self._close_bar()
+            if isinstance(err, NonFiniteLossError) and self.transport_name == "local":
+                err.partial = merge(self.plan, [self.rank_result()], self._meta())
             raise
 
     def _check_usable(self) -> None:
@@ -365,30 +408,67 @@ class Pipeline:
             world_size=len(self.rank_of) if self.store is None else dist.get_world_size(),
             timeout=self.timeout,
             abort_check=FailureBoard(self.store).check if self.store is not None else lambda: None,
+            keep=self.keep_checkpoints,
         )
 
-    def _restore(self, checkpoints: CheckpointStore | None) -> None:
-        record = checkpoints.latest() if checkpoints is not None else None
-        if record is None or checkpoints is None:
+    def _restore(self, checkpoints: CheckpointStore) -> None:
+        """Load the newest readable checkpoint (chosen on stage 0's rank, for every rank)."""
+        record, message = self._on_first_rank(checkpoints.newest_readable)
+        if record is None:
             return
         step = int(record["step"])
-        for k, stage in self.stages.items():
+        notes = [message] if message else []
+        theirs = record.get("hyperparameters") or {}
+        changed = {
+            k: [theirs[k], v]
+            for k, v in self.hyperparameters.items()
+            if k in theirs and theirs[k] != v
+        }
+        if changed:
+            shown = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
+            notes.append(f"resumed from step {step} with changed hyper-parameters: {shown}")
+        for k, stage in sorted(self.stages.items()):
             stage.load_state_dict(checkpoints.load(step, k, self.device)["state"])
+        for note in notes:
+            warnings.warn(note, stacklevel=4)
+        self._notes.extend(notes)
+        self._resumed_with.update(changed)
         self._step = self._last_checkpoint = step
 
-    def _fit(
+    @contextmanager
+    def _folder(self, checkpoints: CheckpointStore | None, resume: bool) -> Iterator[None]:
+        """Hold the checkpoint folder for the fit (one writer) and load from it, or refuse a
+        fresh run into a folder that holds another run's checkpoints."""
+        if checkpoints is None:
+            yield
+            return
+        lock = DirectoryLock(checkpoints.root) if min(self.transports) == 0 else None
+        if lock is not None:
+            lock.acquire()
+        try:
+            if resume:
+                self._restore(checkpoints)
+            elif self._last_checkpoint is None and checkpoints.holds_checkpoints():
+                raise RuntimeConfigError(
+                    f"{checkpoints.root} already holds checkpoints of a run; continue it with "
+                    f"--resume (fit(..., resume=True)), or give this run another "
+                    f"--checkpoint-dir"
+                )
+            yield
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _train(
         self,
+        checkpoints: CheckpointStore | None,
         data: Iterable[Any],
         epochs: int | None,
         max_steps: int | None,
         eval_data: Iterable[Any] | None,
         eval_every: int | None,
         given_spe: int | None,
-        resume: bool,
     ) -> FitResult:
-        checkpoints = self._checkpoints()
-        if resume:
-            self._restore(checkpoints)
         start = self._step
         feed: TrainFeed | None = None
 
@@ -429,7 +509,11 @@ class Pipeline:
             self._bar = tqdm(total=samples, unit="sample", unit_scale=True, leave=False)
             self._bar.set_description(self.plan.method)
         t0 = time.perf_counter()
-        every = [self.checkpoint_every, eval_every if eval_data is not None else None]
+        every = [
+            self.checkpoint_every,
+            eval_every if eval_data is not None else None,
+            self.segment_limit,
+        ]
         try:
             for seg in plan_segments(start, total, every):
                 self._run_segment(seg.first_step, seg.num_steps)
@@ -489,6 +573,9 @@ class Pipeline:
             res.targets[step] = targets
             if has_correct:
                 res.correct[step] = int(right[i])
+        for record in (res.losses, res.targets, res.correct):
+            while len(record) > HISTORY:  # oldest first: dicts keep insertion order
+                del record[next(iter(record))]
         if self._bar is not None:
             self._bar.update(len(pending) * (self._spec.batch_size if self._spec else 1))
             self._bar.set_postfix(step=pending[-1][0], loss=f"{values[-1]:.4f}")
@@ -503,10 +590,15 @@ class Pipeline:
             kept = "no checkpoint had been written yet"
         else:
             kept = "nothing was checkpointed (set checkpoint_dir to keep one)"
+        resume = (
+            " and resume from it (--resume, fit(..., resume=True))"
+            if self._last_checkpoint is not None
+            else ""
+        )
         return (
             f"non-finite loss ({value}) at step {step} (mini-batches count from 0); training "
-            f"stopped and {kept}. Lower the learning rate; where a deep asynchronous pipeline "
-            f"diverges, a micro-batched method (2bw, xpipe) or fewer stages also help"
+            f"stopped and {kept}. Lower the learning rate{resume}; where a deep asynchronous "
+            f"pipeline diverges, a micro-batched method (2bw, xpipe) or fewer stages also help"
         )
 
     def _checkpoint(self, checkpoints: CheckpointStore, spe: int) -> None:
@@ -520,7 +612,11 @@ class Pipeline:
                 )
         epoch, pos = divmod(self._step, spe)
         states = {k: stage.state_dict() for k, stage in self.stages.items()}
-        extra = {"epoch": epoch, "data_position": {"epoch": epoch, "batch": pos}}
+        extra = {
+            "epoch": epoch,
+            "data_position": {"epoch": epoch, "batch": pos},
+            "hyperparameters": self.hyperparameters,
+        }
         checkpoints.save(self._step, states, extra)
         self._last_checkpoint = self._step
 
@@ -607,7 +703,7 @@ class Pipeline:
         res = self.result
         res.events, res.memory = self.recorder.events, self.recorder.memory
         res.weight_copies = {k: s.peak_weight_copies for k, s in self.stages.items()}
-        res.notes = sorted({n for s in self.stages.values() for n in s.notes})
+        res.notes = [*self._notes, *sorted({n for s in self.stages.values() for n in s.notes})]
         return res
 
     def _meta(self) -> dict[str, Any]:
@@ -618,6 +714,9 @@ class Pipeline:
         return {
             "transport": self.transport_name,
             "device": device,
+            "hyperparameters": self.hyperparameters,
+            "resumed_with_changes": self._resumed_with,
+            "trace_truncated": self.recorder.truncated,
             "model": self.plan.model or "custom",
         }
 

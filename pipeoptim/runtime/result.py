@@ -74,6 +74,8 @@ class FitResult:
     notes: list[str]
     """Deviations and fallbacks the run reported (also issued as warnings)."""
     model: str = "custom"
+    unwritten: list[str] = field(default_factory=list)
+    """Output files that could not be written (the results above are complete)."""
     trace: Trace = field(default_factory=Trace, repr=False)
 
     @property

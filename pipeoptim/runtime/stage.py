@@ -306,6 +306,11 @@ class Stage:
             if scheduler is not None and self.optimizer is not None
             else None
         )
+        # The run's own base rates: a resume with other rates rescales the loaded ones.
+        self._base_lrs = [
+            float(g.get("initial_lr", g["lr"]))
+            for g in (self.optimizer.param_groups if self.optimizer is not None else [])
+        ]
         self.scaler = (
             torch.amp.GradScaler(self.device.type)
             if self.amp_dtype is torch.float16 and self.optimizer is not None
@@ -656,14 +661,29 @@ class Stage:
             "rng": self._rng_state,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> list[str]:
+        """Load a :meth:`state_dict`. Where this stage was built with other base learning
+        rates than the saved run, the loaded (scheduled) rates are rescaled to them, so a
+        resume can change the lr and keep the schedule's progress; returns what changed."""
         self.module.load_state_dict(state["module"])
+        changes: list[str] = []
         if self.optimizer is not None:
+            saved = state["optimizer"]["param_groups"]
             # A copy: torch.optim keeps same-device tensors as given, which would alias a
             # state dict that is still in use elsewhere.
             self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+            for i, (group, old) in enumerate(zip(self.optimizer.param_groups, saved, strict=True)):
+                old_base, new_base = float(old.get("initial_lr", old["lr"])), self._base_lrs[i]
+                if old_base != new_base and old_base > 0:
+                    group["lr"] = float(group["lr"]) * new_base / old_base
+                    if "initial_lr" in group:
+                        group["initial_lr"] = new_base
+                    changes.append(f"stage {self.index} lr {old_base:g} -> {new_base:g}")
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
+            if changes and self.optimizer is not None:
+                self.scheduler.base_lrs = list(self._base_lrs)
+                self.scheduler._last_lr = [float(g["lr"]) for g in self.optimizer.param_groups]
         if self.scaler is not None and state.get("scaler") is not None:
             self.scaler.load_state_dict(state["scaler"])
         if self.predictor is not None and state.get("predictor") is not None:
@@ -671,6 +691,7 @@ class Stage:
         self._rng_state = state["rng"].clone()
         self._future_lrs = None
         self._refresh_static_bytes()
+        return changes
 
 
 def checked_loss(loss_fn: LossFn, out: Tensor, target: Tensor, where: str, stage: int) -> Tensor:

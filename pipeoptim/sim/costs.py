@@ -43,14 +43,19 @@ __all__ = ["CostModel", "parse_uniform"]
 def _expand(name: str, values: float | Sequence[float], count: int) -> list[float]:
     """One value per stage (or edge): a single number is repeated ``count`` times."""
     raw = [values] * count if isinstance(values, (int, float)) else list(values)
+    per = "edge" if name.endswith(" (per edge)") else "stage"
+    base = name.removesuffix(" (per edge)")
     if len(raw) != count:
         raise PlanError(
-            f"{name} needs one value per {'edge' if 'edge' in name else 'stage'} "
-            f"(got {len(raw)} values for {count}); pass one number or a list of {count}"
+            f"{base} needs one value per {per} (got {len(raw)} values for {count}); pass one "
+            f"number or a list of {count}"
         )
     for i, v in enumerate(raw):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
-            raise PlanError(f"{name}[{i}] must be a number >= 0, got {v!r}")
+            where = f"link {i} (between stages {i} and {i + 1})" if per == "edge" else f"stage {i}"
+            raise PlanError(
+                f"the {base} of {where} must be a number >= 0 (got {v!r}); give a value >= 0"
+            )
     return raw
 
 

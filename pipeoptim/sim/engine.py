@@ -24,8 +24,9 @@ from typing import Any
 
 import simpy
 
-from pipeoptim.errors import ScheduleError
+from pipeoptim.errors import ScheduleError, WorkLimitError
 from pipeoptim.plan.actions import Action
+from pipeoptim.plan.limits import check_work, estimate_work, max_actions
 from pipeoptim.plan.methods import Method, WeightPolicy, get_method
 from pipeoptim.plan.schedules import Shape
 from pipeoptim.sim.costs import CostModel
@@ -242,6 +243,12 @@ def simulate_order(
     meta: Mapping[str, Any] | None = None,
 ) -> Trace:
     """Simulate any per-rank action order (idle slots are ignored) under ``costs``."""
+    size, limit = sum(len(acts) for acts in order.values()), max_actions()
+    if size > limit:
+        raise WorkLimitError(
+            f"the order has {size:,} steps; the simulator's limit is {limit:,} actions "
+            f"(about 1.1 kB of memory each, pipeoptim.plan.limits); simulate fewer mini-batches"
+        )
     program = Program(order, micro_batches, policy)
     return _simulate(
         program, costs, jitter, seed, contention, full_duplex, memory, None, None, meta
@@ -266,6 +273,7 @@ def simulate(
     """
     spec = get_method(method) if isinstance(method, str) else method
     if program is None:
+        check_work(estimate_work(spec, shape))
         program = Program(spec.order(shape), shape.micro_batches, spec.weight_policy)
     return _simulate(
         program, costs, jitter, seed, contention, full_duplex, memory, spec.name, shape, None

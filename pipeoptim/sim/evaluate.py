@@ -15,6 +15,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from pipeoptim.metrics import steady_state_throughput
+from pipeoptim.plan.limits import check_work, estimate_work
 from pipeoptim.plan.methods import Method, get_method
 from pipeoptim.plan.schedules import Shape
 from pipeoptim.sim.costs import CostModel
@@ -67,9 +68,11 @@ def _compile_cached(name: str, shape: Shape) -> Program:
 
 
 def compile_method(method: str | Method, shape: Shape) -> Program:
-    """The compiled order of ``method`` for ``shape`` (cached by method name and shape)."""
-    name = method if isinstance(method, str) else method.name
-    return _compile_cached(name, shape)
+    """The compiled order of ``method`` for ``shape`` (cached by method name and shape);
+    refuses a run over :data:`pipeoptim.plan.limits.MAX_ACTIONS` before compiling it."""
+    spec = get_method(method) if isinstance(method, str) else method
+    check_work(estimate_work(spec, shape))
+    return _compile_cached(spec.name, shape)
 
 
 def list_schedule(program: Program, durations: list[float], transfers: list[float]) -> Timing:

@@ -168,32 +168,36 @@ class Program:
             dep = self.dep
             pos = [lo for lo, _ in self.rank_bounds]
             stop = [hi for _, hi in self.rank_bounds]
-            active = [p for p in range(len(pos)) if pos[p] < stop[p]]
+            waiter = [-1] * n  # the rank (position) blocked on each action, if any
+            more: dict[int, list[int]] = {}
+            ready = [p for p in range(len(pos)) if pos[p] < stop[p]]
             steps: list[tuple[int, int, int]] = []
             add = steps.append
-            while active:
-                still: list[int] = []
-                moved = False
-                for p in active:
-                    i, e = pos[p], stop[p]
-                    first = i
-                    prev = i - 1 if i > self.rank_bounds[p][0] else n
-                    while i < e:
-                        d = dep[i]
-                        if d >= 0 and not done[d]:
-                            break
-                        done[i] = True
-                        add((i, prev, d if d >= 0 else n))
-                        prev = i
-                        i += 1
-                    if i != first:
-                        moved = True
-                        pos[p] = i
-                    if i < e:
-                        still.append(p)
-                if not moved:
-                    raise self._deadlock(pos, stop)
-                active = still
+            # A worklist: a rank runs until it blocks, and is woken by the action it waits
+            # for. Linear in the actions (sweeping every rank until nothing moves is
+            # quadratic in the ranks: a backward crosses one rank per sweep).
+            while ready:
+                p = ready.pop()
+                i, e = pos[p], stop[p]
+                prev = i - 1 if i > self.rank_bounds[p][0] else n
+                while i < e:
+                    d = dep[i]
+                    if d >= 0 and not done[d]:
+                        if waiter[d] < 0:
+                            waiter[d] = p
+                        else:  # a second rank waits for the same action (rare)
+                            more.setdefault(d, []).append(p)
+                        break
+                    done[i] = True
+                    add((i, prev, d if d >= 0 else n))
+                    if waiter[i] >= 0:
+                        ready.append(waiter[i])
+                        ready.extend(more.pop(i, ()))
+                    prev = i
+                    i += 1
+                pos[p] = i
+            if len(steps) < n:
+                raise self._deadlock(pos, stop)
             self._steps = steps
         return self._steps
 

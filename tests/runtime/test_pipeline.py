@@ -269,6 +269,10 @@ def test_non_scalar_loss_is_refused() -> None:
         ({"stages": 0}, "stages must be a positive integer"),
         ({"stages": 8}, "has 7 layers, too few for 8 stages"),
         ({"method": "magic"}, "unknown method 'magic'"),
+        (
+            {"method": "gpipe", "stages": 2, "micro_batches": 2_000_000},
+            "one never-flushed segment .* is about 64,000,016 actions",
+        ),
     ],
 )
 def test_bad_construction_is_refused(kwargs: dict[str, object], match: str) -> None:

@@ -262,3 +262,33 @@ def test_make_optimizer_defaults_and_errors() -> None:
     spec.family = "lamb"
     with pytest.raises(RuntimeConfigError, match="unknown optimizer 'lamb'"):
         make_optimizer(spec, params)
+
+
+def test_resume_with_another_base_lr_rescales_the_scheduled_rate() -> None:
+    """The schedule's progress is kept, its base moves: lr_t = new_base x factor(t)."""
+
+    def stage(lr: float) -> Stage:
+        torch.manual_seed(0)
+        return Stage(
+            0,
+            nn.Sequential(nn.Linear(3, 2)),
+            num_stages=2,
+            method=get_method("pipeoptim"),
+            optimizer=OptimizerSpec("sgd", lr),
+            micro_batches=1,
+            scheduler=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10),
+        )
+
+    a = stage(0.1)
+    for _ in range(3):
+        warm_up(a)
+    b = stage(0.05)
+    changes = b.load_state_dict(a.state_dict())
+    assert changes == ["stage 0 lr 0.1 -> 0.05"]
+    assert b.optimizer is not None and a.optimizer is not None and b.scheduler is not None
+    assert b.optimizer.param_groups[0]["lr"] == pytest.approx(a.optimizer.param_groups[0]["lr"] / 2)
+    assert b.scheduler.base_lrs == [0.05] and b.scheduler.last_epoch == 3
+    same = stage(0.1)
+    assert same.load_state_dict(a.state_dict()) == []  # an unchanged lr changes nothing
+    assert same.optimizer is not None
+    assert same.optimizer.param_groups[0]["lr"] == a.optimizer.param_groups[0]["lr"]

@@ -1,0 +1,342 @@
+"""Size limits: estimate the work of a request before building it, refuse beyond a limit.
+
+A schedule's size is a product of user inputs (P stages, M micro-batches, N mini-batches,
+v virtual stages), so one typo (``--mini-batches 1000000000``) asks for billions of actions
+and the machine runs out of memory long before anything is printed. Every consumer
+estimates the work first, with the closed forms below, and refuses with the estimate, the
+limit and the fix before allocating anything. All limits live in this module:
+
+``MAX_ACTIONS`` = 3,000,000 compute actions (F, B, U)
+    simulated by one command (``pipeoptim simulate``, all its methods together; the plan
+    search, all its candidates together) or one library call (``sim.simulate``,
+    ``sim.compile_method``, ``sim.evaluate_trace``). Measured about 1.1 kB per action at the
+    peak (compiled order, version analysis, timings, trace events, memory samples), so
+    about 3.3 GB and 45 s at the limit; the benchmark case P=64, N=10,000 is 1.92M actions.
+    Each stage counts as ``STAGE_COST`` = 3 actions more (its costs, memory accounting,
+    version analysis and metrics: measured about 3 kB per stage at P=200,000), so a very
+    long pipeline run for one mini-batch is bounded too.
+``MAX_GRID_CELLS`` = 3,000,000 cells (ranks x clock steps)
+    of a schedule laid out on the clock grid (``pipeoptim schedule``, ``build_schedule``,
+    ``Method.schedule``): about 600 B per cell with validation and version analysis, so
+    about 1.8 GB and a minute at the limit. The same P=64, N=10,000 run is 1.93M cells.
+``MAX_PARTITION_CELLS`` = 16,000,000 and ``MAX_PARTITION_WORK`` = 2,000,000,000
+    The partitioner's dynamic programme fills one ``n x n`` matrix per stage, ``n = L - P
+    + 1`` for L layers and P stages: at most 16M cells per matrix (about 0.5 GB with its
+    temporaries, i.e. up to ~4,000 layers) and 2G cells over all stages (seconds of numpy).
+``MAX_INPUT_BYTES`` = 1 GiB
+    for a plan, profile, trace or CSV schedule file; a trace of ``MAX_ACTIONS`` events is
+    about 0.5 GB of JSON.
+``MAX_PROFILE_BATCH`` = 65,536 samples and ``MAX_PROFILE_REPEATS`` = 1,000
+    for ``pipeoptim profile``: a profile scales linearly to any batch size in the simulator,
+    so a smaller profiling batch loses nothing.
+``MAX_LAYER_BYTES`` = 1 TiB and ``MAX_STAGE_BYTES`` = 1 PiB
+    for a byte count in a profile's layer or a stage graph's stage: the partitioner sums
+    and scales them in 64-bit integers, which these bounds keep from overflowing.
+``MAX_JITTER`` = 3
+    lognormal sigma of ``--jitter`` (a factor of e^3 = 20 either way is already extreme;
+    larger values make every duration 0 or infinite).
+
+``PIPEOPTIM_MAX_ACTIONS`` in the environment replaces both ``MAX_ACTIONS`` and
+``MAX_GRID_CELLS`` (a machine with more memory may raise them; tests lower them).
+The runtime's executor keeps only the action order (about 140 B per action), so ``pipeoptim
+train`` checks with its own, larger budget through ``max_actions=``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pipeoptim.errors import WorkLimitError
+from pipeoptim.plan.schedules import Shape
+
+if TYPE_CHECKING:
+    from pipeoptim.plan.methods import Method
+
+__all__ = [
+    "BYTES_PER_ACTION",
+    "BYTES_PER_GRID_CELL",
+    "MAX_ACTIONS",
+    "MAX_GRID_CELLS",
+    "MAX_INPUT_BYTES",
+    "MAX_JITTER",
+    "MAX_LAYER_BYTES",
+    "MAX_PARTITION_CELLS",
+    "MAX_PARTITION_WORK",
+    "MAX_PROFILE_BATCH",
+    "MAX_PROFILE_REPEATS",
+    "MAX_STAGE_BYTES",
+    "STAGE_COST",
+    "WorkEstimate",
+    "check_grid",
+    "check_input_size",
+    "check_partition_size",
+    "check_schedule_size",
+    "check_total",
+    "check_work",
+    "estimate_work",
+    "fit_budget",
+    "max_actions",
+]
+
+MAX_ACTIONS = 3_000_000
+MAX_GRID_CELLS = 3_000_000
+MAX_PARTITION_CELLS = 16_000_000
+MAX_PARTITION_WORK = 2_000_000_000
+MAX_INPUT_BYTES = 1 << 30
+MAX_PROFILE_BATCH = 65_536
+MAX_PROFILE_REPEATS = 1_000
+MAX_JITTER = 3.0
+MAX_LAYER_BYTES = 1 << 40
+MAX_STAGE_BYTES = 1 << 50
+BYTES_PER_ACTION = 1_100
+"""Peak memory of one simulated action (measured, SimPy engine with trace and memory)."""
+BYTES_PER_GRID_CELL = 600
+"""Peak memory of one grid cell of ``pipeoptim schedule`` (measured)."""
+STAGE_COST = 3
+"""Actions' worth of memory and time one stage costs the simulator on its own."""
+ENV_VAR = "PIPEOPTIM_MAX_ACTIONS"
+
+
+def max_actions() -> int:
+    """``MAX_ACTIONS``, or ``$PIPEOPTIM_MAX_ACTIONS`` where set to a positive whole number."""
+    text = os.environ.get(ENV_VAR, "").strip().replace("_", "").replace(",", "")
+    if not text:
+        return MAX_ACTIONS
+    if not text.isdigit() or int(text) < 1:
+        raise WorkLimitError(
+            f"{ENV_VAR} must be a whole number of actions >= 1 (got {os.environ[ENV_VAR]!r}); "
+            f"e.g. {ENV_VAR}=10000000, or unset it for the default {MAX_ACTIONS:,}"
+        )
+    return int(text)
+
+
+def _size(num_bytes: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:,.1f} {unit}"
+    return f"{num_bytes:.0f} B"
+
+
+@dataclass(frozen=True)
+class WorkEstimate:
+    """The size of one method's run at one shape, from closed forms (exact for every
+    generator in :mod:`pipeoptim.plan.schedules`)."""
+
+    method: str
+    """Method name."""
+    asynchronous: bool
+    """Never flushes (the grid has one warm-up and one drain), else a flush per mini-batch."""
+    shape: Shape
+    """The resolved sizes."""
+
+    @property
+    def per_mini_batch(self) -> int:
+        """Compute actions of one mini-batch: every stage runs M forwards, M backwards, 1 U."""
+        s = self.shape
+        return s.num_stages * (2 * s.micro_batches + 1)
+
+    @property
+    def actions(self) -> int:
+        """Compute actions of the run (F, B and U over all stages)."""
+        return self.per_mini_batch * self.shape.mini_batches
+
+    @property
+    def cost(self) -> int:
+        """What the limit counts: the actions plus ``STAGE_COST`` per stage."""
+        return self.actions + STAGE_COST * self.shape.num_stages
+
+    def amount(self) -> str:
+        """The cost in words: actions, and the stages where they weigh in."""
+        stages = self.shape.num_stages
+        if 100 * STAGE_COST * stages <= self.actions:
+            return f"{self.cost:,} actions"
+        return (
+            f"{self.cost:,} actions ({self.actions:,} actions, plus {STAGE_COST} for each of "
+            f"the {stages:,} stages)"
+        )
+
+    @property
+    def steps(self) -> int:
+        """Clock steps of the grid: per-rank actions plus the pipeline's fill and drain."""
+        s = self.shape
+        per_rank = s.virtual_stages * (2 * s.micro_batches + 1)
+        fill = 2 * (s.num_ranks - 1)
+        if self.asynchronous:
+            return s.mini_batches * per_rank + fill
+        return s.mini_batches * (per_rank + fill)
+
+    @property
+    def grid_cells(self) -> int:
+        """Cells of the clock grid, idle ones included (ranks x steps)."""
+        return self.shape.num_ranks * self.steps
+
+    @property
+    def grid_per_mini_batch(self) -> int:
+        """Grid cells one more mini-batch adds."""
+        s = self.shape
+        per_rank = s.virtual_stages * (2 * s.micro_batches + 1)
+        if not self.asynchronous:
+            per_rank += 2 * (s.num_ranks - 1)
+        return s.num_ranks * per_rank
+
+    def describe(self) -> str:
+        s = self.shape
+        text = f"{self.method} with P={s.num_ranks:,}, M={s.micro_batches:,}, N={s.mini_batches:,}"
+        return text + (f", v={s.virtual_stages:,}" if s.virtual_stages > 1 else "")
+
+    def fix(self, limit: int, per_unit: int | None = None) -> str:
+        """What to change so the run fits ``limit``: actions, or grid cells when ``per_unit``
+        gives the cells one more mini-batch adds."""
+        s = self.shape
+        grid = per_unit is not None
+        unit = per_unit if per_unit is not None else self.per_mini_batch
+        fixed = (self.grid_cells if grid else self.cost) - unit * s.mini_batches
+        fits = (limit - fixed) // unit if unit else s.mini_batches
+        if fits < 1:
+            return (
+                f"fewer --stages or --micro-batches: even one mini-batch is "
+                f"{fixed + unit:,} {'cells' if grid else 'actions'}"
+            )
+        if not self.asynchronous:
+            return (
+                f"fewer --mini-batches (at most {fits:,} fit; every mini-batch is flushed and "
+                f"alike, so N = 2 already shows the steady state)"
+            )
+        shows = 4 * s.num_ranks
+        if fits >= shows:
+            return (
+                f"fewer --mini-batches (at most {fits:,} fit; the steady state repeats, so "
+                f"N = 4P = {shows:,} already shows it)"
+            )
+        return (
+            f"fewer --mini-batches (at most {fits:,} fit) and fewer --stages (the steady state "
+            f"needs N of about 4P = {shows:,})"
+        )
+
+
+def estimate_work(method: Method, shape: Shape) -> WorkEstimate:
+    """The work of ``method`` at ``shape`` (a resolved :meth:`Method.shape`)."""
+    return WorkEstimate(method.name, method.asynchronous, shape)
+
+
+def _env_hint() -> str:
+    return f"or set {ENV_VAR} to a larger number on a machine with the memory"
+
+
+def check_work(
+    estimate: WorkEstimate, *, max_actions: int | None = None, what: str = "simulating"
+) -> WorkEstimate:
+    """Refuse a run of more than ``max_actions`` (default :func:`max_actions`) actions."""
+    limit = _limit(max_actions)
+    if estimate.cost > limit:
+        raise WorkLimitError(
+            f"{what} {estimate.describe()} is about {estimate.amount()} (about "
+            f"{_size(estimate.cost * BYTES_PER_ACTION)} of memory); the limit is "
+            f"{limit:,} actions (about {_size(limit * BYTES_PER_ACTION)}). Fix: "
+            f"{estimate.fix(limit)}; {_env_hint()}"
+        )
+    return estimate
+
+
+def check_grid(estimate: WorkEstimate, *, max_cells: int | None = None) -> WorkEstimate:
+    """Refuse a clock grid of more than ``max_cells`` (default :func:`max_actions`) cells."""
+    limit = _limit(max_cells)
+    if estimate.grid_cells > limit:
+        s = estimate.shape
+        raise WorkLimitError(
+            f"the schedule grid of {estimate.describe()} is about {estimate.grid_cells:,} "
+            f"cells ({s.num_ranks:,} ranks x {estimate.steps:,} steps, about "
+            f"{_size(estimate.grid_cells * BYTES_PER_GRID_CELL)} of memory); the limit is "
+            f"{limit:,} cells. Fix: {estimate.fix(limit, estimate.grid_per_mini_batch)}; "
+            f"{_env_hint()}"
+        )
+    return estimate
+
+
+def check_total(
+    estimates: Sequence[WorkEstimate], *, max_actions: int | None = None, what: str = "simulating"
+) -> None:
+    """Refuse several runs kept together (their traces) of more than the limit in all."""
+    if len(estimates) == 1:
+        check_work(estimates[0], max_actions=max_actions, what=what)
+        return
+    limit = _limit(max_actions)
+    total = sum(e.cost for e in estimates)
+    if total > limit:
+        parts = ", ".join(f"{e.method} {e.cost:,}" for e in estimates)
+        raise WorkLimitError(
+            f"{what} {len(estimates)} methods is about {total:,} actions in all ({parts}; "
+            f"about {_size(total * BYTES_PER_ACTION)} of memory); the limit is {limit:,} "
+            f"actions. Fix: fewer methods, or fewer --mini-batches (the steady state repeats, "
+            f"so N = 4P already shows it); {_env_hint()}"
+        )
+
+
+def fit_budget(actions: Sequence[int], max_actions: int | None = None) -> list[bool]:
+    """Which of several jobs (their :attr:`WorkEstimate.cost`) to keep so their total stays
+    within the limit: the smallest first (the most jobs fit). One flag per job."""
+    limit = _limit(max_actions)
+    keep = [False] * len(actions)
+    used = 0
+    for i in sorted(range(len(actions)), key=lambda i: actions[i]):
+        if used + actions[i] <= limit:
+            keep[i] = True
+            used += actions[i]
+    return keep
+
+
+def check_schedule_size(
+    method: str | Method,
+    num_ranks: int,
+    micro_batches: int | None = None,
+    mini_batches: int | None = None,
+    virtual_stages: int | None = None,
+    *,
+    max_actions: int | None = None,
+    what: str = "running",
+) -> Shape:
+    """Resolve and check the shape (the method's own rules first), then refuse a run of more
+    than ``max_actions`` actions (:attr:`WorkEstimate.cost`: actions plus ``STAGE_COST``
+    per stage). Returns the resolved :class:`Shape`; builds nothing.
+
+    ``what`` starts the message (``"training"`` gives "training pipeoptim with P=4, ...").
+    """
+    from pipeoptim.plan.methods import get_method
+
+    spec = get_method(method) if isinstance(method, str) else method
+    shape = spec.shape(num_ranks, micro_batches, mini_batches, virtual_stages)
+    check_work(estimate_work(spec, shape), max_actions=max_actions, what=what)
+    return shape
+
+
+def check_partition_size(num_layers: int, num_stages: int) -> None:
+    """Refuse a partition whose dynamic programme is over ``MAX_PARTITION_CELLS`` per stage
+    or ``MAX_PARTITION_WORK`` in all."""
+    n = max(num_layers - num_stages + 1, 1)
+    cells, work = n * n, n * n * num_stages
+    if cells > MAX_PARTITION_CELLS or work > MAX_PARTITION_WORK:
+        raise WorkLimitError(
+            f"partitioning {num_layers:,} layers into {num_stages:,} stages fills "
+            f"{num_stages:,} matrices of {n:,} x {n:,} cells ({work:,} in all, about "
+            f"{_size(cells * 32)} of memory each); the limits are {MAX_PARTITION_CELLS:,} "
+            f"cells per matrix and {MAX_PARTITION_WORK:,} in all. Fix: profile coarser "
+            f"layers (group blocks into fewer, larger units) or use more stages"
+        )
+
+
+def check_input_size(path: str, num_bytes: int, what: str) -> None:
+    """Refuse to read an input file larger than ``MAX_INPUT_BYTES``."""
+    if num_bytes > MAX_INPUT_BYTES:
+        raise WorkLimitError(
+            f"{what} {path!r} is {_size(num_bytes)}; the limit for an input file is "
+            f"{_size(MAX_INPUT_BYTES)} (a trace of {MAX_ACTIONS:,} actions is about 0.5 GB). "
+            f"Fix: write a smaller run (fewer --mini-batches) or check that this is the "
+            f"right file"
+        )
+
+
+def _limit(value: int | None) -> int:
+    return max_actions() if value is None else value
