@@ -7,6 +7,8 @@ synchronous methods) and with the CLI's own run (the same code path, bit for bit
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -384,3 +386,15 @@ def test_gpt_language_model_learns_within_a_cpu_minute() -> None:
     assert result.eval is not None and result.eval.samples == len(data.test_x)
     assert result.eval.perplexity < 14.0, result.eval
     assert result.train_accuracy is not None  # token accuracy of the last epoch's steps
+
+
+def test_import_pipeoptim_does_not_import_torch() -> None:
+    """`from pipeoptim import Pipeline` loads torch on first use only: planning and
+    simulating stay torch-free."""
+    code = (
+        "import sys, pipeoptim; assert 'torch' not in sys.modules; "
+        "from pipeoptim import Pipeline; assert 'torch' in sys.modules; print(Pipeline.__name__)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "Pipeline"
