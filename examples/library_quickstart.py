@@ -67,6 +67,13 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--amp", choices=("bf16", "fp16"))
     parser.add_argument("--device", default="auto")
+    parser.add_argument(
+        "--targets",
+        choices=("send", "read"),
+        default="send",
+        help="dist: stage 0 sends the targets to the last stage, or the last stage's rank "
+        "reads the (deterministic) loader itself",
+    )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args()
 
@@ -83,6 +90,7 @@ def main() -> None:
         device=args.device,
         amp=args.amp,
         grad_clip=1.0,
+        targets=args.targets,
     )
     result = pipe.fit(train_loader, epochs=args.epochs, eval_data=test_loader)
     pipe.close()

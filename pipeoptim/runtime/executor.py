@@ -227,8 +227,13 @@ class RankExecutor:
         self.last = max(self.rank_of)
         self.recorder = recorder
         self.feed = feed
+        self.target_feed: TrainFeed | None = None
+        """The last stage's own reading of the data, where targets are read, not sent."""
         self.on_step = on_step
         self.memory_every = max(1, memory_every)
+        self.targets_read = False
+        """Training targets: read by the last stage's rank itself (True) or sent to it by
+        stage 0's rank (False). Evaluation targets are always sent."""
         self._actions: list[Action] = []
         self._pos = 0
         self._first = 0  # global step of the segment's first mini-batch
@@ -372,16 +377,21 @@ class RankExecutor:
         x, y = read()
         if self.last in self.stages:
             self._targets[mb] = y
-        else:
+        elif self.evaluating or not self.targets_read:
             self.transport.send(y, self.rank_of[self.last], self._target_spec(mb)[0])
         return x
 
     def _needs_target_message(self, a: Action) -> bool:
+        if self.targets_read and not self.evaluating:
+            return False
         return a.kind is Kind.FORWARD and a.stage == self.last and 0 not in self.stages
 
     def _take_target(self, mb: int) -> Tensor:
         if mb in self._targets:
             y = self._targets.pop(mb)
+        elif self.target_feed is not None and not self.evaluating:
+            step, j = divmod(mb, self._m)
+            y = self.target_feed.micro_batch(self._first + step, j)[1]
         else:
             y = self.transport.recv(*self._target_spec(mb))
         self._last_targets = y.numel()

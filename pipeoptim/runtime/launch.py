@@ -117,6 +117,7 @@ def build_run(
         timeout=config.timeout,
         progress=not config.quiet and sys.stderr.isatty(),
         keep_checkpoints=config.keep_checkpoints,
+        targets="read",  # the built-in loaders yield the same batches on every rank
         store=store,
         run_identity=config.identity(),
         hyperparameters=config.hyperparameters(),

@@ -112,7 +112,12 @@ class Pipeline:
     independently, so there is no global norm). ``checkpoint_dir``/``checkpoint_every``
     write per-stage checkpoints; ``fit(..., resume=True)`` continues from the latest.
     ``log_every``: mini-batches between reads of the loss (the only host syncs of the
-    training loop); ``progress`` shows a progress bar.
+    training loop); ``progress`` shows a progress bar. ``targets`` (``dist`` only):
+    ``"send"`` (default) has stage 0's rank send each micro-batch's targets to the last
+    stage's rank, one small message each; ``"read"`` has the last stage's rank iterate the
+    data itself, no message, at the cost of loading every batch there too, and only right
+    for data that yields the same batches on every rank (a DataLoader, shuffled or not,
+    does under pipeoptim's per-epoch seeding; a stream from a shared queue does not).
     """
 
     def __init__(
@@ -140,6 +145,7 @@ class Pipeline:
         log_every: int = 50,
         memory_every: int = 4,
         keep_checkpoints: int = DEFAULT_KEEP,
+        targets: str = "send",
         store: Store | None = None,
         run_identity: dict[str, Any] | None = None,
         hyperparameters: dict[str, Any] | None = None,
@@ -218,6 +224,10 @@ class Pipeline:
         self._record_optimizer()
         self.identity = run_identity or self._identity()
         self.keep_checkpoints = keep_checkpoints
+        if targets not in ("send", "read"):
+            raise RuntimeConfigError(f"unknown targets {targets!r}; use 'send' or 'read'")
+        self.targets = targets if transport == "dist" else "send"
+        """How training targets reach the last stage's rank under dist (see the class)."""
         self.hyperparameters = hyperparameters or {"lr": self.plan.optimizer.lr}
         """What a resume may change (recorded in checkpoints and the trace)."""
         self._resumed_with: dict[str, Any] = {}
@@ -500,9 +510,24 @@ class Pipeline:
         res.steps_per_epoch, res.skipped_samples, res.batch_size = spe, info["skipped"], batch
         total = epochs * spe if epochs is not None else max_steps or 0
         total = min(total, max_steps) if max_steps is not None else total
+        reads_targets = self.targets == "read" and self.last in self.stages and 0 not in self.stages
+        target_feed = (
+            TrainFeed(
+                data,
+                steps_per_epoch=spe,
+                micro_batches=self.shape.micro_batches,
+                device=self.device,
+                seed=self.seed,
+                start_step=start,
+            )
+            if reads_targets
+            else None
+        )
         for ex in self._executors:
             ex.micro_size = batch // self.shape.micro_batches
             ex.feed = feed if 0 in ex.stages else None
+            ex.targets_read = self.targets == "read"
+            ex.target_feed = target_feed if self.last in ex.stages else None
         res.start_step = res.end_step = start
         if self.last in self.stages and self.progress:
             samples = max(total - start, 0) * batch

@@ -39,10 +39,12 @@ def run(args: list[str], *, nproc: int | None = None) -> dict[str, Any]:
     return result
 
 
-@pytest.mark.parametrize("stages", [2, 4])
-def test_torchrun_equals_one_process_bit_for_bit(stages: int) -> None:
+@pytest.mark.parametrize(("stages", "targets"), [(2, "send"), (4, "read")])
+def test_torchrun_equals_one_process_bit_for_bit(stages: int, targets: str) -> None:
+    """Targets sent by stage 0's rank, or read by the last stage's rank from its own
+    DataLoader (shuffled, re-seeded per epoch): the same numbers either way."""
     local = run(["--stages", str(stages)])
-    dist = run(["--stages", str(stages), "--transport", "dist"], nproc=stages)
+    dist = run(["--stages", str(stages), "--transport", "dist", "--targets", targets], nproc=stages)
     assert local["transport"] == "local" and dist["transport"] == "dist"
     assert dist["device"] == f"cpu x{stages}"
     assert len(local["losses"]) == 46  # 1,500 samples in batches of 32

@@ -268,6 +268,7 @@ def test_non_scalar_loss_is_refused() -> None:
         ({"amp": "int8"}, "unknown amp 'int8'"),
         ({"transport": "dist"}, "torchrun --nproc-per-node 3"),
         ({"checkpoint_every": 5}, "checkpoint_every needs checkpoint_dir"),
+        ({"targets": "guess"}, "unknown targets 'guess'; use 'send' or 'read'"),
         ({"stages": 0}, "stages must be a positive integer"),
         ({"stages": 8}, "has 7 layers, too few for 8 stages"),
         ({"method": "magic"}, "unknown method 'magic'"),
