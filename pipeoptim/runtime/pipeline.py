@@ -482,10 +482,8 @@ class Pipeline:
         start = self._step
         feed: TrainFeed | None = None
 
-        def read_first() -> dict[str, Any]:
-            nonlocal feed
-            spe, skipped = steps_per_epoch(data, given_spe)
-            feed = TrainFeed(
+        def make_feed(spe: int) -> TrainFeed:
+            return TrainFeed(
                 data,
                 steps_per_epoch=spe,
                 micro_batches=self.shape.micro_batches,
@@ -493,6 +491,11 @@ class Pipeline:
                 seed=self.seed,
                 start_step=start,
             )
+
+        def read_first() -> dict[str, Any]:
+            nonlocal feed
+            spe, skipped = steps_per_epoch(data, given_spe)
+            feed = make_feed(spe)
             x, y = feed.peek()
             if self._spec is not None:
                 self._spec.check(x, y, "the first batch", any_size=True)
@@ -511,18 +514,7 @@ class Pipeline:
         total = epochs * spe if epochs is not None else max_steps or 0
         total = min(total, max_steps) if max_steps is not None else total
         reads_targets = self.targets == "read" and self.last in self.stages and 0 not in self.stages
-        target_feed = (
-            TrainFeed(
-                data,
-                steps_per_epoch=spe,
-                micro_batches=self.shape.micro_batches,
-                device=self.device,
-                seed=self.seed,
-                start_step=start,
-            )
-            if reads_targets
-            else None
-        )
+        target_feed = make_feed(spe) if reads_targets else None
         for ex in self._executors:
             ex.micro_size = batch // self.shape.micro_batches
             ex.feed = feed if 0 in ex.stages else None
