@@ -242,6 +242,7 @@ class Pipeline:
         self._executors: list[RankExecutor] = []
         self._step = 0
         self._failed: str | None = None
+        self._busy = False  # a schedule is running: an error now leaves passes in flight
         self._pending: list[tuple[int, Tensor, Tensor | None, int]] = []
         self._bar: Any = None
         self._last_checkpoint: int | None = None
@@ -386,7 +387,8 @@ class Pipeline:
                     checkpoints, data, epochs, max_steps, eval_data, eval_every, steps_per_epoch
                 )
         except BaseException as err:
-            self._failed = f"{type(err).__name__}: {err}"
+            if self._busy or isinstance(err, NonFiniteLossError):
+                self._failed = f"{type(err).__name__}: {err}"
             self._close_bar()
             if isinstance(err, NonFiniteLossError) and self.transport_name == "local":
                 err.partial = merge(self.plan, [self.rank_result()], self._meta())
@@ -558,15 +560,21 @@ class Pipeline:
             self.method, Shape(s.num_ranks, s.micro_batches, num_steps, s.virtual_stages)
         )
         seg = Segment(0, first_step, num_steps)
+        self._busy = True  # an error from here on leaves passes in flight
         for ex in self._executors:
             ex.begin(seg, plan)
+        self._drive()
+        self._busy = False
+        self.recorder.resolve()
+
+    def _drive(self) -> None:
+        """Run every rank of this process to the end of the current schedule."""
         if len(self._executors) == 1:
             self._executors[0].run()
         else:
             drive_local(self._executors)
         for t in self.transports.values():
             t.flush()
-        self.recorder.resolve()
 
     def _on_step(self, step: int, loss: Tensor, correct: Tensor | None, targets: int) -> None:
         self._pending.append((step, loss, correct, targets))
@@ -650,7 +658,8 @@ class Pipeline:
         try:
             return self._evaluate(data)
         except BaseException as err:
-            self._failed = f"{type(err).__name__}: {err}"
+            if self._busy:
+                self._failed = f"{type(err).__name__}: {err}"
             raise
 
     def _evaluate(self, data: Iterable[Any]) -> EvalResult:
@@ -682,14 +691,11 @@ class Pipeline:
                     break
                 placement = tuple(sorted(self.rank_of.items()))
                 plan = eval_plan(placement, len(sizes))
+                self._busy = True
                 for ex in self._executors:
                     ex.begin_eval(plan, sizes, first, chunk if 0 in ex.stages else None)
-                if len(self._executors) == 1:
-                    self._executors[0].run()
-                else:
-                    drive_local(self._executors)
-                for t in self.transports.values():
-                    t.flush()
+                self._drive()
+                self._busy = False
                 first += len(sizes)
         finally:
             for k, s in self.stages.items():

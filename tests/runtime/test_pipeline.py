@@ -289,6 +289,7 @@ def test_empty_loader_and_bad_batches_are_refused() -> None:
     pipe = Pipeline(layers(), "pipeoptim", stages=3, optimizer=sgd, device="cpu")
     with pytest.raises(RuntimeConfigError, match="the training data is empty"):
         pipe.fit([])
+    assert pipe.fit(loader(), max_steps=2).end_step == 2  # refused before any work: usable
     with pytest.raises(RuntimeConfigError, match=r"batch 0 of epoch 0 is a Tensor"):
         Pipeline(layers(), "pipeoptim", stages=3, optimizer=sgd).fit([torch.ones(4, 6)])
     with pytest.raises(RuntimeConfigError, match=r"has no len\(\)"):
