@@ -25,6 +25,7 @@ __all__ = [
     "TrainConfig",
     "check_options",
     "resolve_plan",
+    "run_length",
 ]
 
 DEFAULT_EPOCHS = 10
@@ -171,6 +172,13 @@ class TrainConfig:
     def from_json(cls, text: str) -> TrainConfig:
         d = json.loads(text)
         return cls(**{**d, "plan": Plan.from_dict(d["plan"])})
+
+
+def run_length(epochs: int | None, max_steps: int | None, steps_per_epoch: int) -> int:
+    """Mini-batches of a run, counted from step 0: ``epochs`` epochs, capped by
+    ``max_steps`` (either may be None, not both)."""
+    total = epochs * steps_per_epoch if epochs is not None else max_steps or 0
+    return min(total, max_steps) if max_steps is not None else total
 
 
 def resolve_plan(

@@ -241,7 +241,6 @@ class RankExecutor:
         self._inputs: dict[tuple[int, int], Tensor] = {}  # (consuming stage, mb) -> tensor
         self._grads: dict[tuple[int, int], Tensor] = {}  # (consuming stage, mb) -> tensor
         self._targets: dict[int, Tensor] = {}  # mb -> targets, first and last stage local
-        self._last_targets = 0  # target count of the latest micro-batch (a shape, no sync)
         self._loss: dict[int, list[Any]] = {}  # step -> [loss, correct, parts, targets]
         self._eval: list[tuple[Tensor, Tensor]] | None = None  # the chunk, on stage 0's rank
         self._eval_sizes: list[int] = []
@@ -345,9 +344,10 @@ class RankExecutor:
             step, j = divmod(mb, self._m)
             g = self._first + step
             x = self._stage_input(k, mb, lambda: self._feed().micro_batch(g, j))
-            out = stage.forward(mb, x, self._take_target(mb) if stage.is_last else None)
-            if stage.is_last:
-                self._record_loss(g, out, stage.correct, self._last_targets)
+            y = self._take_target(mb) if stage.is_last else None
+            out = stage.forward(mb, x, y)
+            if y is not None:
+                self._record_loss(g, out, stage.correct, y.numel())  # numel: a shape, no sync
             else:
                 self._inputs[(k + 1, mb)] = out
             v = stage.versions(mb)
@@ -394,7 +394,6 @@ class RankExecutor:
             y = self.target_feed.micro_batch(self._first + step, j)[1]
         else:
             y = self.transport.recv(*self._target_spec(mb))
-        self._last_targets = y.numel()
         return y
 
     def _target_spec(self, mb: int) -> tuple[MessageKey, int, tuple[int, ...], torch.dtype]:
@@ -416,7 +415,7 @@ class RankExecutor:
         y = self._take_target(mb)
         n = self._size(mb)
         loss = stage.loss(out, y, f"evaluation batch {self._eval_first + mb}").detach()
-        correct = stage._count_correct(out, y)
+        correct = stage.count_correct(out, y)
         sums = self.eval_sums
         if sums is None:
             zero = torch.zeros((), device=stage.device)

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 from pipeoptim.errors import PipeoptimError, RuntimeConfigError
-from pipeoptim.runtime.config import TrainConfig
+from pipeoptim.runtime.config import TrainConfig, run_length
 from pipeoptim.runtime.data import DatasetLoader
 from pipeoptim.runtime.executor import NonFiniteLossError, RankResult
 from pipeoptim.runtime.lr import scheduler_factory
@@ -99,8 +99,7 @@ def build_run(
     train_data = DatasetLoader(data.train_x, data.train_y, config.batch_size, seed=config.seed)
     test_data = DatasetLoader(data.test_x, data.test_y, config.batch_size, shuffle=False)
     per_epoch = len(train_data)
-    total = config.epochs * per_epoch if config.epochs is not None else config.max_steps or 0
-    total = min(total, config.max_steps) if config.max_steps is not None else total
+    total = run_length(config.epochs, config.max_steps, per_epoch)
     pipe = Pipeline(
         layers,
         plan=config.plan,

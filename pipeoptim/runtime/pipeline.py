@@ -48,7 +48,7 @@ from pipeoptim.runtime.checkpoint import (
     Segment,
     plan_segments,
 )
-from pipeoptim.runtime.config import MAX_SEED, check_options, resolve_plan
+from pipeoptim.runtime.config import MAX_SEED, check_options, resolve_plan, run_length
 from pipeoptim.runtime.executor import (
     Boundary,
     NonFiniteLossError,
@@ -513,8 +513,7 @@ class Pipeline:
         self.plan.batch_size = batch
         res = self.result
         res.steps_per_epoch, res.skipped_samples, res.batch_size = spe, info["skipped"], batch
-        total = epochs * spe if epochs is not None else max_steps or 0
-        total = min(total, max_steps) if max_steps is not None else total
+        total = run_length(epochs, max_steps, spe)
         reads_targets = self.targets == "read" and self.last in self.stages and 0 not in self.stages
         target_feed = make_feed(spe) if reads_targets else None
         for ex in self._executors:

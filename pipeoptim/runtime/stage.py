@@ -385,7 +385,7 @@ class Stage:
         """``loss_fn(out, target)``, checked to be a scalar; errors name the values."""
         return checked_loss(self.loss_fn, out, target, where, self.index)
 
-    def _count_correct(self, out: Tensor, target: Tensor) -> Tensor | None:
+    def count_correct(self, out: Tensor, target: Tensor) -> Tensor | None:
         """Correct argmax predictions, where the output is a score per class of each target."""
         if target.is_floating_point() or out.dim() != target.dim() + 1:
             return None
@@ -445,7 +445,7 @@ class Stage:
             if self.is_last:
                 if target is None:
                     raise RuntimeError(f"stage {self.index}: the last stage needs targets")
-                self.correct = self._count_correct(out, target)
+                self.correct = self.count_correct(out, target)
                 out = self.loss(out, target, f"micro-batch {mb}") / self.micro_batches
         pack(out)
         self._saved[mb] = (x_in, out)
