@@ -48,6 +48,7 @@ from pipeoptim.runtime.checkpoint import (
     Segment,
     plan_segments,
 )
+from pipeoptim.runtime.closure import PredictionClosure
 from pipeoptim.runtime.config import MAX_SEED, check_options, resolve_plan, run_length
 from pipeoptim.runtime.executor import (
     Boundary,
@@ -118,6 +119,10 @@ class Pipeline:
     data itself, no message, at the cost of loading every batch there too, and only right
     for data that yields the same batches on every rank (a DataLoader, shuffled or not,
     does under pipeoptim's per-epoch seeding; a stream from a shared queue does not).
+    ``predicted_backward`` (predicting methods; beyond the paper): each predicted forward
+    keeps its Ŵ for its backward, so the input gradients also go through Ŵ (consistent, as
+    PipeDream's stash) at one weight copy per mini-batch in flight instead of PipeOptim's
+    one extra copy; measured in ``examples/convergence``.
     """
 
     def __init__(
@@ -149,6 +154,7 @@ class Pipeline:
         store: Store | None = None,
         run_identity: dict[str, Any] | None = None,
         hyperparameters: dict[str, Any] | None = None,
+        predicted_backward: bool = False,
     ) -> None:
         self.units = _units(layers)
         self.plan = resolve_plan(plan, method, stages, micro_batches, virtual_stages)
@@ -169,6 +175,13 @@ class Pipeline:
                 "checkpoint_every needs checkpoint_dir (where the checkpoints go)"
             )
         self.method = get_method(self.plan.method)
+        if predicted_backward and self.method.prediction_rule is None:
+            raise RuntimeConfigError(
+                f"predicted_backward keeps the predicted weights of a forward for its backward, "
+                f"and {self.method.name} does not predict; use pipeoptim, spectrain or xpipe, "
+                f"or leave predicted_backward off"
+            )
+        self.predicted_backward = predicted_backward
         self.shape = self.plan.shape(1)
         per_step = self.shape.num_stages * self.shape.micro_batches
         self.segment_limit = max(4 * self.shape.num_ranks, SEGMENT_PASSES // per_step)
@@ -220,6 +233,7 @@ class Pipeline:
                 amp=amp,
                 grad_clip=grad_clip,
                 first_unit=a,
+                predicted_backward=predicted_backward,
             )
         self._record_optimizer()
         self.identity = run_identity or self._identity()
@@ -284,6 +298,8 @@ class Pipeline:
             "units": units,
             "seed": self.seed,
             "amp": self.amp,
+            # only when set, so checkpoints written before the option resume unchanged
+            **({"predicted_backward": True} if self.predicted_backward else {}),
         }
 
     # -- sharing between ranks -------------------------------------------------------------
@@ -621,9 +637,27 @@ class Pipeline:
         )
         return (
             f"non-finite loss ({value}) at step {step} (mini-batches count from 0); training "
-            f"stopped and {kept}. Lower the learning rate{resume}; where a deep asynchronous "
-            f"pipeline diverges, a micro-batched method (2bw, xpipe) or fewer stages also help"
+            f"stopped and {kept}. Lower the learning rate{resume}" + self._divergence_advice()
         )
+
+    def _divergence_advice(self) -> str:
+        """The remedies the convergence study measured, for this method and depth."""
+        p = self.shape.num_stages
+        if not self.method.asynchronous or self.method.micro_batched:
+            return "."
+        s = p - 1
+        text = (
+            f"; {self.method.name} runs stage 0's forward {s} update(s) ahead of its backward "
+            f"(s = P-1), and in the convergence study (examples/convergence/results) such "
+            f"pipelines at 8 stages lost accuracy or diverged under SGD-momentum where gpipe, "
+            f"2bw and xpipe (s <= 1) did not: use 2bw or xpipe, or fewer stages"
+        )
+        if self.method.prediction_rule is not None and not self.predicted_backward:
+            text += (
+                ", or predicted_backward=True (input gradients through the predicted "
+                "weights too, one weight copy per mini-batch in flight)"
+            )
+        return text + "."
 
     def _checkpoint(self, checkpoints: CheckpointStore, spe: int) -> None:
         for k, stage in self.stages.items():
@@ -759,6 +793,15 @@ class Pipeline:
         if self._trace is not None and self._failed is None:
             return self._trace
         return build_trace(self.plan, [self.rank_result()], self._meta())
+
+    def measure_prediction_closure(self) -> PredictionClosure:
+        """Measure, from now on, how much of the stale weight distance every predicted
+        forward of this process's stages removes (``runtime/closure.py``). Costs two flat
+        weight copies per predicted forward in flight: for studies on small models."""
+        probe = PredictionClosure()
+        for stage in self.stages.values():
+            stage.closure = probe
+        return probe
 
     @property
     def step(self) -> int:

@@ -58,6 +58,7 @@ from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.methods import Method, WeightPolicy
 from pipeoptim.plan.plan import OptimizerSpec
 from pipeoptim.plan.versions import MicroBatchVersions, prediction_distance
+from pipeoptim.runtime.closure import PredictionClosure
 from pipeoptim.runtime.diagnose import describe_failure
 from pipeoptim.runtime.predict import WeightPredictor, future_lrs, predictor_for
 
@@ -276,6 +277,7 @@ class Stage:
         amp: str | None = None,
         grad_clip: float | None = None,
         first_unit: int = 0,
+        predicted_backward: bool = False,
     ) -> None:
         self.index = index
         self.is_last = index == num_stages - 1
@@ -340,6 +342,12 @@ class Stage:
         self.correct: Tensor | None = None
         """Last stage: correct predictions of the latest forward (None: not a classifier)."""
         self.peak_weight_copies = 1
+        self.predicted_backward = predicted_backward and self.predictor is not None
+        """Keep Ŵ of each predicted forward for its backward (input gradients through Ŵ,
+        consistent as PipeDream's stash, at one weight copy per mini-batch in flight)."""
+        self._held: set[int] = set()  # micro-batches whose graph holds their own Ŵ
+        self.closure: PredictionClosure | None = None
+        """Set to measure how much of the stale distance each prediction removes."""
         self._static_bytes: dict[str, int] = {}
         gen = torch.Generator(device=self.device).manual_seed(seed)
         self._rng_state: Tensor = gen.get_state()
@@ -431,8 +439,17 @@ class Stage:
             torch.autograd.graph.saved_tensors_hooks(pack, _unpack),
             self._autocast(),
         ):
-            if s > 0:
+            held = s > 0 and self.predicted_backward
+            if held:
+                # Ŵ in its own storage: the graph keeps it, so the backward reads it too.
+                sources = self._held_prediction(s)
+                weight_ptrs.update(t.untyped_storage().data_ptr() for t in sources)
+                if self.closure is not None:
+                    self.closure.forward(self.index, mb, s, sources, self._params)
+            elif s > 0:
                 self._write_prediction(s)
+                if self.closure is not None and self._backup is not None:
+                    self.closure.forward(self.index, mb, s, self._params, self._backup)
             try:
                 weights = {}
                 for n, p, src in zip(self._names, self._params, sources, strict=True):
@@ -440,7 +457,7 @@ class Stage:
                     aliases[w.grad_fn] = src
                 out = self._run_units(weights, x_in)
             finally:
-                if s > 0:
+                if s > 0 and not held:
                     self._restore_live()
             if self.is_last:
                 if target is None:
@@ -448,6 +465,8 @@ class Stage:
                 self.correct = self.count_correct(out, target)
                 out = self.loss(out, target, f"micro-batch {mb}") / self.micro_batches
         pack(out)
+        if held:
+            self._held.add(mb)
         self._saved[mb] = (x_in, out)
         self._act_bytes[mb] = act
         return out.detach()
@@ -473,6 +492,9 @@ class Stage:
             )
         x_in, out = self._saved.pop(mb)
         self._act_bytes.pop(mb, None)
+        if self.closure is not None:
+            self.closure.backward(self.index, mb, self._params)
+        self._held.discard(mb)
         scaler = self.scaler
         if out.requires_grad:
             with self.rng():
@@ -593,13 +615,21 @@ class Stage:
         # predict_into copies W into dest before adding -Σlr·Δ, so dest may be the params.
         self.predictor.predict_into(live, s, self._lrs(s))
 
+    def _held_prediction(self, s: int) -> list[Tensor]:
+        assert self.predictor is not None
+        predicted = [torch.empty_like(p) for p in self._params]
+        self.predictor.predict_into(predicted, s, self._lrs(s))
+        self.peak_weight_copies = max(self.peak_weight_copies, self.weight_copies() + 1)
+        return predicted
+
     def _restore_live(self) -> None:
         assert self._backup is not None
         torch._foreach_copy_([p.data for p in self._params], self._backup)
 
     def weight_copies(self) -> int:
         """Weight copies held now: live, frozen versions, the predicted-forward buffer."""
-        return 1 + len(self._stash) + (1 if self._backup is not None else 0)
+        backup = 1 if self._backup is not None else 0
+        return 1 + len(self._stash) + backup + len(self._held)
 
     def _note_copies(self) -> None:
         self.peak_weight_copies = max(self.peak_weight_copies, self.weight_copies())
@@ -641,7 +671,8 @@ class Stage:
         weights = self._static_bytes["weights"]
         return {
             **self._static_bytes,
-            "stash": weights * (len(self._stash) + (1 if self._backup is not None else 0)),
+            "stash": weights
+            * (len(self._stash) + len(self._held) + (1 if self._backup is not None else 0)),
             "gradients": _nbytes(p.grad for p in self._params),
             "activations": sum(self._act_bytes.values()),
         }

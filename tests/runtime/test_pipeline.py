@@ -310,8 +310,14 @@ def test_fit_after_a_failure_is_refused_with_the_way_out(tmp_path: Path) -> None
         device="cpu",
         log_every=1,
     )
-    with pytest.raises(NonFiniteLossError, match=r"at step 1.*no checkpoint had been written yet"):
+    with pytest.raises(
+        NonFiniteLossError, match=r"at step 1.*no checkpoint had been written yet"
+    ) as stop:
         pipe.fit(data, epochs=1)
+    # the measured remedies of the convergence study, for this method and depth
+    advice = str(stop.value)
+    assert "2 update(s) ahead" in advice and "use 2bw or xpipe, or fewer stages" in advice
+    assert "predicted_backward=True" in advice
     with pytest.raises(
         RuntimeConfigError, match=r"stopped on an error .*resume from .*resume=True"
     ):
@@ -400,3 +406,10 @@ def test_import_pipeoptim_does_not_import_torch() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "Pipeline"
+
+
+def test_predicted_backward_needs_a_predicting_method() -> None:
+    from pipeoptim.runtime.pipeline import Pipeline
+
+    with pytest.raises(RuntimeConfigError, match="pipedream does not predict"):
+        Pipeline([nn.Linear(4, 4), nn.Linear(4, 2)], "pipedream", stages=2, predicted_backward=True)

@@ -292,3 +292,36 @@ def test_resume_with_another_base_lr_rescales_the_scheduled_rate() -> None:
     assert same.load_state_dict(a.state_dict()) == []  # an unchanged lr changes nothing
     assert same.optimizer is not None
     assert same.optimizer.param_groups[0]["lr"] == a.optimizer.param_groups[0]["lr"]
+
+
+def test_predicted_backward_variant_takes_input_gradients_through_w_hat() -> None:
+    """Beyond the paper: the backward of a predicted forward reads Ŵ (kept per mini-batch in
+    flight), not the live weights; the weight gradient and the live weights are as without."""
+    torch.manual_seed(0)
+    stage = Stage(
+        1,
+        nn.Sequential(nn.Linear(3, 2)),
+        num_stages=3,
+        method=get_method("pipeoptim"),
+        optimizer=OptimizerSpec("sgd", 0.1),
+        micro_batches=1,
+        predicted_backward=True,
+    )
+    warm_up(stage)
+    stage.begin_segment(passes("pipeoptim", "0F0 0F1 0B0 0U0 0B1 0U1"))
+    stage.forward(0, torch.randn(4, 3))
+    assert stage.predictor is not None
+    w_hat = stage.predictor.predicted(1)[0]
+    x1 = torch.randn(4, 3)
+    stage.forward(1, x1)
+    assert stage.weight_copies() == 2  # live + the Ŵ the graph of 0F1 holds
+    stage.backward(0, torch.randn(4, 2))
+    stage.update()
+    w_now = stage.module[0].weight.detach().clone()  # type: ignore[union-attr]
+    assert not torch.allclose(w_now, w_hat)
+    g1 = torch.randn(4, 2)
+    dx1 = stage.backward(1, g1)
+    assert dx1 is not None and torch.allclose(dx1, g1 @ w_hat, atol=1e-6)
+    assert torch.allclose(stage.module[0].weight.grad, g1.T @ x1, atol=1e-6)  # type: ignore[union-attr,arg-type]
+    assert stage.weight_copies() == 1 and stage.peak_weight_copies == 2
+    assert stage.memory()["stash"] == 0
