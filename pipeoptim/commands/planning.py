@@ -23,7 +23,7 @@ from pipeoptim.plan.limits import MAX_PROFILE_BATCH, MAX_PROFILE_REPEATS
 from pipeoptim.plan.methods import METHODS, get_method
 from pipeoptim.plan.plan import OPTIMIZER_FAMILIES, OptimizerSpec, Plan
 from pipeoptim.plan.profile import Profile
-from pipeoptim.plan.search import Candidate, evaluate_candidate, explain, search
+from pipeoptim.plan.search import Candidate, evaluate_candidate, explain, format_distances, search
 from pipeoptim.plan.units import format_bytes, parse_bandwidth, parse_bytes
 
 
@@ -152,6 +152,7 @@ def run_profile(args: argparse.Namespace) -> int:
 def _stage_rows(candidate: Candidate, profile: Profile) -> list[list[Any]]:
     part = candidate.partition
     assert part is not None  # only feasible candidates get here
+    risk = candidate.risk
     return [
         [
             k,
@@ -160,6 +161,8 @@ def _stage_rows(candidate: Candidate, profile: Profile) -> list[list[Any]]:
             part.stage_times[k] * 1e3,
             format_bytes(part.stage_memory[k]),
             part.weight_copies[k] if part.weight_copies else 1,
+            risk.distances[k] if risk else 0,
+            risk.staleness[k] if risk else 0,
         ]
         for k, (a, b) in enumerate(part.boundaries)
     ]
@@ -179,10 +182,14 @@ def run_plan(args: argparse.Namespace) -> int:
         )
     cap = parse_bytes(args.memory_cap) if args.memory_cap else None
     bandwidth = math.inf if args.bandwidth in ("inf", "") else parse_bandwidth(args.bandwidth)
+    family = args.optimizer or (
+        profile.optimizer if profile.optimizer in OPTIMIZER_FAMILIES else "sgd"
+    )
     options = {
         "memory_cap_bytes": cap,
         "bandwidth_bytes_per_s": bandwidth,
         "latency_s": args.latency,
+        "optimizer": family,
     }
     if args.method == "auto":
         ranked = search(
@@ -202,9 +209,6 @@ def run_plan(args: argparse.Namespace) -> int:
     summary = explain(ranked, cap)  # raises when nothing fits, with the cap message
     best = ranked[0]
     assert best.partition is not None
-    family = args.optimizer or (
-        profile.optimizer if profile.optimizer in OPTIMIZER_FAMILIES else "sgd"
-    )
     plan = Plan(
         method=best.method,
         num_stages=args.stages,
@@ -242,6 +246,12 @@ def run_plan(args: argparse.Namespace) -> int:
             "samples_per_s": c.throughput,
             "bubble_ratio": c.bubble_ratio,
             "max_staleness": c.max_staleness,
+            "prediction_distance": list(c.risk.distances) if c.risk else None,
+            "staleness": list(c.risk.staleness) if c.risk else None,
+            "uncorrected_distance": c.uncorrected,
+            "closed": c.risk.closed if c.risk else None,
+            "convergence_risk": c.risk.risk if c.risk else None,
+            "effective_samples_per_s": c.effective_throughput,
             "peak_memory_bytes": c.peak_memory_bytes,
             "infeasible": c.infeasible,
         }
@@ -259,7 +269,16 @@ def run_plan(args: argparse.Namespace) -> int:
         return files.finish("plan")
     print(
         format_table(
-            ["stage", "layers", "count", "ms per unit", "memory", "weight copies"],
+            [
+                "stage",
+                "layers",
+                "count",
+                "ms per unit",
+                "memory",
+                "weight copies",
+                "s",
+                "staleness",
+            ],
             _stage_rows(best, profile),
         )
     )
@@ -267,7 +286,17 @@ def run_plan(args: argparse.Namespace) -> int:
     if len(ranked) > 1:
         print(
             format_table(
-                ["method", "M", "samples/s", "bubble", "staleness", "peak memory"],
+                [
+                    "method",
+                    "M",
+                    "samples/s",
+                    "bubble",
+                    "staleness",
+                    "s per stage",
+                    "risk",
+                    "effective/s",
+                    "peak memory",
+                ],
                 [
                     [
                         c.method,
@@ -275,6 +304,9 @@ def run_plan(args: argparse.Namespace) -> int:
                         c.throughput,
                         c.bubble_ratio,
                         c.max_staleness,
+                        format_distances(c.risk.distances) if c.risk else "-",
+                        f"+{100 * c.risk.risk:.0f}%" if c.risk else "-",
+                        c.effective_throughput if c.infeasible is None else "-",
                         format_bytes(c.peak_memory_bytes)
                         if c.infeasible is None
                         else "not simulated"

@@ -38,7 +38,9 @@ from pipeoptim.plan.limits import (
     max_actions,
 )
 from pipeoptim.plan.methods import METHODS, Method, get_method
+from pipeoptim.plan.risk import method_risk
 from pipeoptim.plan.schedules import Shape
+from pipeoptim.plan.search import format_distances
 from pipeoptim.plan.units import format_bytes, parse_bandwidth, parse_bytes
 from pipeoptim.sim.costs import CostModel, parse_uniform
 from pipeoptim.trace import Trace
@@ -389,6 +391,7 @@ def run(args: argparse.Namespace) -> int:
             }
         )
         return files.finish("simulate")
+    family = args.optimizer or (plan.optimizer.family if plan is not None else "sgd")
     headers = [
         "method",
         "P",
@@ -401,6 +404,8 @@ def run(args: argparse.Namespace) -> int:
         "bubble",
         "peak memory",
         "max staleness",
+        "s per stage",
+        "conv. risk",
         "copies",
     ]
     rows = []
@@ -419,6 +424,8 @@ def run(args: argparse.Namespace) -> int:
                 round(m.bubble_ratio, 4),
                 format_bytes(m.peak_memory_bytes) if m.peak_memory_bytes else "-",
                 m.max_staleness,
+                format_distances([st.max_distance for _, st in sorted(m.stages.items())]),
+                _risk_text(traces[name].meta.get("method", name), m, family),
                 _copies(traces[name]),
             ]
         )
@@ -430,21 +437,22 @@ def run(args: argparse.Namespace) -> int:
     return files.finish("simulate")
 
 
+def _risk_text(method: str, m: RunMetrics, optimizer: str) -> str:
+    """Extra samples to accuracy the convergence study predicts (``plan/risk.py``)."""
+    if method not in METHODS:
+        return "-"
+    stages = [st for _, st in sorted(m.stages.items())]
+    risk = method_risk(
+        method, optimizer, [st.max_distance for st in stages], [st.max_staleness for st in stages]
+    )
+    return f"+{100 * risk.risk:.0f}%"
+
+
 def _copies(trace: Trace) -> str:
     """Weight copies per stage, run-length coded: ``2``, ``4,3,2,1``, ``2x63,1``."""
     weights = trace.meta.get("weight_copies", {})
     copies = [int(v) for _, v in sorted(weights.items(), key=lambda kv: int(kv[0]))]
-    if not copies:
-        return "-"
-    runs: list[list[int]] = []
-    for c in copies:
-        if runs and runs[-1][0] == c:
-            runs[-1][1] += 1
-        else:
-            runs.append([c, 1])
-    if len(runs) == 1:
-        return str(runs[0][0])
-    return ",".join(str(c) if n == 1 else f"{c}x{n}" for c, n in runs)
+    return format_distances(copies) if copies else "-"
 
 
 def _shape_dict(trace: Trace) -> dict[str, Any]:

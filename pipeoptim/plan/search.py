@@ -2,9 +2,12 @@
 
 For a profile, a device count and a memory cap, every candidate (method, M) gets its
 optimal memory-feasible partition (``partition.py``) and is timed by the simulator's fast
-evaluator over a run of mini-batches. Candidates are ranked by steady-state throughput;
-throughputs within ``tie_tolerance`` of each other count as equal and are ordered by weight
-staleness, then peak memory, so a method that is as fast and trains on fresher weights wins.
+evaluator over a run of mini-batches. Candidates are ranked by *effective* throughput,
+``throughput / (1 + risk)``, where ``risk`` is the convergence-risk term of ``risk.py``: the
+extra samples to accuracy the study measured for the method's uncorrected distance under the
+optimizer. Effective throughputs within ``tie_tolerance`` of each other count as equal and
+are ordered by uncorrected distance, then peak memory, so a method that is as fast and
+trains on fresher weights wins.
 
 The profile is taken as measured on one mini-batch of ``profile.batch_size`` samples; a
 micro-batch costs ``1/M`` of its time and activations (the linear model the simulator uses).
@@ -21,6 +24,7 @@ from pipeoptim.plan.limits import estimate_work, fit_budget, max_actions
 from pipeoptim.plan.methods import METHODS, get_method
 from pipeoptim.plan.partition import Partition, method_memory_factors, optimal_partition
 from pipeoptim.plan.profile import Profile
+from pipeoptim.plan.risk import MethodRisk, method_risk
 from pipeoptim.plan.units import format_bytes
 
 
@@ -40,6 +44,8 @@ class Candidate:
     """Idle fraction of all ranks over the simulated run."""
     max_staleness: int = 0
     """Largest weight staleness of an applied gradient (0: fresh weights)."""
+    risk: MethodRisk | None = None
+    """Prediction distance and staleness per stage, uncorrected distance, convergence risk."""
     infeasible: str | None = None
     """Why the candidate cannot run (memory cap) or was not simulated (work limit), or None."""
     skipped: bool = False
@@ -49,6 +55,15 @@ class Candidate:
     @property
     def peak_memory_bytes(self) -> int:
         return self.partition.peak_memory_bytes if self.partition else 0
+
+    @property
+    def effective_throughput(self) -> float:
+        """Samples per second that count toward accuracy: throughput / (1 + risk)."""
+        return self.throughput / (1.0 + (self.risk.risk if self.risk else 0.0))
+
+    @property
+    def uncorrected(self) -> float:
+        return self.risk.uncorrected if self.risk else 0.0
 
 
 def micro_batch_options(method: str, num_stages: int) -> list[int]:
@@ -85,8 +100,10 @@ def evaluate_candidate(
     bandwidth_bytes_per_s: float = math.inf,
     latency_s: float = 0.0,
     mini_batches: int | None = None,
+    optimizer: str = "sgd",
 ) -> Candidate:
-    """Partition for ``method`` at ``micro_batches`` and simulate it."""
+    """Partition for ``method`` at ``micro_batches`` and simulate it; ``optimizer`` sets
+    the convergence-risk coefficient (``risk.py``)."""
     # The simulator sits above the plan package; import it only where it is needed.
     from pipeoptim.sim.costs import CostModel
     from pipeoptim.sim.evaluate import compile_method, evaluate_program
@@ -122,6 +139,13 @@ def evaluate_candidate(
     program = compile_method(method, shape)
     result = evaluate_program(program, costs)
     report = program.versions()
+    stages = range(num_stages * shape.virtual_stages)
+    risk = method_risk(
+        method,
+        optimizer,
+        [report.max_distance(k) for k in stages],
+        [report.max_staleness(k) for k in stages],
+    )
     return Candidate(
         method,
         shape.micro_batches,
@@ -130,6 +154,7 @@ def evaluate_candidate(
         run_throughput=result.throughput,
         bubble_ratio=result.overall_bubble,
         max_staleness=max(report.max_staleness(k) for k in report.stages),
+        risk=risk,
     )
 
 
@@ -144,6 +169,7 @@ def search(
     mini_batches: int | None = None,
     tie_tolerance: float = 0.01,
     progress: Callable[[str], None] | None = None,
+    optimizer: str = "sgd",
 ) -> list[Candidate]:
     """Every feasible candidate ranked best first, then the infeasible ones."""
     names = (
@@ -176,6 +202,7 @@ def search(
                 bandwidth_bytes_per_s=bandwidth_bytes_per_s,
                 latency_s=latency_s,
                 mini_batches=mini_batches,
+                optimizer=optimizer,
             )
         )
     return rank(found, tie_tolerance)
@@ -205,15 +232,17 @@ def _skipped(method: str, micro_batches: int, size: int) -> Candidate:
 
 
 def rank(candidates: Sequence[Candidate], tie_tolerance: float = 0.01) -> list[Candidate]:
-    """Fastest first; near-ties (within ``tie_tolerance``) by staleness, then memory."""
+    """Highest effective throughput first; near-ties (within ``tie_tolerance``) by
+    uncorrected distance, staleness, then memory."""
     feasible = [c for c in candidates if c.infeasible is None]
-    best = max((c.throughput for c in feasible), default=0.0)
+    best = max((c.effective_throughput for c in feasible), default=0.0)
 
-    def key(c: Candidate) -> tuple[int, int, int, float]:
+    def key(c: Candidate) -> tuple[int, float, int, int, float]:
         # bucket throughput on a log scale so near-equal values compare equal
-        gap = math.log(best / c.throughput) if c.throughput > 0 and best > 0 else math.inf
+        rate = c.effective_throughput
+        gap = math.log(best / rate) if rate > 0 and best > 0 else math.inf
         bucket = int(gap / math.log1p(tie_tolerance)) if math.isfinite(gap) else 2**31
-        return (bucket, c.max_staleness, c.peak_memory_bytes, -c.throughput)
+        return (bucket, c.uncorrected, c.max_staleness, c.peak_memory_bytes, -c.throughput)
 
     return sorted(feasible, key=key) + [c for c in candidates if c.infeasible is not None]
 
@@ -232,17 +261,32 @@ def explain(ranked: Sequence[Candidate], memory_cap_bytes: int | None = None) ->
     cap = f" within the {format_bytes(memory_cap_bytes)} cap" if memory_cap_bytes else ""
     text = (
         f"Run {best.method} with {best.micro_batches} micro-batch(es): predicted "
-        f"{_rate(best.throughput)} samples/s, weight staleness {best.max_staleness}, peak stage "
+        f"{_rate(best.throughput)} samples/s, {describe_staleness(best)}, peak stage "
         f"memory {format_bytes(best.peak_memory_bytes)}{cap}."
     )
-    slower = [c for c in feasible[1:] if c.method != best.method]
+    # as fast or faster per sample, ranked lower only because of the convergence risk
+    passed = [
+        c
+        for c in feasible[1:]
+        if c.method != best.method
+        and c.throughput >= best.throughput * 0.99
+        and c.effective_throughput < best.effective_throughput * 0.99
+    ]
+    if passed:
+        text += " " + _passed_over(passed, best)
+    slower = [c for c in feasible[1:] if c.method != best.method and c not in passed]
     if slower:
         other = slower[0]
         ratio = best.throughput / other.throughput if other.throughput > 0 else math.inf
-        pace = f"{ratio:.3g}x slower" if ratio > 1.001 else "as fast"
+        if ratio > 1.001:
+            pace = f"{ratio:.3g}x slower"
+        elif ratio < 0.999:  # faster per sample, level once its convergence risk counts
+            pace = f"{1 / ratio:.3g}x faster per sample, level after its convergence risk"
+        else:
+            pace = "as fast"
         text += (
             f" Next best: {other.method} (M={other.micro_batches}), {_rate(other.throughput)} "
-            f"samples/s ({pace}), staleness {other.max_staleness}, peak memory "
+            f"samples/s ({pace}), {describe_staleness(other)}, peak memory "
             f"{format_bytes(other.peak_memory_bytes)}."
         )
     fits = {c.method for c in feasible}
@@ -255,3 +299,71 @@ def explain(ranked: Sequence[Candidate], memory_cap_bytes: int | None = None) ->
             f" Not simulated (over the work limit, pipeoptim.plan.limits): {', '.join(skipped)}."
         )
     return text
+
+
+def format_distances(values: Sequence[int]) -> str:
+    """Per-stage values run-length coded: ``7,6,5,4,3,2,1,0``, ``1x7,0``, ``2x63,1``, ``0``
+    (prediction distances, weight copies)."""
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and runs[-1][0] == v:
+            runs[-1][1] += 1
+        else:
+            runs.append([v, 1])
+    if len(runs) == 1:
+        return str(runs[0][0])
+    return ",".join(str(v) if n == 1 else f"{v}x{n}" for v, n in runs)
+
+
+def describe_staleness(c: Candidate) -> str:
+    """Staleness and prediction distance together: staleness 0 with s = 7 is not fresh."""
+    if c.risk is None or not any(c.risk.distances):
+        return f"weight staleness {c.max_staleness}"
+    r = c.risk
+    text = (
+        f"weight staleness {c.max_staleness}, prediction distance s {format_distances(r.distances)}"
+    )
+    if r.closed is not None:
+        text += (
+            f" (its prediction removes about {100 * r.closed:.0f}% of the stale distance at "
+            f"s = {max(r.distances)})"
+        )
+    return text + f", convergence risk +{100 * r.risk:.0f}% samples"
+
+
+def _passed_over(passed: Sequence[Candidate], best: Candidate) -> str:
+    """Why candidates as fast or faster per sample are not the recommendation: the risk of
+    each method (its best-ranked candidate), with what drives it."""
+    first: dict[str, Candidate] = {}
+    for c in passed:
+        first.setdefault(c.method, c)
+    ratio = max(c.throughput for c in passed) / best.throughput
+    pace = f"up to {ratio:.3g}x faster" if ratio > 1.01 else "as fast"
+    names = list(first)
+    who = names[0] if len(names) == 1 else ", ".join(names[:-1]) + f" and {names[-1]}"
+    verb = "is" if len(names) == 1 else "are"
+    reasons = [_risk_reason(c) for c in first.values()]
+    kappa = next((c.risk.kappa for c in first.values() if c.risk is not None), None)
+    closest = max(passed, key=lambda c: c.effective_throughput)
+    scale = f"κ = {kappa:.3g} per update of uncorrected distance, " if kappa is not None else ""
+    return (
+        f"{who} {verb} {pace} per sample but not chosen because of the convergence risk "
+        f"({scale}fitted by the convergence study; pipeoptim.plan.risk): "
+        + "; ".join(reasons)
+        + f". So the time to accuracy is longer ({_rate(closest.effective_throughput)} "
+        f"against {_rate(best.effective_throughput)} effective samples/s at best)."
+    )
+
+
+def _risk_reason(c: Candidate) -> str:
+    r = c.risk
+    if r is None:
+        return f"{c.method} ranks lower"
+    if r.closed is not None and any(r.distances):
+        s = max(r.distances)
+        return (
+            f"{c.method} +{100 * r.risk:.0f}% samples (its forward predicts s = {s} updates "
+            f"ahead and the prediction removes only about {100 * r.closed:.0f}% of that stale "
+            f"distance: e = {r.uncorrected:.2g})"
+        )
+    return f"{c.method} +{100 * r.risk:.0f}% samples (staleness {max(r.staleness, default=0)})"

@@ -1,0 +1,221 @@
+"""Convergence risk: what a method's weight staleness costs in samples, from the study.
+
+A schedule's version analysis says how far a forward's weights are from its backward's
+(the prediction distance s) and how old an applied gradient is (the staleness). Neither is
+what training pays: a predicting method with s = 7 reports staleness 0, yet its prediction
+closes only part of the gap. The **uncorrected distance** e of a method on a stage puts
+every method on one scale, in updates:
+
+* flush (gpipe, 1f1b): e = 0, synchronous;
+* stash (pipedream): e = s, the gradient is applied s updates after the weights it was
+  computed on (forward and backward consistent);
+* double buffer (2bw): e = its staleness (1);
+* predict (pipeoptim, spectrain, xpipe): e = s · (1 − c), where c is the share of the stale
+  distance ‖W_f − W_b‖ the prediction removes, measured per rule, optimizer and s by the
+  convergence study (``examples/convergence``; :data:`CLOSURE`). c < 0 (a prediction that
+  moves away) makes e larger than s.
+
+The **convergence risk** is the extra samples a method needs to reach a target metric,
+relative to a synchronous method: ``risk = κ_optimizer · e`` at the stage with the largest e
+(stage 0 in an asynchronous 1F1B), κ fitted through the origin to the study's measured
+samples-to-target (:data:`KAPPA`; ``risk_fit.json``). The planner ranks candidates by
+``throughput / (1 + risk)``: samples per second that count toward accuracy.
+
+The constants are from small models (digits MLP and CNN, a character GPT) and are a
+first-order guide, not a guarantee; the study's command re-measures them on a user's model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from pipeoptim.plan.methods import METHODS, WeightPolicy, get_method
+from pipeoptim.plan.versions import analyze_versions
+
+__all__ = [
+    "CLOSURE",
+    "KAPPA",
+    "MethodRisk",
+    "RiskFitPoint",
+    "closure",
+    "closure_from_rows",
+    "fit_risk",
+    "method_risk",
+    "schedule_versions",
+    "uncorrected_distance",
+]
+
+CLOSURE: dict[tuple[str, str], dict[int, float]] = {
+    ("optimizer", "adam"): {1: 0.69, 2: 0.6, 3: 0.57, 4: 0.48, 6: 0.38, 7: 0.38},
+    ("optimizer", "adamw"): {1: 0.65, 2: 0.59, 3: 0.51, 4: 0.43, 5: 0.05, 6: 0.24, 7: 0.32},
+    ("optimizer", "sgd"): {1: 0.75, 2: 0.67, 3: 0.58, 4: 0.59, 6: 0.57, 7: 0.51},
+    ("spectrain", "adam"): {1: 0.0, 2: 0.0, 3: 0.01, 4: 0.0, 6: 0.0, 7: 0.01},
+    ("spectrain", "adamw"): {1: 0.0, 2: 0.0, 3: 0.01, 4: 0.0, 5: 0.0, 6: 0.0, 7: 0.01},
+    ("spectrain", "sgd"): {1: 0.75, 2: 0.67, 3: 0.58, 4: 0.59, 6: 0.57, 7: 0.51},
+    ("xpipe", "adam"): {1: 0.7},
+    ("xpipe", "adamw"): {1: 0.63},
+    ("xpipe", "sgd"): {1: 0.77},
+}
+"""(prediction rule, optimizer) -> {s: share of the stale distance removed}: per stage, the
+median over its predicted forwards, averaged over the study's models and depths
+(``examples/convergence/results/risk_fit.json``, ``closure_table``; a test keeps them equal).
+Not monotone in s everywhere: stages with the same s sit at different depths and models."""
+
+KAPPA: dict[str, float] = {"adam": 0.0466, "adamw": 0.3112, "sgd": 0.2969}
+"""Optimizer -> extra samples to target per update of uncorrected distance, fitted through
+the origin over the digits MLP and CNN (3 seeds) and the GPT (AdamW, 1 seed) at the rates the
+gpipe sweep chose (``risk_fit.json``, ``kappa``). A seed that never reached the target counts
+as the whole run, so SGD's κ is a lower bound where deep pipelines failed outright."""
+
+DEFAULT_KAPPA = max(KAPPA.values())
+"""κ for an optimizer the study did not measure (RMSprop...): the largest measured one."""
+
+
+def closure(rule: str, optimizer: str, s: int) -> float:
+    """Share of the stale distance a prediction of ``rule`` removes at distance ``s``.
+
+    Past the largest measured s the last measured value is used (closure falls with s, so
+    this errs toward less risk at great depth: say so when s is far beyond the table);
+    an unmeasured (rule, optimizer) closes nothing (c = 0).
+    """
+    table = CLOSURE.get((rule, optimizer))
+    if not table or s <= 0:
+        return 0.0
+    if s in table:
+        return table[s]
+    below = [k for k in table if k < s]
+    return table[max(below)] if below else table[min(table)]
+
+
+def uncorrected_distance(
+    method: str,
+    optimizer: str,
+    max_distance: int,
+    max_staleness: int,
+    closed: float | None = None,
+) -> float:
+    """e of ``method`` on a stage with prediction distance ``max_distance`` and staleness
+    ``max_staleness`` (from ``versions.analyze_versions``); ``closed`` overrides the
+    measured closure of :data:`CLOSURE`."""
+    spec = get_method(method)
+    policy = spec.weight_policy
+    if policy is WeightPolicy.FLUSH:
+        return 0.0
+    if policy is WeightPolicy.STASH:
+        return float(max(max_distance, max_staleness))
+    if policy is WeightPolicy.DOUBLE_BUFFER:
+        return float(max_staleness)
+    c = (
+        closed
+        if closed is not None
+        else closure(spec.prediction_rule or "optimizer", optimizer, max_distance)
+    )
+    return max(0.0, max_distance * (1.0 - c))
+
+
+@dataclass(frozen=True)
+class MethodRisk:
+    """The convergence-risk reading of one candidate."""
+
+    distances: tuple[int, ...]
+    """Prediction distance s per stage (its largest over the run)."""
+    staleness: tuple[int, ...]
+    """Version staleness of the applied gradients per stage."""
+    uncorrected: float
+    """e at the stage where it is largest."""
+    closed: float | None
+    """Share of the stale distance the prediction removes at that stage (predicting methods)."""
+    risk: float
+    """Predicted extra samples to a target, relative to a synchronous method."""
+    kappa: float
+
+
+def method_risk(
+    method: str,
+    optimizer: str,
+    distances: Iterable[int],
+    staleness: Iterable[int],
+    kappa: Mapping[str, float] | None = None,
+) -> MethodRisk:
+    """Risk of ``method`` from the per-stage distances and staleness of its schedule."""
+    ds, st = tuple(distances), tuple(staleness)
+    spec = get_method(method)
+    rule = spec.prediction_rule or "optimizer"
+    es = [uncorrected_distance(method, optimizer, s, old) for s, old in zip(ds, st, strict=True)]
+    worst = max(range(len(es)), key=lambda k: es[k], default=0)
+    e = es[worst] if es else 0.0
+    closed = (
+        closure(rule, optimizer, ds[worst])
+        if spec.weight_policy is WeightPolicy.PREDICT and ds
+        else None
+    )
+    k = (kappa or KAPPA).get(optimizer, DEFAULT_KAPPA)
+    return MethodRisk(ds, st, e, closed, k * e, k)
+
+
+def schedule_versions(
+    method: str, num_stages: int, micro_batches: int | None = None
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per stage, the largest prediction distance s and staleness of ``method``'s schedule
+    (a run long enough to reach the steady state)."""
+    spec = get_method(method)
+    m = (micro_batches or num_stages) if spec.micro_batched else None
+    shape = spec.shape(num_stages, m, 2 * num_stages + 2)
+    report = analyze_versions(spec.schedule(shape), spec.weight_policy, shape.micro_batches)
+    stages = range(num_stages * shape.virtual_stages)
+    return (
+        tuple(report.max_distance(k) for k in stages),
+        tuple(report.max_staleness(k) for k in stages),
+    )
+
+
+@dataclass(frozen=True)
+class RiskFitPoint:
+    """One measured (method, optimizer, depth) of the study."""
+
+    model: str
+    method: str
+    optimizer: str
+    stages: int
+    uncorrected: float
+    extra_samples: float
+    """Samples to target over gpipe's, minus 1 (0: as fast per sample as synchronous)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def closure_from_rows(
+    rows: Iterable[Mapping[str, Any]],
+) -> dict[tuple[str, str], dict[int, float]]:
+    """The :data:`CLOSURE` table from the study's closure rows (``risk_fit.json``): per
+    (rule, optimizer, s), the mean over models and depths of the per-stage closure, rounded
+    to two decimals."""
+    sums: dict[tuple[str, str, int], list[float]] = {}
+    for row in rows:
+        if str(row["method"]) not in METHODS:  # a study variant, not a planner method
+            continue
+        rule = get_method(str(row["method"])).prediction_rule or "optimizer"
+        key = (rule, str(row["optimizer"]), int(row["s"]))
+        sums.setdefault(key, []).append(float(row["closed"]))
+    table: dict[tuple[str, str], dict[int, float]] = {}
+    for (rule, opt, s), values in sorted(sums.items()):
+        table.setdefault((rule, opt), {})[s] = round(sum(values) / len(values), 2)
+    return table
+
+
+def fit_risk(points: Iterable[RiskFitPoint]) -> dict[str, tuple[float, int]]:
+    """κ per optimizer by least squares through the origin (extra = κ·e), clamped at 0;
+    returns {optimizer: (κ, number of points with e > 0)}."""
+    sums: dict[str, list[float]] = {}
+    for p in points:
+        if p.uncorrected <= 0 or not math.isfinite(p.extra_samples):
+            continue
+        acc = sums.setdefault(p.optimizer, [0.0, 0.0, 0.0])
+        acc[0] += p.uncorrected * p.extra_samples
+        acc[1] += p.uncorrected**2
+        acc[2] += 1
+    return {opt: (max(0.0, xy / xx), int(n)) for opt, (xy, xx, n) in sums.items()}

@@ -1,0 +1,171 @@
+"""The convergence-risk term: uncorrected distance per weight policy, its fit, its use in
+the planner, and its constants against the committed study."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeoptim.plan import risk
+from pipeoptim.plan.profile import Profile
+from pipeoptim.plan.risk import (
+    RiskFitPoint,
+    closure,
+    closure_from_rows,
+    fit_risk,
+    method_risk,
+    schedule_versions,
+    uncorrected_distance,
+)
+from pipeoptim.plan.search import explain, search
+
+STUDY = Path(__file__).resolve().parents[2] / "examples" / "convergence" / "results"
+
+
+def test_uncorrected_distance_per_policy() -> None:
+    assert uncorrected_distance("gpipe", "adam", 0, 0) == 0.0
+    assert uncorrected_distance("pipedream", "adam", 3, 3) == 3.0
+    assert uncorrected_distance("2bw", "adam", 1, 1) == 1.0
+    assert uncorrected_distance("pipeoptim", "adam", 4, 0, closed=0.25) == 3.0
+    # a prediction that moves away from the backward's weights is worse than none
+    assert uncorrected_distance("spectrain", "adam", 4, 0, closed=-0.5) == 6.0
+    assert uncorrected_distance("pipeoptim", "adam", 4, 0, closed=1.2) == 0.0
+
+
+def test_schedule_versions_are_derived_from_the_schedule() -> None:
+    assert schedule_versions("pipeoptim", 4) == ((3, 2, 1, 0), (0, 0, 0, 0))
+    assert schedule_versions("pipedream", 4) == ((3, 2, 1, 0), (3, 2, 1, 0))
+    assert schedule_versions("2bw", 4) == ((1, 1, 1, 0), (1, 1, 1, 1))
+    assert schedule_versions("1f1b", 4) == ((0, 0, 0, 0), (0, 0, 0, 0))
+
+
+def test_closure_lookup_uses_the_last_measured_distance(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(risk, "CLOSURE", {("optimizer", "adam"): {1: 0.6, 3: 0.5}})
+    assert closure("optimizer", "adam", 1) == 0.6
+    assert closure("optimizer", "adam", 2) == 0.6  # between measured values: the one below
+    assert closure("optimizer", "adam", 7) == 0.5
+    assert closure("optimizer", "sgd", 3) == 0.0  # unmeasured: closes nothing
+    assert closure("optimizer", "adam", 0) == 0.0
+
+
+def test_method_risk_reads_the_worst_stage(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(risk, "CLOSURE", {("optimizer", "adam"): {1: 0.8, 2: 0.5, 3: 0.4}})
+    r = method_risk("pipeoptim", "adam", (3, 2, 1, 0), (0, 0, 0, 0), kappa={"adam": 0.2})
+    assert r.uncorrected == pytest.approx(3 * 0.6)
+    assert r.closed == 0.4
+    assert r.risk == pytest.approx(0.2 * 1.8)
+    sync = method_risk("gpipe", "adam", (0, 0), (0, 0), kappa={"adam": 0.2})
+    assert (sync.risk, sync.closed) == (0.0, None)
+
+
+def test_fit_recovers_kappa_through_the_origin() -> None:
+    points = [
+        RiskFitPoint("m", "pipeoptim", "adam", 8, e, 0.3 * e) for e in (0.5, 1.0, 2.0, 4.0)
+    ] + [RiskFitPoint("m", "gpipe", "adam", 8, 0.0, 0.05)]  # e = 0 carries no slope
+    points += [RiskFitPoint("m", "pipedream", "sgd", 4, 3.0, -0.2)]
+    fit = fit_risk(points)
+    assert fit["adam"][0] == pytest.approx(0.3)
+    assert fit["adam"][1] == 4
+    assert fit["sgd"] == (0.0, 1)  # faster than synchronous: no negative risk
+
+
+def uniform_profile() -> Profile:
+    return Profile.uniform(8, forward_s=0.01, backward_s=0.02, param_bytes=1000, batch_size=32)
+
+
+def test_planner_passes_over_a_faster_method_with_high_risk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(risk, "KAPPA", {"sgd": 0.0})
+    fast = search(uniform_profile(), 8, methods=["gpipe", "pipeoptim"], optimizer="sgd")
+    assert fast[0].method == "pipeoptim"  # no risk: the fastest wins
+    assert "not chosen" not in explain(fast)
+
+    monkeypatch.setattr(risk, "KAPPA", {"sgd": 1.0})
+    ranked = search(uniform_profile(), 8, methods=["gpipe", "pipeoptim"], optimizer="sgd")
+    po = next(c for c in ranked if c.method == "pipeoptim")
+    assert ranked[0].method == "gpipe"
+    assert po.throughput > ranked[0].throughput
+    assert po.risk is not None and po.risk.distances == (7, 6, 5, 4, 3, 2, 1, 0)
+    text = explain(ranked)
+    assert "pipeoptim is up to" in text and "faster per sample but not chosen" in text
+    assert "s = 7 updates ahead" in text
+    assert f"+{100 * po.risk.risk:.0f}% samples" in text
+
+
+def test_constants_are_the_committed_study_fit() -> None:
+    """KAPPA and CLOSURE are copied from the study's risk_fit.json: rerunning the study
+    and forgetting to update them (or editing them by hand) fails here."""
+    fit = json.loads((STUDY / "risk_fit.json").read_text())
+    assert pytest.approx(fit["kappa"], abs=5e-4) == risk.KAPPA
+    table = closure_from_rows(fit["closure"])
+    assert set(risk.CLOSURE) == set(table)
+    for key, by_s in table.items():
+        assert risk.CLOSURE[key] == pytest.approx(by_s, abs=0.005), key
+
+
+def test_plan_command_prints_s_per_stage_and_why(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """8 stages: the table shows s next to the staleness, and the recommendation says why
+    the faster asynchronous methods lose (with the committed study's constants)."""
+    from pipeoptim.cli import main
+
+    path = tmp_path / "profile.json"
+    uniform_profile().save(path)
+    assert main(["plan", "--profile", str(path), "--stages", "8", "--optimizer", "sgd"]) == 0
+    out = capsys.readouterr().out
+    assert "s per stage" in out and "staleness" in out
+    po = next(line for line in out.splitlines() if line.startswith("pipeoptim "))
+    assert "7,6,5,4,3,2,1,0" in po
+    pd = next(line for line in out.splitlines() if line.startswith("pipedream "))
+    assert " 7 " in pd  # pipedream: staleness 7 with the same s
+    assert "per sample but not chosen" in out
+    assert "s = 7 updates ahead" in out
+
+
+def test_simulate_prints_s_per_stage_and_risk(capsys: pytest.CaptureFixture[str]) -> None:
+    from pipeoptim.cli import main
+
+    assert (
+        main(["simulate", "--stages", "4", "--method", "gpipe,pipeoptim", "--optimizer", "adam"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines()[2:] if line.strip()}
+    expected = method_risk("pipeoptim", "adam", *schedule_versions("pipeoptim", 4))
+    assert "3,2,1,0" in rows["pipeoptim"]
+    assert f"+{100 * expected.risk:.0f}%" in rows["pipeoptim"]
+    assert " 0 " in rows["gpipe"] and "+0%" in rows["gpipe"]
+
+
+def test_plan_for_8_stages_of_the_digits_mlp(capsys: pytest.CaptureFixture[str]) -> None:
+    """The issue's case: the digits MLP profiled here, 8 stages, SGD-momentum."""
+    from pipeoptim.cli import main
+
+    assert main(["plan", "--model", "mlp", "--stages", "8", "--optimizer", "sgd"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines() if line[:1].isalpha()}
+    assert "7,6,5,4,3,2,1,0" in rows["pipeoptim"]
+    why = out.strip().splitlines()[-1]
+    assert why.startswith("Run ") and "weight staleness" in why
+
+    assert main(["plan", "--model", "mlp", "--stages", "8", "--optimizer", "sgd", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    ranking = [r for r in data["ranking"] if r["infeasible"] is None]
+    po = next(r for r in ranking if r["method"] == "pipeoptim")
+    assert po["prediction_distance"] == [7, 6, 5, 4, 3, 2, 1, 0]
+    assert po["convergence_risk"] > 0 and po["effective_samples_per_s"] < po["samples_per_s"]
+    winner = ranking[0]
+    top = max(r["effective_samples_per_s"] for r in ranking)
+    assert winner["effective_samples_per_s"] >= 0.99 * top  # within the tie tolerance
+    passed_over = [
+        r
+        for r in ranking
+        if r["method"] != winner["method"]
+        and r["samples_per_s"] >= 0.99 * winner["samples_per_s"]
+        and r["effective_samples_per_s"] < 0.99 * winner["effective_samples_per_s"]
+    ]
+    assert ("not chosen" in data["why"]) == bool(passed_over)
