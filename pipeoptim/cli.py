@@ -23,6 +23,7 @@ COMMAND_MODULES = (
     "pipeoptim.commands.train",
     "pipeoptim.commands.planning",
     "pipeoptim.commands.calibrate",
+    "pipeoptim.commands.compare",
 )
 
 

@@ -1,0 +1,161 @@
+"""``pipeoptim compare``: the convergence study of every method on one built-in model.
+
+Sweeps gpipe's learning rate per optimizer, trains every method at the best rate (and the
+next one up) at each depth and seed, all stages in one process, then writes the report:
+``README.md`` (final tables, prediction closure, time to target), ``curves.html`` and
+``risk_fit.json``. Runs are appended to ``OUT/<model>/runs.jsonl``; rerunning resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pipeoptim.commands.common import check_number
+from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.study.grid import ALL_METHODS, DEFAULT_RATES, StudyConfig
+
+_EPILOG = """\
+examples:
+  pipeoptim compare --model mlp --out study            # 7 methods x 3 optimizers x P=4,8 x 3 seeds
+  pipeoptim compare --model cnn --optimizers adam --stages 8 --seeds 2 --out study
+  pipeoptim compare --model mlp --methods gpipe,pipeoptim --lr-candidates adam=1e-3,2e-3 --out s
+
+every stage of a run trains in this process (the local transport, bitwise equal to the
+distributed run): P stages are emulated on one device. The full digits study
+(examples/convergence/run.py) takes about half an hour on 2 cores.
+"""
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "compare",
+        help="train every method on one model and compare accuracy, loss and time to target",
+        description=__doc__.split("\n\n")[0] + ".",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default="mlp", help="mlp, cnn, transformer or gpt (default mlp)")
+    p.add_argument("--methods", default=",".join(ALL_METHODS), help="comma-separated")
+    p.add_argument("--optimizers", default="sgd,adam,adamw", help="comma-separated")
+    p.add_argument("--stages", default="4,8", help="depths, comma-separated (default 4,8)")
+    p.add_argument("--seeds", type=int, default=3, help="seeds per configuration (default 3)")
+    p.add_argument("--epochs", type=int, default=15, help="epochs per run (default 15)")
+    p.add_argument("--batch-size", type=int, default=32, help="samples per mini-batch")
+    p.add_argument(
+        "--eval-every", type=int, default=None, help="mini-batches between evaluations (1 epoch)"
+    )
+    p.add_argument(
+        "--lr-candidates",
+        action="append",
+        default=[],
+        metavar="OPT=LR,LR,...",
+        help="rates the gpipe sweep tries for one optimizer, ascending (repeatable)",
+    )
+    p.add_argument(
+        "--no-high-rate", action="store_true", help="skip the runs at the rate above the best"
+    )
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="parallel runs")
+    p.add_argument("--out", type=Path, required=True, help="folder for runs and the report")
+    p.add_argument("--quiet", action="store_true", help="no line per finished run")
+    p.set_defaults(func=run)
+
+
+def _names(flag: str, text: str, allowed: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names:
+        raise RuntimeConfigError(f"{flag} needs at least one name (got {text!r})")
+    if allowed is not None:
+        bad = [n for n in names if n not in allowed]
+        if bad:
+            raise RuntimeConfigError(
+                f"{flag}: unknown {', '.join(bad)}; choose from {', '.join(allowed)}"
+            )
+    return names
+
+
+def _rates(entries: list[str]) -> dict[str, tuple[float, ...]]:
+    rates = dict(DEFAULT_RATES)
+    for entry in entries:
+        opt, sep, values = entry.partition("=")
+        try:
+            parsed = tuple(float(v) for v in values.split(","))
+        except ValueError:
+            parsed = ()
+        if not sep or not parsed or any(not v > 0 for v in parsed):
+            raise RuntimeConfigError(
+                f"--lr-candidates takes OPT=LR,LR,... with positive rates (got {entry!r}); "
+                f"e.g. --lr-candidates adam=5e-4,1e-3,2e-3"
+            )
+        rates[opt.strip()] = tuple(sorted(parsed))
+    return rates
+
+
+def config_from_args(args: argparse.Namespace) -> StudyConfig:
+    from pipeoptim.runtime.models import BUILTIN_MODELS, build_model
+
+    for flag, value in (
+        ("--seeds", args.seeds),
+        ("--epochs", args.epochs),
+        ("--batch-size", args.batch_size),
+        ("--workers", args.workers),
+    ):
+        check_number(flag, value, minimum=1, example="1")
+    if args.eval_every is not None:
+        check_number("--eval-every", args.eval_every, minimum=1, example="44")
+    if args.model not in BUILTIN_MODELS:
+        raise RuntimeConfigError(
+            f"compare trains a built-in model (got {args.model!r}); choose one of "
+            f"{', '.join(BUILTIN_MODELS)}"
+        )
+    try:
+        stages = tuple(int(v) for v in args.stages.split(","))
+    except ValueError:
+        stages = ()
+    if not stages or min(stages) < 1:
+        raise RuntimeConfigError(f"--stages takes depths >= 1 like 4,8 (got {args.stages!r})")
+    _, data = build_model(args.model, 0)
+    per_epoch = len(data.train_x) // args.batch_size
+    if per_epoch < 1:
+        raise RuntimeConfigError(
+            f"model {args.model!r} has {len(data.train_x)} training samples, fewer than one "
+            f"batch of {args.batch_size}; use a smaller --batch-size"
+        )
+    return StudyConfig(
+        args.model,
+        steps=args.epochs * per_epoch,
+        eval_every=args.eval_every or per_epoch,
+        methods=_names("--methods", args.methods, ALL_METHODS),
+        optimizers=_names("--optimizers", args.optimizers, ("sgd", "adam", "adamw")),
+        stages=stages,
+        seeds=args.seeds,
+        batch_size=args.batch_size,
+        rates=_rates(args.lr_candidates),
+        high_rate=not args.no_high_rate,
+        sweep_stages=min(stages),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from pipeoptim.study.grid import run_study
+    from pipeoptim.study.report import write_study_report
+
+    config = config_from_args(args)
+    start = time.perf_counter()
+    rates, records = run_study(
+        config, args.out / config.model, workers=args.workers, quiet=args.quiet
+    )
+    path = write_study_report(args.out, [config])
+    diverged = sum(r.diverged_at is not None for r in records)
+    print(
+        f"{len(records)} runs ({diverged} diverged) in {time.perf_counter() - start:.0f} s; "
+        f"rates: " + ", ".join(f"{o} {b:g}" for o, (b, _) in rates.items()),
+        file=sys.stderr,
+    )
+    print(path.read_text())
+    print(f"wrote {path}, {args.out / 'curves.html'}, {args.out / 'risk_fit.json'}")
+    return 0

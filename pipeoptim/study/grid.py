@@ -1,0 +1,294 @@
+"""The study's grid: a learning-rate sweep on gpipe, then every method at the chosen rates.
+
+Rates: for each optimizer, the sweep trains gpipe (synchronous, so the rate is the
+model's, not the method's) with each candidate rate on seed 0 and keeps the one with the
+best final test metric; every method then trains at that rate and, where
+``StudyConfig.high_rate`` is set, at the next candidate above it (where staleness bites).
+Every method of a model sees the same samples per update and the same number of updates.
+
+Runs go to worker processes (one thread each) and are appended to ``runs.jsonl`` as they
+finish, so an interrupted study resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+
+from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.study.runs import MODEL_METRIC, RunRecord, RunSpec, run_one
+
+__all__ = [
+    "ALL_METHODS",
+    "DEFAULT_RATES",
+    "StudyConfig",
+    "choose_rates",
+    "load_records",
+    "main_specs",
+    "run_specs",
+    "run_study",
+    "sweep_specs",
+]
+
+ALL_METHODS = ("gpipe", "1f1b", "pipedream", "2bw", "spectrain", "xpipe", "pipeoptim")
+"""Every method with one stage per rank (interleaved-1f1b is gpipe's numerics)."""
+PREDICTING = frozenset({"spectrain", "xpipe", "pipeoptim"})
+DEFAULT_RATES: dict[str, tuple[float, ...]] = {
+    "sgd": (0.01, 0.02, 0.04, 0.08),
+    "adam": (5e-4, 1e-3, 2e-3, 4e-3),
+    "adamw": (5e-4, 1e-3, 2e-3, 4e-3),
+}
+
+
+@dataclass(frozen=True)
+class StudyConfig:
+    """What one model's study trains."""
+
+    model: str
+    """Built-in model name."""
+    steps: int
+    """Mini-batches per run (equal for every method)."""
+    eval_every: int
+    """Mini-batches between test evaluations (each drains the pipeline, as a checkpoint
+    does: the first P−1 mini-batches after it run with a smaller s)."""
+    methods: tuple[str, ...] = ALL_METHODS
+    optimizers: tuple[str, ...] = ("sgd", "adam", "adamw")
+    stages: tuple[int, ...] = (4, 8)
+    seeds: int = 3
+    """Seeds of every main run (weights and data order)."""
+    batch_size: int = 32
+    rates: dict[str, tuple[float, ...]] = field(default_factory=lambda: dict(DEFAULT_RATES))
+    """Candidate learning rates per optimizer, ascending."""
+    high_rate: bool = True
+    """Also train every method at the candidate above the sweep's best."""
+    high_rate_seeds: int | None = None
+    """Seeds at the high rate (None: ``seeds``)."""
+    sweep_stages: int = 4
+    eval_samples: int | None = None
+    """Evaluate on the first this many test samples (None: all)."""
+    extra_rates: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    """Further rates per optimizer at which every method also trains (``high_rate_seeds``
+    seeds), e.g. a lower one where gpipe's best rate stalls the asynchronous methods."""
+    steps_by_optimizer: dict[str, int] = field(default_factory=dict)
+    """Longer (or shorter) runs for some optimizers, e.g. where gpipe needs more epochs to
+    reach the target and the curves must run 3x that; still equal for every method."""
+    variants: tuple[str, ...] = ()
+    """Predicting methods also trained with ``predicted_backward`` (beyond the paper: input
+    gradients through Ŵ as well), at every rate, depth and seed of the main runs."""
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.optimizers) - set(self.rates))
+        if unknown:
+            raise RuntimeConfigError(
+                f"no candidate learning rates for optimizer(s) {unknown}; give them in rates "
+                f"(known: {sorted(self.rates)})"
+            )
+        for name, value in (
+            ("steps", self.steps),
+            ("eval_every", self.eval_every),
+            ("seeds", self.seeds),
+            ("batch_size", self.batch_size),
+        ):
+            if value < 1:
+                raise RuntimeConfigError(f"{name} must be at least 1 (got {value})")
+        bad = sorted(set(self.variants) - PREDICTING)
+        if bad:
+            raise RuntimeConfigError(
+                f"variants {bad} do not predict weights; the predicted-backward variant "
+                f"applies to {sorted(PREDICTING)}"
+            )
+        if self.model not in MODEL_METRIC:
+            raise RuntimeConfigError(
+                f"the study knows the test metric of {sorted(MODEL_METRIC)} (got {self.model!r})"
+            )
+
+    def spec(
+        self,
+        method: str,
+        optimizer: str,
+        lr: float,
+        stages: int,
+        seed: int,
+        predicted_backward: bool = False,
+    ) -> RunSpec:
+        return RunSpec(
+            self.model,
+            method,
+            optimizer,
+            lr,
+            stages,
+            seed,
+            self.steps_by_optimizer.get(optimizer, self.steps),
+            self.eval_every,
+            self.batch_size,
+            closure=seed == 0 and method in PREDICTING,
+            eval_samples=self.eval_samples,
+            predicted_backward=predicted_backward,
+        )
+
+
+def sweep_specs(config: StudyConfig) -> list[RunSpec]:
+    """gpipe on seed 0 at every candidate rate of every optimizer."""
+    return [
+        config.spec("gpipe", opt, lr, config.sweep_stages, 0)
+        for opt in config.optimizers
+        for lr in config.rates[opt]
+    ]
+
+
+def _score(record: RunRecord) -> float:
+    """Higher is better: accuracy, or minus perplexity; a diverged run scores -inf."""
+    last = record.final
+    if record.diverged_at is not None or last is None or not math.isfinite(last.test_metric):
+        return -math.inf
+    higher = MODEL_METRIC[record.spec.model] == "accuracy"
+    return last.test_metric if higher else -last.test_metric
+
+
+def choose_rates(
+    config: StudyConfig, records: Iterable[RunRecord]
+) -> dict[str, tuple[float, float | None]]:
+    """Per optimizer: (best rate of the sweep, the next candidate above it or None)."""
+    by_key = {r.spec.key: r for r in records}
+    out: dict[str, tuple[float, float | None]] = {}
+    for opt in config.optimizers:
+        candidates = config.rates[opt]
+        scored = []
+        for spec in (config.spec("gpipe", opt, lr, config.sweep_stages, 0) for lr in candidates):
+            if spec.key not in by_key:
+                raise RuntimeConfigError(f"the sweep run {spec.key} is missing; run the sweep")
+            rec = by_key[spec.key]
+            final = rec.final
+            scored.append((_score(rec), -(final.train_loss if final else math.inf), spec.lr))
+        best = max(scored)[2]
+        i = candidates.index(best)
+        out[opt] = (best, candidates[i + 1] if i + 1 < len(candidates) else None)
+    return out
+
+
+def main_specs(config: StudyConfig, rates: dict[str, tuple[float, float | None]]) -> list[RunSpec]:
+    """Every method x optimizer x depth x seed at the chosen rate (and the high rate)."""
+    specs: list[RunSpec] = []
+    for opt in config.optimizers:
+        best, high = rates[opt]
+        plans = [(best, config.seeds)]
+        if config.high_rate and high is not None:
+            plans.append((high, config.high_rate_seeds or config.seeds))
+        plans += [
+            (lr, config.high_rate_seeds or config.seeds) for lr in config.extra_rates.get(opt, ())
+        ]
+        for lr, seeds in plans:
+            for p in config.stages:
+                for seed in range(seeds):
+                    specs.extend(config.spec(m, opt, lr, p, seed) for m in config.methods)
+                    specs.extend(
+                        config.spec(m, opt, lr, p, seed, predicted_backward=True)
+                        for m in config.variants
+                    )
+    return specs
+
+
+def load_records(path: Path) -> list[RunRecord]:
+    """The records of ``runs.jsonl``, one per configuration (a torn line, from an
+    interrupted study, is skipped: that run is simply done again)."""
+    if not path.exists():
+        return []
+    out: dict[str, RunRecord] = {}
+    for line in path.read_text().splitlines():
+        try:
+            record = RunRecord.from_dict(json.loads(line))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue
+        out[record.spec.key] = record  # a run done twice (two studies at once): the last
+    return list(out.values())
+
+
+def _init_worker(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def run_specs(
+    specs: Sequence[RunSpec],
+    path: Path,
+    *,
+    workers: int = 1,
+    threads: int | None = None,
+    progress: Callable[[RunRecord, int, int], None] | None = None,
+) -> list[RunRecord]:
+    """Run the specs not yet in ``path`` (appending each record as it finishes); returns
+    the records of every spec, old and new."""
+    done = {r.spec.key: r for r in load_records(path)}
+    todo = [s for s in dict.fromkeys(specs) if s.key not in done]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    threads = threads or max(1, (os.cpu_count() or 1) // max(1, workers))
+    finished = 0
+    torn = path.exists() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
+    with path.open("a") as out:
+        if torn:  # end an interrupted write's line, so the next record starts clean
+            out.write("\n")
+
+        def keep(record: RunRecord) -> None:
+            nonlocal finished
+            out.write(json.dumps(record.to_dict()) + "\n")
+            out.flush()
+            done[record.spec.key] = record
+            finished += 1
+            if progress is not None:
+                progress(record, finished, len(todo))
+
+        if workers <= 1:
+            _init_worker(threads)
+            for spec in todo:
+                keep(run_one(spec))
+        else:
+            with ProcessPoolExecutor(
+                workers,
+                mp_context=get_context("spawn"),
+                initializer=_init_worker,
+                initargs=(threads,),
+            ) as pool:
+                pending: set[Future[RunRecord]] = {pool.submit(run_one, s) for s in todo}
+                while pending:
+                    ready, pending = wait(pending, return_when=FIRST_COMPLETED)
+                    for fut in ready:
+                        keep(fut.result())
+    return [done[s.key] for s in specs]
+
+
+def print_progress(record: RunRecord, finished: int, total: int) -> None:
+    final = record.final
+    metric = f"{final.test_metric:.4g}" if final else "-"
+    stop = f", diverged at step {record.diverged_at}" if record.diverged_at is not None else ""
+    print(
+        f"[{finished}/{total}] {record.spec.key}: test {metric} in {record.seconds:.1f} s{stop}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def run_study(
+    config: StudyConfig,
+    out_dir: Path,
+    *,
+    workers: int = 1,
+    threads: int | None = None,
+    quiet: bool = False,
+) -> tuple[dict[str, tuple[float, float | None]], list[RunRecord]]:
+    """Sweep, choose the rates, run every method; records go to ``out_dir/runs.jsonl``."""
+    path = out_dir / "runs.jsonl"
+    show = None if quiet else print_progress
+    sweep = run_specs(sweep_specs(config), path, workers=workers, threads=threads, progress=show)
+    rates = choose_rates(config, sweep)
+    main = run_specs(
+        main_specs(config, rates), path, workers=workers, threads=threads, progress=show
+    )
+    return rates, main

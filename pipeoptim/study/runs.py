@@ -1,0 +1,181 @@
+"""One training run of the convergence study: a spec in, a curve out (plain JSON data).
+
+Every stage runs in this process (the local transport, bitwise equal to the distributed
+run): P stages are emulated on one device, which is what makes a study of every method at
+several depths affordable.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pipeoptim.errors import RuntimeConfigError
+
+__all__ = ["CurvePoint", "RunRecord", "RunSpec", "run_one"]
+
+MODEL_METRIC = {
+    "mlp": "accuracy",
+    "cnn": "accuracy",
+    "transformer": "accuracy",
+    "gpt": "perplexity",
+}
+"""The test metric each built-in model is judged by (accuracy: higher is better)."""
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One configuration of the study."""
+
+    model: str
+    """Built-in model (``mlp``, ``cnn``, ``gpt``...)."""
+    method: str
+    optimizer: str
+    """sgd (momentum 0.9), adam or adamw."""
+    lr: float
+    stages: int
+    seed: int
+    steps: int
+    """Mini-batches to train (equal for every method of a model)."""
+    eval_every: int
+    """Mini-batches between test evaluations (each drains the pipeline)."""
+    batch_size: int = 32
+    closure: bool = False
+    """Also measure how much of the stale distance each prediction removes."""
+    eval_samples: int | None = None
+    """Evaluate on the first this many test samples (None: all)."""
+    weight_decay: float = 0.0
+    predicted_backward: bool = False
+    """The variant beyond the paper: input gradients through Ŵ as well (``Pipeline``)."""
+
+    @property
+    def label(self) -> str:
+        """The method as the tables name it (``pipeoptim+Ŵbackward`` for the variant)."""
+        return f"{self.method}+Ŵbackward" if self.predicted_backward else self.method
+
+    @property
+    def key(self) -> str:
+        """Unique name of the configuration (the resume key of ``runs.jsonl``)."""
+        return (
+            f"{self.model}/{self.label}/{self.optimizer}/lr={self.lr:g}/P={self.stages}/"
+            f"seed={self.seed}/steps={self.steps}/B={self.batch_size}/eval={self.eval_every}"
+        )
+
+    @property
+    def micro_batches(self) -> int:
+        from pipeoptim.plan.methods import get_method
+
+        return self.stages if get_method(self.method).micro_batched else 1
+
+
+@dataclass(frozen=True)
+class CurvePoint:
+    step: int
+    samples: int
+    test_loss: float
+    test_metric: float
+    """Accuracy (classifiers) or perplexity (language models)."""
+    train_loss: float
+    """Mean training loss of the mini-batches since the previous point."""
+
+
+@dataclass
+class RunRecord:
+    spec: RunSpec
+    curve: list[CurvePoint]
+    diverged_at: int | None
+    """Step of the first non-finite loss (None: trained to the end)."""
+    seconds: float
+    closure: list[dict[str, Any]] = field(default_factory=list)
+    """Per stage: samples, max_distance, median_ratio, mean_ratio (``runtime/closure.py``)."""
+
+    @property
+    def final(self) -> CurvePoint | None:
+        return self.curve[-1] if self.curve else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"key": self.spec.key, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RunRecord:
+        return cls(
+            RunSpec(**d["spec"]),
+            [CurvePoint(**p) for p in d["curve"]],
+            d["diverged_at"],
+            float(d["seconds"]),
+            list(d.get("closure", [])),
+        )
+
+
+def _metric(model: str, loss: float, accuracy: float | None) -> float:
+    if MODEL_METRIC.get(model) == "perplexity":
+        return math.exp(loss) if loss < 700 else math.inf
+    return float("nan") if accuracy is None else accuracy
+
+
+def run_one(spec: RunSpec) -> RunRecord:
+    """Train ``spec`` on the local transport and record the test metric and the training
+    loss every ``eval_every`` mini-batches. A non-finite loss ends the run and is recorded."""
+    import torch
+
+    from pipeoptim.plan.plan import OptimizerSpec
+    from pipeoptim.runtime.data import DatasetLoader
+    from pipeoptim.runtime.executor import NonFiniteLossError
+    from pipeoptim.runtime.models import build_model, model_loss
+    from pipeoptim.runtime.pipeline import Pipeline
+
+    if spec.steps < 1 or spec.eval_every < 1:
+        raise RuntimeConfigError(
+            f"a study run needs steps >= 1 and eval_every >= 1 (got {spec.steps}, "
+            f"{spec.eval_every})"
+        )
+    layers, data = build_model(spec.model, spec.seed)
+    options: dict[str, float | bool] = {}
+    if spec.weight_decay:
+        options["weight_decay"] = spec.weight_decay
+    pipe = Pipeline(
+        list(layers),
+        method=spec.method,
+        stages=spec.stages,
+        micro_batches=spec.micro_batches,
+        optimizer=OptimizerSpec(spec.optimizer, spec.lr, options),
+        loss_fn=model_loss(spec.model),
+        seed=spec.seed,
+        predicted_backward=spec.predicted_backward,
+        progress=False,
+        log_every=10**9,
+    )
+    probe = pipe.measure_prediction_closure() if spec.closure else None
+    train = DatasetLoader(data.train_x, data.train_y, spec.batch_size, seed=spec.seed)
+    n_eval = len(data.test_x) if spec.eval_samples is None else spec.eval_samples
+    test = DatasetLoader(data.test_x[:n_eval], data.test_y[:n_eval], 256, shuffle=False)
+    start = time.perf_counter()
+    diverged: int | None = None
+    with torch.random.fork_rng():
+        try:
+            result = pipe.fit(
+                train, max_steps=spec.steps, eval_data=test, eval_every=spec.eval_every
+            )
+        except NonFiniteLossError as err:
+            if err.partial is None:
+                raise
+            result, diverged = err.partial, err.step
+    seconds = time.perf_counter() - start
+    curve = []
+    previous = result.start_step
+    for ev in result.eval_history:
+        window = result.losses[previous - result.start_step : ev.step - result.start_step]
+        curve.append(
+            CurvePoint(
+                ev.step,
+                ev.step * spec.batch_size,
+                ev.loss,
+                _metric(spec.model, ev.loss, ev.accuracy),
+                math.fsum(window) / len(window) if window else math.nan,
+            )
+        )
+        previous = ev.step
+    closure = [asdict(s) for s in probe.summary()] if probe is not None else []
+    return RunRecord(spec, curve, diverged, seconds, closure)

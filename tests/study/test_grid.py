@@ -1,0 +1,198 @@
+"""The study's grid (rate choice, specs, resume), its report on known records, and the
+``pipeoptim compare`` command end to end on a tiny configuration."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeoptim.cli import main
+from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.study import grid
+from pipeoptim.study.grid import StudyConfig, choose_rates, load_records, main_specs, run_specs
+from pipeoptim.study.report import samples_to_target, write_study_report
+from pipeoptim.study.runs import CurvePoint, RunRecord, RunSpec
+
+CONFIG = StudyConfig(
+    "mlp",
+    steps=4,
+    eval_every=2,
+    methods=("gpipe", "pipedream"),
+    optimizers=("adam",),
+    stages=(2,),
+    seeds=2,
+    rates={"adam": (1e-3, 2e-3)},
+    sweep_stages=2,
+)
+
+
+def record(spec: RunSpec, accuracies: list[float], diverged: int | None = None) -> RunRecord:
+    curve = [
+        CurvePoint(2 * (i + 1), 64 * (i + 1), 1.0 - a, a, 0.5 / (i + 1))
+        for i, a in enumerate(accuracies)
+    ]
+    return RunRecord(spec, curve, diverged, 1.0)
+
+
+def test_rates_best_then_next_candidate() -> None:
+    sweep = [
+        record(CONFIG.spec("gpipe", "adam", 1e-3, 2, 0), [0.9, 0.96]),
+        record(CONFIG.spec("gpipe", "adam", 2e-3, 2, 0), [0.9, 0.93]),
+    ]
+    assert choose_rates(CONFIG, sweep) == {"adam": (1e-3, 2e-3)}
+    sweep[0] = record(sweep[0].spec, [0.99], diverged=3)  # a diverged run never wins
+    assert choose_rates(CONFIG, sweep) == {"adam": (2e-3, None)}
+    with pytest.raises(RuntimeConfigError, match=r"sweep run .* is missing"):
+        choose_rates(CONFIG, sweep[:1])
+
+
+def test_main_specs_cover_every_method_depth_seed_and_rate() -> None:
+    specs = main_specs(CONFIG, {"adam": (1e-3, 2e-3)})
+    assert len(specs) == 2 * 2 * 2  # methods x seeds x (chosen, higher rate)
+    assert {s.lr for s in specs} == {1e-3, 2e-3}
+    assert all(s.steps == 4 and s.batch_size == 32 for s in specs)
+    # closure is measured on seed 0 of predicting methods only
+    assert not any(s.closure for s in specs)
+    assert CONFIG.spec("pipeoptim", "adam", 1e-3, 2, 0).closure
+
+
+def test_run_specs_resume_and_skip_a_torn_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ran: list[str] = []
+
+    def fake(spec: RunSpec) -> RunRecord:
+        ran.append(spec.key)
+        return record(spec, [0.5, 0.97])
+
+    monkeypatch.setattr(grid, "run_one", fake)
+    specs = main_specs(CONFIG, {"adam": (1e-3, None)})
+    path = tmp_path / "runs.jsonl"
+    first = run_specs(specs[:2], path)
+    assert len(ran) == 2 and [r.spec for r in first] == specs[:2]
+    with path.open("a") as f:
+        f.write('{"key": "torn')  # an interrupted write
+    again = run_specs(specs, path)
+    assert len(ran) == len(specs)  # only the two new ones ran
+    assert [r.spec for r in again] == specs
+    assert len(load_records(path)) == len(specs)
+
+
+def test_samples_to_target_both_directions() -> None:
+    acc = record(RunSpec("mlp", "gpipe", "adam", 1e-3, 2, 0, 6, 2), [0.5, 0.95, 0.97])
+    assert samples_to_target(acc, 0.95) == 128
+    assert samples_to_target(acc, 0.99) is None
+    ppl = RunRecord(
+        RunSpec("gpt", "gpipe", "adamw", 1e-3, 2, 0, 4, 2),
+        [CurvePoint(2, 64, 3.0, 20.0, 3.1), CurvePoint(4, 128, 2.4, 11.0, 2.5)],
+        None,
+        1.0,
+    )
+    assert samples_to_target(ppl, 12.0) == 128
+
+
+def test_report_tables_and_risk_fit_from_known_records(tmp_path: Path) -> None:
+    records = [
+        record(CONFIG.spec("gpipe", "adam", 1e-3, 2, 0), [0.96, 0.97]),
+        record(CONFIG.spec("gpipe", "adam", 2e-3, 2, 0), [0.9, 0.93]),
+        record(CONFIG.spec("gpipe", "adam", 1e-3, 2, 1), [0.96, 0.97]),
+        record(CONFIG.spec("pipedream", "adam", 1e-3, 2, 0), [0.9, 0.96]),
+        record(CONFIG.spec("pipedream", "adam", 1e-3, 2, 1), [0.9, 0.98]),
+        record(CONFIG.spec("gpipe", "adam", 2e-3, 2, 1), [0.9, 0.94]),
+        record(CONFIG.spec("pipedream", "adam", 2e-3, 2, 0), [0.5], diverged=3),
+        record(CONFIG.spec("pipedream", "adam", 2e-3, 2, 1), [0.5], diverged=3),
+    ]
+    folder = tmp_path / "mlp"
+    folder.mkdir()
+    (folder / "runs.jsonl").write_text("".join(json.dumps(r.to_dict()) + "\n" for r in records))
+    text = write_study_report(tmp_path, [CONFIG]).read_text()
+    chosen, higher = text.split("### Final, higher rate")
+    assert "| gpipe | 97.0 ± 0.0 / 0.25 ± 0 |" in chosen
+    assert "| pipedream | 97.0 ± 1.4 / 0.25 ± 0 |" in chosen
+    assert "| gpipe | 93.5 ± 0.7 / 0.25 ± 0 |" in higher
+    assert "| pipedream | — / — ✗2 |" in higher
+    assert "| adam | 2 | gpipe | 2/2 | 64 |" in text
+    assert "| adam | 2 | pipedream | 2/2 | 128 |" in text
+    fit = json.loads((tmp_path / "risk_fit.json").read_text())
+    # pipedream at P = 2: e = s = 1 and it needs twice gpipe's samples: κ = 1
+    assert fit["kappa"] == {"adam": 1.0}
+    assert (tmp_path / "curves.html").stat().st_size > 100_000
+
+
+def test_compare_command_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(
+        [
+            "compare",
+            "--model",
+            "mlp",
+            "--methods",
+            "gpipe,pipeoptim",
+            "--optimizers",
+            "adam",
+            "--stages",
+            "2",
+            "--seeds",
+            "1",
+            "--epochs",
+            "1",
+            "--lr-candidates",
+            "adam=2e-3",
+            "--workers",
+            "1",
+            "--out",
+            str(tmp_path),
+            "--quiet",
+        ]
+    )
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "| pipeoptim | " in out and "| gpipe | " in out
+    assert "| pipeoptim | adam | 2 | " in out  # its closure row
+    rows = load_records(tmp_path / "mlp" / "runs.jsonl")
+    assert sorted(r.spec.method for r in rows) == ["gpipe", "pipeoptim"]  # sweep run reused
+    assert all(len(r.curve) == 1 and r.curve[0].step == 44 for r in rows)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--lr-candidates", "adam", "OPT=LR,LR"),
+        ("--methods", "gpipe,nope", "unknown nope"),
+        ("--stages", "4,x", "depths >= 1"),
+        ("--model", "resnet", "built-in model"),
+    ],
+)
+def test_compare_refuses_bad_input(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str, message: str
+) -> None:
+    assert main(["compare", flag, value, "--out", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_variants_and_longer_runs_per_optimizer() -> None:
+    from dataclasses import replace
+
+    config = replace(
+        CONFIG,
+        methods=("gpipe", "pipeoptim"),
+        optimizers=("adam", "sgd"),
+        rates={"adam": (1e-3,), "sgd": (0.02,)},
+        steps_by_optimizer={"adam": 6},
+        variants=("pipeoptim",),
+    )
+    specs = main_specs(config, {"adam": (1e-3, None), "sgd": (0.02, None)})
+    labels = sorted({(s.optimizer, s.label, s.steps) for s in specs})
+    assert labels == [
+        ("adam", "gpipe", 6),
+        ("adam", "pipeoptim", 6),
+        ("adam", "pipeoptim+Ŵbackward", 6),
+        ("sgd", "gpipe", 4),
+        ("sgd", "pipeoptim", 4),
+        ("sgd", "pipeoptim+Ŵbackward", 4),
+    ]
+    variant = next(s for s in specs if s.predicted_backward and s.seed == 0)
+    assert variant.closure and "pipeoptim+Ŵbackward/" in variant.key
+    with pytest.raises(RuntimeConfigError, match="do not predict"):
+        replace(CONFIG, variants=("pipedream",))
