@@ -59,6 +59,13 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--no-high-rate", action="store_true", help="skip the runs at the rate above the best"
     )
+    p.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="hardware for the time to target: `pipeoptim profile` of the same model there "
+        "(default: this machine, one thread per stage)",
+    )
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="parallel runs")
     p.add_argument("--out", type=Path, required=True, help="folder for runs and the report")
     p.add_argument("--quiet", action="store_true", help="no line per finished run")
@@ -145,11 +152,16 @@ def run(args: argparse.Namespace) -> int:
     from pipeoptim.study.report import write_study_report
 
     config = config_from_args(args)
+    profiles = None
+    if args.profile is not None:
+        from pipeoptim.plan.profile import Profile
+
+        profiles = {config.model: Profile.load(args.profile)}
     start = time.perf_counter()
     rates, records = run_study(
         config, args.out / config.model, workers=args.workers, quiet=args.quiet
     )
-    path = write_study_report(args.out, [config])
+    path = write_study_report(args.out, [config], profiles)
     diverged = sum(r.diverged_at is not None for r in records)
     print(
         f"{len(records)} runs ({diverged} diverged) in {time.perf_counter() - start:.0f} s; "

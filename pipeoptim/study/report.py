@@ -18,11 +18,14 @@ import json
 import math
 import statistics
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.plan.methods import WeightPolicy, get_method
+from pipeoptim.plan.profile import Profile
 from pipeoptim.plan.risk import (
     RiskFitPoint,
     closure_from_rows,
@@ -236,22 +239,36 @@ def closure_table(rows: Sequence[dict[str, Any]], lr_of: dict[str, float]) -> li
 
 
 def simulated_seconds_per_sample(
-    model: str, method: str, stages: int, batch_size: int, optimizer: str
+    model: str,
+    method: str,
+    stages: int,
+    batch_size: int,
+    optimizer: str,
+    profile: Profile | None = None,
 ) -> float:
-    """Time per sample of ``method`` on this machine's profile of ``model`` (one thread per
-    stage, the study's even partition, no link cost): the simulator's steady state."""
+    """Time per sample of ``method`` on ``profile`` (default: this machine's profile of
+    ``model``, one thread per stage), the study's even partition, no link cost: the
+    simulator's steady state."""
     from pipeoptim.plan.methods import get_method
     from pipeoptim.plan.plan import even_boundaries
     from pipeoptim.sim.costs import CostModel
     from pipeoptim.sim.evaluate import compile_method, evaluate_program
 
-    profile = _profile(model, batch_size, optimizer)
+    if profile is None:
+        profile = _profile(model, batch_size, optimizer)
     spec = get_method(method)
     m = stages if spec.micro_batched else 1
     shape = spec.shape(stages, m, 4 * stages)
     costs = CostModel.from_profile(profile, even_boundaries(profile.num_layers, stages), m)
     result = evaluate_program(compile_method(method, shape), costs)
     return 1.0 / result.steady_throughput
+
+
+def _layer_count(model: str) -> list[Any]:
+    from pipeoptim.runtime.models import build_model
+
+    layers, _ = build_model(model, 0)
+    return list(layers)
 
 
 _PROFILES: dict[tuple[str, int, str], Any] = {}
@@ -296,6 +313,7 @@ def time_to_target(
     cells: dict[tuple[str, str, float, int], Cell],
     rates: dict[str, tuple[float, float | None]],
     target: float,
+    profile: Profile | None = None,
 ) -> list[TimeToTarget]:
     out = []
     for opt in config.optimizers:
@@ -316,7 +334,12 @@ def time_to_target(
                         len(hits),
                         statistics.median(reached) if reached else math.nan,
                         simulated_seconds_per_sample(
-                            config.model, method.split("+")[0], p, config.batch_size, opt
+                            config.model,
+                            method.split("+")[0],
+                            p,
+                            config.batch_size,
+                            opt,
+                            profile,
                         ),
                     )
                 )
@@ -332,9 +355,8 @@ def time_table(config: StudyConfig, rows: Sequence[TimeToTarget], target: float)
     lines = [
         f"Target: {what}. Samples: median over the seeds that reached it (evaluated once "
         f"per {config.eval_every} mini-batches). Time: samples x the simulated time per "
-        f"sample of the method, depth and even partition on this machine's profile of the "
-        f"model (one thread per stage, no link cost; micro-batches cost 1/M of the "
-        f"mini-batch).",
+        f"sample of the method, depth and even partition on the hardware below (no link "
+        f"cost; micro-batches cost 1/M of the mini-batch).",
         "",
         "| optimizer | P | method | reached | samples to target | simulated samples/s | "
         "predicted time to target (ms) | vs gpipe |",
@@ -399,12 +421,17 @@ def risk_points(
 
 
 def _measured_distance(method: str, optimizer: str, stages: int, closed: dict[int, float]) -> float:
-    """e at the stage where it is largest, with the closure measured in this cell."""
+    """e at the stage where it is largest, from the closure measured in this cell alone (so
+    the fit never reads the constants it produces). A predicting method's stages without a
+    measurement hold no weights (a lone ReLU) or never predict (s = 0): nothing is stale."""
     distances, staleness = schedule_versions(method, stages, stages)
-    return max(
-        uncorrected_distance(method, optimizer, s, old, closed.get(k))
+    predicting = get_method(method).weight_policy is WeightPolicy.PREDICT
+    values = [
+        uncorrected_distance(method, optimizer, s, old, closed.get(k, 0.0))
         for k, (s, old) in enumerate(zip(distances, staleness, strict=True))
-    )
+        if not predicting or k in closed
+    ]
+    return max(values, default=0.0)
 
 
 def _curves_figures(
@@ -507,9 +534,13 @@ def _time_figure(model: str, rows: Sequence[TimeToTarget]) -> Any:
     return fig
 
 
-def write_study_report(out: Path, configs: Sequence[StudyConfig]) -> Path:
+def write_study_report(
+    out: Path, configs: Sequence[StudyConfig], profiles: Mapping[str, Profile] | None = None
+) -> Path:
     """Write ``README.md``, ``curves.html`` and ``risk_fit.json`` under ``out`` from each
-    model's ``out/<model>/runs.jsonl``; returns the markdown file."""
+    model's ``out/<model>/runs.jsonl``; returns the markdown file. ``profiles[model]`` is the
+    hardware the time to target is simulated on (``pipeoptim profile`` of the same model;
+    default: this machine, one thread per stage)."""
     from pipeoptim.viz.report import offline_page
 
     md = ["# Convergence study: results", ""]
@@ -565,8 +596,27 @@ def write_study_report(out: Path, configs: Sequence[StudyConfig]) -> Path:
                 "",
             ]
         target = TARGETS[config.model]
-        times = time_to_target(config, cells, rates, target)
-        md += ["### Time to target (chosen rate)", "", *time_table(config, times, target), ""]
+        chosen = (profiles or {}).get(config.model)
+        if chosen is not None and chosen.num_layers != len(_layer_count(config.model)):
+            raise RuntimeConfigError(
+                f"the profile for {config.model} has {chosen.num_layers} layers but the model "
+                f"has {len(_layer_count(config.model))}; profile the same model (pipeoptim "
+                f"profile --model {config.model} --out FILE on the target hardware)"
+            )
+        times = time_to_target(config, cells, rates, target, chosen)
+        hardware = (
+            f"Hardware: the profile given ({chosen.device}, batch {chosen.batch_size})."
+            if chosen is not None
+            else "Hardware: this machine's profile of the model, one thread per stage."
+        )
+        md += [
+            "### Time to target (chosen rate)",
+            "",
+            hardware,
+            "",
+            *time_table(config, times, target),
+            "",
+        ]
         points += risk_points(config, cells, rates, target, closure)
         html_parts.append(f"<h2>{config.model}</h2>")
         for fig in [*_curves_figures(config, cells, rates), _time_figure(config.model, times)]:

@@ -196,3 +196,37 @@ def test_variants_and_longer_runs_per_optimizer() -> None:
     assert variant.closure and "pipeoptim+Ŵbackward/" in variant.key
     with pytest.raises(RuntimeConfigError, match="do not predict"):
         replace(CONFIG, variants=("pipedream",))
+
+
+def test_time_to_target_on_a_chosen_hardware_profile(tmp_path: Path) -> None:
+    from pipeoptim.plan.profile import Profile
+    from pipeoptim.study.report import simulated_seconds_per_sample
+
+    records = [
+        record(CONFIG.spec("gpipe", "adam", 1e-3, 2, seed), [0.96, 0.97]) for seed in (0, 1)
+    ] + [record(CONFIG.spec("gpipe", "adam", 2e-3, 2, 0), [0.9, 0.93])]
+    (tmp_path / "mlp").mkdir()
+    (tmp_path / "mlp" / "runs.jsonl").write_text(
+        "".join(json.dumps(r.to_dict()) + "\n" for r in records)
+    )
+    hardware = Profile.uniform(9, forward_s=0.5, backward_s=1.0, batch_size=32)
+    text = write_study_report(tmp_path, [CONFIG], {"mlp": hardware}).read_text()
+    assert "Hardware: the profile given (synthetic, batch 32)." in text
+    rate = 1 / simulated_seconds_per_sample("mlp", "gpipe", 2, 32, "adam", hardware)
+    assert f"| adam | 2 | gpipe | 2/2 | 64 | {rate:,.0f} |" in text
+    with pytest.raises(RuntimeConfigError, match="has 4 layers but the model has 9"):
+        write_study_report(tmp_path, [CONFIG], {"mlp": Profile.uniform(4)})
+
+
+def test_the_fit_reads_only_the_closure_measured_in_the_cell(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The risk fit must not read the constants it produces (plan/risk.py CLOSURE)."""
+    from pipeoptim.plan import risk
+    from pipeoptim.study.report import _measured_distance
+
+    monkeypatch.setattr(risk, "CLOSURE", {("optimizer", "adam"): {1: -5.0, 2: -5.0, 3: -5.0}})
+    # pipeoptim, P = 4: s = 3, 2, 1, 0; stage 1 measured nothing (no weights)
+    assert _measured_distance("pipeoptim", "adam", 4, {0: 0.5, 2: 0.0}) == 1.5
+    assert _measured_distance("pipeoptim", "adam", 4, {0: 0.9, 2: 0.0}) == 1.0  # stage 2: s=1
+    assert _measured_distance("pipedream", "adam", 4, {}) == 3.0
