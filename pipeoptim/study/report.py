@@ -540,7 +540,8 @@ def write_study_report(
     """Write ``README.md``, ``curves.html`` and ``risk_fit.json`` under ``out`` from each
     model's ``out/<model>/runs.jsonl``; returns the markdown file. ``profiles[model]`` is the
     hardware the time to target is simulated on (``pipeoptim profile`` of the same model;
-    default: this machine, one thread per stage)."""
+    default: this machine, one thread per stage, profiled once into
+    ``out/<model>/profile.json`` and reused)."""
     from pipeoptim.viz.report import offline_page
 
     md = ["# Convergence study: results", ""]
@@ -597,6 +598,13 @@ def write_study_report(
             ]
         target = TARGETS[config.model]
         chosen = (profiles or {}).get(config.model)
+        pinned = out / config.model / "profile.json"
+        if chosen is None:
+            # this machine's profile, taken once and kept beside the runs, so redrawing the
+            # report gives the same times
+            if not pinned.exists():
+                _profile(config.model, config.batch_size, config.optimizers[0]).save(pinned)
+            chosen = Profile.load(pinned)
         if chosen is not None and chosen.num_layers != len(_layer_count(config.model)):
             raise RuntimeConfigError(
                 f"the profile for {config.model} has {chosen.num_layers} layers but the model "
@@ -606,8 +614,9 @@ def write_study_report(
         times = time_to_target(config, cells, rates, target, chosen)
         hardware = (
             f"Hardware: the profile given ({chosen.device}, batch {chosen.batch_size})."
-            if chosen is not None
-            else "Hardware: this machine's profile of the model, one thread per stage."
+            if profiles and config.model in profiles
+            else f"Hardware: this machine's profile of the model, one thread per stage "
+            f"({config.model}/profile.json, batch {chosen.batch_size})."
         )
         md += [
             "### Time to target (chosen rate)",
