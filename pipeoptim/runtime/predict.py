@@ -141,7 +141,12 @@ class WeightPredictor:
             )
         etas = self._etas(s, lrs)
         with torch.no_grad():
-            torch._foreach_copy_(dest, params)
+            # The stage writes Ŵ into the parameters' own storage: nothing to copy then.
+            copies = [
+                (d, p) for d, p in zip(dest, params, strict=True) if d.data_ptr() != p.data_ptr()
+            ]
+            if copies:
+                torch._foreach_copy_([d for d, _ in copies], [p for _, p in copies])
             if s == 0:
                 return
             offset = 0

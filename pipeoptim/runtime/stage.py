@@ -226,6 +226,32 @@ def _derived_weights(module: nn.Module) -> list[str]:
     return found
 
 
+_RANDOM_MODULES: tuple[type[nn.Module], ...] = (
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.AlphaDropout,
+    nn.FeatureAlphaDropout,
+    nn.RReLU,
+)
+
+
+def _draws_random_numbers(module: nn.Module) -> bool:
+    """Whether a pass through ``module`` may draw random numbers: a dropout-like layer, a
+    layer with a dropout rate above 0 (attention), or any module not from torch.nn (user
+    code may call torch.rand): conservative, since a wrong False changes results."""
+    for sub in module.modules():
+        if isinstance(sub, _RANDOM_MODULES):
+            return True
+        if not type(sub).__module__.startswith("torch.nn"):
+            return True
+        rate = getattr(sub, "dropout", 0.0)
+        if isinstance(rate, float) and rate > 0:
+            return True
+    return False
+
+
 class _Alias(torch.autograd.Function):
     """Forward: a fresh tensor on ``source``'s storage; backward: the gradient to ``param``."""
 
@@ -349,6 +375,9 @@ class Stage:
         self.closure: PredictionClosure | None = None
         """Set to measure how much of the stale distance each prediction removes."""
         self._static_bytes: dict[str, int] = {}
+        self._random = _draws_random_numbers(self.module)
+        """Whether passes run under the stage's own RNG stream (see :meth:`rng`)."""
+        self._act_cache: dict[tuple[Any, ...], int] = {}
         gen = torch.Generator(device=self.device).manual_seed(seed)
         self._rng_state: Tensor = gen.get_state()
         self._refresh_static_bytes()
@@ -376,9 +405,12 @@ class Stage:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
-    def _run_units(self, weights: dict[str, Tensor], x: Tensor) -> Tensor:
+    def _run_units(self, weights: dict[str, Tensor] | None, x: Tensor) -> Tensor:
+        """The stage's units on ``x``, with ``weights`` swapped in (None: its parameters)."""
         try:
-            out: Tensor = functional_call(self.module, weights, (x,))
+            out: Tensor = (
+                self.module(x) if weights is None else functional_call(self.module, weights, (x,))
+            )
         except Exception as err:
             raise StageError(self._failure(x, err)) from err
         return out
@@ -414,11 +446,19 @@ class Stage:
         x_in = x.detach().requires_grad_(True) if x.is_floating_point() and self.index > 0 else x
         s = self.distance(mb)
         sources = self._sources(v.forward_version, mb)
-        weight_ptrs = {t.untyped_storage().data_ptr() for t in sources}
+        # Flush methods never update between a forward and its backward: the module runs on
+        # its own parameters, with no alias per parameter.
+        direct = self.policy is WeightPolicy.FLUSH
+        recast = self.amp_dtype is not None and not direct
+        # Activation bytes are counted by a saved-tensor hook on the first forward of each
+        # input shape, then reused (the hook runs on every pass only to re-cast under amp).
+        shape_key = (tuple(x.shape), x.dtype)
+        known = self._act_cache.get(shape_key)
+        hooked = recast or known is None
+        weight_ptrs = {t.untyped_storage().data_ptr() for t in sources} if hooked else set()
         counted: set[int] = set()
         act = 0
         aliases: dict[Any, Tensor] = {}
-        recast = self.amp_dtype is not None
 
         def pack(t: Tensor) -> Tensor | _Recast:
             nonlocal act
@@ -436,7 +476,7 @@ class Stage:
 
         with (
             self.rng(),
-            torch.autograd.graph.saved_tensors_hooks(pack, _unpack),
+            torch.autograd.graph.saved_tensors_hooks(pack, _unpack) if hooked else nullcontext(),
             self._autocast(),
         ):
             held = s > 0 and self.predicted_backward
@@ -451,10 +491,12 @@ class Stage:
                 if self.closure is not None and self._backup is not None:
                     self.closure.forward(self.index, mb, s, self._params, self._backup)
             try:
-                weights = {}
-                for n, p, src in zip(self._names, self._params, sources, strict=True):
-                    weights[n] = w = _alias(p, src)
-                    aliases[w.grad_fn] = src
+                weights: dict[str, Tensor] | None = None
+                if not direct:
+                    weights = {}
+                    for n, p, src in zip(self._names, self._params, sources, strict=True):
+                        weights[n] = w = _alias(p, src)
+                        aliases[w.grad_fn] = src
                 out = self._run_units(weights, x_in)
             finally:
                 if s > 0 and not held:
@@ -464,11 +506,13 @@ class Stage:
                     raise RuntimeError(f"stage {self.index}: the last stage needs targets")
                 self.correct = self.count_correct(out, target)
                 out = self.loss(out, target, f"micro-batch {mb}") / self.micro_batches
-        pack(out)
+        if hooked:
+            pack(out)
+            self._act_cache.setdefault(shape_key, act)
         if held:
             self._held.add(mb)
         self._saved[mb] = (x_in, out)
-        self._act_bytes[mb] = act
+        self._act_bytes[mb] = act if hooked else self._act_cache[shape_key]
         return out.detach()
 
     def forward_eval(self, x: Tensor) -> Tensor:
@@ -535,7 +579,7 @@ class Stage:
         self._future_lrs = None
         self._cur += 1
         self._note_copies()
-        self._refresh_static_bytes()
+        self._static_dirty = True  # recounted when memory() is next read, not per update
 
     # -- versions --------------------------------------------------------------------------
     def versions(self, mb: int) -> MicroBatchVersions:
@@ -612,7 +656,7 @@ class Stage:
             self._backup = [torch.empty_like(t) for t in live]
             self._note_copies()
         torch._foreach_copy_(self._backup, live)
-        # predict_into copies W into dest before adding -Σlr·Δ, so dest may be the params.
+        # dest is the parameters' own storage: predict_into adds -Σlr·Δ in place.
         self.predictor.predict_into(live, s, self._lrs(s))
 
     def _held_prediction(self, s: int) -> list[Tensor]:
@@ -638,7 +682,11 @@ class Stage:
     @contextmanager
     def rng(self) -> Iterator[None]:
         """Run under this stage's own RNG stream (dropout...), so results do not depend on
-        how many stages share a process, and a checkpoint can restore it."""
+        how many stages share a process, and a checkpoint can restore it. A stage whose
+        modules draw no random numbers skips the two state copies per pass."""
+        if not self._random:
+            yield
+            return
         cuda = self.device.type == "cuda"
         saved = torch.cuda.get_rng_state(self.device) if cuda else torch.get_rng_state()
         if cuda:
@@ -665,9 +713,12 @@ class Stage:
         if self.predictor is not None:
             opt += _nbytes(self.predictor.state_dict()["displacement"].values())
         self._static_bytes = {"weights": _nbytes(self._params), "optimizer": opt}
+        self._static_dirty = False
 
     def memory(self) -> dict[str, int]:
         """Bytes held by this stage, by kind (weights, stash, optimizer, activations...)."""
+        if self._static_dirty:
+            self._refresh_static_bytes()
         weights = self._static_bytes["weights"]
         return {
             **self._static_bytes,

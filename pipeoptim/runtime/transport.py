@@ -101,7 +101,10 @@ class LocalTransport(Transport):
     def send(self, tensor: Tensor, peer: int, key: MessageKey) -> None:
         if key in self._mailbox:
             raise RuntimeError(f"rank {self.rank}: message {key} sent twice")
-        self._mailbox[key] = tensor.detach().clone()
+        # No copy: what is sent is a stage's detached output or an input gradient, which
+        # the sender never writes again; the receiving stage makes an input a leaf that
+        # requires grad, so an in-place op on it raises instead of changing the sender's.
+        self._mailbox[key] = tensor.detach()
 
     def ready(self, key: MessageKey) -> bool:
         return key in self._mailbox
