@@ -23,8 +23,8 @@ from pipeoptim.plan.limits import MAX_PROFILE_BATCH, MAX_PROFILE_REPEATS
 from pipeoptim.plan.methods import METHODS, get_method
 from pipeoptim.plan.plan import OPTIMIZER_FAMILIES, OptimizerSpec, Plan
 from pipeoptim.plan.profile import Profile
-from pipeoptim.plan.search import Candidate, evaluate_candidate, explain, format_distances, search
-from pipeoptim.plan.units import format_bytes, parse_bandwidth, parse_bytes
+from pipeoptim.plan.units import format_bytes, format_distances, parse_bandwidth, parse_bytes
+from pipeoptim.planner import Candidate, evaluate_candidate, explain, search
 
 
 def register(sub: Any) -> None:

@@ -40,8 +40,7 @@ from pipeoptim.plan.limits import (
 from pipeoptim.plan.methods import METHODS, Method, get_method
 from pipeoptim.plan.risk import method_risk
 from pipeoptim.plan.schedules import Shape
-from pipeoptim.plan.search import format_distances
-from pipeoptim.plan.units import format_bytes, parse_bandwidth, parse_bytes
+from pipeoptim.plan.units import format_bytes, format_distances, parse_bandwidth, parse_bytes
 from pipeoptim.sim.costs import CostModel, parse_uniform
 from pipeoptim.trace import Trace
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 
 from pipeoptim.errors import PlanError
 
@@ -141,3 +142,17 @@ def format_bandwidth(bytes_per_s: float) -> str:
             break
         value /= 1000.0
     return f"{value:.2f} {unit}"
+
+
+def format_distances(values: Sequence[int]) -> str:
+    """Per-stage values run-length coded: ``7,6,5,4,3,2,1,0``, ``1x7,0``, ``2x63,1``, ``0``
+    (prediction distances, weight copies)."""
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and runs[-1][0] == v:
+            runs[-1][1] += 1
+        else:
+            runs.append([v, 1])
+    if len(runs) == 1:
+        return str(runs[0][0])
+    return ",".join(str(v) if n == 1 else f"{v}x{n}" for v, n in runs)

@@ -11,7 +11,7 @@ from pipeoptim.cli import main
 from pipeoptim.errors import PlanError
 from pipeoptim.plan.plan import Plan
 from pipeoptim.plan.profile import Profile
-from pipeoptim.plan.search import Candidate, evaluate_candidate, explain, rank, search
+from pipeoptim.planner import Candidate, evaluate_candidate, explain, rank, search
 
 
 def uneven(num_layers: int = 12) -> Profile:
@@ -115,6 +115,11 @@ def test_plan_cli_writes_a_plan_that_simulate_reads(
     assert plan.method == "pipeoptim" and plan.num_stages == 3
     assert plan.boundaries is not None and plan.boundaries[-1][1] == 12
     assert data["ranking"][0]["samples_per_s"] > 0
+    # simulate --plan predicts exactly what the plan promised (same costs, same engine)
+    argv = ["simulate", "--plan", str(out), "--bandwidth", "10GB/s", "--engine", "fast"]
+    assert main([*argv, "--json"]) == 0
+    sim = json.loads(capsys.readouterr().out)["runs"]["pipeoptim"]
+    assert sim["steady_throughput"] == pytest.approx(plan.notes["predicted_samples_per_s"])
     assert '<script src="http' not in html.read_text()
     code = main(["simulate", "--plan", str(out), "--json"])
     sim = json.loads(capsys.readouterr().out)

@@ -165,21 +165,27 @@ def test_predicted_weights_are_closer_to_the_future_than_stale_ones(
     of Ŵ and of the weights present (stale) to the weights the backward meets."""
     pending: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     errors: dict[str, list[float]] = {"predicted": [], "stale": []}
-    forward, backward = Stage.forward, Stage.backward
+    forward, backward, write = Stage.forward, Stage.backward, Stage._write_prediction
+    running: dict[int, int] = {}
 
     def spy_forward(
         self: Stage, mb: int, x: torch.Tensor, target: torch.Tensor | None = None
     ) -> torch.Tensor:
-        s = self.distance(mb)
-        if s > 0 and self.predictor is not None:
-            stale = [p.detach().clone() for p in self.module.parameters()]
-            pending[(self.index, mb)] = (self.predictor.predicted(s), stale)
+        running[self.index] = mb
         return forward(self, mb, x, target)
+
+    def spy_write(self: Stage, s: int) -> None:
+        """The weights the forward really runs on: what the stage wrote, read back."""
+        write(self, s)
+        assert self._backup is not None
+        used = [p.detach().clone() for p in self._params]
+        stale = [t.clone() for t in self._backup]
+        pending[(self.index, running[self.index])] = (used, stale)
 
     def spy_backward(self: Stage, mb: int, grad: torch.Tensor | None = None) -> torch.Tensor | None:
         if (self.index, mb) in pending:
             predicted, stale = pending.pop((self.index, mb))
-            future = [p.detach() for p in self.module.parameters()]
+            future = [p.detach() for p in self._params]
             for name, ws in (("predicted", predicted), ("stale", stale)):
                 errors[name].append(
                     sum(float((w - f).norm() ** 2) for w, f in zip(ws, future, strict=True)) ** 0.5
@@ -188,6 +194,7 @@ def test_predicted_weights_are_closer_to_the_future_than_stale_ones(
 
     monkeypatch.setattr(Stage, "forward", spy_forward)
     monkeypatch.setattr(Stage, "backward", spy_backward)
+    monkeypatch.setattr(Stage, "_write_prediction", spy_write)
     cfg = config("pipeoptim", 4, family=family, model="mlp", batch_size=32, lr=lr, max_steps=60)
     local_run(cfg)
     assert len(errors["predicted"]) > 100
@@ -202,7 +209,8 @@ def test_all_methods_train_the_toy_problem() -> None:
         result = train(config(name, 2, micro, epochs=3, **extra))
         assert result is not None
         assert result.losses[-1] < result.losses[0], name
-        assert 0.0 <= result.test_accuracy <= 1.0
+        # the majority class is 50 % of the 20 test samples; every method reaches 75-80 %
+        assert result.test_accuracy >= 0.7, (name, result.test_accuracy)
 
 
 @pytest.mark.parametrize(

@@ -137,10 +137,11 @@ def schedule(cfg: TrainConfig) -> list[float]:
 
 
 def reference(
-    cfg: TrainConfig, *, sum_of_lrs: bool = True
+    cfg: TrainConfig, *, sum_of_lrs: bool = True, offset: int = 0
 ) -> tuple[list[float], list[list[Tensor]]]:
     """``sum_of_lrs``: predict with the learning rates of the next s updates (Σlr, the
-    rule); False: with the current rate times s (what a schedule-blind predictor does)."""
+    rule); False: with the current rate times s (what a schedule-blind predictor does).
+    ``offset``: predict s + offset updates ahead (the plan's prediction_offset)."""
     lrs = schedule(cfg)
     method = get_method(cfg.plan.method)
     policy, rule = method.weight_policy.value, method.prediction_rule
@@ -172,7 +173,7 @@ def reference(
                 elif policy == "double-buffer":
                     wf = wb = history[k][start + max(t - start - 1, 0)]
                 else:  # predict
-                    s = t - base
+                    s = max(0, t - base + offset)
                     eta = sum(lrs[base : base + s]) if sum_of_lrs else lrs[base] * s
                     wf = [
                         w - eta * d for w, d in zip(history[k][base], deltas[k][base], strict=True)
@@ -265,9 +266,13 @@ def test_methods_differ_so_the_reference_is_discriminating() -> None:
 def test_prediction_offset_shifts_the_distance() -> None:
     """offset 1 predicts s+1 updates ahead: equal to the reference with s+1."""
     cfg = config("pipeoptim", 3, 1, "sgd", 0.1, prediction_offset=1)
-    got, _ = run_pipeline(cfg)
+    got, got_weights = run_pipeline(cfg)
+    want, want_weights = reference(cfg, offset=1)
+    assert got == pytest.approx(want, abs=1e-5)
+    for a_stage, b_stage in zip(got_weights, want_weights, strict=True):
+        assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(a_stage, b_stage, strict=True))
     plain, _ = run_pipeline(config("pipeoptim", 3, 1, "sgd", 0.1))
-    assert got != pytest.approx(plain, abs=1e-6)
+    assert got != pytest.approx(plain, abs=1e-6)  # and the offset changes the run
 
 
 @pytest.mark.parametrize(("family", "lr"), [("sgd", 0.1), ("adam", 0.01)])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -111,7 +112,11 @@ def test_user_model_example(capsys: pytest.CaptureFixture[str]) -> None:
         ["--model", model, "--stages", "5", "--max-steps", "4", "--json"], capsys
     )
     assert code == 0
-    assert json.loads(out)["model"] == model
+    data = json.loads(out)
+    assert data["model"] == model and data["num_stages"] == 5 and data["end_step"] == 4
+    assert len(data["losses"]) == 4 and all(math.isfinite(v) for v in data["losses"])
+    assert data["eval"]["samples"] == 359  # digits' test split: the example has no dataset()
+    assert sorted(data["weight_copies"]) == ["0", "1", "2", "3", "4"]
 
 
 @pytest.mark.parametrize(

@@ -194,4 +194,9 @@ def test_profile_and_plan(tmp_path, capsys) -> None:
     bare.save(plan_path)
     assert main(["simulate", "--plan", str(plan_path)]) == 2
     assert "--profile" in capsys.readouterr().err
-    assert main(["simulate", "--plan", str(plan_path), "--profile", path, "--json"]) == 0
+    data = _json(capsys, "--plan", str(plan_path), "--profile", path)
+    # the bare plan splits the 8 profiled layers evenly: 4 and 4, F=1 and B=2 per
+    # micro-batch of 2 samples on each stage
+    run = data["runs"]["1f1b"]
+    assert run["stages"]["0"]["busy_s"] == pytest.approx(run["stages"]["1"]["busy_s"])
+    assert run["stages"]["1"]["busy_s"] == pytest.approx(2 * (1.0 + 2.0))

@@ -1,5 +1,9 @@
 """Plan search: which method, micro-batch count and partition to run, and why.
 
+It sits above both ``pipeoptim.plan`` (partitions, schedules, the risk term) and
+``pipeoptim.sim`` (the fast evaluator that times each candidate), so neither of those
+packages imports the other's way up.
+
 For a profile, a device count and a memory cap, every candidate (method, M) gets its
 optimal memory-feasible partition (``partition.py``) and is timed by the simulator's fast
 evaluator over a run of mini-batches. Candidates are ranked by *effective* throughput,
@@ -25,7 +29,9 @@ from pipeoptim.plan.methods import METHODS, get_method
 from pipeoptim.plan.partition import Partition, method_memory_factors, optimal_partition
 from pipeoptim.plan.profile import Profile
 from pipeoptim.plan.risk import MethodRisk, method_risk
-from pipeoptim.plan.units import format_bytes
+from pipeoptim.plan.units import format_bytes, format_distances
+from pipeoptim.sim.costs import CostModel
+from pipeoptim.sim.evaluate import compile_method, evaluate_program
 
 
 @dataclass(frozen=True)
@@ -104,10 +110,6 @@ def evaluate_candidate(
 ) -> Candidate:
     """Partition for ``method`` at ``micro_batches`` and simulate it; ``optimizer`` sets
     the convergence-risk coefficient (``risk.py``)."""
-    # The simulator sits above the plan package; import it only where it is needed.
-    from pipeoptim.sim.costs import CostModel
-    from pipeoptim.sim.evaluate import compile_method, evaluate_program
-
     spec = get_method(method)
     shape = spec.shape(num_stages, micro_batches if spec.micro_batched else None, mini_batches)
     if spec.interleaved:
@@ -299,20 +301,6 @@ def explain(ranked: Sequence[Candidate], memory_cap_bytes: int | None = None) ->
             f" Not simulated (over the work limit, pipeoptim.plan.limits): {', '.join(skipped)}."
         )
     return text
-
-
-def format_distances(values: Sequence[int]) -> str:
-    """Per-stage values run-length coded: ``7,6,5,4,3,2,1,0``, ``1x7,0``, ``2x63,1``, ``0``
-    (prediction distances, weight copies)."""
-    runs: list[list[int]] = []
-    for v in values:
-        if runs and runs[-1][0] == v:
-            runs[-1][1] += 1
-        else:
-            runs.append([v, 1])
-    if len(runs) == 1:
-        return str(runs[0][0])
-    return ",".join(str(v) if n == 1 else f"{v}x{n}" for v, n in runs)
 
 
 def describe_staleness(c: Candidate) -> str:
