@@ -179,3 +179,50 @@ def test_world_size_must_match_the_stages(monkeypatch: pytest.MonkeyPatch) -> No
         RuntimeConfigError, match="world size 2 does not match the plan's 4 pipeline stages"
     ):
         train(config("pipeoptim", 4, 1, "dist", max_steps=2))
+
+
+def test_resume_under_dist_equals_an_uninterrupted_run(tmp_path: Path, one_thread: None) -> None:
+    """Stop a 2-process pipeoptim run at a checkpoint, resume it over dist again: the same
+    losses and weights as one uninterrupted (local) run, bit for bit."""
+    whole = train(
+        config(
+            "pipeoptim",
+            2,
+            1,
+            "local",
+            max_steps=12,
+            checkpoint_every=3,
+            checkpoint_dir=str(tmp_path / "whole"),
+        )
+    )
+    first = train(
+        config(
+            "pipeoptim",
+            2,
+            1,
+            "dist",
+            max_steps=6,
+            checkpoint_every=3,
+            checkpoint_dir=str(tmp_path / "parts"),
+        )
+    )
+    rest = train(
+        config(
+            "pipeoptim",
+            2,
+            1,
+            "dist",
+            max_steps=12,
+            checkpoint_every=3,
+            checkpoint_dir=str(tmp_path / "parts"),
+            resume=True,
+        )
+    )
+    assert whole is not None and first is not None and rest is not None
+    assert rest.start_step == 6
+    assert first.losses + rest.losses == whole.losses
+    for k in range(2):
+        a = torch.load(tmp_path / "whole" / "step-00000012" / f"stage-{k}.pt", weights_only=True)
+        b = torch.load(tmp_path / "parts" / "step-00000012" / f"stage-{k}.pt", weights_only=True)
+        for name, tensor in a["state"]["module"].items():
+            assert torch.equal(tensor, b["state"]["module"][name])

@@ -413,3 +413,36 @@ def test_predicted_backward_needs_a_predicting_method() -> None:
 
     with pytest.raises(RuntimeConfigError, match="pipedream does not predict"):
         Pipeline([nn.Linear(4, 4), nn.Linear(4, 2)], "pipedream", stages=2, predicted_backward=True)
+
+
+def test_weights_gone_non_finite_stop_at_the_checkpoint_and_keep_the_last_good_one(
+    tmp_path: Path,
+) -> None:
+    """Each loss is computed before its update, so it stays finite; the 4th update (lr
+    scaled by NaN) turns the weights NaN, and the checkpoint after it refuses to save them."""
+    from pipeoptim.runtime.checkpoint import latest_step
+
+    def overflow(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda j: 1.0 if j < 3 else math.nan)
+
+    x, y = tensors()
+    pipe = Pipeline(
+        layers(),
+        "gpipe",
+        stages=2,
+        micro_batches=1,
+        optimizer=sgd,
+        scheduler=overflow,
+        checkpoint_dir=str(tmp_path),
+        checkpoint_every=2,
+        device="cpu",
+        log_every=10**6,
+    )
+    with pytest.raises(
+        NonFiniteLossError, match=r"the last good checkpoint \(step 2\).*weights of stage \d"
+    ) as stop:
+        pipe.fit([(x[:8], y[:8])] * 4, max_steps=4)
+    assert stop.value.step == 4
+    assert all(math.isfinite(v) for v in pipe.rank_result().losses.values())
+    record = latest_step(tmp_path)
+    assert record is not None and record["step"] == 2  # the bad weights were not saved
