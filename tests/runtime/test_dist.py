@@ -184,41 +184,25 @@ def test_world_size_must_match_the_stages(monkeypatch: pytest.MonkeyPatch) -> No
 def test_resume_under_dist_equals_an_uninterrupted_run(tmp_path: Path, one_thread: None) -> None:
     """Stop a 2-process pipeoptim run at a checkpoint, resume it over dist again: the same
     losses and weights as one uninterrupted (local) run, bit for bit."""
-    whole = train(
-        config(
+
+    def run(transport: str, steps: int, folder: str, resume: bool = False) -> FitResult:
+        cfg = config(
             "pipeoptim",
             2,
             1,
-            "local",
-            max_steps=12,
+            transport,
+            max_steps=steps,
             checkpoint_every=3,
-            checkpoint_dir=str(tmp_path / "whole"),
+            checkpoint_dir=str(tmp_path / folder),
+            resume=resume,
         )
-    )
-    first = train(
-        config(
-            "pipeoptim",
-            2,
-            1,
-            "dist",
-            max_steps=6,
-            checkpoint_every=3,
-            checkpoint_dir=str(tmp_path / "parts"),
-        )
-    )
-    rest = train(
-        config(
-            "pipeoptim",
-            2,
-            1,
-            "dist",
-            max_steps=12,
-            checkpoint_every=3,
-            checkpoint_dir=str(tmp_path / "parts"),
-            resume=True,
-        )
-    )
-    assert whole is not None and first is not None and rest is not None
+        result = train(cfg)
+        assert result is not None
+        return result
+
+    whole = run("local", 12, "whole")
+    first = run("dist", 6, "parts")
+    rest = run("dist", 12, "parts", resume=True)
     assert rest.start_step == 6
     assert first.losses + rest.losses == whole.losses
     for k in range(2):
