@@ -153,10 +153,12 @@ def run(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     profiles = None
-    if args.profile is not None:
+    if args.profile is not None:  # checked before any training, not after the study
         from pipeoptim.plan.profile import Profile
+        from pipeoptim.study.report import check_profile
 
         profiles = {config.model: Profile.load(args.profile)}
+        check_profile(profiles[config.model], config.model)
     start = time.perf_counter()
     rates, records = run_study(
         config, args.out / config.model, workers=args.workers, quiet=args.quiet

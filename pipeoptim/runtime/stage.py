@@ -722,8 +722,7 @@ class Stage:
         weights = self._static_bytes["weights"]
         return {
             **self._static_bytes,
-            "stash": weights
-            * (len(self._stash) + len(self._held) + (1 if self._backup is not None else 0)),
+            "stash": weights * (self.weight_copies() - 1),  # every copy but the live one
             "gradients": _nbytes(p.grad for p in self._params),
             "activations": sum(self._act_bytes.values()),
         }

@@ -231,7 +231,11 @@ def run_specs(
     path.parent.mkdir(parents=True, exist_ok=True)
     threads = threads or max(1, (os.cpu_count() or 1) // max(1, workers))
     finished = 0
-    torn = path.exists() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
+    torn = False
+    if path.exists() and path.stat().st_size > 0:
+        with path.open("rb") as f:
+            f.seek(-1, os.SEEK_END)  # the last byte only: the file can be long
+            torn = f.read(1) != b"\n"
     with path.open("a") as out:
         if torn:  # end an interrupted write's line, so the next record starts clean
             out.write("\n")

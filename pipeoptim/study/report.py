@@ -42,7 +42,14 @@ from pipeoptim.study.grid import (
 )
 from pipeoptim.study.runs import MODEL_METRIC, RunRecord
 
-__all__ = ["TARGETS", "Cell", "aggregate", "samples_to_target", "write_study_report"]
+__all__ = [
+    "TARGETS",
+    "Cell",
+    "aggregate",
+    "check_profile",
+    "samples_to_target",
+    "write_study_report",
+]
 
 TARGETS: dict[str, float] = {"mlp": 0.95, "cnn": 0.95, "transformer": 0.95, "gpt": 12.0}
 """The metric a run must reach to count as trained: test accuracy for the digits models,
@@ -176,10 +183,6 @@ def final_table(
     return lines
 
 
-def _sweep_keys(config: StudyConfig) -> set[str]:
-    return {s.key for s in sweep_specs(config)}
-
-
 def _steps_text(config: StudyConfig) -> str:
     longer = {o: n for o, n in config.steps_by_optimizer.items() if o in config.optimizers}
     if not longer:
@@ -238,24 +241,14 @@ def closure_table(rows: Sequence[dict[str, Any]], lr_of: dict[str, float]) -> li
     return lines
 
 
-def simulated_seconds_per_sample(
-    model: str,
-    method: str,
-    stages: int,
-    batch_size: int,
-    optimizer: str,
-    profile: Profile | None = None,
-) -> float:
-    """Time per sample of ``method`` on ``profile`` (default: this machine's profile of
-    ``model``, one thread per stage), the study's even partition, no link cost: the
-    simulator's steady state."""
+def simulated_seconds_per_sample(profile: Profile, method: str, stages: int) -> float:
+    """Time per sample of ``method`` on ``profile``, the study's even partition, no link
+    cost: the simulator's steady state."""
     from pipeoptim.plan.methods import get_method
     from pipeoptim.plan.plan import even_boundaries
     from pipeoptim.sim.costs import CostModel
     from pipeoptim.sim.evaluate import compile_method, evaluate_program
 
-    if profile is None:
-        profile = _profile(model, batch_size, optimizer)
     spec = get_method(method)
     m = stages if spec.micro_batched else 1
     shape = spec.shape(stages, m, 4 * stages)
@@ -264,32 +257,32 @@ def simulated_seconds_per_sample(
     return 1.0 / result.steady_throughput
 
 
-def _layer_count(model: str) -> list[Any]:
+def machine_profile(model: str, batch_size: int, optimizer: str) -> Profile:
+    """This machine's profile of ``model``, one thread (the thread a stage of the study
+    runs on)."""
+    import torch
+
+    from pipeoptim.runtime.profiler import profile_builtin
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return profile_builtin(model, batch_size=batch_size, optimizer=optimizer, repeats=7)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def check_profile(profile: Profile, model: str) -> None:
+    """Refuse a hardware profile taken of another model (another layer count)."""
     from pipeoptim.runtime.models import build_model
 
-    layers, _ = build_model(model, 0)
-    return list(layers)
-
-
-_PROFILES: dict[tuple[str, int, str], Any] = {}
-
-
-def _profile(model: str, batch_size: int, optimizer: str) -> Any:
-    key = (model, batch_size, optimizer)
-    if key not in _PROFILES:
-        import torch
-
-        from pipeoptim.runtime.profiler import profile_builtin
-
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            _PROFILES[key] = profile_builtin(
-                model, batch_size=batch_size, optimizer=optimizer, repeats=7
-            )
-        finally:
-            torch.set_num_threads(threads)
-    return _PROFILES[key]
+    layers = len(build_model(model, 0)[0])
+    if profile.num_layers != layers:
+        raise RuntimeConfigError(
+            f"the profile for {model} has {profile.num_layers} layers but the model has "
+            f"{layers}; profile the same model (pipeoptim profile --model {model} --out FILE "
+            f"on the target hardware)"
+        )
 
 
 @dataclass(frozen=True)
@@ -313,9 +306,10 @@ def time_to_target(
     cells: dict[tuple[str, str, float, int], Cell],
     rates: dict[str, tuple[float, float | None]],
     target: float,
-    profile: Profile | None = None,
+    profile: Profile,
 ) -> list[TimeToTarget]:
     out = []
+    per_sample: dict[tuple[str, int], float] = {}  # the same for every optimizer
     for opt in config.optimizers:
         lr = rates[opt][0]
         for p in config.stages:
@@ -325,6 +319,9 @@ def time_to_target(
                     continue
                 hits = [samples_to_target(r, target) for r in cell.records]
                 reached = [h for h in hits if h is not None]
+                base = method.split("+")[0]  # a variant runs its method's schedule
+                if (base, p) not in per_sample:
+                    per_sample[(base, p)] = simulated_seconds_per_sample(profile, base, p)
                 out.append(
                     TimeToTarget(
                         method,
@@ -333,14 +330,7 @@ def time_to_target(
                         len(reached),
                         len(hits),
                         statistics.median(reached) if reached else math.nan,
-                        simulated_seconds_per_sample(
-                            config.model,
-                            method.split("+")[0],
-                            p,
-                            config.batch_size,
-                            opt,
-                            profile,
-                        ),
+                        per_sample[(base, p)],
                     )
                 )
     return out
@@ -564,7 +554,8 @@ def write_study_report(
         main = {s.key for s in main_specs(config, rates)}
         mine = [r for r in records if r.spec.key in main]
         # runs of an earlier configuration (other steps or rates) stay on file, unused
-        records = [r for r in records if r.spec.key in main | _sweep_keys(config)]
+        used = main | {s.key for s in sweep_specs(config)}
+        records = [r for r in records if r.spec.key in used]
         cells = aggregate(mine)
         seconds = sum(r.seconds for r in records)
         md += [f"## {config.model}", ""]
@@ -599,18 +590,14 @@ def write_study_report(
         target = TARGETS[config.model]
         chosen = (profiles or {}).get(config.model)
         pinned = out / config.model / "profile.json"
-        if chosen is None:
+        if chosen is not None:
+            check_profile(chosen, config.model)
+        else:
             # this machine's profile, taken once and kept beside the runs, so redrawing the
             # report gives the same times
             if not pinned.exists():
-                _profile(config.model, config.batch_size, config.optimizers[0]).save(pinned)
+                machine_profile(config.model, config.batch_size, config.optimizers[0]).save(pinned)
             chosen = Profile.load(pinned)
-        if chosen is not None and chosen.num_layers != len(_layer_count(config.model)):
-            raise RuntimeConfigError(
-                f"the profile for {config.model} has {chosen.num_layers} layers but the model "
-                f"has {len(_layer_count(config.model))}; profile the same model (pipeoptim "
-                f"profile --model {config.model} --out FILE on the target hardware)"
-            )
         times = time_to_target(config, cells, rates, target, chosen)
         hardware = (
             f"Hardware: the profile given ({chosen.device}, batch {chosen.batch_size})."

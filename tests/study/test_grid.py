@@ -212,7 +212,7 @@ def test_time_to_target_on_a_chosen_hardware_profile(tmp_path: Path) -> None:
     hardware = Profile.uniform(9, forward_s=0.5, backward_s=1.0, batch_size=32)
     text = write_study_report(tmp_path, [CONFIG], {"mlp": hardware}).read_text()
     assert "Hardware: the profile given (synthetic, batch 32)." in text
-    rate = 1 / simulated_seconds_per_sample("mlp", "gpipe", 2, 32, "adam", hardware)
+    rate = 1 / simulated_seconds_per_sample(hardware, "gpipe", 2)
     assert f"| adam | 2 | gpipe | 2/2 | 64 | {rate:,.0f} |" in text
     with pytest.raises(RuntimeConfigError, match="has 4 layers but the model has 9"):
         write_study_report(tmp_path, [CONFIG], {"mlp": Profile.uniform(4)})
@@ -230,3 +230,21 @@ def test_the_fit_reads_only_the_closure_measured_in_the_cell(
     assert _measured_distance("pipeoptim", "adam", 4, {0: 0.5, 2: 0.0}) == 1.5
     assert _measured_distance("pipeoptim", "adam", 4, {0: 0.9, 2: 0.0}) == 1.0  # stage 2: s=1
     assert _measured_distance("pipedream", "adam", 4, {}) == 3.0
+
+
+def test_compare_refuses_a_profile_of_another_model_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pipeoptim.plan.profile import Profile
+
+    wrong = tmp_path / "four.json"
+    Profile.uniform(4).save(wrong)
+    argv = ["compare", "--model", "mlp", "--out", str(tmp_path / "out"), "--profile"]
+    assert main([*argv, str(wrong)]) == 2
+    err = capsys.readouterr().err
+    assert "has 4 layers but the model has 9" in err and "pipeoptim profile --model mlp" in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "out").exists()  # nothing trained, nothing written
+    assert main([*argv, str(tmp_path / "missing.json")]) == 2
+    err = capsys.readouterr().err
+    assert "missing.json" in err and "Traceback" not in err
