@@ -837,6 +837,9 @@ class Pipeline:
     def close(self) -> None:
         """Leave the process group this Pipeline started (dist under torchrun)."""
         if self._owns_group and dist.is_initialized():
+            if self._failed is None:
+                # No rank tears its connections down while a peer is still using them.
+                dist.barrier()
             dist.destroy_process_group()
             self._owns_group = False
 
