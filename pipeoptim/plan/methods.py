@@ -15,6 +15,7 @@ from pipeoptim.errors import PlanError
 from pipeoptim.plan import schedules
 from pipeoptim.plan.actions import Schedule
 from pipeoptim.plan.limits import check_grid, estimate_work
+from pipeoptim.plan.orders import OrderArrays
 from pipeoptim.plan.schedules import Order, Shape
 
 
@@ -53,6 +54,8 @@ class Method:
     """Needs M >= P (number of ranks)."""
     interleaved: bool = False
     """Runs ``virtual_stages`` chunks per rank; needs M to be a multiple of P."""
+    array_generator: Callable[[Shape], OrderArrays] | None = None
+    """The same generator building numpy arrays (long runs), if the method has one."""
 
     def shape(
         self,
@@ -113,6 +116,13 @@ class Method:
     def order(self, shape: Shape) -> Order:
         return self.generator(shape)
 
+    def order_arrays(self, shape: Shape) -> OrderArrays:
+        """The order as flat arrays: what the simulator compiles and the version analysis
+        reads (built without an object per action where the method can)."""
+        if self.array_generator is not None:
+            return self.array_generator(shape)
+        return OrderArrays.from_order(self.generator(shape))
+
     def schedule(self, shape: Shape) -> Schedule:
         """The clock grid of this method for ``shape``; refuses a grid over
         :data:`pipeoptim.plan.limits.MAX_GRID_CELLS` before building it."""
@@ -147,6 +157,7 @@ _REGISTRY = [
         "PipeDream: asynchronous 1F1B, forward on the latest weights, stashed for backward",
         schedules.async_one_f_one_b,
         WeightPolicy.STASH,
+        array_generator=schedules.async_one_f_one_b_arrays,
         micro_batched=False,
         asynchronous=True,
     ),
@@ -155,6 +166,7 @@ _REGISTRY = [
         "PipeDream-2BW: asynchronous 1F1B over micro-batches, weights one version behind",
         schedules.async_one_f_one_b,
         WeightPolicy.DOUBLE_BUFFER,
+        array_generator=schedules.async_one_f_one_b_arrays,
         asynchronous=True,
         min_micro_batches_per_stage=True,
     ),
@@ -163,6 +175,7 @@ _REGISTRY = [
         "SpecTrain: asynchronous 1F1B, forward on weights predicted along the momentum",
         schedules.async_one_f_one_b,
         WeightPolicy.PREDICT,
+        array_generator=schedules.async_one_f_one_b_arrays,
         prediction_rule="spectrain",
         micro_batched=False,
         asynchronous=True,
@@ -172,6 +185,7 @@ _REGISTRY = [
         "XPipe: micro-batched asynchronous 1F1B, Adam-form prediction of the update target",
         schedules.async_one_f_one_b,
         WeightPolicy.PREDICT,
+        array_generator=schedules.async_one_f_one_b_arrays,
         prediction_rule="xpipe",
         asynchronous=True,
     ),
@@ -180,6 +194,7 @@ _REGISTRY = [
         "PipeOptim: asynchronous 1F1B, forward on weights predicted by the optimizer's rule",
         schedules.async_one_f_one_b,
         WeightPolicy.PREDICT,
+        array_generator=schedules.async_one_f_one_b_arrays,
         prediction_rule="optimizer",
         micro_batched=False,
         asynchronous=True,

@@ -9,11 +9,14 @@ one continuous pipeline: they never flush.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from pipeoptim.errors import ScheduleError
 from pipeoptim.plan.actions import Action, B, F, Schedule, U, format_grid
+from pipeoptim.plan.orders import KIND_B, KIND_F, KIND_U, IntArray, OrderArrays
 
 Order = dict[int, list[Action]]
 """Per-rank actions in execution order, without idle steps."""
@@ -62,12 +65,8 @@ def _one_f_one_b(
     forwards: Sequence[Action],
     backwards: Sequence[Action],
     warmup: int,
-    after_backward: Callable[[Action], list[Action]] = lambda _: [],
 ) -> list[Action]:
-    """``warmup`` forwards, then alternate one forward / one backward, then drain backwards.
-
-    ``after_backward`` inserts actions (updates) right after a given backward.
-    """
+    """``warmup`` forwards, then alternate one forward / one backward, then drain backwards."""
     warmup = min(warmup, len(forwards))
     order = list(forwards[:warmup])
     next_f = warmup
@@ -76,7 +75,6 @@ def _one_f_one_b(
             order.append(forwards[next_f])
             next_f += 1
         order.append(b)
-        order.extend(after_backward(b))
     return order
 
 
@@ -114,23 +112,31 @@ def async_one_f_one_b(shape: Shape) -> Order:
     """Asynchronous 1F1B, never flushed: stage k keeps ``P-1-k`` forwards in flight.
 
     With M > 1 (PipeDream-2BW, XPipe) micro-batches stream continuously and each stage
-    updates after the last backward of every mini-batch.
+    updates after the last backward of every mini-batch. The Action form of
+    :func:`async_one_f_one_b_arrays`.
+    """
+    return async_one_f_one_b_arrays(shape).to_order()
+
+
+def async_one_f_one_b_arrays(shape: Shape) -> OrderArrays:
+    """:func:`async_one_f_one_b` built with numpy, without an object per action.
+
+    Rank k runs ``w = P-1-k`` forwards, then for every micro-batch i the group
+    ``[F(w+i) while any is left, B(i), U(i // M) after a mini-batch's last backward]``.
     """
     p, m = shape.num_ranks, shape.micro_batches
     total = shape.total_micro_batches
-    order: Order = {}
+    i = np.arange(total, dtype=np.int64)
+    kinds = np.broadcast_to(np.array([KIND_F, KIND_B, KIND_U], dtype=np.int64), (total, 3))
+    per_rank: dict[int, tuple[IntArray, IntArray, IntArray]] = {}
     for k in range(p):
-
-        def update_after(b: Action, k: int = k) -> list[Action]:
-            return [Action(k, U, b.mb // m)] if b.mb % m == m - 1 else []
-
-        order[k] = _one_f_one_b(
-            [Action(k, F, i) for i in range(total)],
-            [Action(k, B, i) for i in range(total)],
-            p - 1 - k,
-            update_after,
-        )
-    return order
+        w = min(p - 1 - k, total)
+        mbs = np.stack([w + i, i, i // m], axis=1)
+        keep = np.stack([w + i < total, np.ones(total, dtype=bool), i % m == m - 1], axis=1)
+        kind = np.concatenate([np.full(w, KIND_F, dtype=np.int64), kinds[keep]])
+        mb = np.concatenate([np.arange(w, dtype=np.int64), mbs[keep]])
+        per_rank[k] = (np.full(len(kind), k, dtype=np.int64), kind, mb)
+    return OrderArrays.from_rank_arrays(per_rank)
 
 
 def interleaved_one_f_one_b(shape: Shape) -> Order:

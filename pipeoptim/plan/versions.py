@@ -9,11 +9,17 @@ micro-batched or interleaved schedule. ``W^(j)`` is a stage's weights after j up
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
 
 from pipeoptim.errors import ScheduleError
-from pipeoptim.plan.actions import Action, B, F, U
+from pipeoptim.plan.actions import Action
 from pipeoptim.plan.methods import WeightPolicy
+from pipeoptim.plan.orders import KIND_B, KIND_F, KIND_U, IntArray, KeyIndex, OrderArrays
+
+BoolArray = npt.NDArray[np.bool_]
 
 
 @dataclass(frozen=True)
@@ -56,20 +62,112 @@ class UpdateVersions:
         return self.applied_to - self.gradient_version
 
 
-@dataclass
-class VersionReport:
-    """Everything about weight versions in one schedule under one weight policy."""
+@dataclass(frozen=True)
+class PassArrays:
+    """One entry per forward, grouped by stage, each stage's in execution order."""
 
-    policy: WeightPolicy
-    micro_batches: int
-    passes: dict[tuple[int, int], MicroBatchVersions] = field(default_factory=dict)
-    """Keyed by (stage, global micro-batch id)."""
-    updates: dict[tuple[int, int], UpdateVersions] = field(default_factory=dict)
-    """Keyed by (stage, mini-batch)."""
-    weight_copies: dict[int, int] = field(default_factory=dict)
-    """Most weight versions a stage holds at once (predicted copy included)."""
-    max_in_flight: dict[int, int] = field(default_factory=dict)
-    """Most micro-batches whose forward ran and backward has not (activations kept)."""
+    stage: IntArray
+    mb: IntArray
+    forward_base: IntArray
+    forward_version: IntArray
+    backward_version: IntArray
+    distance: IntArray
+    predicted: BoolArray
+
+
+@dataclass(frozen=True)
+class UpdateArrays:
+    """One entry per update, grouped by stage, each stage's in execution order."""
+
+    stage: IntArray
+    mini_batch: IntArray
+    applied_to: IntArray
+    gradient_version: IntArray
+
+
+@dataclass(frozen=True)
+class ActionVersions:
+    """Per action of the analysed order (its index): the weight version it uses, and for a
+    forward its prediction distance and whether it ran on predicted weights."""
+
+    version: IntArray
+    distance: IntArray
+    predicted: BoolArray
+
+
+class VersionReport:
+    """Everything about weight versions in one schedule under one weight policy.
+
+    Held as arrays (a run of a million actions is analysed in numpy); ``passes`` and
+    ``updates`` build their per-entry objects on first use.
+    """
+
+    def __init__(
+        self,
+        policy: WeightPolicy,
+        micro_batches: int,
+        pass_arrays: PassArrays,
+        update_arrays: UpdateArrays,
+        weight_copies: dict[int, int],
+        max_in_flight: dict[int, int],
+        actions: ActionVersions,
+    ) -> None:
+        self.policy = policy
+        self.micro_batches = micro_batches
+        self.pass_arrays = pass_arrays
+        self.update_arrays = update_arrays
+        self.weight_copies = weight_copies
+        """Most weight versions a stage holds at once (predicted copy included)."""
+        self.max_in_flight = max_in_flight
+        """Most micro-batches whose forward ran and backward has not (activations kept)."""
+        self.actions = actions
+        self._passes: dict[tuple[int, int], MicroBatchVersions] | None = None
+        self._updates: dict[tuple[int, int], UpdateVersions] | None = None
+        self._max_distance = _max_per_stage(pass_arrays.stage, pass_arrays.distance)
+        self._max_staleness = _max_per_stage(
+            update_arrays.stage, update_arrays.applied_to - update_arrays.gradient_version
+        )
+        self._max_inconsistency = _max_per_stage(
+            pass_arrays.stage, np.abs(pass_arrays.backward_version - pass_arrays.forward_version)
+        )
+
+    @property
+    def passes(self) -> dict[tuple[int, int], MicroBatchVersions]:
+        """Keyed by (stage, global micro-batch id)."""
+        if self._passes is None:
+            a = self.pass_arrays
+            m = self.micro_batches
+            self._passes = {
+                (k, mb): MicroBatchVersions(k, mb, mb // m, base, fwd, bwd, dist, pred)
+                for k, mb, base, fwd, bwd, dist, pred in zip(
+                    a.stage.tolist(),
+                    a.mb.tolist(),
+                    a.forward_base.tolist(),
+                    a.forward_version.tolist(),
+                    a.backward_version.tolist(),
+                    a.distance.tolist(),
+                    a.predicted.tolist(),
+                    strict=True,
+                )
+            }
+        return self._passes
+
+    @property
+    def updates(self) -> dict[tuple[int, int], UpdateVersions]:
+        """Keyed by (stage, mini-batch)."""
+        if self._updates is None:
+            a = self.update_arrays
+            self._updates = {
+                (k, t): UpdateVersions(k, t, applied, grad)
+                for k, t, applied, grad in zip(
+                    a.stage.tolist(),
+                    a.mini_batch.tolist(),
+                    a.applied_to.tolist(),
+                    a.gradient_version.tolist(),
+                    strict=True,
+                )
+            }
+        return self._updates
 
     @property
     def stages(self) -> list[int]:
@@ -81,15 +179,23 @@ class VersionReport:
         return max(self.passes[(stage, mini_batch * m + j)].distance for j in range(m))
 
     def max_distance(self, stage: int) -> int:
-        return max((v.distance for (k, _), v in self.passes.items() if k == stage), default=0)
+        return self._max_distance.get(stage, 0)
 
     def max_staleness(self, stage: int) -> int:
-        return max((u.staleness for (k, _), u in self.updates.items() if k == stage), default=0)
+        return self._max_staleness.get(stage, 0)
 
     def max_inconsistency(self, stage: int) -> int:
-        return max(
-            (abs(v.inconsistency) for (k, _), v in self.passes.items() if k == stage), default=0
-        )
+        return self._max_inconsistency.get(stage, 0)
+
+
+def _max_per_stage(stage: IntArray, values: IntArray) -> dict[int, int]:
+    """The largest value per stage, for entries grouped by stage."""
+    if len(stage) == 0:
+        return {}
+    starts = np.flatnonzero(np.r_[True, stage[1:] != stage[:-1]])
+    return dict(
+        zip(stage[starts].tolist(), np.maximum.reduceat(values, starts).tolist(), strict=True)
+    )
 
 
 def prediction_distance(s: int, offset: int = 0) -> int:
@@ -107,80 +213,165 @@ def analyze_versions(
     micro_batches: int = 1,
 ) -> VersionReport:
     """Walk every stage's actions in execution order and apply ``policy``."""
-    per_stage: dict[int, list[Action]] = {}
-    for acts in schedule.values():
-        for a in acts:
-            if a is not None:
-                per_stage.setdefault(a.stage, []).append(a)
-    report = VersionReport(policy, micro_batches)
-    for stage in sorted(per_stage):
-        _analyze_stage(stage, per_stage[stage], policy, micro_batches, report)
-    return report
+    return analyze_order(OrderArrays.from_order(schedule), policy, micro_batches)
 
 
-def _analyze_stage(
-    stage: int,
-    actions: list[Action],
-    policy: WeightPolicy,
-    m: int,
-    report: VersionReport,
-) -> None:
-    # First pass: the update count at each forward and each backward.
-    current = 0
-    at_forward: dict[int, int] = {}
-    at_backward: dict[int, int] = {}
-    for a in actions:
-        if a.kind is F:
-            at_forward[a.mb] = current
-        elif a.kind is B:
-            at_backward[a.mb] = current
-        elif a.kind is U:
-            current += 1
-    for mb, base in at_forward.items():
-        if mb not in at_backward:
-            raise ScheduleError(f"stage {stage}: {stage}F{mb} has no backward {stage}B{mb}")
-        t = mb // m
-        s = at_backward[mb] - base
-        if policy is WeightPolicy.PREDICT:
-            fwd = bwd = at_backward[mb]
-        elif policy is WeightPolicy.DOUBLE_BUFFER:
-            fwd = bwd = max(t - 1, 0)
-            if not fwd <= base <= fwd + 1 or at_backward[mb] > fwd + 1:
-                raise ScheduleError(
-                    f"stage {stage}: mini-batch {t} must run on W^({fwd}) (one version "
-                    f"behind), but {stage}F{mb} runs after {base} updates and {stage}B{mb} "
-                    f"after {at_backward[mb]}, so two buffers cannot hold it; use at least "
-                    f"as many micro-batches as stages"
-                )
-        else:
-            fwd = bwd = base
-        report.passes[(stage, mb)] = MicroBatchVersions(
-            stage, mb, t, base, fwd, bwd, s, policy is WeightPolicy.PREDICT and s > 0
-        )
-    # Second pass: updates, copies held and activations in flight over time.
-    keeps_versions = policy in (WeightPolicy.STASH, WeightPolicy.DOUBLE_BUFFER)
-    current = 0
-    in_flight: set[int] = set()
-    stashed: dict[int, int] = {}  # mb -> version kept for its backward
-    copies = in_flight_max = 0
-    for a in actions:
-        if a.kind is F:
-            v = report.passes[(stage, a.mb)]
-            in_flight.add(a.mb)
-            if keeps_versions:
-                stashed[a.mb] = v.forward_version
-            extra = 1 if v.predicted else 0  # the predicted copy exists during the forward
-            copies = max(copies, len(set(stashed.values()) | {current}) + extra)
-            in_flight_max = max(in_flight_max, len(in_flight))
-        elif a.kind is B:
-            in_flight.discard(a.mb)
-            stashed.pop(a.mb, None)
-        elif a.kind is U:
-            grads = [report.passes[(stage, a.mb * m + j)] for j in range(m)]
-            report.updates[(stage, a.mb)] = UpdateVersions(
-                stage, a.mb, current, min(g.backward_version for g in grads)
+def analyze_order(order: OrderArrays, policy: WeightPolicy, m: int = 1) -> VersionReport:
+    """:func:`analyze_versions` of an order in array form.
+
+    Each stage's actions are taken in execution order (a stage runs on one rank). The
+    update count before every action gives each forward its base and each backward its
+    version; the policy maps them to the versions used. The weight copies a stage holds are
+    counted as distinct versions alive after every forward and update: a version is alive
+    while it is current or some in-flight micro-batch keeps it (STASH, DOUBLE_BUFFER).
+    """
+    # Every stage's actions together, each stage in execution order (a stable sort).
+    perm = np.argsort(order.stage, kind="stable")
+    stage, kind, mb = order.stage[perm], order.kind[perm], order.mb[perm]
+    n = len(stage)
+    is_f, is_b, is_u = kind == KIND_F, kind == KIND_B, kind == KIND_U
+    first = np.r_[True, stage[1:] != stage[:-1]] if n else np.zeros(0, dtype=bool)
+    group_start = np.flatnonzero(first)
+    group = np.cumsum(first) - 1
+    group_end = np.r_[group_start[1:], n][group]  # per position: its stage's end
+    updates_done = np.cumsum(is_u) - is_u
+    before = updates_done - updates_done[group_start][group]  # the stage's updates so far
+    num_stages = int(stage.max()) + 1 if n else 1
+
+    f_pos, b_pos, u_pos = np.flatnonzero(is_f), np.flatnonzero(is_b), np.flatnonzero(is_u)
+    f_keys = mb[f_pos] * num_stages + stage[f_pos]
+    b_keys = mb[b_pos] * num_stages + stage[b_pos]
+    f_index, b_index = KeyIndex(f_keys), KeyIndex(b_keys)
+    for name, index, pos in (("forward", f_index, f_pos), ("backward", b_index, b_pos)):
+        twice = index.duplicate()
+        if twice is not None:
+            raise ScheduleError(
+                f"{order.name(int(perm[pos[twice]]))} appears twice in the order; every "
+                f"{name} runs once per stage and micro-batch"
             )
-            current += 1
-            copies = max(copies, len(set(stashed.values()) | {current}))
-    report.weight_copies[stage] = max(copies, 1)
-    report.max_in_flight[stage] = in_flight_max
+    match = b_index.find(f_keys)
+    if (match < 0).any():
+        i = f_pos[int(np.argmax(match < 0))]
+        k, j = int(stage[i]), int(mb[i])
+        raise ScheduleError(f"stage {k}: {k}F{j} has no backward {k}B{j}")
+    f_base = before[f_pos]
+    b_at = b_pos[match]
+    b_base = before[b_at]
+    distance = b_base - f_base
+    t = mb[f_pos] // m
+    if policy is WeightPolicy.PREDICT:
+        forward = backward = b_base
+    elif policy is WeightPolicy.DOUBLE_BUFFER:
+        forward = backward = np.maximum(t - 1, 0)
+        bad = (f_base < forward) | (f_base > forward + 1) | (b_base > forward + 1)
+        if bad.any():
+            q = int(np.argmax(bad))
+            k, j, fwd = int(stage[f_pos[q]]), int(mb[f_pos[q]]), int(forward[q])
+            raise ScheduleError(
+                f"stage {k}: mini-batch {int(t[q])} must run on W^({fwd}) (one version "
+                f"behind), but {k}F{j} runs after {int(f_base[q])} updates and {k}B{j} "
+                f"after {int(b_base[q])}, so two buffers cannot hold it; use at least "
+                f"as many micro-batches as stages"
+            )
+    else:
+        forward = backward = f_base
+    predicted = (distance > 0) if policy is WeightPolicy.PREDICT else np.zeros_like(is_f[f_pos])
+    passes = PassArrays(stage[f_pos], mb[f_pos], f_base, forward, backward, distance, predicted)
+
+    # Updates: the version each is applied to and the oldest version its gradient saw.
+    applied = before[u_pos]
+    gradient = applied.copy()
+    for q in range(m):
+        found = f_index.find((mb[u_pos] * m + q) * num_stages + stage[u_pos])
+        if (found < 0).any():
+            i = u_pos[int(np.argmax(found < 0))]
+            k, j = int(stage[i]), int(mb[i]) * m + q
+            raise ScheduleError(
+                f"stage {k}: update {k}U{int(mb[i])} needs micro-batch {j}, which has no "
+                f"forward {k}F{j} before its backward; every update follows the forward and "
+                f"backward of all {m} micro-batch(es) of its mini-batch"
+            )
+        gradient = np.minimum(gradient, backward[found]) if q else backward[found]
+    update_arrays = UpdateArrays(stage[u_pos], mb[u_pos], applied, gradient)
+
+    # Per action, back in the order's indices.
+    version = before.copy()
+    version[f_pos] = forward
+    b_pass = f_index.find(b_keys)
+    has_pass = b_pass >= 0
+    version[b_pos[has_pass]] = backward[b_pass[has_pass]]
+    action_distance = np.zeros(n, dtype=np.int64)
+    action_distance[f_pos] = distance
+    action_predicted = np.zeros(n, dtype=bool)
+    action_predicted[f_pos] = predicted
+    unsort = np.empty_like(perm)
+    unsort[perm] = np.arange(n)
+    actions = ActionVersions(version[unsort], action_distance[unsort], action_predicted[unsort])
+
+    # Weight copies: distinct versions alive after each forward and each update.
+    if policy in (WeightPolicy.STASH, WeightPolicy.DOUBLE_BUFFER):
+        alive = _distinct_alive(n, group, group_end, before, is_u, u_pos, f_pos, b_at, forward)
+    else:
+        alive = np.ones(n, dtype=np.int64)
+    sampled = np.where(is_f | is_u, alive, 0)
+    sampled[f_pos] += predicted  # the predicted copy exists during the forward
+    stages = stage[group_start].tolist()
+    copies = np.maximum(np.maximum.reduceat(sampled, group_start), 1) if n else sampled
+    # In flight: forwards whose backward has not run (a backward before its forward leaves
+    # that micro-batch in flight for good, as a walk of the order would).
+    step = np.bincount(f_pos, minlength=n + 1)
+    closes = b_at > f_pos
+    step -= np.bincount(b_at[closes], minlength=n + 1)
+    level = np.cumsum(step)[:n]
+    level -= (level - step[:n])[group_start][group]
+    flight = np.maximum.reduceat(np.where(is_f, level, 0), group_start) if n else level
+    return VersionReport(
+        policy,
+        m,
+        passes,
+        update_arrays,
+        dict(zip(stages, copies.tolist(), strict=True)),
+        dict(zip(stages, flight.tolist(), strict=True)),
+        actions,
+    )
+
+
+def _distinct_alive(
+    n: int,
+    group: IntArray,
+    group_end: IntArray,
+    before: IntArray,
+    is_u: BoolArray,
+    u_pos: IntArray,
+    f_pos: IntArray,
+    b_at: IntArray,
+    kept: IntArray,
+) -> IntArray:
+    """Distinct weight versions alive after each position (stage-grouped positions).
+
+    Version v is alive while it is current (from the update that made it to the next one)
+    or kept by an in-flight micro-batch (from its forward to its backward). The intervals
+    of one (stage, version) are merged, and the merged intervals are counted per position.
+    """
+    current_from = np.unique(np.r_[np.flatnonzero(np.r_[True, group[1:] != group[:-1]]), u_pos])
+    current_to = np.r_[current_from[1:], n]
+    current_version = before[current_from] + is_u[current_from]
+    stash_to = np.where(b_at > f_pos, b_at, group_end[f_pos])
+    lo = np.r_[current_from, f_pos]
+    hi = np.r_[current_to, stash_to]
+    version = np.r_[current_version, kept]
+    keep = hi > lo
+    lo, hi, version = lo[keep], hi[keep], version[keep]
+    owner = group[lo] * (n + 2) + version  # one key per (stage, version)
+    # Merge each key's intervals: sweep its +1/-1 events (ends before starts at a tie).
+    pos = np.r_[lo, hi]
+    delta = np.r_[np.ones(len(lo), dtype=np.int64), -np.ones(len(hi), dtype=np.int64)]
+    key = np.r_[owner, owner]
+    by = np.lexsort((delta, pos, key))
+    pos, delta = pos[by], delta[by]
+    after = np.cumsum(delta)
+    prior = after - delta
+    opens = pos[(prior == 0) & (after > 0)]
+    closes = pos[(prior > 0) & (after == 0)]
+    count = np.bincount(opens, minlength=n + 1) - np.bincount(closes, minlength=n + 1)
+    return np.cumsum(count)[:n]

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
+
+import numpy as np
 
 from pipeoptim.metrics import steady_state_throughput
 from pipeoptim.plan.limits import check_work, estimate_work
 from pipeoptim.plan.methods import Method, get_method
+from pipeoptim.plan.orders import IntArray
 from pipeoptim.plan.schedules import Shape
 from pipeoptim.sim.costs import CostModel
-from pipeoptim.sim.program import Program, Timing
+from pipeoptim.sim.program import FloatArray, Program, Steps, Timing
 
 if TYPE_CHECKING:
     from pipeoptim.trace import Trace
@@ -64,7 +67,7 @@ class Evaluation:
 @lru_cache(maxsize=16)
 def _compile_cached(name: str, shape: Shape) -> Program:
     method = get_method(name)
-    return Program(method.order(shape), shape.micro_batches, method.weight_policy)
+    return Program(method.order_arrays(shape), shape.micro_batches, method.weight_policy)
 
 
 def compile_method(method: str | Method, shape: Shape) -> Program:
@@ -80,51 +83,119 @@ def list_schedule(program: Program, durations: list[float], transfers: list[floa
 
     Walks the program's cost-independent topological order (:meth:`Program.steps`) once:
     ``start = max(end of the rank's previous action, end of the cross-rank input +
-    transfer)``, ``end = start + duration``. Index ``n`` is a sentinel that ended at 0.
+    transfer)``, ``end = start + duration``.
     """
-    n = program.size
+    steps = program.steps()
+    at = steps.order_array
+    starts, ends = _walk(
+        steps,
+        np.asarray(durations, dtype=np.float64)[at].tolist(),
+        np.asarray(transfers, dtype=np.float64)[at].tolist(),
+    )
+    return _in_action_order(steps, starts, ends)
+
+
+def _walk(
+    steps: Steps, durations: list[float], transfers: list[float]
+) -> tuple[list[float], list[float]]:
+    """Start and end of every step, with durations and transfers given in step order.
+
+    Times are kept in step order, so the loop reads and writes memory nearly in sequence.
+    Step -1 (a rank's first action, or no input) reads the sentinel at the end, which
+    ended at 0.
+    """
+    n = len(durations)
     starts = [0.0] * n
     ends = [0.0] * (n + 1)
-    for i, prev, dep in program.steps():
+    j = 0
+    for prev, dep, duration, transfer in zip(
+        steps.previous, steps.input, durations, transfers, strict=True
+    ):
         t = ends[prev]
-        arrive = ends[dep] + transfers[i]
+        arrive = ends[dep] + transfer
         if arrive > t:
             t = arrive
-        starts[i] = t
-        ends[i] = t + durations[i]
-    del ends[n]
-    return Timing(starts, ends)
+        starts[j] = t
+        ends[j] = t + duration
+        j += 1  # noqa: SIM113 (enumerate's tuple costs 20% of this loop)
+    ends.pop()
+    return starts, ends
+
+
+def _walk_coded(
+    steps: Steps, codes: list[int], durations: list[float], transfers: list[float]
+) -> tuple[list[float], list[float]]:
+    """:func:`_walk` with durations and transfers looked up in small per-code tables, so
+    an evaluation builds no per-action list (the same float operations)."""
+    n = len(codes)
+    starts = [0.0] * n
+    ends = [0.0] * (n + 1)
+    j = 0
+    for prev, dep, code, link in zip(steps.previous, steps.input, codes, steps.link, strict=True):
+        t = ends[prev]
+        arrive = ends[dep] + transfers[link]
+        if arrive > t:
+            t = arrive
+        starts[j] = t
+        ends[j] = t + durations[code]
+        j += 1  # noqa: SIM113 (enumerate's tuple costs 20% of this loop)
+    ends.pop()
+    return starts, ends
+
+
+def _in_action_order(steps: Steps, starts: list[float], ends: list[float]) -> Timing:
+    where = steps.position_array
+    return Timing(
+        cast(list[float], np.asarray(starts)[where].tolist()),
+        cast(list[float], np.asarray(ends)[where].tolist()),
+    )
 
 
 def summarize(
     program: Program, costs: CostModel, timing: Timing, durations: list[float]
 ) -> Evaluation:
     """Busy time, bubbles and throughput of a timing."""
-    busy: dict[int, float] = {}
-    rank_busy: dict[int, float] = {}
-    stage = program.stage
-    firsts: list[float] = []
-    for p, r in enumerate(program.ranks):
-        lo, hi = program.rank_bounds[p]
-        if hi == lo:
-            continue
-        firsts.append(timing.starts[lo])
-        rank_busy[r] = sum(durations[lo:hi])
-        if stage[lo] == stage[hi - 1] and all(
-            program.stage_rank[k] != r or k == stage[lo] for k in program.stage_rank
-        ):
-            busy[stage[lo]] = rank_busy[r]  # the rank runs one stage
-            continue
-        for i in range(lo, hi):
-            busy[stage[i]] = busy.get(stage[i], 0.0) + durations[i]
+    busy, rank_busy = _busy(program, np.asarray(durations, dtype=np.float64))
+    return _summary(program, costs, timing.starts, timing.ends, busy, rank_busy, None)
+
+
+def _busy(program: Program, durations: FloatArray) -> tuple[dict[int, float], dict[int, float]]:
+    """Compute seconds per stage and per rank, summed over the actions' durations."""
+    per_stage = np.bincount(program.arrays.stage, weights=durations, minlength=program.num_stages)
+    busy = {k: float(per_stage[k]) for k in sorted(program.stage_rank)}
+    rank_busy = {
+        r: float(durations[lo:hi].sum())
+        for r, (lo, hi) in zip(program.ranks, program.rank_bounds, strict=True)
+        if hi > lo
+    }
+    return busy, rank_busy
+
+
+def _summary(
+    program: Program,
+    costs: CostModel,
+    starts: list[float],
+    ends: list[float],
+    busy: dict[int, float],
+    rank_busy: dict[int, float],
+    position: IntArray | None,
+) -> Evaluation:
+    """:func:`summarize` of times held in action order, or in step order (``position``
+    gives each action's step)."""
+
+    def step(i: int) -> int:
+        return i if position is None else int(position[i])
+
+    firsts = [starts[step(lo)] for lo, hi in program.rank_bounds if hi > lo]
     first = min(firsts, default=0.0)
-    makespan = timing.makespan
+    # a rank's last action ends last on it (ranks run one action at a time)
+    makespan = max((ends[step(hi - 1)] for lo, hi in program.rank_bounds if hi > lo), default=0.0)
     span = makespan - first
     bubble = {r: (1.0 - b / span if span > 0 else 0.0) for r, b in rank_busy.items()}
     overall = 1.0 - sum(rank_busy.values()) / (span * len(rank_busy)) if span > 0 else 0.0
     samples = program.first_stage_micro_batches() * costs.samples_per_micro_batch
     throughput = samples / span if span > 0 else 0.0
-    ups = [timing.ends[i] for i in program.last_stage_updates()]
+    ups = [ends[step(i)] for i in program.last_stage_updates()]
     steady = steady_state_throughput(ups, program.micro_batches * costs.samples_per_micro_batch)
     return Evaluation(
         makespan=makespan,
@@ -148,11 +219,24 @@ def evaluate_program(
     keep_timing: bool = False,
 ) -> Evaluation:
     """Evaluate a compiled order under ``costs`` (``jitter``/``seed`` as in the engine)."""
-    durations = program.durations(costs, jitter, seed)
-    timing = list_schedule(program, durations, program.transfer_times(costs))
-    result = summarize(program, costs, timing, durations)
+    steps = program.steps()
+    if jitter:
+        durations = np.asarray(program.durations(costs, jitter, seed))
+        at = steps.order_array
+        transfers = np.asarray(program.transfer_times(costs))
+        starts, ends = _walk(steps, durations[at].tolist(), transfers[at].tolist())
+        busy, rank_busy = _busy(program, durations)
+    else:
+        starts, ends = _walk_coded(
+            steps,
+            program.step_cost_codes(costs),
+            program.duration_table(costs),
+            program.transfer_table(costs),
+        )
+        busy, rank_busy = program.busy_seconds(costs)
+    result = _summary(program, costs, starts, ends, busy, rank_busy, steps.position_array)
     if keep_timing:
-        result = replace(result, timing=timing)
+        result = replace(result, timing=_in_action_order(steps, starts, ends))
     return result
 
 

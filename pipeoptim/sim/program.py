@@ -15,23 +15,54 @@ the order can never be met and is reported at compile time.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
+from typing import NamedTuple, cast
+
+import numpy as np
+import numpy.typing as npt
 
 from pipeoptim.errors import ScheduleError
-from pipeoptim.plan.actions import Action, B, F, U
+from pipeoptim.plan.actions import Action
 from pipeoptim.plan.methods import WeightPolicy
-from pipeoptim.plan.versions import VersionReport, analyze_versions
+from pipeoptim.plan.orders import (
+    KIND_B,
+    KIND_CODES,
+    KIND_F,
+    KIND_U,
+    IntArray,
+    KeyIndex,
+    OrderArrays,
+)
+from pipeoptim.plan.versions import VersionReport, analyze_order
 from pipeoptim.sim.costs import CostModel
 from pipeoptim.trace import TraceEvent
 
 __all__ = ["KIND_B", "KIND_CODES", "KIND_F", "KIND_U", "Program", "Timing"]
 
-KIND_F, KIND_B, KIND_U = 0, 1, 2
-KIND_CODES = ("F", "B", "U")
-"""Trace kind code of each compiled kind."""
+
+FloatArray = npt.NDArray[np.float64]
+
+
+class Steps(NamedTuple):
+    """A topological order of a program's actions (see :meth:`Program.steps`)."""
+
+    order_array: IntArray
+    """The action run at each step."""
+    position_array: IntArray
+    """The step of each action (the inverse of ``order_array``)."""
+    previous: list[int]
+    """The step of the same rank's previous action; -1 for a rank's first action."""
+    input: list[int]
+    """The step of the action's cross-rank input; -1 for none."""
+    cost_code: list[int]
+    """The action's :meth:`Program.cost_code_array` entry (index into a duration table)."""
+    link: list[int]
+    """The link its input crosses: ``edge + 1`` (0 for none; index into a transfer table)."""
 
 
 @dataclass
@@ -53,153 +84,234 @@ class Program:
 
     Actions are numbered rank by rank in execution order, so ``rank_bounds[p]`` is the
     half-open index range of the ``p``-th rank in ``ranks``. Communication actions in the
-    order are dropped: the engines model transfers themselves.
+    order are dropped: the engines model transfers themselves. The order may be given as
+    Actions or in array form (:class:`~pipeoptim.plan.orders.OrderArrays`, what long runs
+    are generated in); compiling is vectorised, so a million actions take a fraction of a
+    second.
     """
 
     def __init__(
         self,
-        order: Mapping[int, Sequence[Action | None]],
+        order: Mapping[int, Sequence[Action | None]] | OrderArrays,
         micro_batches: int = 1,
         policy: WeightPolicy | None = None,
     ) -> None:
         self.micro_batches = micro_batches
         self.policy = policy
-        self.order = order
-        self.ranks: list[int] = sorted(self.order)
-        self.stage: list[int] = []
-        self.kind: list[int] = []
-        self.mb: list[int] = []
-        self.rank_bounds: list[tuple[int, int]] = []
-        self.stage_rank: dict[int, int] = {}
-        stage, kind, mb = self.stage, self.kind, self.mb
-        for r in self.ranks:
-            lo = len(stage)
-            owned: set[int] = set()
-            for a in order[r]:
-                if a is None:
-                    continue
-                c = a.kind
-                code = KIND_F if c is F else KIND_B if c is B else KIND_U if c is U else -1
-                if code < 0:
-                    continue  # communication: the engines model transfers themselves
-                k = a.stage
-                if k not in owned:
-                    owner = self.stage_rank.setdefault(k, r)
-                    if owner != r:
-                        raise ScheduleError(
-                            f"stage {k} has actions on rank {owner} and rank {r}; every "
-                            f"stage must run on one rank (action {a})"
-                        )
-                    owned.add(k)
-                stage.append(k)
-                kind.append(code)
-                mb.append(a.mb)
-            self.rank_bounds.append((lo, len(stage)))
+        self.arrays = order if isinstance(order, OrderArrays) else OrderArrays.from_order(order)
+        self._order = None if isinstance(order, OrderArrays) else order
+        a = self.arrays
+        self.ranks: list[int] = list(a.ranks)
+        bounds = a.bounds.tolist()
+        self.rank_bounds: list[tuple[int, int]] = list(itertools.pairwise(bounds))
+        self.size = a.size
+        self.rank_array = a.rank_of()
+        self.stage_rank: dict[int, int] = self._stage_ranks()
         self.num_stages = max(self.stage_rank, default=-1) + 1
-        self.size = len(stage)
-        self.rank_of: list[int] = [0] * self.size
-        for r, (lo, hi) in zip(self.ranks, self.rank_bounds, strict=True):
-            self.rank_of[lo:hi] = [r] * (hi - lo)
-        self.dep: list[int] = [-1] * self.size
+        self.dep_array: IntArray = np.full(self.size, -1, dtype=np.int64)
         """Index of the one cross-rank action each action waits for, or -1."""
-        self.edge: list[int] = [-1] * self.size
+        self.edge_array: IntArray = np.full(self.size, -1, dtype=np.int64)
         """Link of that wait: ``2*k`` forward over edge k, ``2*k+1`` backward, -1 none."""
         self._compile_dependencies()
         self._versions: VersionReport | None = None
         self._flat_versions: tuple[list[int], list[int], list[bool]] | None = None
-        self._steps: list[tuple[int, int, int]] | None = None
-        self._codes: list[int] | None = None
+        self._steps: Steps | None = None
+        self._predicted_codes: list[int] | None = None
+        self._code_counts: dict[bool, IntArray | None] = {}
+        self._first_stage_micro_batches: int | None = None
         self._last_updates: list[int] | None = None
 
+    # Plain lists for the engines' per-action Python loops (indexing numpy arrays one
+    # element at a time is several times slower), built on first use.
+    @cached_property
+    def stage(self) -> list[int]:
+        return cast(list[int], self.arrays.stage.tolist())
+
+    @cached_property
+    def kind(self) -> list[int]:
+        return cast(list[int], self.arrays.kind.tolist())
+
+    @cached_property
+    def mb(self) -> list[int]:
+        return cast(list[int], self.arrays.mb.tolist())
+
+    @cached_property
+    def rank_of(self) -> list[int]:
+        return cast(list[int], self.rank_array.tolist())
+
+    @cached_property
+    def dep(self) -> list[int]:
+        return cast(list[int], self.dep_array.tolist())
+
+    @cached_property
+    def edge(self) -> list[int]:
+        return cast(list[int], self.edge_array.tolist())
+
+    @property
+    def order(self) -> Mapping[int, Sequence[Action | None]]:
+        """The order in Action form (built from the arrays when it was given that way)."""
+        if self._order is None:
+            self._order = self.arrays.to_order()
+        return self._order
+
     # ------------------------------------------------------------------ compile
+    def _stage_ranks(self) -> dict[int, int]:
+        stage, rank = self.arrays.stage, self.rank_array
+        if self.size == 0:
+            return {}
+        owner = np.full(int(stage.max()) + 1, -1, dtype=np.int64)
+        owner[stage] = rank  # some rank of each stage; a second one shows below
+        elsewhere = rank != owner[stage]
+        if elsewhere.any():  # name the first action on a rank other than its stage's first
+            stages, first = np.unique(stage, return_index=True)
+            owner[stages] = rank[first]
+            i = int(np.argmax(rank != owner[stage]))
+            k = int(stage[i])
+            raise ScheduleError(
+                f"stage {k} has actions on rank {int(owner[k])} and rank {int(rank[i])}; "
+                f"every stage must run on one rank (action {self._name(i)})"
+            )
+        stages = np.flatnonzero(owner >= 0)
+        return dict(zip(stages.tolist(), owner[stages].tolist(), strict=True))
+
     def _compile_dependencies(self) -> None:
-        s, m = self.num_stages, self.micro_batches
-        index: dict[int, int] = {}  # ((mb * S + stage) * 2 + kind) -> action index
-        stage, kind, mb = self.stage, self.kind, self.mb
-        for i in range(self.size):
-            if kind[i] != KIND_U:
-                key = ((mb[i] * s + stage[i]) << 1) | kind[i]
-                if key in index:
-                    raise ScheduleError(
-                        f"{self._name(i)} appears twice in the order (also as action "
-                        f"{index[key]}); every F and B runs once per stage and micro-batch"
-                    )
-                index[key] = i
-        dep, edge, rank_of = self.dep, self.edge, self.rank_of
-        get = index.get
-        last = s - 1
-        for i in range(self.size):
-            k, c, j, r = stage[i], kind[i], mb[i], rank_of[i]
-            if c == KIND_F:
-                if k:
-                    d = get((j * s + k - 1) << 1)
-                    if d is not None:
-                        if rank_of[d] != r and dep[i] < 0:
-                            dep[i], edge[i] = d, 2 * (k - 1)
-                        else:
-                            self._link(i, d, 2 * (k - 1))
-            elif c == KIND_B:
-                d = get((j * s + k) << 1)
-                if d is not None and (rank_of[d] != r or d > i):
-                    self._link(i, d, -1)
-                if k < last:
-                    d = get(((j * s + k + 1) << 1) | KIND_B)
-                    if d is not None:
-                        if rank_of[d] != r and dep[i] < 0:
-                            dep[i], edge[i] = d, 2 * k + 1
-                        else:
-                            self._link(i, d, 2 * k + 1)
-            else:
-                for q in range(m):
-                    d = get((((j * m + q) * s + k) << 1) | KIND_B)
-                    if d is not None and (rank_of[d] != r or d > i):
-                        self._link(i, d, -1)
+        """Vectorised :func:`~pipeoptim.plan.schedules.dependencies`: a dependency on
+        another rank becomes the action's ``dep``; one on the same rank must come earlier
+        in its order, or the rank would wait forever."""
+        s, m = max(self.num_stages, 1), self.micro_batches
+        stage, kind, mb = self.arrays.stage, self.arrays.kind, self.arrays.mb
+        rank = self.rank_array
+        passes = np.flatnonzero(kind != KIND_U)
+        index = KeyIndex(((mb[passes] * s + stage[passes]) << 1) | kind[passes])
+        twice = index.duplicate()
+        if twice is not None:
+            i, first = int(passes[twice]), int(passes[index.find(index.keys[twice : twice + 1])[0]])
+            raise ScheduleError(
+                f"{self._name(i)} appears twice in the order (also as action {first}); "
+                f"every F and B runs once per stage and micro-batch"
+            )
 
-    def steps(self) -> list[tuple[int, int, int]]:
-        """A topological order of the actions as ``(action, previous on its rank, input)``.
+        def find(at: IntArray, j: IntArray, k: IntArray, code: int) -> IntArray:
+            found = index.find(((j * s + k) << 1) | code)
+            return np.where(found >= 0, passes[np.maximum(found, 0)], -1)
 
-        ``previous`` and ``input`` are ``size`` (a sentinel) where there is none. The order
-        depends only on the schedule, not on costs, so it is computed once; a schedule whose
-        ranks wait for each other in a cycle raises :class:`ScheduleError` here.
+        late: list[tuple[int, int]] = []  # (action, a same-rank input it runs before)
+
+        def link(at: IntArray, d: IntArray, edge: IntArray | None) -> None:
+            has = d >= 0
+            at, d = at[has], d[has]
+            cross = rank[d] != rank[at]
+            if edge is not None:
+                self.dep_array[at[cross]] = d[cross]
+                self.edge_array[at[cross]] = edge[has][cross]
+            wrong = ~cross & (d > at)
+            if wrong.any():
+                q = int(np.argmax(wrong))
+                late.append((int(at[q]), int(d[q])))
+
+        f = np.flatnonzero((kind == KIND_F) & (stage > 0))
+        link(f, find(f, mb[f], stage[f] - 1, KIND_F), 2 * (stage[f] - 1))
+        b = np.flatnonzero(kind == KIND_B)
+        link(b, find(b, mb[b], stage[b], KIND_F), None)
+        b = b[stage[b] < s - 1]
+        link(b, find(b, mb[b], stage[b] + 1, KIND_B), 2 * stage[b] + 1)
+        u = np.flatnonzero(kind == KIND_U)
+        for q in range(m):
+            link(u, find(u, mb[u] * m + q, stage[u], KIND_B), None)
+        if late:
+            i, d = min(late)
+            r = int(rank[i])
+            raise ScheduleError(
+                f"rank {r} runs {self._name(i)} before {self._name(d)}, which it needs; "
+                f"the rank would wait forever. Put {self._name(d)} first in rank {r}'s order"
+            )
+
+    def steps(self) -> Steps:
+        """A topological order of the actions, with each step's inputs as earlier steps.
+
+        The order depends only on the schedule, not on costs, so it is computed once; a
+        schedule whose ranks wait for each other in a cycle raises :class:`ScheduleError`
+        here. Actions are ordered by their step on a unit-time clock (:meth:`_levels`), so
+        an engine walking the steps reads and writes its times nearly in sequence.
         """
         if self._steps is None:
             n = self.size
-            done = [False] * n
-            dep = self.dep
-            pos = [lo for lo, _ in self.rank_bounds]
-            stop = [hi for _, hi in self.rank_bounds]
-            waiter = [-1] * n  # the rank (position) blocked on each action, if any
-            more: dict[int, list[int]] = {}
-            ready = [p for p in range(len(pos)) if pos[p] < stop[p]]
-            steps: list[tuple[int, int, int]] = []
-            add = steps.append
-            # A worklist: a rank runs until it blocks, and is woken by the action it waits
-            # for. Linear in the actions (sweeping every rank until nothing moves is
-            # quadratic in the ranks: a backward crosses one rank per sweep).
-            while ready:
-                p = ready.pop()
-                i, e = pos[p], stop[p]
-                prev = i - 1 if i > self.rank_bounds[p][0] else n
-                while i < e:
-                    d = dep[i]
-                    if d >= 0 and not done[d]:
-                        if waiter[d] < 0:
-                            waiter[d] = p
-                        else:  # a second rank waits for the same action (rare)
-                            more.setdefault(d, []).append(p)
-                        break
-                    done[i] = True
-                    add((i, prev, d if d >= 0 else n))
-                    if waiter[i] >= 0:
-                        ready.append(waiter[i])
-                        ready.extend(more.pop(i, ()))
-                    prev = i
-                    i += 1
-                pos[p] = i
-            if len(steps) < n:
-                raise self._deadlock(pos, stop)
-            self._steps = steps
+            levels = self._levels()
+            at = self._worklist() if levels is None else np.argsort(levels, kind="stable")
+            position = np.empty(n + 1, dtype=np.int64)
+            position[at] = np.arange(n, dtype=np.int64)
+            position[n] = -1
+            previous = np.arange(-1, n - 1, dtype=np.int64)
+            previous[[lo for lo, hi in self.rank_bounds if hi > lo]] = n
+            inputs = np.where(self.dep_array >= 0, self.dep_array, n)
+            self._steps = Steps(
+                at, position[:n], position[previous[at]].tolist(),
+                position[inputs[at]].tolist(), self.cost_code_array()[at].tolist(),
+                (self.edge_array[at] + 1).tolist(),
+            )  # fmt: skip
         return self._steps
+
+    def _levels(self, max_sweeps: int = 32) -> IntArray | None:
+        """Each action's step on a clock where every action takes one step: one more than
+        the later of its rank's previous action and its cross-rank input.
+
+        Sorting by it is a topological order. Computed by sweeping the ranks, down then up
+        (forwards flow down, backwards up), each rank in one vectorised pass:
+        ``level[i] = i + max over j <= i of (input level[j] + 1 - j)``. None when the
+        sweeps do not settle (a cycle, or an unusual order): the worklist decides then.
+        """
+        n = self.size
+        level = np.zeros(n + 1, dtype=np.int64)
+        level[n] = -1  # the sentinel input: level -1 + 1 = 0 imposes nothing
+        inputs = np.where(self.dep_array >= 0, self.dep_array, n)
+        spans = [(lo, hi, np.arange(hi - lo, dtype=np.int64)) for lo, hi in self.rank_bounds]
+        spans = [span for span in spans if span[1] > span[0]]
+        for sweep in range(max_sweeps):
+            changed = False
+            for lo, hi, local in spans if sweep % 2 == 0 else spans[::-1]:
+                new = local + np.maximum.accumulate(level[inputs[lo:hi]] + 1 - local)
+                if not np.array_equal(new, level[lo:hi]):
+                    level[lo:hi] = new
+                    changed = True
+            if not changed:
+                return level[:n]
+        return None
+
+    def _worklist(self) -> IntArray:
+        """A topological order by running each rank until it blocks; raises on a deadlock."""
+        n = self.size
+        done = [False] * n
+        dep = self.dep
+        pos = [lo for lo, _ in self.rank_bounds]
+        stop = [hi for _, hi in self.rank_bounds]
+        waiter = [-1] * n  # the rank (position) blocked on each action, if any
+        more: dict[int, list[int]] = {}
+        ready = [p for p in range(len(pos)) if pos[p] < stop[p]]
+        steps: list[int] = []
+        add = steps.append
+        # A rank runs until it blocks, and is woken by the action it waits for. Linear in
+        # the actions (sweeping every rank until nothing moves is quadratic in the ranks).
+        while ready:
+            p = ready.pop()
+            i, e = pos[p], stop[p]
+            while i < e:
+                d = dep[i]
+                if d >= 0 and not done[d]:
+                    if waiter[d] < 0:
+                        waiter[d] = p
+                    else:  # a second rank waits for the same action (rare)
+                        more.setdefault(d, []).append(p)
+                    break
+                done[i] = True
+                add(i)
+                if waiter[i] >= 0:
+                    ready.append(waiter[i])
+                    ready.extend(more.pop(i, ()))
+                i += 1
+            pos[p] = i
+        if len(steps) < n:
+            raise self._deadlock(pos, stop)
+        return np.asarray(steps, dtype=np.int64)
 
     def _deadlock(self, pos: list[int], stop: list[int]) -> ScheduleError:
         lines = [
@@ -213,28 +325,8 @@ class Program:
             + "\nReorder the ranks' actions so each one's inputs run first."
         )
 
-    def _link(self, i: int, d: int, e: int) -> None:
-        """Record that action ``i`` waits for action ``d`` (slow path: checks)."""
-        r = self.rank_of[i]
-        if self.rank_of[d] == r:
-            if d > i:
-                raise ScheduleError(
-                    f"rank {r} runs {self._name(i)} before {self._name(d)}, which it needs; "
-                    f"the rank would wait forever. Put {self._name(d)} first in rank {r}'s "
-                    f"order"
-                )
-            return
-        if self.dep[i] >= 0 or e < 0:
-            other = f"{self._name(self.dep[i])} and " if self.dep[i] >= 0 else ""
-            raise ScheduleError(
-                f"{self._name(i)} waits for {other}{self._name(d)} on another rank; the "
-                f"engines support one cross-rank dependency per action, on an adjacent stage, "
-                f"and a stage's forward, backward and update on one rank"
-            )
-        self.dep[i], self.edge[i] = d, e
-
     def _name(self, i: int) -> str:
-        return f"{self.stage[i]}{KIND_CODES[self.kind[i]]}{self.mb[i]}"
+        return self.arrays.name(i)
 
     def describe(self, i: int) -> str:
         """The action's text form, e.g. ``"2F13"``."""
@@ -245,22 +337,9 @@ class Program:
         """Seconds of every action; with ``jitter`` > 0 each is multiplied by a seeded
         lognormal factor ``exp(jitter * z - jitter**2 / 2)`` (mean 1), drawn in index order,
         so a seed gives the same run in either engine."""
-        if costs.num_stages < self.num_stages:
-            raise ScheduleError(
-                f"the cost model has {costs.num_stages} stages but the schedule has "
-                f"{self.num_stages}; build the costs for {self.num_stages} stages"
-            )
-        s = self.num_stages
-        table = [*costs.forward_s[:s], *costs.backward_s[:s], *costs.update_s[:s]]
-        out = list(map(table.__getitem__, self.cost_codes()))
-        if any(costs.predict_s):
-            _, _, predicted = self.flat_versions()
-            extra, stage = costs.predict_s, self.stage
-            for i in range(self.size):
-                if predicted[i]:
-                    out[i] += extra[stage[i]]
         if jitter < 0 or math.isnan(jitter):
             raise ScheduleError(f"jitter must be >= 0 (got {jitter}); pass e.g. --jitter 0.1")
+        out: list[float] = self.duration_array(costs).tolist()
         if jitter > 0:
             rng = random.Random(seed)
             mu = -jitter * jitter / 2.0
@@ -268,32 +347,96 @@ class Program:
             out = [d * draw(mu, jitter) for d in out]
         return out
 
+    def duration_array(self, costs: CostModel) -> FloatArray:
+        """:meth:`durations` without jitter, as an array."""
+        codes = self.cost_code_array()
+        if any(costs.predict_s):
+            codes[self.versions().actions.predicted] += 3 * self.num_stages
+        return cast(FloatArray, np.array(self.duration_table(costs))[codes])
+
     def transfer_times(self, costs: CostModel) -> list[float]:
         """Seconds each action's cross-rank input spends on its link (0.0 when none)."""
-        per_edge: list[float] = []
-        for e in range(max(self.num_stages - 1, 0)):
-            per_edge += [costs.transfer_s(e, False), costs.transfer_s(e, True)]
-        per_edge.append(0.0)  # edge -1 (no cross-rank input) reads this last entry
-        return list(map(per_edge.__getitem__, self.edge))
+        table = np.array(self.transfer_table(costs))
+        return cast(list[float], table[self.edge_array + 1].tolist())
 
-    def cost_codes(self) -> list[int]:
+    def cost_code_array(self) -> IntArray:
         """Per action ``kind * num_stages + stage``: its index in a [F..., B..., U...] table."""
-        if self._codes is None:
-            s = self.num_stages
-            self._codes = [c * s + k for c, k in zip(self.kind, self.stage, strict=True)]
-        return self._codes
+        return self.arrays.kind * self.num_stages + self.arrays.stage
+
+    def duration_table(self, costs: CostModel) -> list[float]:
+        """Seconds per cost code: ``[F..., B..., U..., predicted F...]`` of every stage.
+
+        A predicted forward (code ``3 * num_stages + stage``, see :meth:`step_cost_codes`)
+        costs its forward plus the prediction."""
+        if costs.num_stages < self.num_stages:
+            raise ScheduleError(
+                f"the cost model has {costs.num_stages} stages but the schedule has "
+                f"{self.num_stages}; build the costs for {self.num_stages} stages"
+            )
+        s = self.num_stages
+        extra = [f + p for f, p in zip(costs.forward_s[:s], costs.predict_s[:s], strict=True)]
+        return [*costs.forward_s[:s], *costs.backward_s[:s], *costs.update_s[:s], *extra]
+
+    def busy_seconds(self, costs: CostModel) -> tuple[dict[int, float], dict[int, float]]:
+        """Compute seconds per stage and per rank without jitter, from how often each rank
+        runs each cost code (counted once per program)."""
+        s = self.num_stages
+        predicted = any(costs.predict_s)
+        if self._code_counts.get(predicted) is None:
+            codes = self.cost_code_array()
+            if predicted:
+                codes[self.versions().actions.predicted] += 3 * s
+            self._code_counts[predicted] = np.stack(
+                [np.bincount(codes[lo:hi], minlength=4 * s) for lo, hi in self.rank_bounds]
+            ) if self.rank_bounds else np.zeros((0, 4 * s), dtype=np.int64)  # fmt: skip
+        counts = self._code_counts[predicted]
+        table = np.array(self.duration_table(costs))
+        per_code = counts * table  # seconds per (rank, code)
+        per_stage = per_code.sum(axis=0).reshape(4, s).sum(axis=0)
+        stage = {k: float(per_stage[k]) for k in sorted(self.stage_rank)}
+        rank = {
+            r: float(per_code[p].sum())
+            for p, (r, (lo, hi)) in enumerate(zip(self.ranks, self.rank_bounds, strict=True))
+            if hi > lo
+        }
+        return stage, rank
+
+    def step_cost_codes(self, costs: CostModel) -> list[int]:
+        """Each step's index into :meth:`duration_table`: predicted forwards read the
+        predicted-forward entries when ``costs`` has a prediction cost."""
+        if not any(costs.predict_s):
+            return self.steps().cost_code
+        if self._predicted_codes is None:
+            codes = self.cost_code_array()
+            predicted = self.versions().actions.predicted
+            codes[predicted] += 3 * self.num_stages
+            self._predicted_codes = codes[self.steps().order_array].tolist()
+        return self._predicted_codes
+
+    def transfer_table(self, costs: CostModel) -> list[float]:
+        """Seconds per link code of :attr:`Steps.link`: 0.0 for none, then for every edge
+        its forward and its backward transfer."""
+        table = [0.0]
+        for e in range(max(self.num_stages - 1, 0)):
+            table += [costs.transfer_s(e, False), costs.transfer_s(e, True)]
+        return table
 
     def first_stage_micro_batches(self) -> int:
         """Forwards on the first stage: the micro-batches the run trains."""
-        first = min(self.stage_rank, default=0)
-        return self.cost_codes().count(first)
+        if self._first_stage_micro_batches is None:
+            first = min(self.stage_rank, default=0)
+            a = self.arrays
+            self._first_stage_micro_batches = int(
+                np.count_nonzero((a.kind == KIND_F) & (a.stage == first))
+            )
+        return self._first_stage_micro_batches
 
     # ------------------------------------------------------------------ versions
     def versions(self) -> VersionReport:
         """The version analysis of the order under the program's weight policy."""
         if self._versions is None:
-            self._versions = analyze_versions(
-                self.order, self.policy or WeightPolicy.FLUSH, self.micro_batches
+            self._versions = analyze_order(
+                self.arrays, self.policy or WeightPolicy.FLUSH, self.micro_batches
             )
         return self._versions
 
@@ -305,32 +448,20 @@ class Program:
         the version it is applied to.
         """
         if self._flat_versions is None:
-            report = self.versions()
-            version, distance, predicted = [0] * self.size, [0] * self.size, [False] * self.size
-            passes, updates = report.passes, report.updates
-            for i in range(self.size):
-                key = (self.stage[i], self.mb[i])
-                c = self.kind[i]
-                if c == KIND_F:
-                    p = passes[key]
-                    version[i], distance[i], predicted[i] = (
-                        p.forward_version,
-                        p.distance,
-                        p.predicted,
-                    )
-                elif c == KIND_B:
-                    version[i] = passes[key].backward_version
-                elif key in updates:
-                    version[i] = updates[key].applied_to
-            self._flat_versions = (version, distance, predicted)
+            actions = self.versions().actions
+            self._flat_versions = (
+                actions.version.tolist(),
+                actions.distance.tolist(),
+                actions.predicted.tolist(),
+            )
         return self._flat_versions
 
     # ------------------------------------------------------------------ output
     def last_stage_updates(self) -> list[int]:
         """Indices of the last stage's updates, in order."""
         if self._last_updates is None:
-            code = 2 * self.num_stages + self.num_stages - 1
-            self._last_updates = [i for i, c in enumerate(self.cost_codes()) if c == code]
+            last, a = self.num_stages - 1, self.arrays
+            self._last_updates = np.flatnonzero((a.kind == KIND_U) & (a.stage == last)).tolist()
         return self._last_updates
 
     def events(

@@ -1,0 +1,124 @@
+"""The array path: orders generated as arrays, compiled without Action objects, evaluated in
+a topological order by unit-time levels; every result equal to the Action path's."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pipeoptim.errors import ScheduleError
+from pipeoptim.plan.actions import Action, B, F, U
+from pipeoptim.plan.methods import METHODS, get_method
+from pipeoptim.plan.orders import OrderArrays
+from pipeoptim.sim import CostModel, Program, evaluate_program, list_schedule, run_simpy
+from pipeoptim.sim.evaluate import summarize
+
+
+def _shapes(name: str) -> list:
+    method = get_method(name)
+    out = []
+    for p, m, n in [(1, 1, 2), (2, 2, 3), (4, 4, 5), (3, 6, 2)]:
+        if method.interleaved and m % p:
+            continue
+        out.append(method.shape(p, m if method.micro_batched else None, n))
+    return out
+
+
+CASES = [(name, shape) for name in METHODS for shape in _shapes(name)]
+
+
+def _costs(stages: int) -> CostModel:
+    base = CostModel.uniform(stages, 1.0, 2.0, 0.25, latency_s=0.05, bandwidth=1e4)
+    return dataclasses.replace(
+        base,
+        forward_s=tuple(0.5 + 0.25 * (k % 3) for k in range(stages)),
+        predict_s=tuple(0.1 * (k + 1) for k in range(stages)),
+    )
+
+
+@pytest.mark.parametrize(("name", "shape"), CASES)
+def test_array_order_compiles_like_the_action_order(name: str, shape) -> None:
+    method = get_method(name)
+    arrays = method.order_arrays(shape)
+    assert arrays.to_order() == {r: list(a) for r, a in method.order(shape).items()}
+    a = Program(arrays, shape.micro_batches, method.weight_policy)
+    b = Program(method.order(shape), shape.micro_batches, method.weight_policy)
+    assert (a.stage, a.kind, a.mb, a.dep, a.edge) == (b.stage, b.kind, b.mb, b.dep, b.edge)
+    assert a.stage_rank == b.stage_rank
+    assert a.flat_versions() == b.flat_versions()
+
+
+@pytest.mark.parametrize(("name", "shape"), CASES)
+def test_steps_are_a_topological_order(name: str, shape) -> None:
+    method = get_method(name)
+    program = Program(method.order_arrays(shape), shape.micro_batches, method.weight_policy)
+    steps = program.steps()
+    order = steps.order_array.tolist()
+    assert sorted(order) == list(range(program.size))
+    for j, i in enumerate(order):
+        lo = next(lo for lo, hi in program.rank_bounds if lo <= i < hi)
+        assert steps.previous[j] == (-1 if i == lo else steps.position_array[i - 1])
+        assert steps.previous[j] < j and steps.input[j] < j
+        d = program.dep[i]
+        assert steps.input[j] == (-1 if d < 0 else steps.position_array[d])
+
+
+@pytest.mark.parametrize(("name", "shape"), CASES)
+def test_every_evaluation_path_gives_simpys_times(name: str, shape) -> None:
+    method = get_method(name)
+    program = Program(method.order_arrays(shape), shape.micro_batches, method.weight_policy)
+    costs = _costs(shape.num_stages)
+    durations, transfers = program.durations(costs), program.transfer_times(costs)
+    simpy = run_simpy(program, durations, transfers, contention=False)
+    listed = list_schedule(program, durations, transfers)
+    fast = evaluate_program(program, costs, keep_timing=True)
+    assert fast.timing is not None
+    assert simpy.starts == listed.starts == fast.timing.starts
+    assert simpy.ends == listed.ends == fast.timing.ends
+    # busy time from per-code counts equals the sum over the actions' durations
+    reference = summarize(program, costs, simpy, durations)
+    assert fast.busy_s == pytest.approx(reference.busy_s)
+    assert fast.rank_busy_s == pytest.approx(reference.rank_busy_s)
+    assert fast.steady_throughput == pytest.approx(reference.steady_throughput)
+    assert fast.overall_bubble == pytest.approx(reference.overall_bubble)
+    # a predicted forward costs its forward plus the prediction
+    _, _, predicted = program.flat_versions()
+    for i in range(program.size):
+        k, kind = program.stage[i], program.kind[i]
+        plain = (costs.forward_s, costs.backward_s, costs.update_s)[kind][k]
+        assert durations[i] == (plain + costs.predict_s[k] if predicted[i] else plain)
+
+
+def test_jittered_evaluation_equals_simpy() -> None:
+    method = get_method("pipeoptim")
+    shape = method.shape(3, None, 6)
+    program = Program(method.order_arrays(shape), 1, method.weight_policy)
+    costs = _costs(3)
+    simpy = run_simpy(program, program.durations(costs, 0.3, 5), program.transfer_times(costs))
+    fast = evaluate_program(program, costs, jitter=0.3, seed=5, keep_timing=True)
+    assert fast.timing is not None and fast.timing.ends == simpy.ends
+
+
+def test_compile_errors_name_the_action() -> None:
+    split = {0: [Action(0, F, 0), Action(1, F, 0)], 1: [Action(1, B, 0), Action(0, B, 0)]}
+    with pytest.raises(ScheduleError, match=r"stage 1 has actions on rank 0 and rank 1.*1B0"):
+        Program(split)
+    twice = {0: [Action(0, F, 0), Action(0, B, 0), Action(0, F, 0)]}
+    with pytest.raises(ScheduleError, match=r"0F0 appears twice in the order \(also as action 0\)"):
+        Program(twice)
+    update_first = {0: [Action(0, F, 0), Action(0, U, 0), Action(0, B, 0)]}
+    with pytest.raises(ScheduleError, match="rank 0 runs 0U0 before 0B0"):
+        Program(update_first)
+    assert Program(OrderArrays.from_order({})).size == 0
+
+
+def test_a_deadlocked_order_falls_back_to_the_worklist_and_names_the_waits() -> None:
+    order = {
+        0: [Action(0, F, 0), Action(0, B, 0), Action(0, F, 1), Action(0, B, 1)],
+        1: [Action(1, F, 1), Action(1, B, 1), Action(1, F, 0), Action(1, B, 0)],
+    }
+    program = Program(order)
+    assert program._levels() is None  # the sweeps never settle on a cycle
+    with pytest.raises(ScheduleError, match="rank 0 waits at 0B0 for 1B0"):
+        program.steps()
