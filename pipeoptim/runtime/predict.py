@@ -56,6 +56,9 @@ class WeightPredictor:
 
     name: ClassVar[str] = "base"
     options: ClassVar[frozenset[str]] = frozenset({"auto_hooks"})
+    keeps_deltas: ClassVar[bool] = False
+    """Keep a computed Δ until the next step: for rules that predict several times per
+    update (micro-batches of one mini-batch), at the cost of one weight-sized buffer."""
 
     def __init__(self, optimizer: Optimizer, *, auto_hooks: bool = True) -> None:
         if not isinstance(optimizer, Optimizer):
@@ -69,6 +72,9 @@ class WeightPredictor:
         self._buf: dict[Tensor, Tensor] = {}
         self._has_delta: set[Tensor] = set()
         self._pending: list[tuple[list[Tensor], list[Tensor], float]] | None = None
+        self._kept: dict[int, list[Tensor | None]] = {}  # Δ per group index, until a step
+        self.kept_computations = 0
+        """How many times a Δ was computed and kept (a caller's memory count goes stale)."""
         # Hooks on the optimizer make the record impossible to forget and skip steps that
         # never happen (e.g. GradScaler skipping an inf step); explicit calls stay harmless.
         self._hooks: list[RemovableHandle] = []
@@ -76,6 +82,7 @@ class WeightPredictor:
             self._hooks = [
                 optimizer.register_step_pre_hook(lambda *_: self.before_step()),
                 optimizer.register_step_post_hook(lambda *_: self.after_step()),
+                optimizer.register_load_state_dict_post_hook(lambda *_: self._kept.clear()),
             ]
 
     # -- what subclasses decide ------------------------------------------------------------
@@ -86,13 +93,19 @@ class WeightPredictor:
         raise NotImplementedError
 
     # -- Δ ---------------------------------------------------------------------------------
-    def _group_deltas(self, group: dict[str, Any]) -> list[Tensor | None]:
+    def _group_deltas(self, group: dict[str, Any], index: int) -> list[Tensor | None]:
         # May alias optimizer state or the displacement buffer: internal use only.
         params: list[Tensor] = group["params"]
         if self._uses_displacement(group):
             ds: list[Tensor | None] = [
                 self._buf[p] if p in self._has_delta else None for p in params
             ]
+        elif self.keeps_deltas and self._hooks:  # the step hook drops what is kept
+            kept = self._kept.get(index)
+            if kept is None:
+                kept = self._kept[index] = self._state_deltas(group)
+                self.kept_computations += 1
+            ds = kept
         else:
             ds = self._state_deltas(group)
         # Frozen parameters are never updated by torch.optim: forward uses W as it is.
@@ -102,8 +115,8 @@ class WeightPredictor:
         """Δ per param group, per parameter (fresh tensors); None: no state yet, Δ = 0."""
         with torch.no_grad():
             return [
-                [None if d is None else d.detach().clone() for d in self._group_deltas(g)]
-                for g in self.optimizer.param_groups
+                [None if d is None else d.detach().clone() for d in self._group_deltas(g, i)]
+                for i, g in enumerate(self.optimizer.param_groups)
             ]
 
     # -- prediction ------------------------------------------------------------------------
@@ -150,12 +163,14 @@ class WeightPredictor:
             if s == 0:
                 return
             offset = 0
-            for group, eta in zip(self.optimizer.param_groups, etas, strict=True):
+            for index, (group, eta) in enumerate(
+                zip(self.optimizer.param_groups, etas, strict=True)
+            ):
                 n = len(group["params"])
                 if eta != 0.0:
                     pairs = [
                         (dest[offset + i], d)
-                        for i, d in enumerate(self._group_deltas(group))
+                        for i, d in enumerate(self._group_deltas(group, index))
                         if d is not None
                     ]
                     if pairs:
@@ -173,6 +188,7 @@ class WeightPredictor:
     # -- displacement record ---------------------------------------------------------------
     def before_step(self) -> None:
         """Record W^(j-1) of displacement-tracked parameters (call right before step())."""
+        self._kept.clear()  # the moments and the weights are about to change
         if self._pending is not None:  # already recorded for this step (hook + explicit call)
             return
         pending: list[tuple[list[Tensor], list[Tensor], float]] = []
@@ -197,6 +213,7 @@ class WeightPredictor:
 
     def after_step(self) -> None:
         """Turn the record into Δ = (W^(j-1) − W^(j)) / lr (call right after step())."""
+        self._kept.clear()
         if self._pending is None:
             return
         with torch.no_grad():
@@ -211,6 +228,15 @@ class WeightPredictor:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self._kept.clear()
+
+    def held_tensors(self) -> list[Tensor]:
+        """Tensors this predictor keeps between steps (for memory accounting): recorded
+        displacements and a kept Δ."""
+        params = self._params()
+        held = [self._buf[p] for p in params if p in self._buf]
+        held += [d for ds in self._kept.values() for d in ds if d is not None]
+        return held
 
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -235,6 +261,7 @@ class WeightPredictor:
                 f"has {len(params)} parameters; load it into the stage it was saved from"
             )
         self._buf, self._has_delta, self._pending = {}, set(), None
+        self._kept.clear()
         for i, t in disp.items():
             p = params[int(i)]
             self._buf[p] = t.detach().to(device=p.device, dtype=p.dtype, copy=True)
@@ -322,9 +349,14 @@ class AdamPredictor(WeightPredictor):
 
 
 class XPipePredictor(AdamPredictor):
-    """XPipe: the Adam-form Δ, also applied to Adam-like optimizers (NAdam, RAdam)."""
+    """XPipe: the Adam-form Δ, also applied to Adam-like optimizers (NAdam, RAdam).
+
+    Every micro-batch of a mini-batch predicts from the same Δ, so it is computed once
+    after each step and kept (one weight-sized buffer) instead of once per micro-batch.
+    """
 
     name = "xpipe"
+    keeps_deltas = True
 
 
 class RMSpropPredictor(SGDPredictor):

@@ -657,7 +657,10 @@ class Stage:
             self._note_copies()
         torch._foreach_copy_(self._backup, live)
         # dest is the parameters' own storage: predict_into adds -Σlr·Δ in place.
+        kept = self.predictor.kept_computations
         self.predictor.predict_into(live, s, self._lrs(s))
+        if self.predictor.kept_computations != kept:
+            self._static_dirty = True  # a newly kept Δ counts in the predictor's bytes
 
     def _held_prediction(self, s: int) -> list[Tensor]:
         assert self.predictor is not None
@@ -711,7 +714,7 @@ class Stage:
             for st in self.optimizer.state.values():
                 opt += _nbytes(v for v in st.values() if isinstance(v, Tensor))
         if self.predictor is not None:
-            opt += _nbytes(self.predictor.state_dict()["displacement"].values())
+            opt += _nbytes(self.predictor.held_tensors())
         self._static_bytes = {"weights": _nbytes(self._params), "optimizer": opt}
         self._static_dirty = False
 

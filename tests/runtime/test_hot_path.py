@@ -115,3 +115,59 @@ def test_local_transport_hands_over_without_a_copy() -> None:
     a.send(sent, 1, key)
     got = b.recv(key, 0, (3, 4), torch.float32)
     assert got.data_ptr() == sent.data_ptr()
+
+
+def test_xpipe_computes_delta_once_per_update_and_predicts_as_fresh(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every micro-batch of a mini-batch predicts from one Δ: computed after each update
+    (on first use), never once per micro-batch, and equal to a Δ computed afresh."""
+    from pipeoptim.runtime.predict import AdamPredictor, XPipePredictor
+
+    calls: list[int] = []
+    original = AdamPredictor._state_deltas
+
+    def counting(self: AdamPredictor, group: dict[str, Any]) -> list[torch.Tensor | None]:
+        calls.append(1)
+        return original(self, group)
+
+    monkeypatch.setattr(AdamPredictor, "_state_deltas", counting)
+    method, m = get_method("xpipe"), 4
+    shape = method.shape(4, m, 3)  # stage 0 keeps 3 forwards in flight
+    order = method.order(shape)[0]
+    report = analyze_versions(method.order(shape), method.weight_policy, m)
+    torch.manual_seed(0)
+    stage = Stage(
+        0,
+        nn.Sequential(nn.Linear(3, 2)),
+        num_stages=4,
+        method=method,
+        optimizer=OptimizerSpec("adam", 0.01),
+        micro_batches=m,
+    )
+    assert isinstance(stage.predictor, XPipePredictor)
+    stage.begin_segment({mb: v for (k, mb), v in report.passes.items() if k == 0})
+    predicting_updates: set[int] = set()  # updates after which some forward predicts
+    updates = 0
+    for a in order:
+        if a.kind.value == "F":
+            if report.passes[(0, a.mb)].predicted:
+                predicting_updates.add(updates)
+            stage.forward(a.mb, torch.randn(4, 3))
+        elif a.kind.value == "B":
+            stage.backward(a.mb, torch.randn(4, 2))
+        else:
+            stage.update()
+            updates += 1
+    assert len(predicting_updates) >= 2
+    assert sum(report.passes[(0, j)].predicted for j in range(3 * m)) > len(predicting_updates)
+    assert len(calls) == len(predicting_updates)  # once per update, not per micro-batch
+    # what is kept equals a Δ computed afresh from the same optimizer state
+    assert stage.optimizer is not None and stage.predictor is not None
+    stage.predictor.predicted(1)  # keeps Δ of the final state
+    fresh = AdamPredictor(stage.optimizer, auto_hooks=False)
+    for a, b in zip(stage.predictor.predicted(2), fresh.predicted(2), strict=True):
+        assert torch.equal(a, b)
+    kept = len(stage.predictor.held_tensors())
+    assert kept == 2  # weight and bias: Δ kept until the next step
+    fresh.close()
