@@ -137,7 +137,8 @@ class Recorder:
 
     Times are seconds since ``origin``, a ``perf_counter`` value taken after all ranks met
     (ranks of one machine share the clock). On CUDA actions are timed with events, resolved
-    at segment ends, so timing never stalls the device mid-segment. At most ``limit``
+    at segment ends, so timing never stalls the device mid-segment; resolved events are
+    recorded again later instead of creating two new ones per action. At most ``limit``
     events (and as many memory samples) are kept, the first ones of the run: a trace of a
     very long run shows its beginning and ``truncated`` says so.
     """
@@ -151,6 +152,7 @@ class Recorder:
         self.events: list[TraceEvent] = []
         self.memory: list[MemorySample] = []
         self._pending: list[tuple[TraceEvent | MemorySample, Any, Any]] = []
+        self._spare: list[torch.cuda.Event] = []  # resolved events, free to record again
         self._base = torch.cuda.Event(enable_timing=True) if self.cuda else None  # type: ignore[no-untyped-call]
         if self._base is not None:
             self._base.record()
@@ -158,7 +160,7 @@ class Recorder:
 
     def mark(self) -> Mark:
         if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            ev = self._spare.pop() if self._spare else torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             ev.record()
             return ev
         return time.perf_counter() - self.origin
@@ -188,9 +190,12 @@ class Recorder:
             return
         torch.cuda.synchronize(self.device)
         base = self._base
+        spare: dict[int, torch.cuda.Event] = {}  # an event may mark two items' times
         for item, start, end in self._pending:
             t0 = self._base_time + base.elapsed_time(start) / 1e3
             self._store(item, t0, self._base_time + base.elapsed_time(end) / 1e3)
+            spare[id(start)], spare[id(end)] = start, end
+        self._spare.extend(spare.values())
         self._pending = []
 
 

@@ -171,3 +171,41 @@ def test_xpipe_computes_delta_once_per_update_and_predicts_as_fresh(
     kept = len(stage.predictor.held_tensors())
     assert kept == 2  # weight and bias: Δ kept until the next step
     fresh.close()
+
+
+def test_cuda_timing_reuses_its_events(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two events per action, but created only until the first segment resolves; later
+    segments record the same events again (a fake clock stands in for the device)."""
+    from pipeoptim.runtime.executor import Recorder
+    from pipeoptim.trace import TraceEvent
+
+    created: list[object] = []
+    clock = [0.0]
+
+    class FakeEvent:
+        def __init__(self, enable_timing: bool = False) -> None:
+            created.append(self)
+            self.at = 0.0
+
+        def record(self) -> None:
+            clock[0] += 1.0
+            self.at = clock[0]
+
+        def elapsed_time(self, other: FakeEvent) -> float:
+            return (other.at - self.at) * 1e3  # milliseconds, as CUDA reports
+
+    syncs: list[object] = []
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: syncs.append(device))
+    recorder = Recorder(torch.device("cuda"), origin=0.0)
+    for _segment in range(5):
+        for mb in range(10):
+            start = recorder.mark()
+            end = recorder.mark()
+            recorder.add(TraceEvent(0, 0, "F", mb, 0.0, 0.0, 0, 0, 0), start, end)
+        recorder.resolve()
+    assert len(created) == 1 + 2 * 10  # the base event and the first segment's pairs
+    assert len(syncs) == 5  # one device synchronisation per segment, none per action
+    assert [e.end - e.start for e in recorder.events] == [1.0] * 50
+    # reused events keep their new times: 100 marks after the first, one second apart
+    assert recorder.events[-1].end - recorder.events[0].start == 99.0
