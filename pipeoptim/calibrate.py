@@ -100,19 +100,20 @@ def costs_from_trace(trace: Trace) -> CostModel:
             f"the trace has no forward of stages {missing}; calibrate from a run's whole "
             f"trace (every rank's events)"
         )
-    # Static memory per stage: the first sample of the rank holding it, split evenly
-    # among the rank's stages (interleaved schedules hold several).
-    first_sample: dict[int, dict[str, int]] = {}
+    # Static memory per stage: the most any sample of the rank holding it shows (optimizer
+    # state appears at the first update), split evenly among the rank's stages
+    # (interleaved schedules hold several).
+    most: dict[tuple[int, str], int] = defaultdict(int)
     for m in trace.memory:
-        first_sample.setdefault(m.rank, m.detail)
+        for key in ("weights", "optimizer"):
+            most[(m.rank, key)] = max(most[(m.rank, key)], int(m.detail.get(key, 0)))
     rank_of = {e.stage: e.rank for e in trace.events}
     per_rank: dict[int, int] = defaultdict(int)
     for k in range(stages):
         per_rank[rank_of[k]] += 1
 
     def static(k: int, key: str) -> int:
-        detail = first_sample.get(rank_of[k], {})
-        return int(detail.get(key, 0)) // per_rank[rank_of[k]]
+        return most[(rank_of[k], key)] // per_rank[rank_of[k]]
 
     batch = trace.meta.get("batch_size") or 1
     return CostModel(

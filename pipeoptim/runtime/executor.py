@@ -236,6 +236,7 @@ class RankExecutor:
         """The last stage's own reading of the data, where targets are read, not sent."""
         self.on_step = on_step
         self.memory_every = max(1, memory_every)
+        self._peak_memory = -1  # the most this rank's stages held at once, so far
         self.targets_read = False
         """Training targets: read by the last stage's rank itself (True) or sent to it by
         stage 0's rank (False). Evaluation targets are always sent."""
@@ -323,17 +324,24 @@ class RankExecutor:
             self.rank, a.stage, a.kind.value, mb, 0.0, 0.0, version, nbytes, distance
         )
         rec.add(event, start, end)
-        # Sampled every few micro-batches: the pattern repeats with each one, so a sample of
-        # F, B and U of every k-th micro-batch sees the peaks without a sample per action.
-        if a.kind.is_compute and a.mb % self.memory_every == 0:
-            detail: dict[str, int] = {}
-            for stage in self.stages.values():
-                for key, value in stage.memory().items():
-                    detail[key] = detail.get(key, 0) + value
-            total = (
-                int(torch.cuda.memory_allocated(rec.device)) if rec.cuda else sum(detail.values())
-            )
-            rec.add(MemorySample(self.rank, 0.0, total, detail), start, end)
+        # Sampled every few micro-batches (the pattern repeats with each one), and whenever
+        # the rank holds more than ever before, so the trace has its exact peak without a
+        # full sample per action; the total is a few integer sums.
+        if a.kind.is_compute:
+            if rec.cuda:
+                total = int(torch.cuda.memory_allocated(rec.device))
+            else:
+                total = sum(stage.memory_total() for stage in self.stages.values())
+            if total > self._peak_memory or a.mb % self.memory_every == 0:
+                self._peak_memory = max(self._peak_memory, total)
+                detail: dict[str, int] = {}
+                for k, stage in self.stages.items():
+                    counts = stage.memory()
+                    for key, value in counts.items():
+                        detail[key] = detail.get(key, 0) + value
+                    if not rec.cuda:  # on CUDA the total is the allocator's, not a sum
+                        detail[f"stage:{k}"] = sum(counts.values())
+                rec.add(MemorySample(self.rank, 0.0, total, detail), start, end)
         self._post_ahead()
 
     def _execute(self, a: Action) -> tuple[int, int, int]:

@@ -365,6 +365,8 @@ class Stage:
         self._backup: list[Tensor] | None = None  # live weights aside during a predicted F
         self._saved: dict[int, tuple[Tensor, Tensor]] = {}  # mb -> (input, output or loss)
         self._act_bytes: dict[int, int] = {}
+        self._act_total = 0  # the sum of _act_bytes, kept as it changes
+        self._grad_bytes = 0  # gradients held since the last update (counted once per update)
         self.correct: Tensor | None = None
         """Last stage: correct predictions of the latest forward (None: not a classifier)."""
         self.peak_weight_copies = 1
@@ -513,6 +515,7 @@ class Stage:
             self._held.add(mb)
         self._saved[mb] = (x_in, out)
         self._act_bytes[mb] = act if hooked else self._act_cache[shape_key]
+        self._act_total += self._act_bytes[mb]
         return out.detach()
 
     def forward_eval(self, x: Tensor) -> Tensor:
@@ -535,7 +538,7 @@ class Stage:
                 f"{v.backward_version}, which the stage no longer holds (live {self._cur})"
             )
         x_in, out = self._saved.pop(mb)
-        self._act_bytes.pop(mb, None)
+        self._act_total -= self._act_bytes.pop(mb, 0)
         if self.closure is not None:
             self.closure.backward(self.index, mb, self._params)
         self._held.discard(mb)
@@ -549,6 +552,8 @@ class Stage:
         if self._tracks_versions:
             self._inflight[v.forward_version] -= 1
             self._release(v.forward_version)
+        if not self._grad_bytes:  # later backwards accumulate into the same buffers
+            self._grad_bytes = _nbytes(p.grad for p in self._params)
         g_in = x_in.grad if x_in.requires_grad else None
         if g_in is not None and scaler is not None:  # send the true gradient upstream
             g_in = g_in / scaler.scale(torch.ones((), device=g_in.device))
@@ -580,6 +585,7 @@ class Stage:
         self._cur += 1
         self._note_copies()
         self._static_dirty = True  # recounted when memory() is next read, not per update
+        self._grad_bytes = 0  # zero_grad(set_to_none=True) freed them
 
     # -- versions --------------------------------------------------------------------------
     def versions(self, mb: int) -> MicroBatchVersions:
@@ -726,9 +732,16 @@ class Stage:
         return {
             **self._static_bytes,
             "stash": weights * (self.weight_copies() - 1),  # every copy but the live one
-            "gradients": _nbytes(p.grad for p in self._params),
-            "activations": sum(self._act_bytes.values()),
+            "gradients": self._grad_bytes,
+            "activations": self._act_total,
         }
+
+    def memory_total(self) -> int:
+        """The sum of :meth:`memory`, without building it (checked after every action)."""
+        if self._static_dirty:
+            self._refresh_static_bytes()
+        weights, opt = self._static_bytes["weights"], self._static_bytes["optimizer"]
+        return weights * self.weight_copies() + opt + self._grad_bytes + self._act_total
 
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -9,7 +9,9 @@ What a stage holds (bytes), following the method's weight policy as
   backward's end (the current version counted once); PREDICT keeps one predicted copy,
   allocated at the stage's first predicted forward and kept from then on (the buffer is
   reused); FLUSH keeps none;
-* ``gradients``: one parameter-sized gradient buffer, always;
+* ``gradients``: one parameter-sized gradient buffer, from the stage's first backward
+  after an update to the next update, which frees it (as the runtime's
+  ``zero_grad(set_to_none=True)`` does);
 * ``optimizer``: the optimizer state, always;
 * ``activations``: one micro-batch's activations from its forward's start to its
   backward's end.
@@ -82,7 +84,7 @@ class _StageState:
     )
 
     def __init__(self, param: int, opt: int, act: int) -> None:
-        self.param, self.opt, self.grads, self.act = param, opt, param, act
+        self.param, self.opt, self.grads, self.act = param, opt, 0, act
         self.inflight = 0
         self.current = 0
         self.stash: dict[int, int] = {}  # version -> micro-batches holding it
@@ -181,6 +183,7 @@ def memory_report(
                     emit(starts[i])
             elif c == KIND_B:
                 st.inflight -= 1
+                st.grads = st.param
                 if keeps:
                     # STASH and DOUBLE_BUFFER run the backward on the stashed version.
                     v = version[i]
@@ -193,6 +196,7 @@ def memory_report(
                     emit(ends[i])
             else:
                 st.current += 1
+                st.grads = 0
                 if st.refresh():
                     emit(ends[i])
         out += pending

@@ -70,13 +70,20 @@ def test_profile_plan_train_simulate_calibrate(
     measured = Trace.load(trace)
     assert measured.meta["plan"]["boundaries"] == [list(b) for b in plan.boundaries]
 
+    # simulating the plan file predicts what the planner promised when it chose the plan
     predicted = run_json(capsys, "simulate", "--plan", str(plan_path))
-    assert "pipeoptim" in json.dumps(predicted)
+    run = predicted["runs"]["pipeoptim"]  # type: ignore[index]
+    promised = plan.notes
+    assert run["steady_throughput"] == pytest.approx(promised["predicted_samples_per_s"])
+    assert run["bubble_ratio"] == pytest.approx(promised["predicted_bubble_ratio"])
 
+    # calibration replays the run on its measured costs: the memory model and the
+    # runtime's byte counts agree exactly, and the replay covers the run's own shape
     calibrated = run_json(capsys, "calibrate", "--trace", str(trace))
     rows = {r["quantity"]: r for r in calibrated["rows"]}  # type: ignore[attr-defined]
-    assert rows["peak memory, fullest rank"]["measured"] > 0
-    assert rows["time per mini-batch (steady state)"]["predicted"] > 0
+    memory = rows["peak memory, fullest rank"]
+    assert memory["measured"] == memory["predicted"] > plan.stage_graph["stages"][0]["param_bytes"]
+    assert rows["time per mini-batch (steady state)"]["measured"] > 0
 
 
 @pytest.mark.parametrize(

@@ -45,9 +45,14 @@ def test_activations_in_flight(p: int, m: int) -> None:
         timing = list_schedule(program, durations, program.transfer_times(costs))
         report = memory_report(program, timing, costs)
         for k in range(p):
-            assert report.peaks[k].activations == bound(k)
-            # one weight copy + gradients + sgd momentum + activations
-            assert report.peaks[k].bytes == 100 + 100 + 100 + 10 * bound(k)
+            a = bound(k)
+            assert report.peaks[k].activations == a
+            # one weight copy + sgd momentum + activations, and gradients from the first
+            # backward to the update: with all a micro-batches in flight only where a
+            # forward follows a backward in the same mini-batch (1F1B's steady state)
+            steady = name == "1f1b" and m > a
+            peak = 10 * a + 100 if steady else max(10 * a, 100 + 10 * (a - 1))
+            assert report.peaks[k].bytes == 100 + 100 + peak
 
 
 @pytest.mark.parametrize("name", ["pipedream", "pipeoptim", "spectrain"])
