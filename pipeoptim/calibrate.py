@@ -15,11 +15,13 @@ import math
 import statistics
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pipeoptim.errors import PipeoptimError
 from pipeoptim.metrics import RunMetrics, compute_metrics
+from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.plan import Plan
+from pipeoptim.plan.profile import LayerProfile, Profile
 from pipeoptim.sim.costs import CostModel
 from pipeoptim.sim.evaluate import evaluate_trace
 from pipeoptim.trace import Trace, TraceEvent
@@ -68,8 +70,13 @@ def costs_from_trace(trace: Trace) -> CostModel:
     durations: dict[tuple[int, str], list[float]] = defaultdict(list)
     sizes: dict[tuple[int, str], list[int]] = defaultdict(list)
     gaps: dict[tuple[int, str], list[float]] = defaultdict(list)
+    # A predicted forward's time includes its prediction, which the runtime timed on its
+    # own (CPU): the forward cost is what is left, the prediction its own cost, which the
+    # simulator adds back on exactly the forwards its version analysis predicts.
+    predict = _stage_floats(trace.meta.get("predict_s"))
     for e in trace.events:
-        durations[(e.stage, e.kind)].append(e.duration)
+        extra = predict.get(e.stage, 0.0) if e.kind == "F" and e.distance > 0 else 0.0
+        durations[(e.stage, e.kind)].append(max(e.duration - extra, 0.0))
         sizes[(e.stage, e.kind)].append(e.bytes)
 
     def med(stage: int, kind: str) -> float:
@@ -120,7 +127,7 @@ def costs_from_trace(trace: Trace) -> CostModel:
         forward_s=tuple(cost(k, "F") + cost(k, "SEND_F") for k in range(stages)),
         backward_s=tuple(cost(k, "B") + cost(k, "SEND_B") for k in range(stages)),
         update_s=tuple(cost(k, "U") for k in range(stages)),
-        predict_s=(0.0,) * stages,  # measured forwards already include the prediction
+        predict_s=tuple(predict.get(k, 0.0) for k in range(stages)),
         param_bytes=tuple(static(k, "weights") for k in range(stages)),
         optimizer_state_bytes=tuple(static(k, "optimizer") for k in range(stages)),
         activation_bytes=tuple(size(k, "F") for k in range(stages)),
@@ -131,6 +138,13 @@ def costs_from_trace(trace: Trace) -> CostModel:
         samples_per_micro_batch=float(batch) / shape.micro_batches,
         optimizer=plan.optimizer.family,
     )
+
+
+def _stage_floats(data: object) -> dict[int, float]:
+    """``{"0": 0.01, ...}`` from a trace's meta as ``{0: 0.01}`` (nothing when absent)."""
+    if not isinstance(data, dict):
+        return {}
+    return {int(k): float(v) for k, v in data.items()}
 
 
 def link_latencies(trace: Trace, num_stages: int) -> list[float]:
@@ -215,3 +229,223 @@ def format_comparison(rows: Sequence[Comparison]) -> list[list[str]]:
         ]
         for r in rows
     ]
+
+
+def run_boundaries(trace: Trace) -> list[tuple[int, int]]:
+    """The layer ranges the measured run's stages held (its plan's, or the even split the
+    runtime recorded)."""
+    plan = _plan_of(trace)
+    raw = plan.boundaries or trace.meta.get("boundaries")
+    if not raw:
+        raise PipeoptimError(
+            "the trace records no layer boundaries (a trace from an older pipeoptim, or a "
+            "model that was not split by layers); rerun `pipeoptim train --trace FILE` with "
+            "this version"
+        )
+    return [(int(a), int(b)) for a, b in raw]
+
+
+def _split(total: float, weights: Sequence[float]) -> list[float]:
+    """``total`` in proportion to ``weights`` (evenly when they are all 0)."""
+    whole = math.fsum(weights)
+    if whole <= 0:
+        return [total / len(weights)] * len(weights)
+    return [total * w / whole for w in weights]
+
+
+def _split_int(total: int, weights: Sequence[float]) -> list[int]:
+    """``total`` bytes in proportion to ``weights``, summing to ``total`` exactly."""
+    parts = [int(x) for x in _split(float(total), weights)]
+    parts[-1] += total - sum(parts)
+    return parts
+
+
+def calibrated_profile(trace: Trace, profile: Profile | None = None) -> Profile:
+    """The measured run's costs as a per-layer :class:`Profile` for its mini-batch size.
+
+    Each stage's calibrated costs (:func:`costs_from_trace`) are shared among its layers:
+    times in proportion to ``profile``'s layer times, bytes, update and prediction times in
+    proportion to its parameter bytes (evenly per layer without a profile). The last layer
+    of a stage carries the bytes the stage sends, so cutting this profile at the run's
+    boundaries gives back the calibrated costs; cut elsewhere (other stage counts), it
+    predicts from measured totals. The part of a time that does not shrink with the batch
+    is, at the run's micro-batch size, the same fraction as in ``profile`` (which times
+    layers at several sizes); without one, times scale in proportion to the batch. A stage
+    whose prediction was not measured (a method that does not predict, the last stage)
+    gets ``profile``'s prediction times, else its update time as an estimate of one pass
+    over its weights; ``meta["predict_estimated"]`` lists them.
+    """
+    plan = _plan_of(trace)
+    costs = costs_from_trace(trace)
+    bounds = run_boundaries(trace)
+    num_layers = bounds[-1][1]
+    if profile is not None and profile.num_layers != num_layers:
+        raise PipeoptimError(
+            f"the profile has {profile.num_layers} layers but the measured run's model has "
+            f"{num_layers}; pass the profile of the model that ran"
+        )
+    m = plan.shape(1).micro_batches
+    batch = costs.samples_per_micro_batch * m
+    measured_prediction = _stage_floats(trace.meta.get("predict_s"))
+    layers: list[LayerProfile] = []
+    estimated: list[int] = []
+    last = len(bounds) - 1
+    for k, (start, end) in enumerate(bounds):
+        span = range(start, end)
+        offline = [profile.layers[i] for i in span] if profile is not None else None
+        time_share = [x.compute_s for x in offline] if offline else [1.0] * len(span)
+        byte_share = [float(x.param_bytes) for x in offline] if offline else [1.0] * len(span)
+        # Times of one micro-batch of the run, and their fixed parts, scaled to the batch.
+        micro = costs.samples_per_micro_batch
+        forward_run = _split(costs.forward_s[k], time_share)
+        backward_run = _split(costs.backward_s[k], time_share)
+        fixed_f = _fixed_fraction(offline, micro, profile, "forward")
+        fixed_b = _fixed_fraction(offline, micro, profile, "backward")
+        forward_fixed = [fixed_f * t for t in forward_run]
+        backward_fixed = [fixed_b * t for t in backward_run]
+        forward = [c + (t - c) * m for t, c in zip(forward_run, forward_fixed, strict=True)]
+        backward = [c + (t - c) * m for t, c in zip(backward_run, backward_fixed, strict=True)]
+        update = _split(costs.update_s[k], byte_share)
+        if k in measured_prediction:
+            predict = _split(costs.predict_s[k], byte_share)
+        elif offline is not None and any(x.predict_s for x in offline):
+            predict = [x.predict_s for x in offline]
+        else:
+            predict = list(update)
+            estimated.append(k)
+        params = _split_int(costs.param_bytes[k], byte_share)
+        state = _split_int(costs.optimizer_state_bytes[k], byte_share)
+        saved = costs.activation_bytes[k] * m
+        if k < last and len(span) > 1:  # the last layer's output crosses to the next stage
+            sent = costs.send_forward_bytes[k] * m
+            activations = [*_split_int(max(saved - sent, 0), [1.0] * (len(span) - 1)), sent]
+        elif k < last:
+            activations = [max(saved, costs.send_forward_bytes[k] * m)]
+        else:
+            activations = _split_int(saved, [1.0] * len(span))
+        names = [x.name for x in offline] if offline else [f"{i}:layer" for i in span]
+        for j in range(len(span)):
+            layers.append(
+                LayerProfile(
+                    name=names[j],
+                    forward_s=forward[j],
+                    backward_s=backward[j],
+                    activation_bytes=activations[j],
+                    param_bytes=params[j],
+                    optimizer_state_bytes=state[j],
+                    param_count=params[j] // (profile.dtype_bytes if profile else 4),
+                    update_s=update[j],
+                    predict_s=predict[j],
+                    forward_fixed_s=forward_fixed[j],
+                    backward_fixed_s=backward_fixed[j],
+                )
+            )
+    latencies = link_latencies(trace, len(bounds))
+    device = str(trace.meta.get("device", "cpu")).split(" ")[0]
+    return Profile(
+        layers=tuple(layers),
+        batch_size=max(1, round(batch)),
+        optimizer=costs.optimizer,
+        device=device,
+        dtype_bytes=profile.dtype_bytes if profile is not None else 4,
+        meta={
+            "source": "pipeoptim calibrate",
+            "model": plan.model,
+            "calibrated_from": {"method": plan.method, "stages": len(bounds), "micro_batches": m},
+            "link_latency_s": statistics.median(latencies) if latencies else 0.0,
+            "predict_estimated": estimated,
+            **({"threads": trace.meta["threads"]} if "threads" in trace.meta else {}),
+        },
+    )
+
+
+def _fixed_fraction(
+    layers: Sequence[LayerProfile] | None, samples: float, profile: Profile | None, part: str
+) -> float:
+    """The fraction of ``layers``' ``part`` time (forward/backward) that is fixed when they
+    run ``samples`` samples, by ``profile``'s fit; 0 without a profile."""
+    if not layers or profile is None:
+        return 0.0
+    index = 0 if part == "forward" else 1
+    total = math.fsum(x.time_at(samples, profile.batch_size)[index] for x in layers)
+    fixed = math.fsum(getattr(x, f"{part}_fixed_s") for x in layers)
+    return min(fixed / total, 1.0) if total > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class WhatIf:
+    """One prediction from a measured run for another method or shape."""
+
+    method: str
+    num_stages: int
+    micro_batches: int
+    trace: Trace
+    """The simulator's trace of it."""
+    metrics: RunMetrics
+    notes: tuple[str, ...] = ()
+
+    @property
+    def time_per_mini_batch(self) -> float:
+        batch = float(self.trace.meta.get("batch_size") or 1)
+        steady = self.metrics.steady_throughput
+        return batch / steady if steady > 0 else math.nan
+
+
+def what_if(
+    trace: Trace,
+    method: str,
+    *,
+    stages: int | None = None,
+    micro_batches: int | None = None,
+    profile: Profile | None = None,
+) -> WhatIf:
+    """Predict ``method`` (at ``stages`` and ``micro_batches``, default the run's stage count
+    and the method's default M) from the measured run's calibrated costs.
+
+    The run's own stages keep its boundaries and per-link latencies; another stage count
+    re-partitions :func:`calibrated_profile` with the partitioner (the median latency on
+    every link). The simulated run has as many mini-batches as the measured one.
+    """
+    from pipeoptim.plan.partition import method_memory_factors, optimal_partition
+
+    plan = _plan_of(trace)
+    spec = get_method(method)
+    ranks = stages if stages is not None else plan.num_stages
+    n = max(1, int(trace.meta.get("mini_batches") or 1))
+    shape = spec.shape(ranks, micro_batches, n)
+    calibrated = calibrated_profile(trace, profile)
+    run_bounds = run_boundaries(trace)
+    notes: list[str] = []
+    if shape.num_stages == len(run_bounds):
+        bounds = run_bounds
+    else:
+        factors = method_memory_factors(spec.name, shape.num_stages, shape.micro_batches)
+        bounds = list(
+            optimal_partition(calibrated, shape.num_stages, memory_factors=factors).boundaries
+        )
+        notes.append(f"re-partitioned into {shape.num_stages} stages: {bounds}")
+    costs = CostModel.from_profile(
+        calibrated,
+        bounds,
+        shape.micro_batches,
+        batch_size=float(calibrated.batch_size),
+        latency_s=float(calibrated.meta.get("link_latency_s", 0.0)),
+    )
+    if bounds == run_bounds:
+        latencies = link_latencies(trace, len(bounds))
+        costs = replace(costs, latency_s=tuple(latencies))
+    if spec.prediction_rule is not None and calibrated.meta.get("predict_estimated"):
+        notes.append(
+            "prediction time estimated (not measured in this run) for the layers of stages "
+            f"{calibrated.meta['predict_estimated']} of the run"
+        )
+    predicted = evaluate_trace(spec, shape, costs)
+    predicted.meta["batch_size"] = calibrated.batch_size
+    return WhatIf(
+        spec.name,
+        shape.num_stages,
+        shape.micro_batches,
+        predicted,
+        compute_metrics(predicted),
+        tuple(notes),
+    )

@@ -53,6 +53,7 @@ _META_SCHEMA = Obj(
         "batch_size": Opt(Num(minimum=0)),
         "samples_per_micro_batch": Opt(Num(minimum=0)),
         "weight_copies": Opt(Dict(Int(), int_keys=True)),
+        "predict_s": Opt(Dict(Num(minimum=0), int_keys=True)),
         "plan": Opt(Dict()),
     }
 )

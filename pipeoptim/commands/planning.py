@@ -22,7 +22,7 @@ from pipeoptim.plan.graph import stage_graph_to_dict
 from pipeoptim.plan.limits import MAX_PROFILE_BATCH, MAX_PROFILE_REPEATS
 from pipeoptim.plan.methods import METHODS, get_method
 from pipeoptim.plan.plan import OPTIMIZER_FAMILIES, OptimizerSpec, Plan
-from pipeoptim.plan.profile import Profile
+from pipeoptim.plan.profile import Profile, conditions_warning
 from pipeoptim.plan.units import format_bytes, format_distances, parse_bandwidth, parse_bytes
 from pipeoptim.planner import Candidate, evaluate_candidate, explain, search
 
@@ -42,6 +42,14 @@ def register(sub: Any) -> None:
     prof.add_argument("--optimizer", choices=OPTIMIZER_FAMILIES, default="sgd")
     prof.add_argument("--repeats", type=int, default=5, help="timed runs per layer")
     prof.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if any)")
+    prof.add_argument(
+        "--ranks",
+        type=int,
+        default=None,
+        help="pipeline ranks that will share this machine: on CPU profile with cores/ranks "
+        "threads, as each rank runs (default: all of the machine's threads)",
+    )
+    prof.add_argument("--threads", type=int, default=None, help="CPU threads (overrides --ranks)")
     prof.add_argument("--out", type=Path, required=True, help="profile JSON to write")
     add_json_flag(prof)
     prof.set_defaults(func=run_profile)
@@ -91,7 +99,15 @@ def _check_batch(batch_size: int) -> None:
 
 
 def _profile_model(
-    model: str, batch_size: int, optimizer: str, repeats: int, device: str | None, progress: bool
+    model: str,
+    batch_size: int,
+    optimizer: str,
+    repeats: int,
+    device: str | None,
+    progress: bool,
+    *,
+    ranks: int | None = None,
+    threads: int | None = None,
 ) -> Profile:
     from pipeoptim.runtime.profiler import profile_builtin
 
@@ -102,6 +118,8 @@ def _profile_model(
         repeats=repeats,
         device=device,
         progress=progress,
+        ranks=ranks,
+        threads=threads,
     )
 
 
@@ -114,6 +132,9 @@ def run_profile(args: argparse.Namespace) -> int:
         MAX_PROFILE_REPEATS,
         "the profile keeps the median, which a few repeats already settle, e.g. --repeats 5",
     )
+    for flag, value in (("--ranks", args.ranks), ("--threads", args.threads)):
+        if value is not None:
+            _check_whole(flag, value, 4096, "e.g. --ranks 2 for a 2-stage run on this machine")
     profile = _profile_model(
         args.model,
         args.batch_size,
@@ -121,6 +142,8 @@ def run_profile(args: argparse.Namespace) -> int:
         args.repeats,
         args.device,
         progress=not args.json,
+        ranks=args.ranks,
+        threads=args.threads,
     )
     files = ResultFiles()
     files.write(args.out, profile.save)
@@ -140,9 +163,10 @@ def run_profile(args: argparse.Namespace) -> int:
     ]
     print(format_table(["#", "layer", "forward ms", "backward ms", "activation", "params"], rows))
     if files.ok:
+        threads = profile.meta.get("threads")
         print(
-            f"wrote {profile.num_layers}-layer profile ({profile.device}, batch "
-            f"{profile.batch_size}) to {args.out}"
+            f"wrote {profile.num_layers}-layer profile ({profile.device}, {threads} thread(s), "
+            f"batch {profile.batch_size}) to {args.out}"
         )
     else:  # the measurement is not lost: print it, to be saved by hand
         print(profile.to_json())
@@ -177,9 +201,18 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.profile is not None:
         profile = Profile.load(args.profile)
     else:
-        profile = _profile_model(
-            args.model, args.batch_size, args.optimizer or "sgd", 5, None, progress=not args.json
+        profile = _profile_model(  # under the conditions each of the P ranks will have
+            args.model,
+            args.batch_size,
+            args.optimizer or "sgd",
+            5,
+            None,
+            progress=not args.json,
+            ranks=args.stages,
         )
+    warning = conditions_warning(profile.device, profile.meta.get("threads"), args.stages)
+    if warning:
+        print(warning, file=sys.stderr)
     cap = parse_bytes(args.memory_cap) if args.memory_cap else None
     bandwidth = math.inf if args.bandwidth in ("inf", "") else parse_bandwidth(args.bandwidth)
     family = args.optimizer or (

@@ -316,6 +316,16 @@ def run(args: argparse.Namespace) -> int:
             args.mini_batches = plan.mini_batches
         if args.virtual_stages is None and plan.virtual_stages > 1:
             args.virtual_stages = plan.virtual_stages
+    from pipeoptim.plan.profile import conditions_warning
+
+    warning = None
+    if profile is not None:
+        warning = conditions_warning(profile.device, profile.meta.get("threads"), num_ranks)
+    elif plan is not None and plan.stage_graph is not None:
+        graph = plan.stage_graph.get("graph", {})
+        warning = conditions_warning(str(graph.get("device", "")), graph.get("threads"), num_ranks)
+    if warning:
+        print(warning, file=sys.stderr)
     methods = _methods(method_text)
     every = len(methods) > 1
 

@@ -77,6 +77,10 @@ _STAGE_SCHEMA = Obj(
         "activation_slots": Int(minimum=0),
         "memory_bytes": Int(minimum=0, maximum=MAX_STAGE_BYTES),
         "param_count": Int(minimum=0, maximum=MAX_STAGE_BYTES),
+        "forward_fixed_s": Num(minimum=0),
+        "backward_fixed_s": Num(minimum=0),
+        "update_s": Num(minimum=0),
+        "predict_s": Num(minimum=0),
     },
     required=("index", *_STAGE_KEYS),
 )
@@ -91,6 +95,7 @@ STAGE_GRAPH_SCHEMA = Obj(
                 "device": Str(),
                 "dtype_bytes": Int(minimum=1),
                 "num_layers": Int(minimum=0),
+                "threads": Int(minimum=1),
             }
         ),
         "stages": List(_STAGE_SCHEMA),
@@ -227,10 +232,12 @@ def stage_graph(
     :func:`pipeoptim.plan.partition.method_memory_factors`.
 
     Node ``k`` attributes: ``start, end, layers`` (list of layer indices), ``layer_names``,
-    ``forward_s, backward_s`` (summed), ``param_bytes, grad_bytes, optimizer_state_bytes,
-    activation_bytes`` (summed), ``weight_copies, activation_slots, memory_bytes``,
-    ``param_count``. Edge ``k -> k+1`` has ``bytes``: the activation of stage ``k``'s last
-    layer, sent forward once per batch (its gradient, the same size, comes back).
+    ``forward_s, backward_s, forward_fixed_s, backward_fixed_s, update_s, predict_s``
+    (summed), ``param_bytes, grad_bytes, optimizer_state_bytes, activation_bytes`` (summed),
+    ``weight_copies, activation_slots, memory_bytes``, ``param_count``. The graph keeps the
+    profile's ``threads`` (CPU threads it was measured with) when it recorded them. Edge
+    ``k -> k+1`` has ``bytes``: the activation of stage ``k``'s last layer, sent forward
+    once per batch (its gradient, the same size, comes back).
     """
     stages = validate_boundaries(boundaries, profile.num_layers)
     copies = _per_stage("weight_copies", weight_copies, len(stages))
@@ -242,6 +249,9 @@ def stage_graph(
         dtype_bytes=profile.dtype_bytes,
         num_layers=profile.num_layers,
     )
+    threads = profile.meta.get("threads")
+    if isinstance(threads, int) and threads >= 1:
+        graph.graph["threads"] = threads
     for k, (start, end) in enumerate(stages):
         layers = profile.layers[start:end]
         param = sum(layer.param_bytes for layer in layers)
@@ -255,6 +265,10 @@ def stage_graph(
             layer_names=[layer.name for layer in layers],
             forward_s=sum(layer.forward_s for layer in layers),
             backward_s=sum(layer.backward_s for layer in layers),
+            forward_fixed_s=sum(layer.forward_fixed_s for layer in layers),
+            backward_fixed_s=sum(layer.backward_fixed_s for layer in layers),
+            update_s=sum(layer.update_s for layer in layers),
+            predict_s=sum(layer.predict_s for layer in layers),
             param_bytes=param,
             grad_bytes=param,
             optimizer_state_bytes=state,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,7 +32,9 @@ __all__ = [
     "PROFILE_VERSION",
     "LayerProfile",
     "Profile",
+    "conditions_warning",
     "optimizer_state_factor",
+    "threads_per_rank",
 ]
 
 PROFILE_FORMAT = "pipeoptim.profile"
@@ -67,6 +70,28 @@ def optimizer_state_factor(optimizer: str, *, momentum: bool | None = None) -> i
     use_momentum = _DEFAULT_MOMENTUM[key] if momentum is None else momentum
     without, with_momentum = OPTIMIZER_STATE_FACTORS[key]
     return with_momentum if use_momentum else without
+
+
+def threads_per_rank(ranks: int, cores: int | None = None) -> int:
+    """CPU threads each of ``ranks`` processes gets on a machine of ``cores`` (default: this
+    one's) when they share it evenly, as ``pipeoptim train --transport dist`` does."""
+    return max(1, (cores if cores is not None else os.cpu_count() or 1) // max(1, ranks))
+
+
+def conditions_warning(device: str, threads: object, ranks: int) -> str | None:
+    """Why costs profiled on ``device`` with ``threads`` CPU threads may mispredict a run of
+    ``ranks`` processes on this machine, or None: on CPU, a thread count other than each
+    rank will get (a profile without a recorded count is not judged)."""
+    if not device.startswith("cpu") or not isinstance(threads, int):
+        return None
+    expected = threads_per_rank(ranks)
+    if threads == expected:
+        return None
+    return (
+        f"warning: the profile was taken with {threads} CPU thread(s), but {ranks} rank(s) "
+        f"on this machine get {expected} each; its times may be off by the difference. "
+        f"Re-profile with `pipeoptim profile --ranks {ranks}` (or --threads {expected})"
+    )
 
 
 def _check_nonnegative_number(where: str, value: object) -> float:
@@ -113,6 +138,21 @@ class LayerProfile:
     param_count: int
     """Number of parameter elements (``param_bytes / dtype_bytes`` for one dtype)."""
 
+    update_s: float = 0.0
+    """Optimizer step time for the layer's parameters, in seconds (0: not measured)."""
+
+    predict_s: float = 0.0
+    """Time to write the layer's predicted weights for a forward and restore them after
+    (PipeOptim's prediction with the profile's optimizer), in seconds (0: not measured)."""
+
+    forward_fixed_s: float = 0.0
+    """The part of ``forward_s`` that does not shrink with the batch (per call), fitted
+    from several batch sizes; a batch of b samples takes ``forward_fixed_s + (forward_s -
+    forward_fixed_s) * b / batch_size``. 0: times scale in proportion to the batch."""
+
+    backward_fixed_s: float = 0.0
+    """As ``forward_fixed_s``, for the backward."""
+
     def __post_init__(self) -> None:
         where = f"layer {self.name!r}"
         if not isinstance(self.name, str):
@@ -126,6 +166,24 @@ class LayerProfile:
         for name in ("activation_bytes", "param_bytes", "optimizer_state_bytes", "param_count"):
             value = _check_nonnegative_int(f"{where} {name}", getattr(self, name))
             object.__setattr__(self, name, value)
+        for name in ("update_s", "predict_s", "forward_fixed_s", "backward_fixed_s"):
+            number = _check_nonnegative_number(f"{where} {name}", getattr(self, name))
+            object.__setattr__(self, name, number)
+        for part, total in (("forward", self.forward_s), ("backward", self.backward_s)):
+            if getattr(self, f"{part}_fixed_s") > total:
+                raise PlanError(
+                    f"{where} {part}_fixed_s ({getattr(self, f'{part}_fixed_s')}) exceeds "
+                    f"{part}_s ({total}): the fixed part of a time cannot exceed the time"
+                )
+
+    def time_at(self, samples: float, batch_size: int) -> tuple[float, float]:
+        """Forward and backward seconds for a batch of ``samples``, from the time at
+        ``batch_size`` and the fixed part (see ``forward_fixed_s``)."""
+        scale = samples / batch_size
+        return (
+            self.forward_fixed_s + (self.forward_s - self.forward_fixed_s) * scale,
+            self.backward_fixed_s + (self.backward_s - self.backward_fixed_s) * scale,
+        )
 
     @property
     def compute_s(self) -> float:
@@ -153,9 +211,14 @@ _LAYER_SCHEMA = Obj(
         "param_bytes": Int(minimum=0, maximum=MAX_LAYER_BYTES),
         "optimizer_state_bytes": Int(minimum=0, maximum=MAX_LAYER_BYTES),
         "param_count": Int(minimum=0, maximum=MAX_LAYER_BYTES),
+        "update_s": Num(minimum=0),
+        "predict_s": Num(minimum=0),
+        "forward_fixed_s": Num(minimum=0),
+        "backward_fixed_s": Num(minimum=0),
     },
     required=_LAYER_KEYS,
 )
+_OPTIONAL_LAYER_KEYS = ("update_s", "predict_s", "forward_fixed_s", "backward_fixed_s")
 PROFILE_SCHEMA = Obj(
     {
         "batch_size": Int(minimum=1),
@@ -396,7 +459,11 @@ class Profile:
         checked = validate(data, PROFILE_SCHEMA, source=source, remedy=_REMEDY, error=PlanError)
         try:
             layers = tuple(
-                LayerProfile(**{key: raw[key] for key in _LAYER_KEYS}) for raw in checked["layers"]
+                LayerProfile(
+                    **{key: raw[key] for key in _LAYER_KEYS},
+                    **{key: raw[key] for key in _OPTIONAL_LAYER_KEYS if key in raw},
+                )
+                for raw in checked["layers"]
             )
             return cls(
                 layers=layers,

@@ -536,6 +536,10 @@ class RankResult:
     targets: dict[int, int] = field(default_factory=dict)
     evals: list[dict[str, Any]] = field(default_factory=list)
     weight_copies: dict[int, int] = field(default_factory=dict)
+    predict_s: dict[int, float] = field(default_factory=dict)
+    """Median seconds of a prediction per predicting stage (CPU runs)."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """What the rank knows about the run for the trace (boundaries, threads...)."""
     train_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     events: list[TraceEvent] = field(default_factory=list)
@@ -547,7 +551,7 @@ class RankResult:
     @classmethod
     def from_json(cls, text: str | bytes) -> RankResult:
         d = json.loads(text)
-        for key in ("losses", "correct", "targets", "weight_copies"):
+        for key in ("losses", "correct", "targets", "weight_copies", "predict_s"):
             d[key] = {int(k): v for k, v in d[key].items()}
         d["events"] = [TraceEvent(**e) for e in d["events"]]
         d["memory"] = [MemorySample(**m) for m in d["memory"]]

@@ -46,7 +46,7 @@ from pipeoptim.runtime.executor import NonFiniteLossError, RankResult
 from pipeoptim.runtime.lr import scheduler_factory
 from pipeoptim.runtime.models import build_model, model_loss, stage_boundaries
 from pipeoptim.runtime.pipeline import Pipeline
-from pipeoptim.runtime.placement import pick_device
+from pipeoptim.runtime.placement import pick_device, rank_threads
 from pipeoptim.runtime.result import FitResult, build_trace, merge
 from pipeoptim.runtime.transport import FailureBoard, PeerLostError
 from pipeoptim.trace import Trace
@@ -401,7 +401,7 @@ def _worker_main() -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     _exit_with_parent(rank, int(os.environ["PIPEOPTIM_LAUNCHER_PID"]))
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores; torchrun sets it to 1
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        torch.set_num_threads(rank_threads(world))
     port = int(os.environ["PIPEOPTIM_STORE_PORT"])
     timeout = timedelta(seconds=config.timeout)
     store = TCPStore(os.environ["MASTER_ADDR"], port, is_master=False, timeout=timeout)

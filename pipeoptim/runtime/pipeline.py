@@ -759,6 +759,10 @@ class Pipeline:
         res = self.result
         res.events, res.memory = self.recorder.events, self.recorder.memory
         res.weight_copies = {k: s.peak_weight_copies for k, s in self.stages.items()}
+        res.meta = self._meta()
+        res.predict_s = {
+            k: seconds for k, s in self.stages.items() if (seconds := s.prediction_s) is not None
+        }
         res.notes = [*self._notes, *sorted({n for s in self.stages.values() for n in s.notes})]
         return res
 
@@ -774,6 +778,10 @@ class Pipeline:
             "resumed_with_changes": self._resumed_with,
             "trace_truncated": self.recorder.truncated,
             "model": self.plan.model or "custom",
+            # the layer ranges the stages ran (the plan may leave them to the even split)
+            "boundaries": [list(b) for b in self.bounds],
+            "num_layers": len(self.units),
+            "threads": torch.get_num_threads(),  # CPU threads each rank computed with
         }
 
     def _merged(self) -> FitResult:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.plan.profile import threads_per_rank
 
 __all__ = ["join_group", "local_device", "pick_device"]
 
@@ -85,3 +86,9 @@ def _world_error(world: int, ranks: int) -> RuntimeConfigError:
         f"process per stage); launch {ranks} processes (torchrun --nproc-per-node {ranks}) or "
         f"use {world} stages"
     )
+
+
+def rank_threads(ranks: int) -> int:
+    """CPU threads of each of ``ranks`` processes sharing this machine: the cores split
+    evenly (what spawned ranks use, and what a profile for them should be taken with)."""
+    return threads_per_rank(ranks)

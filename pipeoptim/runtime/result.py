@@ -113,6 +113,12 @@ def build_trace(plan: Plan, results: list[RankResult], meta: dict[str, Any]) -> 
             str(k): n
             for k, n in sorted((k, n) for r in results for k, n in r.weight_copies.items())
         },
+        # median seconds of one prediction per predicting stage: calibration separates it
+        # from the forward it runs before
+        "predict_s": {
+            str(k): v for k, v in sorted((k, v) for r in results for k, v in r.predict_s.items())
+        },
+        **next((r.meta for r in results if r.meta), {}),  # what a rank knows of the run
         **meta,
     }
     return Trace(

@@ -39,6 +39,8 @@ computed from Ŵ, and the stage says so once (``Stage.notes``).
 from __future__ import annotations
 
 import copy
+import statistics
+import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -367,6 +369,9 @@ class Stage:
         self._act_bytes: dict[int, int] = {}
         self._act_total = 0  # the sum of _act_bytes, kept as it changes
         self._grad_bytes = 0  # gradients held since the last update (counted once per update)
+        self.prediction_seconds: list[float] = []
+        """Seconds of each timed prediction (CPU), for calibration."""
+        self._prediction_part: float | None = None
         self.correct: Tensor | None = None
         """Last stage: correct predictions of the latest forward (None: not a classifier)."""
         self.peak_weight_copies = 1
@@ -657,6 +662,8 @@ class Stage:
 
     def _write_prediction(self, s: int) -> None:
         assert self.predictor is not None
+        timed = self.device.type == "cpu"  # on CUDA reading a clock here would need a sync
+        started = time.perf_counter() if timed else 0.0
         live = [p.data for p in self._params]
         if self._backup is None:
             self._backup = [torch.empty_like(t) for t in live]
@@ -667,6 +674,7 @@ class Stage:
         self.predictor.predict_into(live, s, self._lrs(s))
         if self.predictor.kept_computations != kept:
             self._static_dirty = True  # a newly kept Δ counts in the predictor's bytes
+        self._prediction_part = time.perf_counter() - started if timed else None
 
     def _held_prediction(self, s: int) -> list[Tensor]:
         assert self.predictor is not None
@@ -677,7 +685,18 @@ class Stage:
 
     def _restore_live(self) -> None:
         assert self._backup is not None
+        started = time.perf_counter()
         torch._foreach_copy_([p.data for p in self._params], self._backup)
+        if self._prediction_part is not None:  # writing Ŵ before the forward, restoring after
+            self.prediction_seconds.append(self._prediction_part + time.perf_counter() - started)
+            self._prediction_part = None
+
+    @property
+    def prediction_s(self) -> float | None:
+        """Median seconds a predicted forward spent on its prediction (writing Ŵ and
+        restoring W; CPU only), or None when none was timed."""
+        times = self.prediction_seconds
+        return statistics.median(times) if times else None
 
     def weight_copies(self) -> int:
         """Weight copies held now: live, frozen versions, the predicted-forward buffer."""

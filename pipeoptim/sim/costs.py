@@ -223,21 +223,25 @@ class CostModel:
         batch_size: float | None = None,
         optimizer: str | None = None,
         source_optimizer: str = "sgd",
-        update_s: float | Sequence[float] = 0.0,
-        predict_s: float | Sequence[float] = 0.0,
+        update_s: float | Sequence[float] | None = None,
+        predict_s: float | Sequence[float] | None = None,
         latency_s: float = 0.0,
         bandwidth: float = math.inf,
     ) -> CostModel:
         """From per-stage sums measured on ``profile_batch`` samples.
 
         ``stages[k]`` has ``forward_s, backward_s, param_bytes, optimizer_state_bytes,
-        activation_bytes``; ``edge_bytes[k]`` is what crosses edge ``k`` for that batch.
+        activation_bytes`` and optionally ``forward_fixed_s, backward_fixed_s, update_s,
+        predict_s``; ``edge_bytes[k]`` is what crosses edge ``k`` for that batch.
         ``batch_size`` is the samples of one mini-batch (default: ``profile_batch``, i.e.
         the profile was measured on one mini-batch); a micro-batch has
-        ``batch_size / micro_batches`` samples, and times and activation/transfer bytes
-        scale linearly from ``profile_batch`` to it. Parameter bytes do not scale. Optimizer
-        state is recomputed from the parameters when ``optimizer`` differs from
-        ``source_optimizer``.
+        ``batch_size / micro_batches`` samples. Times scale from ``profile_batch`` to it
+        with their fixed part kept (linearly when there is none), activation and transfer
+        bytes linearly; parameter bytes, update and prediction times do not scale.
+        ``update_s``/``predict_s`` given here replace the stages' own. Optimizer state is
+        recomputed from the parameters when ``optimizer`` differs from
+        ``source_optimizer``; so are the update and prediction times, which were measured
+        with the other optimizer (they become 0: unknown).
         """
         if micro_batches < 1:
             raise PlanError(f"micro_batches must be >= 1, got {micro_batches}")
@@ -245,18 +249,29 @@ class CostModel:
         per_micro = mini / micro_batches
         scale = per_micro / profile_batch
         family = optimizer or source_optimizer
-        if family != source_optimizer:
+        same = family == source_optimizer
+        if not same:
             factor = optimizer_state_factor(family)
             state = [factor * int(st["param_bytes"]) for st in stages]
         else:
             state = [int(st["optimizer_state_bytes"]) for st in stages]
         s = len(stages)
         sent = [round(int(b) * scale) for b in edge_bytes]
+
+        def scaled(st: Mapping[str, Any], key: str) -> float:
+            fixed = float(st.get(f"{key}_fixed_s", 0.0))
+            return fixed + (float(st[f"{key}_s"]) - fixed) * scale
+
+        def measured(key: str, given: float | Sequence[float] | None) -> tuple[float, ...]:
+            if given is not None:
+                return _floats(key, given, s)
+            return tuple(float(st.get(key, 0.0)) if same else 0.0 for st in stages)
+
         return cls(
-            forward_s=tuple(float(st["forward_s"]) * scale for st in stages),
-            backward_s=tuple(float(st["backward_s"]) * scale for st in stages),
-            update_s=_floats("update_s", update_s, s),
-            predict_s=_floats("predict_s", predict_s, s),
+            forward_s=tuple(scaled(st, "forward") for st in stages),
+            backward_s=tuple(scaled(st, "backward") for st in stages),
+            update_s=measured("update_s", update_s),
+            predict_s=measured("predict_s", predict_s),
             param_bytes=tuple(int(st["param_bytes"]) for st in stages),
             optimizer_state_bytes=tuple(state),
             activation_bytes=tuple(round(int(st["activation_bytes"]) * scale) for st in stages),
@@ -292,6 +307,10 @@ class CostModel:
                 {
                     "forward_s": math.fsum(x.forward_s for x in layers),
                     "backward_s": math.fsum(x.backward_s for x in layers),
+                    "forward_fixed_s": math.fsum(x.forward_fixed_s for x in layers),
+                    "backward_fixed_s": math.fsum(x.backward_fixed_s for x in layers),
+                    "update_s": math.fsum(x.update_s for x in layers),
+                    "predict_s": math.fsum(x.predict_s for x in layers),
                     "param_bytes": sum(x.param_bytes for x in layers),
                     "optimizer_state_bytes": sum(x.optimizer_state_bytes for x in layers),
                     "activation_bytes": sum(x.activation_bytes for x in layers),

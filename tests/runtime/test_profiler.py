@@ -36,21 +36,63 @@ def test_profile_small_mlp_on_cpu() -> None:
     assert (first.param_count, first.param_bytes) == (8 * 16 + 16, 4 * (8 * 16 + 16))
     assert (relu.param_count, relu.param_bytes) == (0, 0)
     assert (last.param_count, last.param_bytes) == (16 * 4 + 4, 4 * (16 * 4 + 4))
-    assert first.optimizer_state_bytes == 2 * first.param_bytes
+    # measured after real steps: two moments and a float32 step count per parameter tensor
+    assert first.optimizer_state_bytes == 2 * first.param_bytes + 2 * 4
     assert relu.optimizer_state_bytes == 0
+    assert first.update_s > 0 and first.predict_s > 0
+    assert relu.update_s == relu.predict_s == 0
+    for layer in profile.layers:  # the fixed part of a time lies within the time
+        assert 0 <= layer.forward_fixed_s <= layer.forward_s
+        assert 0 <= layer.backward_fixed_s <= layer.backward_s
+    assert profile.meta["batch_sizes"] == [3]  # half and a quarter of 3 are below 2
+    assert profile.meta["threads"] == torch.get_num_threads()
     assert [layer.activation_bytes for layer in profile.layers] == [
         3 * 16 * 4,
         3 * 16 * 4,
         3 * 4 * 4,
     ]
-    # profiling leaves no gradients behind
+    # profiling leaves no gradients behind, and the steps it timed changed no weight
     assert all(p.grad is None for p in model.parameters())
+    fresh = mlp().parameters()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh, strict=True))
 
 
-@pytest.mark.parametrize(("optimizer", "factor"), [("sgd", 1), ("adamw", 2), ("rmsprop", 1)])
-def test_optimizer_state_bytes(optimizer: str, factor: int) -> None:
+@pytest.mark.parametrize(
+    ("optimizer", "factor", "step_bytes"), [("sgd", 1, 0), ("adamw", 2, 4), ("rmsprop", 1, 4)]
+)
+def test_optimizer_state_bytes(optimizer: str, factor: int, step_bytes: int) -> None:
+    tensors = len(list(mlp().parameters()))
     profile = profile_model(mlp(), torch.randn(2, 8), optimizer=optimizer, warmup=0, repeats=1)
-    assert profile.total_optimizer_state_bytes == factor * profile.total_param_bytes
+    measured = factor * profile.total_param_bytes + step_bytes * tensors
+    assert profile.total_optimizer_state_bytes == measured
+    estimated = profile_model(
+        mlp(), torch.randn(2, 8), optimizer=optimizer, warmup=0, repeats=1, steps=False
+    )
+    assert estimated.total_optimizer_state_bytes == factor * profile.total_param_bytes
+    assert all(layer.update_s == 0 for layer in estimated.layers)
+
+
+def test_threads_are_set_for_the_profile_and_restored() -> None:
+    before = torch.get_num_threads()
+    profile = profile_model(mlp(), torch.randn(8, 8), warmup=0, repeats=1, threads=1)
+    assert profile.meta["threads"] == 1
+    assert profile.meta["batch_sizes"] == [8, 4, 2]  # timed at half and a quarter too
+    assert torch.get_num_threads() == before
+    with pytest.raises(RuntimeConfigError, match="threads must be >= 1"):
+        profile_model(mlp(), torch.randn(4, 8), threads=0)
+    with pytest.raises(RuntimeConfigError, match="batch_sizes must be whole numbers from 1 to 3"):
+        profile_model(mlp(), torch.randn(4, 8), batch_sizes=[4])
+
+
+def test_fixed_part_is_the_intercept_of_the_times() -> None:
+    from pipeoptim.runtime.profiler import _fixed_part
+
+    # t = 2 + 0.5 b exactly: the fixed part is 2
+    assert _fixed_part([8, 4, 2], [6.0, 4.0, 3.0]) == pytest.approx(2.0)
+    # times that grow faster than the batch have no fixed part (clamped at 0)
+    assert _fixed_part([8, 4], [8.0, 2.0]) == 0.0
+    # one size: nothing to fit
+    assert _fixed_part([8], [1.0]) == 0.0
 
 
 def test_list_of_modules_buffers_restored_and_json(tmp_path: Path) -> None:
