@@ -84,16 +84,19 @@ def _per_micro_batch(profile: Profile, micro_batches: int) -> Profile:
     if micro_batches == 1:
         return profile
     m = micro_batches
-    layers = tuple(
-        replace(
-            layer,
-            forward_s=layer.forward_s / m,
-            backward_s=layer.backward_s / m,
-            activation_bytes=math.ceil(layer.activation_bytes / m),
+    samples = profile.batch_size / m
+    layers = []
+    for layer in profile.layers:  # the fixed part of a time does not shrink with the batch
+        forward, backward = layer.time_at(samples, profile.batch_size)
+        layers.append(
+            replace(
+                layer,
+                forward_s=forward,
+                backward_s=backward,
+                activation_bytes=math.ceil(layer.activation_bytes / m),
+            )
         )
-        for layer in profile.layers
-    )
-    return replace(profile, layers=layers, batch_size=max(1, profile.batch_size // m))
+    return replace(profile, layers=tuple(layers), batch_size=max(1, profile.batch_size // m))
 
 
 def evaluate_candidate(

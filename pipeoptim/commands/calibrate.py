@@ -6,7 +6,13 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from pipeoptim.calibrate import calibrate, format_comparison
+from pipeoptim.calibrate import (
+    WhatIf,
+    calibrate,
+    calibrated_profile,
+    format_comparison,
+    what_if,
+)
 from pipeoptim.commands.common import (
     ResultFiles,
     add_json_flag,
@@ -16,7 +22,10 @@ from pipeoptim.commands.common import (
 )
 from pipeoptim.errors import PipeoptimError
 from pipeoptim.plan.limits import check_work, estimate_work
+from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.plan import Plan
+from pipeoptim.plan.profile import Profile
+from pipeoptim.plan.units import format_bytes
 from pipeoptim.trace import Trace
 
 _LOCAL_NOTE = (
@@ -34,10 +43,33 @@ def register(sub: Any) -> None:
             "per-stage action times (medians, with the executor's gaps and send costs) and "
             "memory into simulator costs, simulate the run's method and shape, and print "
             "predicted against measured: time per mini-batch, throughput, bubble ratio, peak "
-            "memory, with the relative error."
+            "memory, with the relative error. --predict asks what other methods, stage "
+            "counts (--stages) and micro-batch counts (--micro-batches) would do on the "
+            "same measured costs; --out-profile saves those costs as a profile."
         ),
     )
     p.add_argument("--trace", type=Path, required=True, help="runtime trace JSON")
+    p.add_argument(
+        "--predict",
+        default=None,
+        metavar="METHOD[,METHOD...]",
+        help="also predict these methods from the measured costs (what if)",
+    )
+    p.add_argument("--stages", type=int, default=None, help="with --predict: stages P")
+    p.add_argument("--micro-batches", type=int, default=None, help="with --predict: M")
+    p.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="the offline profile of the model: shares a stage's measured time among its "
+        "layers, and gives the fixed part of times and unmeasured prediction times",
+    )
+    p.add_argument(
+        "--out-profile",
+        type=Path,
+        default=None,
+        help="write the calibrated costs as a profile (for simulate, plan, train --plan)",
+    )
     p.add_argument("--html", type=Path, default=None, help="report with both timelines")
     p.add_argument("--out-trace", type=Path, default=None, help="write the predicted trace")
     add_json_flag(p)
@@ -65,27 +97,78 @@ def _check_measured(trace: Trace, source: str) -> None:
         check_work(estimate, what="calibrating")
 
 
+def _what_if(args: argparse.Namespace, measured: Trace, profile: Profile | None) -> list[WhatIf]:
+    if args.predict is None:
+        if args.stages is not None or args.micro_batches is not None:
+            raise PipeoptimError(
+                "--stages and --micro-batches shape the --predict runs; add --predict METHOD "
+                "(e.g. --predict pipeoptim,1f1b)"
+            )
+        return []
+    names = [n.strip() for n in args.predict.split(",") if n.strip()]
+    if not names:
+        raise PipeoptimError("--predict needs a method, e.g. --predict pipeoptim,1f1b")
+    for flag, value in (("--stages", args.stages), ("--micro-batches", args.micro_batches)):
+        if value is not None and value < 1:
+            raise PipeoptimError(f"{flag} must be at least 1 (got {value})")
+    out = []
+    for name in names:
+        spec = get_method(name)  # the error lists the methods
+        m = args.micro_batches if spec.micro_batched else None
+        out.append(what_if(measured, name, stages=args.stages, micro_batches=m, profile=profile))
+    return out
+
+
+def _what_if_rows(results: list[WhatIf], measured_s: float) -> list[list[str]]:
+    rows = []
+    for r in results:
+        t = r.time_per_mini_batch
+        peak = r.metrics.peak_memory_bytes
+        rows.append(
+            [
+                r.method,
+                str(r.num_stages),
+                str(r.micro_batches),
+                f"{t:.4g} s",
+                f"{r.metrics.steady_throughput:.4g}",
+                f"{r.metrics.bubble_ratio:.3f}",
+                "-" if not peak else format_bytes(peak),
+                f"{measured_s / t:.2f}x as fast" if t > 0 and measured_s > 0 else "n/a",
+            ]
+        )
+    return rows
+
+
 def run_calibrate(args: argparse.Namespace) -> int:
-    check_output_paths(args, ["--html", "--out-trace"], inputs=["--trace"])
+    check_output_paths(
+        args, ["--html", "--out-trace", "--out-profile"], inputs=["--trace", "--profile"]
+    )
     measured = Trace.load(args.trace)
     _check_measured(measured, str(args.trace))
+    profile = Profile.load(args.profile) if args.profile is not None else None
     predicted, rows = calibrate(measured)
+    results = _what_if(args, measured, profile)
+    measured_s = rows[0].measured  # time per mini-batch, steady state
     local = measured.meta.get("transport") == "local"
+    notes = [_LOCAL_NOTE] if local else []
+    notes += [f"{r.method}: {note}" for r in results for note in r.notes]
     files = ResultFiles()
     if args.out_trace is not None:
         files.write(args.out_trace, predicted.save)
+    if args.out_profile is not None:
+        calibrated = calibrated_profile(measured, profile)
+        files.write(args.out_profile, calibrated.save)
     if args.html is not None:
-        from pipeoptim.viz.report import write_report
+        from pipeoptim.viz.report import render_calibration
 
-        files.write(
-            args.html,
-            lambda p: write_report(
-                p,
-                {"measured": measured, "predicted": predicted},
-                title="pipeoptim calibration: measured run against the simulator",
-                notes=[_LOCAL_NOTE] if local else [],
-            ),
+        page = render_calibration(
+            measured,
+            predicted,
+            format_comparison(rows),
+            _what_if_rows(results, measured_s),
+            notes=notes,
         )
+        files.write(args.html, lambda p: Path(p).write_text(page, encoding="utf-8"))
     if args.json:
         print_json(
             {
@@ -101,14 +184,32 @@ def run_calibrate(args: argparse.Namespace) -> int:
                     for r in rows
                 ],
                 "transport": measured.meta.get("transport"),
+                "what_if": [
+                    {
+                        "method": r.method,
+                        "num_stages": r.num_stages,
+                        "micro_batches": r.micro_batches,
+                        "time_per_mini_batch_s": r.time_per_mini_batch,
+                        "steady_throughput": r.metrics.steady_throughput,
+                        "bubble_ratio": r.metrics.bubble_ratio,
+                        "peak_memory_bytes": r.metrics.peak_memory_bytes,
+                        "notes": list(r.notes),
+                    }
+                    for r in results
+                ],
                 "written": files.written,
                 "not_written": files.failed,
             }
         )
         return files.finish("calibrate")
     print(format_table(["quantity", "measured", "predicted", "error"], format_comparison(rows)))
-    if local:
-        print(_LOCAL_NOTE)
+    if results:
+        print()
+        print("what if, from the measured costs:")
+        head = ["method", "P", "M", "time/mini-batch", "samples/s", "bubble", "peak memory"]
+        print(format_table([*head, "vs measured"], _what_if_rows(results, measured_s)))
+    for note in notes:
+        print(note)
     for path in files.written:
         print(f"wrote {path}")
     return files.finish("calibrate")

@@ -73,7 +73,12 @@ def register(sub: Any) -> None:
     plan.add_argument("--micro-batches", type=int, default=None, help="M (default: P)")
     plan.add_argument("--memory-cap", default=None, help="per-device memory, e.g. 8GiB")
     plan.add_argument("--bandwidth", default="inf", help="link bandwidth, e.g. 25GB/s")
-    plan.add_argument("--latency", type=float, default=0.0, help="link latency in seconds")
+    plan.add_argument(
+        "--latency",
+        type=float,
+        default=None,
+        help="link latency in seconds (default: a calibrated profile's, else 0)",
+    )
     plan.add_argument("--optimizer", choices=OPTIMIZER_FAMILIES, default=None)
     plan.add_argument("--lr", type=float, default=None, help="learning rate stored in the plan")
     plan.add_argument("--batch-size", type=int, default=64, help="with --model: samples per batch")
@@ -218,10 +223,14 @@ def run_plan(args: argparse.Namespace) -> int:
     family = args.optimizer or (
         profile.optimizer if profile.optimizer in OPTIMIZER_FAMILIES else "sgd"
     )
-    options = {
+    # a calibrated profile knows its run's links
+    latency: float = args.latency
+    if latency is None:
+        latency = float(profile.meta.get("link_latency_s", 0.0))
+    options: dict[str, Any] = {
         "memory_cap_bytes": cap,
         "bandwidth_bytes_per_s": bandwidth,
-        "latency_s": args.latency,
+        "latency_s": latency,
         "optimizer": family,
     }
     if args.method == "auto":

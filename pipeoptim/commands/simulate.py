@@ -130,7 +130,12 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--bandwidth", default=None, help="link bandwidth, e.g. 25GB/s or 100Gbps (default: free)"
     )
-    p.add_argument("--latency", type=float, default=0.0, help="link latency in seconds")
+    p.add_argument(
+        "--latency",
+        type=float,
+        default=None,
+        help="link latency in seconds (default: a calibrated profile's, else 0)",
+    )
     p.add_argument(
         "--no-contention", action="store_true", help="transfers never queue on a link (pure delays)"
     )
@@ -184,7 +189,10 @@ def _shape(method: Method, args: argparse.Namespace, num_ranks: int, every: bool
 
 def _costs(args: argparse.Namespace, shape: Shape, plan: Any, profile: Any) -> CostModel:
     """The cost model of one job: the plan's stage graph, else the profile, else uniform."""
-    links: dict[str, Any] = {"latency_s": args.latency}
+    latency = args.latency
+    if latency is None:  # a calibrated profile knows its run's links
+        latency = float(profile.meta.get("link_latency_s", 0.0)) if profile is not None else 0.0
+    links: dict[str, Any] = {"latency_s": latency}
     if args.bandwidth is not None:
         links["bandwidth"] = parse_bandwidth(args.bandwidth)
     options: dict[str, Any] = dict(links)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -580,7 +581,8 @@ def profile_builtin(
     model ``pipeoptim train --plan`` should build. ``ranks`` is how many pipeline ranks
     will share this machine: on CPU each gets ``cores // ranks`` threads (what ``pipeoptim
     train --transport dist`` gives them), and the profile is taken with as many, unless
-    ``threads`` says otherwise.
+    ``threads`` says otherwise; as many of the other ranks as can run at once (one per
+    further core) are stood in for by busy processes training a copy of the model.
     """
     from pipeoptim.runtime.models import build_model
 
@@ -606,7 +608,7 @@ def profile_builtin(
         device=device,
         progress=progress,
         threads=threads,
-        neighbours=(ranks - 1) if ranks is not None and on_cpu else 0,
+        neighbours=_neighbours(ranks) if on_cpu else 0,
         stream_bytes=_stage_bytes(layers, ranks),
     )
     meta = {**profile.meta, "model": model, "ranks": ranks}
@@ -617,3 +619,11 @@ def _stage_bytes(layers: Sequence[nn.Module], ranks: int | None) -> int | None:
     """About one stage's trainable bytes when the model is split over ``ranks``."""
     total = sum(_tensor_bytes(p) for m in layers for p in m.parameters() if p.requires_grad)
     return max(1, total // ranks) if ranks and total else None
+
+
+def _neighbours(ranks: int | None) -> int:
+    """Busy processes standing in for the other ranks: those that can run alongside this
+    one at once (more than the cores only take turns)."""
+    if not ranks:
+        return 0
+    return max(0, min(ranks, os.cpu_count() or 1) - 1)

@@ -20,9 +20,16 @@ from plotly.subplots import make_subplots
 from pipeoptim.metrics import RunMetrics, compute_metrics
 from pipeoptim.plan.units import format_bytes
 from pipeoptim.trace import Trace
-from pipeoptim.viz.timeline import memory_figure, timeline_figure
+from pipeoptim.viz.timeline import memory_figure, overlay_figure, timeline_figure
 
-__all__ = ["comparison_figure", "render_report", "staleness_figure", "write_report"]
+__all__ = [
+    "comparison_figure",
+    "html_table",
+    "render_calibration",
+    "render_report",
+    "staleness_figure",
+    "write_report",
+]
 
 
 def staleness_figure(metrics: RunMetrics, *, title: str | None = None) -> go.Figure:
@@ -201,3 +208,45 @@ def write_report(
         encoding="utf-8",
     )
     return out
+
+
+def html_table(head: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A plain HTML table (cells escaped)."""
+    cells = "".join(f"<th>{html.escape(h)}</th>" for h in head)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in row) + "</tr>" for row in rows
+    )
+    return f"<table><thead><tr>{cells}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def render_calibration(
+    measured: Trace,
+    predicted: Trace,
+    errors: Sequence[Sequence[object]],
+    what_if: Sequence[Sequence[object]] = (),
+    *,
+    title: str = "pipeoptim calibration: measured run against the simulator",
+    notes: Sequence[str] = (),
+    max_events: int = 20_000,
+) -> str:
+    """One page: the error table (quantity, measured, predicted, error), the what-if
+    predictions (method, P, M, time per mini-batch, samples/s, bubble, peak memory, against
+    the measured run), both timelines overlaid per rank, and memory over time of both."""
+    config = {"displaylogo": False, "responsive": True}
+
+    def fig_html(fig: go.Figure) -> str:
+        return str(fig.to_html(full_html=False, include_plotlyjs=False, config=config))
+
+    parts = [f"<h1>{html.escape(title)}</h1>"]
+    parts += [f"<p class='note'>{html.escape(n)}</p>" for n in notes]
+    parts.append("<h2>measured against predicted</h2>")
+    parts.append(html_table(["quantity", "measured", "predicted", "error"], errors))
+    if what_if:
+        parts.append("<h2>what if: other methods and shapes from the measured costs</h2>")
+        head = ["method", "P", "M", "time per mini-batch", "samples/s", "bubble", "peak memory"]
+        parts.append(html_table([*head, "vs measured run"], what_if))
+    parts.append("<h2>timelines</h2>")
+    parts.append(fig_html(overlay_figure(measured, predicted, max_events=max_events)))
+    parts.append(fig_html(memory_figure(measured, title="memory, measured")))
+    parts.append(fig_html(memory_figure(predicted, title="memory, simulated")))
+    return offline_page(title, parts)

@@ -19,7 +19,7 @@ import plotly.graph_objects as go
 
 from pipeoptim.trace import Trace, TraceEvent
 
-__all__ = ["KIND_COLORS", "memory_figure", "memory_series", "timeline_figure"]
+__all__ = ["KIND_COLORS", "memory_figure", "memory_series", "overlay_figure", "timeline_figure"]
 
 KIND_COLORS: dict[str, str] = {
     "F": "#4C78A8",
@@ -216,4 +216,60 @@ def memory_figure(trace: Trace, *, title: str | None = None, max_points: int = 2
             }
         ]
     fig.update_layout(**layout)
+    return fig
+
+
+def overlay_figure(
+    measured: Trace, predicted: Trace, *, title: str | None = None, max_events: int = 20_000
+) -> go.Figure:
+    """Measured and simulated compute actions of one run on one time axis, per rank.
+
+    Each rank gets two rows, ``rank r measured`` above ``rank r simulated``; both runs
+    start at 0 (their first compute action), so a drift between them shows where the
+    prediction loses time. Only the first ``max_events`` compute events of each run by
+    start time are drawn.
+    """
+    fig = go.Figure()
+    order: list[str] = []
+    shown_kinds: set[str] = set()
+    for label, trace, opacity in (("measured", measured, 1.0), ("simulated", predicted, 0.6)):
+        compute = [e for e in trace.events if e.kind in ("F", "B", "U")]
+        events = heapq.nsmallest(max_events, compute, key=attrgetter("start", "rank"))
+        origin = min((e.start for e in events), default=0.0)
+        for kind in ("F", "B", "U"):
+            evs = [e for e in events if e.kind == kind]
+            if not evs:
+                continue
+            fig.add_trace(
+                go.Bar(
+                    name=_KIND_NAMES[kind],
+                    legendgroup=kind,
+                    showlegend=kind not in shown_kinds,
+                    orientation="h",
+                    y=np.array([f"rank {e.rank} {label}" for e in evs], dtype=object),
+                    x=np.array([e.duration for e in evs], dtype=float),
+                    base=np.array([e.start - origin for e in evs], dtype=float),
+                    opacity=opacity,
+                    marker={"color": KIND_COLORS[kind], "line": {"width": 0.5, "color": "white"}},
+                    customdata=np.array([[e.stage, e.mb, e.duration] for e in evs], dtype=float),
+                    hovertemplate=(
+                        f"<b>{label} {_KIND_NAMES[kind]}</b><br>stage %{{customdata[0]}}, "
+                        "micro-batch %{customdata[1]}<br>start %{base:.4g} s, "
+                        "duration %{customdata[2]:.4g} s<extra></extra>"
+                    ),
+                )
+            )
+            shown_kinds.add(kind)
+        order += [f"rank {r} {label}" for r in sorted({e.rank for e in events})]
+    rows = sorted(order, key=lambda row: (int(row.split()[1]), row.endswith("simulated")))
+    fig.update_layout(
+        title=title or "measured and simulated, one time axis",
+        barmode="overlay",
+        bargap=0.15,
+        xaxis={"title": "time since the first action (s)", "rangemode": "tozero"},
+        yaxis={"categoryorder": "array", "categoryarray": rows, "autorange": "reversed"},
+        legend={"orientation": "h", "y": -0.15},
+        height=max(260, 60 + 34 * len(rows)),
+        margin={"l": 140, "r": 20, "t": 50, "b": 60},
+    )
     return fig

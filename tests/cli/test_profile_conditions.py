@@ -1,0 +1,58 @@
+"""A profile is taken under a rank's conditions and says so; plan and simulate warn when a
+CPU profile's thread count is not what each rank of the run gets on this machine."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from pipeoptim.cli import main
+from pipeoptim.plan.profile import Profile, conditions_warning, threads_per_rank
+
+
+def test_profile_records_the_threads_and_neighbours_it_ran_with(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "p.json"
+    argv = ["profile", "--model", "mlp", "--batch-size", "16", "--repeats", "1"]
+    assert main([*argv, "--threads", "1", "--out", str(out), "--json"]) == 0
+    capsys.readouterr()
+    profile = Profile.load(out)
+    assert profile.meta["threads"] == 1 and profile.meta["neighbours"] == 0
+    assert profile.meta["batch_sizes"] == [16, 8, 4]
+    assert all(layer.update_s > 0 for layer in profile.layers if layer.param_bytes)
+    assert main([*argv, "--ranks", "2", "--out", str(out), "--json"]) == 0
+    capsys.readouterr()
+    profile = Profile.load(out)
+    assert profile.meta["threads"] == threads_per_rank(2)
+    assert profile.meta["neighbours"] == 1  # one busy process stood in for the other rank
+    assert main([*argv, "--ranks", "0", "--out", str(out)]) == 2
+    assert "--ranks must be between 1" in capsys.readouterr().err
+
+
+def test_plan_and_simulate_warn_about_other_threads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    many = (os.cpu_count() or 1) + 5  # no rank on this machine gets that many
+    profile = Profile.from_costs([1e-3] * 4, [2e-3] * 4, [64] * 4, [256] * 4, device="cpu")
+    profile = Profile(**{**profile.__dict__, "meta": {"threads": many}})
+    path, plan = tmp_path / "p.json", tmp_path / "plan.json"
+    profile.save(path)
+    argv = ["plan", "--profile", str(path), "--stages", "2", "--method", "1f1b"]
+    assert main([*argv, "--out", str(plan), "--json"]) == 0
+    err = capsys.readouterr().err
+    expected = threads_per_rank(2)
+    assert f"taken with {many} CPU thread(s), but 2 rank(s) on this machine get {expected}" in err
+    assert "pipeoptim profile --ranks 2" in err
+    assert main(["simulate", "--profile", str(path), "--stages", "2", "--json"]) == 0
+    assert "--ranks 2" in capsys.readouterr().err
+    assert main(["simulate", "--plan", str(plan), "--json"]) == 0  # the plan keeps the count
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["runs"] and f"taken with {many} CPU thread(s)" in captured.err
+    # a profile with the right count, or from a device other than the CPU, is not judged
+    assert conditions_warning("cpu", expected, 2) is None
+    assert conditions_warning("cuda:0", many, 2) is None
+    assert conditions_warning("cpu", None, 2) is None
