@@ -17,9 +17,10 @@ For each method the measured time per mini-batch (steady state) is set against:
 * **self-calibrated**: ``pipeoptim calibrate`` of the run's own trace;
 * **cross-method**: ``calibrate --predict`` from each other method's trace.
 
-It also sets the predicted peak memory of the fullest rank (offline and calibrated) against
-the runtime's count. Goals on CPU: offline <= 20%, self-calibrated <= 10%, cross-method
-<= 15% on time per mini-batch; memory <= 15%.
+It also sets the predicted peak memory of the fullest rank and the bubble ratio (offline
+and calibrated) against the run's. Goals on CPU: offline <= 20%, self-calibrated <= 10%,
+cross-method <= 15% on time per mini-batch; memory <= 15%; bubble ratio <= 20% relative.
+``--device cuda`` runs both stages in one process on one GPU (``--transport local``).
 """
 
 from __future__ import annotations
@@ -45,13 +46,15 @@ from pipeoptim.trace import Trace
 MODEL = "benchmarks/fidelity_model.py:build"
 BATCH = 256
 METHODS = {"1f1b": 4, "pipedream": 1, "pipeoptim": 1}
-GOALS = {"offline": 0.20, "self": 0.10, "cross": 0.15, "memory": 0.15}
+GOALS = {"offline": 0.20, "self": 0.10, "cross": 0.15, "memory": 0.15, "bubble": 0.20}
 
 
-def train(method: str, micro_batches: int, steps: int, trace: Path) -> Trace:
+def train(
+    method: str, micro_batches: int, steps: int, trace: Path, transport: str, device: str
+) -> Trace:
     argv = [sys.executable, "-m", "pipeoptim", "train", "--model", MODEL, "--method", method]
-    argv += ["--stages", "2", "--transport", "dist", "--batch-size", str(BATCH)]
-    argv += ["--max-steps", str(steps), "--trace", str(trace), "--quiet"]
+    argv += ["--stages", "2", "--transport", transport, "--batch-size", str(BATCH)]
+    argv += ["--max-steps", str(steps), "--trace", str(trace), "--quiet", "--device", device]
     if get_method(method).micro_batched:
         argv += ["--micro-batches", str(micro_batches)]
     subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
@@ -86,19 +89,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60, help="mini-batches per run")
     parser.add_argument("--quick", action="store_true", help="20 steps per run")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu (2 gloo processes) or cuda (both stages in one process on one GPU)",
+    )
     parser.add_argument("--keep", type=Path, default=None, help="keep traces and profile here")
     parser.add_argument(
         "--reuse", action="store_true", help="with --keep: read the runs kept there, rerun none"
     )
     args = parser.parse_args(argv)
     steps = 20 if args.quick else args.steps
+    cuda = args.device.startswith("cuda")
+    transport = "local" if cuda else "dist"
+    where_run = f"one GPU ({torch.cuda.get_device_name()})" if cuda else "2 gloo ranks"
     print(
         f"# {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
-        f"2 gloo ranks, batch {BATCH}, {steps} steps per run"
+        f"{where_run}, batch {BATCH}, {steps} steps per run"
     )
     from pipeoptim.runtime.profiler import profile_builtin
 
-    profile = profile_builtin(MODEL, batch_size=BATCH, ranks=2, repeats=5)
+    profile = profile_builtin(
+        MODEL, batch_size=BATCH, ranks=None if cuda else 2, repeats=5, device=args.device
+    )
     sizes = profile.meta["batch_sizes"]
     print(f"profile: {profile.meta['threads']} thread(s), batch sizes {sizes}")
     traces: dict[str, Trace] = {}
@@ -111,15 +124,15 @@ def main(argv: list[str] | None = None) -> int:
             if args.reuse and kept.exists():
                 traces[method] = Trace.load(kept)
             else:
-                traces[method] = train(method, m, steps, kept)
+                traces[method] = train(method, m, steps, kept, transport, args.device)
             print(f"ran {method}: {per_batch(traces[method]) * 1e3:.1f} ms per mini-batch")
     errors: dict[str, list[float]] = {key: [] for key in GOALS}
     print()
     print(
         "| method | measured ms | offline | self-calibrated | cross-method (from) | "
-        "memory offline | memory calibrated |"
+        "memory offline | memory calibrated | bubble offline | bubble calibrated |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for method, m in METHODS.items():
         measured = traces[method]
         time = per_batch(measured)
@@ -138,14 +151,17 @@ def main(argv: list[str] | None = None) -> int:
             cross.append((other, error(predicted.time_per_mini_batch, time)))
         mem_off = error(peak(guess), peak(measured))
         mem_cal = row["peak memory, fullest rank"].relative_error
+        bubble_off = error(compute_metrics(guess).bubble_ratio, row["bubble ratio"].measured)
+        bubble_cal = row["bubble ratio"].relative_error
         errors["offline"].append(off)
         errors["self"].append(mine)
         errors["cross"] += [e for _, e in cross]
         errors["memory"] += [mem_off, mem_cal]
+        errors["bubble"] += [bubble_off, bubble_cal]
         crossed = ", ".join(f"{e:+.1%} ({o})" for o, e in cross)
         print(
             f"| {method} | {time * 1e3:.1f} | {off:+.1%} | {mine:+.1%} | {crossed} | "
-            f"{mem_off:+.1%} | {mem_cal:+.1%} |"
+            f"{mem_off:+.1%} | {mem_cal:+.1%} | {bubble_off:+.1%} | {bubble_cal:+.1%} |"
         )
     print()
     for key, goal in GOALS.items():
