@@ -72,12 +72,21 @@ class Candidate:
         return self.risk.uncorrected if self.risk else 0.0
 
 
-def micro_batch_options(method: str, num_stages: int) -> list[int]:
-    """M values worth trying: 1 for methods that don't micro-batch, else P, 2P, 4P."""
+def micro_batch_options(method: str, num_stages: int, batch_size: int | None = None) -> list[int]:
+    """M values worth trying: 1 for methods that don't micro-batch, else P, 2P, 4P; with a
+    ``batch_size``, only counts that divide it (the runtime splits a batch evenly): those
+    of P, 2P, 4P, else the three smallest divisors from P on (none when the batch has
+    fewer samples than P)."""
     spec = get_method(method)
     if not spec.micro_batched:
         return [1]
-    return [num_stages, 2 * num_stages, 4 * num_stages]
+    wanted = [num_stages, 2 * num_stages, 4 * num_stages]
+    if batch_size is None or num_stages < 1:  # Method.shape says what is wrong with P
+        return wanted
+    dividing = [m for m in wanted if batch_size % m == 0]
+    if dividing:
+        return dividing
+    return [m for m in range(num_stages, batch_size + 1) if batch_size % m == 0][:3]
 
 
 def _per_micro_batch(profile: Profile, micro_batches: int) -> Profile:
@@ -187,7 +196,11 @@ def search(
             f"cannot split {profile.num_layers} layers into {num_stages} stages; use at "
             f"most {profile.num_layers} stages"
         )
-    pairs = [(name, m) for name in names for m in micro_batch_options(name, num_stages)]
+    pairs = [
+        (name, m)
+        for name in names
+        for m in micro_batch_options(name, num_stages, profile.batch_size)
+    ]
     sizes = [_actions(name, num_stages, m, mini_batches) for name, m in pairs]
     keep = fit_budget(sizes)
     found: list[Candidate] = []

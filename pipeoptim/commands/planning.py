@@ -24,7 +24,13 @@ from pipeoptim.plan.methods import METHODS, get_method
 from pipeoptim.plan.plan import OPTIMIZER_FAMILIES, OptimizerSpec, Plan
 from pipeoptim.plan.profile import Profile, conditions_warning
 from pipeoptim.plan.units import format_bytes, format_distances, parse_bandwidth, parse_bytes
-from pipeoptim.planner import Candidate, evaluate_candidate, explain, search
+from pipeoptim.planner import (
+    Candidate,
+    evaluate_candidate,
+    explain,
+    micro_batch_options,
+    search,
+)
 
 
 def register(sub: Any) -> None:
@@ -243,11 +249,15 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         spec = get_method(args.method)
         m = args.micro_batches if spec.micro_batched else 1
-        ranked = [
-            evaluate_candidate(
-                profile, args.stages, args.method, m if m is not None else args.stages, **options
-            )
-        ]
+        if m is None:  # the first count the planner would try: P, or one dividing the batch
+            m = next(iter(micro_batch_options(args.method, args.stages, profile.batch_size)), 0)
+            if m == 0:
+                raise PlanError(
+                    f"{args.method} splits a batch into at least {args.stages} micro-batches, "
+                    f"but the profile's batch has {profile.batch_size} samples; profile "
+                    f"with --batch-size {args.stages} or more"
+                )
+        ranked = [evaluate_candidate(profile, args.stages, args.method, m, **options)]
     summary = explain(ranked, cap)  # raises when nothing fits, with the cap message
     best = ranked[0]
     assert best.partition is not None

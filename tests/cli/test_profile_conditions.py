@@ -37,7 +37,9 @@ def test_plan_and_simulate_warn_about_other_threads(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     many = (os.cpu_count() or 1) + 5  # no rank on this machine gets that many
-    profile = Profile.from_costs([1e-3] * 4, [2e-3] * 4, [64] * 4, [256] * 4, device="cpu")
+    profile = Profile.from_costs(
+        [1e-3] * 4, [2e-3] * 4, [64] * 4, [256] * 4, device="cpu", batch_size=8
+    )
     profile = Profile(**{**profile.__dict__, "meta": {"threads": many}})
     path, plan = tmp_path / "p.json", tmp_path / "plan.json"
     profile.save(path)
@@ -56,3 +58,7 @@ def test_plan_and_simulate_warn_about_other_threads(
     assert conditions_warning("cpu", expected, 2) is None
     assert conditions_warning("cuda:0", many, 2) is None
     assert conditions_warning("cpu", None, 2) is None
+    # a batch too small to split into one micro-batch per stage is refused with the fix
+    Profile(**{**profile.__dict__, "batch_size": 1}).save(path)
+    assert main(["plan", "--profile", str(path), "--stages", "2", "--method", "1f1b"]) == 2
+    assert "profile with --batch-size 2 or more" in capsys.readouterr().err

@@ -45,7 +45,10 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 
 def profile_file(tmp_path: Path, layers: int = 8) -> Path:
     path = tmp_path / "profile.json"
-    Profile.uniform(layers, 0.01, 0.02, activation_bytes=100, param_bytes=1000).save(path)
+    profile = Profile.uniform(
+        layers, 0.01, 0.02, activation_bytes=100, param_bytes=1000, batch_size=64
+    )  # a batch that P, 2P and 4P micro-batches divide, so the planner tries them all
+    profile.save(path)
     return path
 
 

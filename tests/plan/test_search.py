@@ -145,3 +145,33 @@ def test_plan_cli_infeasible_cap(tmp_path: Path, capsys: pytest.CaptureFixture[s
     )
     err = capsys.readouterr().err
     assert code == 2 and "raise --memory-cap to at least" in err
+
+
+def test_micro_batch_counts_divide_the_batch() -> None:
+    from pipeoptim.planner import micro_batch_options
+
+    assert micro_batch_options("1f1b", 4, 64) == [4, 8, 16]
+    assert micro_batch_options("1f1b", 3, 32) == [4, 8, 16]  # 3, 6, 12 leave a remainder
+    assert micro_batch_options("1f1b", 3, 48) == [3, 6, 12]
+    assert micro_batch_options("gpipe", 4, 2) == []  # fewer samples than stages
+    assert micro_batch_options("pipeoptim", 3, 32) == [1]
+    profile = Profile.uniform(6, 0.01, 0.02, activation_bytes=100, param_bytes=1000, batch_size=32)
+    ranked = search(profile, 3)
+    assert all(32 % c.micro_batches == 0 for c in ranked)
+    assert {c.micro_batches for c in ranked if c.method == "1f1b"} == {4, 8, 16}
+
+
+def test_a_plan_of_the_builtin_mlp_trains(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """plan --model with 3 stages and the default batch, then train --plan: every micro-batch
+    count the planner may pick divides the batch, so the plan runs."""
+    plan = tmp_path / "plan.json"
+    assert (
+        main(["plan", "--model", "mlp", "--stages", "3", "--batch-size", "32", "--out", str(plan)])
+        == 0
+    )
+    capsys.readouterr()
+    chosen = Plan.load(plan)
+    assert 32 % chosen.micro_batches == 0
+    assert main(["train", "--plan", str(plan), "--max-steps", "4", "--quiet"]) == 0
