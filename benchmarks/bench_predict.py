@@ -5,9 +5,10 @@ Run from the repository root::
     .venv/bin/python benchmarks/bench_predict.py            # 1 M to 50 M parameters
     .venv/bin/python benchmarks/bench_predict.py --quick    # 1 M and 5 M
 
-A "prediction" is what a stage does around a predicted forward: set the live weights aside,
-write Ŵ = W − Σlr·Δ into them (``predict_into``, Δ read from the optimizer's state), and
-put the live weights back. A "step" is ``optimizer.step()`` on the same parameters with a
+A "prediction" is what a stage does before a predicted forward: write Ŵ = W − Σlr·Δ into
+its prediction buffer (``predict_into``, Δ read from the optimizer's state; the forward runs
+on the buffer, and the backward reads the live weights, so nothing is set aside or put
+back). A "step" is ``optimizer.step()`` on the same parameters with a
 gradient present. Each is timed as the median of ``--repeat`` runs after a warm-up, on one
 CPU thread per default (``--threads``), or on CUDA with ``--device cuda`` (synchronised).
 Goal: prediction <= 1.2x a step.
@@ -65,13 +66,10 @@ def bench(family: str, count: int, repeat: int, device: torch.device) -> tuple[f
         p.grad = torch.randn_like(p)
     opt.step()  # state to predict from
     opt.step()
-    live = [p.data for p in params]
-    backup = [torch.empty_like(t) for t in live]
+    buffer = [torch.empty_like(p) for p in params]
 
     def predict() -> None:
-        torch._foreach_copy_(backup, live)
-        predictor.predict_into(live, 3)
-        torch._foreach_copy_(live, backup)
+        predictor.predict_into(buffer, 3)
 
     def step() -> None:
         opt.step()

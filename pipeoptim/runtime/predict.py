@@ -154,30 +154,32 @@ class WeightPredictor:
             )
         etas = self._etas(s, lrs)
         with torch.no_grad():
-            # The stage writes Ŵ into the parameters' own storage: nothing to copy then.
-            copies = [
-                (d, p) for d, p in zip(dest, params, strict=True) if d.data_ptr() != p.data_ptr()
-            ]
-            if copies:
-                torch._foreach_copy_([d for d, _ in copies], [p for _, p in copies])
-            if s == 0:
-                return
+            # Ŵ = W − η·Δ written once per element where dest is not W itself and Δ exists
+            # (read W, read Δ, write Ŵ); the rest is copied, or updated in place.
+            copies: list[tuple[Tensor, Tensor]] = []
+            in_place: list[tuple[Tensor, Tensor, float]] = []
             offset = 0
             for index, (group, eta) in enumerate(
                 zip(self.optimizer.param_groups, etas, strict=True)
             ):
-                n = len(group["params"])
-                if eta != 0.0:
-                    pairs = [
-                        (dest[offset + i], d)
-                        for i, d in enumerate(self._group_deltas(group, index))
-                        if d is not None
-                    ]
-                    if pairs:
-                        torch._foreach_add_(
-                            [a for a, _ in pairs], [d for _, d in pairs], alpha=-eta
-                        )
-                offset += n
+                ps: list[Tensor] = group["params"]
+                moving = s > 0 and eta != 0.0
+                deltas = self._group_deltas(group, index) if moving else [None] * len(ps)
+                for i, (p, d) in enumerate(zip(ps, deltas, strict=True)):
+                    out = dest[offset + i]
+                    same = out.data_ptr() == p.data_ptr()
+                    if d is None:
+                        if not same:
+                            copies.append((out, p))
+                    elif same:
+                        in_place.append((out, d, eta))
+                    else:
+                        torch.add(p.detach(), d, alpha=-eta, out=out)
+                offset += len(ps)
+            if copies:
+                torch._foreach_copy_([d for d, _ in copies], [p for _, p in copies])
+            for out, d, eta in in_place:
+                out.add_(d, alpha=-eta)
 
     def predicted(self, s: int, lrs: Sequence[Sequence[float]] | None = None) -> list[Tensor]:
         """Convenience form of :meth:`predict_into` that allocates the predicted copy."""

@@ -118,9 +118,9 @@ def _time_step_and_prediction(
     repeats: int,
     timer: Callable[[Callable[[], Any]], float],
 ) -> tuple[float, float, int]:
-    """Median seconds of one optimizer step and of one prediction (set the weights aside,
-    write Ŵ, restore them, as a predicting stage does around its forward) for ``params``,
-    and the optimizer state bytes after the steps. The weights are restored afterwards."""
+    """Median seconds of one optimizer step and of one prediction (Ŵ written into a
+    buffer, as a predicting stage does before its forward) for ``params``, and the
+    optimizer state bytes after the steps. The weights are restored afterwards."""
     from pipeoptim.runtime.predict import predictor_for
     from pipeoptim.runtime.stage import make_optimizer
 
@@ -130,13 +130,10 @@ def _time_step_and_prediction(
     saved = [p.detach().clone() for p in trainable]
     opt = make_optimizer(optimizer, trainable)
     predictor = predictor_for(opt, "optimizer")
-    live = [p.data for p in trainable]
-    backup = [torch.empty_like(t) for t in live]
+    buffer = [torch.empty_like(p) for p in trainable]
 
     def predict() -> None:
-        torch._foreach_copy_(backup, live)
-        predictor.predict_into(live, 1)
-        torch._foreach_copy_(live, backup)
+        predictor.predict_into(buffer, 1)
 
     steps: list[float] = []
     predictions: list[float] = []

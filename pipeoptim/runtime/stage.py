@@ -364,14 +364,13 @@ class Stage:
         self._stash: dict[int, list[Tensor]] = {}  # frozen versions still needed
         self._pending_f: Counter[int] = Counter()  # forwards still to run, by version
         self._inflight: Counter[int] = Counter()  # forwards awaiting backward, by version
-        self._backup: list[Tensor] | None = None  # live weights aside during a predicted F
+        self._predicted: list[Tensor] | None = None  # Ŵ of a predicted forward (reused)
         self._saved: dict[int, tuple[Tensor, Tensor]] = {}  # mb -> (input, output or loss)
         self._act_bytes: dict[int, int] = {}
         self._act_total = 0  # the sum of _act_bytes, kept as it changes
         self._grad_bytes = 0  # gradients held since the last update (counted once per update)
         self.prediction_seconds: list[float] = []
         """Seconds of each timed prediction (CPU), for calibration."""
-        self._prediction_part: float | None = None
         self.correct: Tensor | None = None
         """Last stage: correct predictions of the latest forward (None: not a classifier)."""
         self.peak_weight_copies = 1
@@ -457,15 +456,21 @@ class Stage:
         # its own parameters, with no alias per parameter.
         direct = self.policy is WeightPolicy.FLUSH
         recast = self.amp_dtype is not None and not direct
+        held = s > 0 and self.predicted_backward
+        # A predicted forward runs on Ŵ in the stage's prediction buffer; what the graph
+        # saves of it is re-pointed at the live weights, which the backward is to read.
+        predicted = s > 0 and not held
         # Activation bytes are counted by a saved-tensor hook on the first forward of each
-        # input shape, then reused (the hook runs on every pass only to re-cast under amp).
+        # input shape, then reused (the hook runs on every pass only to re-cast under amp
+        # and to re-point a predicted forward's saved weights).
         shape_key = (tuple(x.shape), x.dtype)
         known = self._act_cache.get(shape_key)
-        hooked = recast or known is None
+        hooked = recast or known is None or predicted
         weight_ptrs = {t.untyped_storage().data_ptr() for t in sources} if hooked else set()
         counted: set[int] = set()
         act = 0
         aliases: dict[Any, Tensor] = {}
+        live_of: dict[int, tuple[Tensor, Tensor]] = {}  # buffer storage -> (buffer, live)
 
         def pack(t: Tensor) -> Tensor | _Recast:
             nonlocal act
@@ -476,6 +481,10 @@ class Stage:
                         source, t.dtype, tuple(t.shape), t.stride(), int(t.storage_offset())
                     )
             ptr = t.untyped_storage().data_ptr()
+            if ptr in live_of:  # a view of Ŵ: the same view of the live weights
+                buffer, live = live_of[ptr]
+                offset = live.storage_offset() + t.storage_offset() - buffer.storage_offset()
+                return _Recast(live, t.dtype, tuple(t.shape), t.stride(), int(offset))
             if ptr not in weight_ptrs and ptr not in counted:
                 counted.add(ptr)
                 act += t.untyped_storage().nbytes()
@@ -486,28 +495,26 @@ class Stage:
             torch.autograd.graph.saved_tensors_hooks(pack, _unpack) if hooked else nullcontext(),
             self._autocast(),
         ):
-            held = s > 0 and self.predicted_backward
+            live = sources
             if held:
                 # Ŵ in its own storage: the graph keeps it, so the backward reads it too.
                 sources = self._held_prediction(s)
                 weight_ptrs.update(t.untyped_storage().data_ptr() for t in sources)
-                if self.closure is not None:
-                    self.closure.forward(self.index, mb, s, sources, self._params)
-            elif s > 0:
-                self._write_prediction(s)
-                if self.closure is not None and self._backup is not None:
-                    self.closure.forward(self.index, mb, s, self._params, self._backup)
-            try:
-                weights: dict[str, Tensor] | None = None
-                if not direct:
-                    weights = {}
-                    for n, p, src in zip(self._names, self._params, sources, strict=True):
-                        weights[n] = w = _alias(p, src)
-                        aliases[w.grad_fn] = src
-                out = self._run_units(weights, x_in)
-            finally:
-                if s > 0 and not held:
-                    self._restore_live()
+            elif predicted:
+                sources = self._write_prediction(s)
+                for buffer, w in zip(sources, live, strict=True):
+                    live_of[buffer.untyped_storage().data_ptr()] = (buffer, w)
+                weight_ptrs.update(live_of)
+            if s > 0 and self.closure is not None:
+                self.closure.forward(self.index, mb, s, sources, self._params)
+            weights: dict[str, Tensor] | None = None
+            if not direct:
+                weights = {}
+                for n, p, src, now in zip(self._names, self._params, sources, live, strict=True):
+                    weights[n] = w = _alias(p, src)
+                    # a saved cast is re-cast at backward from the weights it is to read
+                    aliases[w.grad_fn] = src if held else now
+            out = self._run_units(weights, x_in)
             if self.is_last:
                 if target is None:
                     raise RuntimeError(f"stage {self.index}: the last stage needs targets")
@@ -660,21 +667,21 @@ class Stage:
             self._future_lrs = cached
         return cached
 
-    def _write_prediction(self, s: int) -> None:
+    def _write_prediction(self, s: int) -> list[Tensor]:
+        """Ŵ in the stage's prediction buffer (the one extra weight copy, reused)."""
         assert self.predictor is not None
         timed = self.device.type == "cpu"  # on CUDA reading a clock here would need a sync
         started = time.perf_counter() if timed else 0.0
-        live = [p.data for p in self._params]
-        if self._backup is None:
-            self._backup = [torch.empty_like(t) for t in live]
+        if self._predicted is None:
+            self._predicted = [torch.empty_like(p) for p in self._params]
             self._note_copies()
-        torch._foreach_copy_(self._backup, live)
-        # dest is the parameters' own storage: predict_into adds -Σlr·Δ in place.
         kept = self.predictor.kept_computations
-        self.predictor.predict_into(live, s, self._lrs(s))
+        self.predictor.predict_into(self._predicted, s, self._lrs(s))
         if self.predictor.kept_computations != kept:
             self._static_dirty = True  # a newly kept Δ counts in the predictor's bytes
-        self._prediction_part = time.perf_counter() - started if timed else None
+        if timed:
+            self.prediction_seconds.append(time.perf_counter() - started)
+        return self._predicted
 
     def _held_prediction(self, s: int) -> list[Tensor]:
         assert self.predictor is not None
@@ -683,25 +690,17 @@ class Stage:
         self.peak_weight_copies = max(self.peak_weight_copies, self.weight_copies() + 1)
         return predicted
 
-    def _restore_live(self) -> None:
-        assert self._backup is not None
-        started = time.perf_counter()
-        torch._foreach_copy_([p.data for p in self._params], self._backup)
-        if self._prediction_part is not None:  # writing Ŵ before the forward, restoring after
-            self.prediction_seconds.append(self._prediction_part + time.perf_counter() - started)
-            self._prediction_part = None
-
     @property
     def prediction_s(self) -> float | None:
-        """Median seconds a predicted forward spent on its prediction (writing Ŵ and
-        restoring W; CPU only), or None when none was timed."""
+        """Median seconds a predicted forward spent writing Ŵ (CPU only), or None when none
+        was timed."""
         times = self.prediction_seconds
         return statistics.median(times) if times else None
 
     def weight_copies(self) -> int:
         """Weight copies held now: live, frozen versions, the predicted-forward buffer."""
-        backup = 1 if self._backup is not None else 0
-        return 1 + len(self._stash) + backup + len(self._held)
+        buffer = 1 if self._predicted is not None else 0
+        return 1 + len(self._stash) + buffer + len(self._held)
 
     def _note_copies(self) -> None:
         self.peak_weight_copies = max(self.peak_weight_copies, self.weight_copies())

@@ -174,13 +174,13 @@ def test_predicted_weights_are_closer_to_the_future_than_stale_ones(
         running[self.index] = mb
         return forward(self, mb, x, target)
 
-    def spy_write(self: Stage, s: int) -> None:
+    def spy_write(self: Stage, s: int) -> list[torch.Tensor]:
         """The weights the forward really runs on: what the stage wrote, read back."""
-        write(self, s)
-        assert self._backup is not None
-        used = [p.detach().clone() for p in self._params]
-        stale = [t.clone() for t in self._backup]
+        written = write(self, s)
+        used = [t.clone() for t in written]
+        stale = [p.detach().clone() for p in self._params]  # the live weights, unchanged
         pending[(self.index, running[self.index])] = (used, stale)
+        return written
 
     def spy_backward(self: Stage, mb: int, grad: torch.Tensor | None = None) -> torch.Tensor | None:
         if (self.index, mb) in pending:
