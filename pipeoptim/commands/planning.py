@@ -275,6 +275,7 @@ def run_plan(args: argparse.Namespace) -> int:
             "predicted_bubble_ratio": best.bubble_ratio,
             "memory_cap_bytes": cap,
             "bandwidth_bytes_per_s": None if math.isinf(bandwidth) else bandwidth,
+            "latency_s": latency,
             "why": summary,
         },
     )

@@ -13,6 +13,7 @@ micro-batch and stage. Interleaved 1F1B cuts it into P*v chunks, each 1/v of a s
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -128,13 +129,15 @@ def register(subparsers: Any) -> None:
         "sent across each stage boundary (default 128MiB)",
     )
     p.add_argument(
-        "--bandwidth", default=None, help="link bandwidth, e.g. 25GB/s or 100Gbps (default: free)"
+        "--bandwidth",
+        default=None,
+        help="link bandwidth, e.g. 25GB/s or 100Gbps (default: the plan's, else free)",
     )
     p.add_argument(
         "--latency",
         type=float,
         default=None,
-        help="link latency in seconds (default: a calibrated profile's, else 0)",
+        help="link latency in seconds (default: the plan's, a calibrated profile's, else 0)",
     )
     p.add_argument(
         "--no-contention", action="store_true", help="transfers never queue on a link (pure delays)"
@@ -189,12 +192,20 @@ def _shape(method: Method, args: argparse.Namespace, num_ranks: int, every: bool
 
 def _costs(args: argparse.Namespace, shape: Shape, plan: Any, profile: Any) -> CostModel:
     """The cost model of one job: the plan's stage graph, else the profile, else uniform."""
+    # Links not given here: those the plan was made for, or a calibrated profile's.
+    notes = plan.notes if plan is not None else {}
     latency = args.latency
-    if latency is None:  # a calibrated profile knows its run's links
+    if latency is None and notes.get("latency_s") is not None:
+        latency = float(notes["latency_s"])
+    if latency is None:
         latency = float(profile.meta.get("link_latency_s", 0.0)) if profile is not None else 0.0
     links: dict[str, Any] = {"latency_s": latency}
-    if args.bandwidth is not None:
+    if args.bandwidth in ("inf", ""):  # free links, as `plan --bandwidth inf`
+        links["bandwidth"] = math.inf
+    elif args.bandwidth is not None:
         links["bandwidth"] = parse_bandwidth(args.bandwidth)
+    elif notes.get("bandwidth_bytes_per_s") is not None:
+        links["bandwidth"] = float(notes["bandwidth_bytes_per_s"])
     options: dict[str, Any] = dict(links)
     optimizer = args.optimizer or (plan.optimizer.family if plan is not None else None)
     if optimizer:

@@ -175,3 +175,26 @@ def test_a_plan_of_the_builtin_mlp_trains(
     chosen = Plan.load(plan)
     assert 32 % chosen.micro_batches == 0
     assert main(["train", "--plan", str(plan), "--max-steps", "4", "--quiet"]) == 0
+
+
+def test_simulate_plan_keeps_the_links_it_was_planned_for(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A plan made for slow links predicts the same run when simulated from the file."""
+    profile, plan = tmp_path / "p.json", tmp_path / "plan.json"
+    Profile.uniform(8, 0.01, 0.02, activation_bytes=10**6, param_bytes=1000, batch_size=8).save(
+        profile
+    )
+    argv = ["plan", "--profile", str(profile), "--stages", "4", "--method", "pipeoptim"]
+    argv += ["--bandwidth", "1GB/s", "--latency", "0.002", "--out", str(plan), "--json"]
+    assert main(argv) == 0
+    promised = json.loads(capsys.readouterr().out)["plan"]["notes"]
+    assert main(["simulate", "--plan", str(plan), "--json"]) == 0
+    run = json.loads(capsys.readouterr().out)["runs"]["pipeoptim"]
+    assert run["steady_throughput"] == pytest.approx(promised["predicted_samples_per_s"])
+    assert (
+        main(["simulate", "--plan", str(plan), "--bandwidth", "inf", "--latency", "0", "--json"])
+        == 0
+    )
+    free = json.loads(capsys.readouterr().out)["runs"]["pipeoptim"]
+    assert free["steady_throughput"] > run["steady_throughput"]  # the links cost something
