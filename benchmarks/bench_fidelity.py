@@ -12,7 +12,7 @@ with momentum. Methods: 1f1b (M = 4), pipedream and pipeoptim (M = 1).
 For each method the measured time per mini-batch (steady state) is set against:
 
 * **offline**: the profile (``pipeoptim profile --ranks 2``: one thread per rank on a 2-core
-  machine, times at 256, 128 and 64 samples, optimizer step and prediction timed) cut at
+  machine, times at 256, 128, 64 and 32 samples, optimizer step and prediction timed) cut at
   the run's boundaries, simulated for the run's shape;
 * **self-calibrated**: ``pipeoptim calibrate`` of the run's own trace;
 * **cross-method**: ``calibrate --predict`` from each other method's trace.

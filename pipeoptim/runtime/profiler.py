@@ -398,9 +398,10 @@ def profile_model(
     profile; use the mini-batch size the pipeline will run). Per layer: the forward (with
     autograd recording, as in training) and ``torch.autograd.backward`` of its output with a
     ones gradient are each timed ``warmup + repeats`` times and the median of the last
-    ``repeats`` is kept. The same is done at the smaller ``batch_sizes`` (default: half and
-    a quarter of the batch), and a line through the times gives the part of each time that
-    does not shrink with the batch, so micro-batch costs are not taken as a plain fraction.
+    ``repeats`` is kept. The same is done at the smaller ``batch_sizes`` (default: a half,
+    a quarter and an eighth of the batch), and a line through the times gives the part of
+    each time that does not shrink with the batch, so micro-batch costs are not taken as a
+    plain fraction.
     With ``steps`` the layer's optimizer step and its weight prediction are timed and its
     optimizer state is measured; otherwise ``optimizer`` (``sgd``, ``adam``, ``adamw``,
     ``rmsprop``) and ``momentum`` estimate the state bytes (see
@@ -436,7 +437,8 @@ def profile_model(
         raise RuntimeConfigError(f"threads must be >= 1, got {threads}; pass e.g. threads=1")
     batch = int(sample_input.shape[0]) if sample_input.dim() > 0 else 1
     if batch_sizes is None:
-        sizes = sorted({b for b in (batch // 2, batch // 4) if 2 <= b < batch}, reverse=True)
+        halves = (batch // 2, batch // 4, batch // 8)
+        sizes = sorted({b for b in halves if 2 <= b < batch}, reverse=True)
     else:
         bad: list[object] = [
             b

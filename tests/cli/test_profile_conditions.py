@@ -22,7 +22,7 @@ def test_profile_records_the_threads_and_neighbours_it_ran_with(
     capsys.readouterr()
     profile = Profile.load(out)
     assert profile.meta["threads"] == 1 and profile.meta["neighbours"] == 0
-    assert profile.meta["batch_sizes"] == [16, 8, 4]
+    assert profile.meta["batch_sizes"] == [16, 8, 4, 2]
     assert all(layer.update_s > 0 for layer in profile.layers if layer.param_bytes)
     assert main([*argv, "--ranks", "2", "--out", str(out), "--json"]) == 0
     capsys.readouterr()

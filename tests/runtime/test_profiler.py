@@ -76,7 +76,7 @@ def test_threads_are_set_for_the_profile_and_restored() -> None:
     before = torch.get_num_threads()
     profile = profile_model(mlp(), torch.randn(8, 8), warmup=0, repeats=1, threads=1)
     assert profile.meta["threads"] == 1
-    assert profile.meta["batch_sizes"] == [8, 4, 2]  # timed at half and a quarter too
+    assert profile.meta["batch_sizes"] == [8, 4, 2]  # at a half and a quarter (an eighth is 1)
     assert torch.get_num_threads() == before
     with pytest.raises(RuntimeConfigError, match="threads must be >= 1"):
         profile_model(mlp(), torch.randn(4, 8), threads=0)
