@@ -164,6 +164,9 @@ class WeightPredictor:
             ):
                 ps: list[Tensor] = group["params"]
                 moving = s > 0 and eta != 0.0
+                if moving and self._write_fused(group, eta, dest[offset : offset + len(ps)]):
+                    offset += len(ps)
+                    continue
                 deltas = self._group_deltas(group, index) if moving else [None] * len(ps)
                 for i, (p, d) in enumerate(zip(ps, deltas, strict=True)):
                     out = dest[offset + i]
@@ -180,6 +183,11 @@ class WeightPredictor:
                 torch._foreach_copy_([d for d, _ in copies], [p for _, p in copies])
             for out, d, eta in in_place:
                 out.add_(d, alpha=-eta)
+
+    def _write_fused(self, group: dict[str, Any], eta: float, dest: list[Tensor]) -> bool:
+        """Write the group's Ŵ into ``dest`` without forming Δ, where the rule can; False
+        leaves it to the general path."""
+        return False
 
     def predicted(self, s: int, lrs: Sequence[Sequence[float]] | None = None) -> list[Tensor]:
         """Convenience form of :meth:`predict_into` that allocates the predicted copy."""
@@ -315,29 +323,61 @@ class AdamPredictor(WeightPredictor):
         super().__init__(optimizer, auto_hooks=auto_hooks)
         self.include_decoupled_decay = include_decoupled_decay
 
-    def _state_deltas(self, group: dict[str, Any]) -> list[Tensor | None]:
+    def _moments(
+        self, group: dict[str, Any]
+    ) -> tuple[list[int], list[Tensor], list[Tensor], list[float], list[float]]:
+        """Of the group's trainable parameters with moments: their indices, m, v (or its
+        running max under amsgrad), and the bias corrections 1 − β1^t and √(1 − β2^t)."""
         beta1, beta2 = (float(b) for b in group["betas"])
-        eps = float(group["eps"])
         amsgrad = bool(group.get("amsgrad", False))
-        params: list[Tensor] = group["params"]
-        idx, ms, vs, bc1, bc2 = [], [], [], [], []  # parameters that have moments
-        for i, p in enumerate(params):
+        idx, ms, vs, bc1, bc2 = [], [], [], [], []
+        for i, p in enumerate(group["params"]):
             st = _state(self.optimizer, p)
             step = float(st.get("step", 0.0))
-            if step <= 0 or "exp_avg" not in st or "exp_avg_sq" not in st:
+            if not p.requires_grad or step <= 0 or "exp_avg" not in st or "exp_avg_sq" not in st:
                 continue
             idx.append(i)
             ms.append(st["exp_avg"])
             vs.append(st.get("max_exp_avg_sq", st["exp_avg_sq"]) if amsgrad else st["exp_avg_sq"])
             bc1.append(1.0 - beta1**step)
             bc2.append(math.sqrt(1.0 - beta2**step))
+        return idx, ms, vs, bc1, bc2
+
+    def _denominators(self, vs: list[Tensor], bc2: list[float], eps: float) -> list[Tensor]:
+        """√v̂ + ε, i.e. √v / √(1 − β2^t) + ε, one temporary per parameter."""
+        d = torch._foreach_sqrt(vs)
+        torch._foreach_div_(d, bc2)
+        torch._foreach_add_(d, eps)
+        return list(d)
+
+    def _write_fused(self, group: dict[str, Any], eta: float, dest: list[Tensor]) -> bool:
+        # Ŵ = W − (η / (1 − β1^t)) · m / (√v̂ + ε) in one addcdiv per parameter, with no Δ
+        # tensor: about a third fewer passes over memory than forming Δ first.
+        params: list[Tensor] = group["params"]
+        if self.keeps_deltas or self.include_decoupled_decay:
+            return False
+        if any(out.data_ptr() == p.data_ptr() for out, p in zip(dest, params, strict=True)):
+            return False
+        idx, ms, vs, bc1, bc2 = self._moments(group)
+        denominators = self._denominators(vs, bc2, float(group["eps"])) if idx else []
+        moving = set(idx)
+        rest = [i for i in range(len(params)) if i not in moving]
+        if rest:
+            torch._foreach_copy_([dest[i] for i in rest], [params[i].detach() for i in rest])
+        for j, i in enumerate(idx):
+            torch.addcdiv(
+                params[i].detach(), ms[j], denominators[j], value=-eta / bc1[j], out=dest[i]
+            )
+        return True
+
+    def _state_deltas(self, group: dict[str, Any]) -> list[Tensor | None]:
+        params: list[Tensor] = group["params"]
+        idx, ms, vs, bc1, bc2 = self._moments(group)
         out: list[Tensor | None] = [None] * len(params)
         if not idx:
             return out
         # d = m / (bc1 · (sqrt(v)/sqrt(bc2) + ε)) with one temporary per parameter.
-        d = torch._foreach_sqrt(vs)
-        torch._foreach_div_(d, bc2)
-        torch._foreach_add_(d, eps)
+        d = self._denominators(vs, bc2, float(group["eps"]))
         torch._foreach_mul_(d, bc1)
         torch._foreach_reciprocal_(d)
         torch._foreach_mul_(d, ms)
