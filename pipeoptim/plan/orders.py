@@ -112,14 +112,14 @@ class KeyIndex:
         self.table: IntArray | None = None
         if len(keys) == 0 or (int(keys.min()) >= 0 and top <= 4 * len(keys) + 1024):
             self.table = np.full(top, -1, dtype=np.int64)
-            # reversed, so a duplicated key finds its first entry
-            self.table[keys[::-1]] = np.arange(len(keys) - 1, -1, -1, dtype=np.int64)
+            # (a duplicated key holds one of its entries: callers refuse duplicates first)
+            self.table[keys] = np.arange(len(keys), dtype=np.int64)
         else:
             self.order = np.argsort(keys, kind="stable")
             self.sorted = keys[self.order]
 
     def find(self, queries: IntArray) -> IntArray:
-        """The entry holding each query key (the first, if several do), or -1."""
+        """The entry holding each query key (one of them, if several do), or -1."""
         if self.table is not None:
             if len(self.table) == 0:
                 return np.full(len(queries), -1, dtype=np.int64)
@@ -130,10 +130,12 @@ class KeyIndex:
         hit = (at < len(self.sorted)) & (self.sorted[at_clipped] == queries)
         return np.where(hit, self.order[at_clipped], -1)
 
-    def duplicate(self) -> int | None:
-        """An entry whose key an earlier entry already has, or None."""
-        if len(self.keys) == 0:
+    def duplicate(self) -> tuple[int, int] | None:
+        """The first entry whose key an earlier entry has, with that earlier entry; or None."""
+        if len(self.keys) == 0 or bool((self.find(self.keys) == np.arange(len(self.keys))).all()):
             return None
-        first = self.find(self.keys)
-        again = first != np.arange(len(self.keys))
-        return int(np.argmax(again)) if again.any() else None
+        order = np.argsort(self.keys, kind="stable")
+        repeats = self.keys[order][1:] == self.keys[order][:-1]
+        later = int(order[1:][repeats].min())
+        earlier = int(np.flatnonzero(self.keys == self.keys[later])[0])
+        return later, earlier

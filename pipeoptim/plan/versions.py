@@ -246,7 +246,7 @@ def analyze_order(order: OrderArrays, policy: WeightPolicy, m: int = 1) -> Versi
         twice = index.duplicate()
         if twice is not None:
             raise ScheduleError(
-                f"{order.name(int(perm[pos[twice]]))} appears twice in the order; every "
+                f"{order.name(int(perm[pos[twice[0]]]))} appears twice in the order; every "
                 f"{name} runs once per stage and micro-batch"
             )
     match = b_index.find(f_keys)

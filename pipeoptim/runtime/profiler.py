@@ -410,6 +410,9 @@ def profile_model(
     profile records the count). ``neighbours`` (CPU) starts that many processes training a
     copy of the model meanwhile, as the other ranks of a pipeline on this machine would:
     they share its memory bandwidth and caches, which slows steps and predictions most.
+    They are spawned, so a script that asks for them needs the usual ``if __name__ ==
+    "__main__":`` guard; a model that cannot be sent to them is profiled without them and
+    ``meta["neighbours_failed"]`` says why.
     A step and a prediction stream the weights through memory, and timed one small layer
     at a time they run from cache; so they are timed once on ``stream_bytes`` of weights
     (default: the model's trainable bytes; about one stage's is best) and charged to each

@@ -185,7 +185,7 @@ class Program:
         index = KeyIndex(((mb[passes] * s + stage[passes]) << 1) | kind[passes])
         twice = index.duplicate()
         if twice is not None:
-            i, first = int(passes[twice]), int(passes[index.find(index.keys[twice : twice + 1])[0]])
+            i, first = int(passes[twice[0]]), int(passes[twice[1]])
             raise ScheduleError(
                 f"{self._name(i)} appears twice in the order (also as action {first}); "
                 f"every F and B runs once per stage and micro-batch"

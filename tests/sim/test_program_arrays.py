@@ -122,3 +122,18 @@ def test_a_deadlocked_order_falls_back_to_the_worklist_and_names_the_waits() -> 
     assert program._levels() is None  # the sweeps never settle on a cycle
     with pytest.raises(ScheduleError, match="rank 0 waits at 0B0 for 1B0"):
         program.steps()
+
+
+@pytest.mark.parametrize("spread", [1, 10**9])  # a dense table, then binary search
+def test_key_index_finds_keys_and_names_the_first_repeat(spread: int) -> None:
+    import numpy as np
+
+    from pipeoptim.plan.orders import KeyIndex
+
+    keys = np.array([5, 3, 9, 3, 5, 7], dtype=np.int64) * spread
+    index = KeyIndex(keys)
+    found = index.find(np.array([9, 7, 4], dtype=np.int64) * spread)
+    assert found.tolist() == [2, 5, -1]
+    assert index.duplicate() == (3, 1)  # entry 3 repeats entry 1's key, before 4 repeats 0
+    assert KeyIndex(np.array([2, 0, 1], dtype=np.int64) * spread).duplicate() is None
+    assert KeyIndex(np.zeros(0, dtype=np.int64)).find(np.array([1])).tolist() == [-1]
