@@ -309,7 +309,7 @@ def analyze_order(order: OrderArrays, policy: WeightPolicy, m: int = 1) -> Versi
     actions = ActionVersions(version[unsort], action_distance[unsort], action_predicted[unsort])
 
     # Weight copies: distinct versions alive after each forward and each update.
-    if policy in (WeightPolicy.STASH, WeightPolicy.DOUBLE_BUFFER):
+    if policy in (WeightPolicy.STASH, WeightPolicy.DOUBLE_BUFFER) and n:
         alive = _distinct_alive(n, group, group_end, before, is_u, u_pos, f_pos, b_at, forward)
     else:
         alive = np.ones(n, dtype=np.int64)

@@ -155,3 +155,13 @@ def test_bad_orders_are_named() -> None:
     assert OrderArrays.from_order(far_apart).size == 3
     with pytest.raises(ScheduleError, match="update 0U0 needs micro-batch 0"):
         analyze_versions(far_apart, WeightPolicy.FLUSH)
+
+
+@pytest.mark.parametrize("policy", list(WeightPolicy))
+def test_empty_orders_analyse_to_nothing(policy: WeightPolicy) -> None:
+    for order in ({}, {0: []}):
+        report = analyze_versions(order, policy)
+        assert (report.passes, report.updates, report.weight_copies) == ({}, {}, {})
+        assert report.max_distance(0) == report.max_staleness(0) == 0
+    one = {0: [Action(0, F, 0), Action(0, B, 0)]}
+    assert analysed(one, policy, 1) == walk(one, policy, 1)
