@@ -384,11 +384,9 @@ def _exit_with_parent(rank: int, parent: int, period: float = 0.5) -> None:
     def watch() -> None:
         while True:
             if os.getppid() != parent:
-                print(
-                    f"pipeoptim train: rank {rank}: the launching process is gone; stopping",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                # one write of the whole line: the other ranks print theirs at the same moment
+                line = f"pipeoptim train: rank {rank}: the launching process is gone; stopping\n"
+                os.write(sys.stderr.fileno(), line.encode())
                 os._exit(1)
             time.sleep(period)
 
