@@ -285,7 +285,8 @@ def calibrated_profile(trace: Trace, profile: Profile | None = None) -> Profile:
             f"{num_layers}; pass the profile of the model that ran"
         )
     m = plan.shape(1).micro_batches
-    batch = costs.samples_per_micro_batch * m
+    micro = costs.samples_per_micro_batch
+    dtype_bytes = profile.dtype_bytes if profile is not None else 4
     measured_prediction = _stage_floats(trace.meta.get("predict_s"))
     layers: list[LayerProfile] = []
     estimated: list[int] = []
@@ -296,7 +297,6 @@ def calibrated_profile(trace: Trace, profile: Profile | None = None) -> Profile:
         time_share = [x.compute_s for x in offline] if offline else [1.0] * len(span)
         byte_share = [float(x.param_bytes) for x in offline] if offline else [1.0] * len(span)
         # Times of one micro-batch of the run, and their fixed parts, scaled to the batch.
-        micro = costs.samples_per_micro_batch
         forward_run = _split(costs.forward_s[k], time_share)
         backward_run = _split(costs.backward_s[k], time_share)
         fixed_f = _fixed_fraction(offline, micro, profile, "forward")
@@ -333,21 +333,21 @@ def calibrated_profile(trace: Trace, profile: Profile | None = None) -> Profile:
                     activation_bytes=activations[j],
                     param_bytes=params[j],
                     optimizer_state_bytes=state[j],
-                    param_count=params[j] // (profile.dtype_bytes if profile else 4),
+                    param_count=params[j] // dtype_bytes,
                     update_s=update[j],
                     predict_s=predict[j],
                     forward_fixed_s=forward_fixed[j],
                     backward_fixed_s=backward_fixed[j],
                 )
             )
-    latencies = link_latencies(trace, len(bounds))
+    latencies = costs.latency_s
     device = str(trace.meta.get("device", "cpu")).split(" ")[0]
     return Profile(
         layers=tuple(layers),
-        batch_size=max(1, round(batch)),
+        batch_size=max(1, round(micro * m)),
         optimizer=costs.optimizer,
         device=device,
-        dtype_bytes=profile.dtype_bytes if profile is not None else 4,
+        dtype_bytes=dtype_bytes,
         meta={
             "source": "pipeoptim calibrate",
             "model": plan.model,

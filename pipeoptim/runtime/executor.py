@@ -326,21 +326,22 @@ class RankExecutor:
         rec.add(event, start, end)
         # Sampled every few micro-batches (the pattern repeats with each one), and whenever
         # the rank holds more than ever before, so the trace has its exact peak without a
-        # full sample per action; the total is a few integer sums.
+        # sample per action; the stages' counts are kept up to date, so reading them is
+        # a few integer sums.
         if a.kind.is_compute:
+            counts = {k: stage.memory() for k, stage in self.stages.items()}
             if rec.cuda:
                 total = int(torch.cuda.memory_allocated(rec.device))
             else:
-                total = sum(stage.memory_total() for stage in self.stages.values())
+                total = sum(sum(c.values()) for c in counts.values())
             if total > self._peak_memory or a.mb % self.memory_every == 0:
                 self._peak_memory = max(self._peak_memory, total)
                 detail: dict[str, int] = {}
-                for k, stage in self.stages.items():
-                    counts = stage.memory()
-                    for key, value in counts.items():
+                for k, c in counts.items():
+                    for key, value in c.items():
                         detail[key] = detail.get(key, 0) + value
                     if not rec.cuda:  # on CUDA the total is the allocator's, not a sum
-                        detail[f"stage:{k}"] = sum(counts.values())
+                        detail[f"stage:{k}"] = sum(c.values())
                 rec.add(MemorySample(self.rank, 0.0, total, detail), start, end)
         self._post_ahead()
 

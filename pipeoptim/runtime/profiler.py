@@ -85,6 +85,10 @@ def _tensor_bytes(tensor: Tensor) -> int:
     return int(tensor.numel() * tensor.element_size())
 
 
+def _trainable_bytes(module: nn.Module) -> int:
+    return sum(_tensor_bytes(p) for p in module.parameters() if p.requires_grad)
+
+
 def _leaf_input(x: Tensor) -> Tensor:
     leaf = x.detach()
     if leaf.is_floating_point() or leaf.is_complex():
@@ -297,7 +301,7 @@ def _measure_layer(
     params = list(module.parameters())
     out = _check_output(name, module(_leaf_input(x)))
     param_bytes = sum(_tensor_bytes(p) for p in params)
-    trainable_bytes = sum(_tensor_bytes(p) for p in params if p.requires_grad)
+    trainable_bytes = _trainable_bytes(module)
     state_bytes = state_factor * trainable_bytes
     if optimizer is not None and trainable_bytes:
         _, _, state_bytes = _time_step_and_prediction(
@@ -517,9 +521,7 @@ def profile_model(
                     optimizer=spec,
                 )
                 results.append(layer)
-                trainable.append(
-                    sum(_tensor_bytes(p) for p in module.parameters() if p.requires_grad)
-                )
+                trainable.append(_trainable_bytes(module))
             results = _timed(results, named, sample_input.to(target), sizes, warmup, repeats, timer)
             if spec is not None and sum(trainable) > 0:
                 results = _streamed_steps(
@@ -619,7 +621,7 @@ def profile_builtin(
 
 def _stage_bytes(layers: Sequence[nn.Module], ranks: int | None) -> int | None:
     """About one stage's trainable bytes when the model is split over ``ranks``."""
-    total = sum(_tensor_bytes(p) for m in layers for p in m.parameters() if p.requires_grad)
+    total = sum(_trainable_bytes(m) for m in layers)
     return max(1, total // ranks) if ranks and total else None
 
 

@@ -42,7 +42,7 @@ import copy
 import statistics
 import time
 import warnings
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -369,8 +369,9 @@ class Stage:
         self._act_bytes: dict[int, int] = {}
         self._act_total = 0  # the sum of _act_bytes, kept as it changes
         self._grad_bytes = 0  # gradients held since the last update (counted once per update)
-        self.prediction_seconds: list[float] = []
-        """Seconds of each timed prediction (CPU), for calibration."""
+        self.prediction_seconds: deque[float] = deque(maxlen=1024)
+        """Seconds of the latest timed predictions (CPU), for calibration; bounded, so a
+        long run keeps no per-forward list."""
         self.correct: Tensor | None = None
         """Last stage: correct predictions of the latest forward (None: not a classifier)."""
         self.peak_weight_copies = 1
@@ -692,8 +693,8 @@ class Stage:
 
     @property
     def prediction_s(self) -> float | None:
-        """Median seconds a predicted forward spent writing Ŵ (CPU only), or None when none
-        was timed."""
+        """Median seconds a recent predicted forward spent writing Ŵ (CPU only), or None
+        when none was timed."""
         times = self.prediction_seconds
         return statistics.median(times) if times else None
 
@@ -753,13 +754,6 @@ class Stage:
             "gradients": self._grad_bytes,
             "activations": self._act_total,
         }
-
-    def memory_total(self) -> int:
-        """The sum of :meth:`memory`, without building it (checked after every action)."""
-        if self._static_dirty:
-            self._refresh_static_bytes()
-        weights, opt = self._static_bytes["weights"], self._static_bytes["optimizer"]
-        return weights * self.weight_copies() + opt + self._grad_bytes + self._act_total
 
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

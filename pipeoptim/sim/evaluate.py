@@ -10,6 +10,7 @@ cached) and evaluate it under many cost models with :func:`evaluate_program`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import TYPE_CHECKING, cast
@@ -86,30 +87,28 @@ def list_schedule(program: Program, durations: list[float], transfers: list[floa
     transfer)``, ``end = start + duration``.
     """
     steps = program.steps()
-    at = steps.order_array
-    starts, ends = _walk(
-        steps,
-        np.asarray(durations, dtype=np.float64)[at].tolist(),
-        np.asarray(transfers, dtype=np.float64)[at].tolist(),
-    )
+    starts, ends = _walk(steps, durations, transfers)
     return _in_action_order(steps, starts, ends)
 
 
 def _walk(
-    steps: Steps, durations: list[float], transfers: list[float]
+    steps: Steps, durations: Sequence[float] | FloatArray, transfers: Sequence[float]
 ) -> tuple[list[float], list[float]]:
-    """Start and end of every step, with durations and transfers given in step order.
+    """Start and end of every step, from every action's duration and transfer (action order).
 
     Times are kept in step order, so the loop reads and writes memory nearly in sequence.
     Step -1 (a rank's first action, or no input) reads the sentinel at the end, which
     ended at 0.
     """
-    n = len(durations)
+    at = steps.order_array
+    step_durations = np.asarray(durations, dtype=np.float64)[at].tolist()
+    step_transfers = np.asarray(transfers, dtype=np.float64)[at].tolist()
+    n = len(step_durations)
     starts = [0.0] * n
     ends = [0.0] * (n + 1)
     j = 0
     for prev, dep, duration, transfer in zip(
-        steps.previous, steps.input, durations, transfers, strict=True
+        steps.previous, steps.input, step_durations, step_transfers, strict=True
     ):
         t = ends[prev]
         arrive = ends[dep] + transfer
@@ -222,9 +221,7 @@ def evaluate_program(
     steps = program.steps()
     if jitter:
         durations = np.asarray(program.durations(costs, jitter, seed))
-        at = steps.order_array
-        transfers = np.asarray(program.transfer_times(costs))
-        starts, ends = _walk(steps, durations[at].tolist(), transfers[at].tolist())
+        starts, ends = _walk(steps, durations, program.transfer_times(costs))
         busy, rank_busy = _busy(program, durations)
     else:
         starts, ends = _walk_coded(

@@ -116,8 +116,9 @@ class Program:
         self._versions: VersionReport | None = None
         self._flat_versions: tuple[list[int], list[int], list[bool]] | None = None
         self._steps: Steps | None = None
-        self._predicted_codes: list[int] | None = None
-        self._code_counts: dict[bool, IntArray | None] = {}
+        self._codes: dict[bool, IntArray] = {}  # cost codes, with or without predictions
+        self._predicted_step_codes: list[int] | None = None
+        self._code_counts: dict[bool, IntArray] = {}
         self._first_stage_micro_batches: int | None = None
         self._last_updates: list[int] | None = None
 
@@ -236,14 +237,14 @@ class Program:
         """
         if self._steps is None:
             n = self.size
-            levels = self._levels()
+            inputs = np.where(self.dep_array >= 0, self.dep_array, n)  # n: the sentinel
+            levels = self._levels(inputs)
             at = self._worklist() if levels is None else np.argsort(levels, kind="stable")
             position = np.empty(n + 1, dtype=np.int64)
             position[at] = np.arange(n, dtype=np.int64)
             position[n] = -1
             previous = np.arange(-1, n - 1, dtype=np.int64)
             previous[[lo for lo, hi in self.rank_bounds if hi > lo]] = n
-            inputs = np.where(self.dep_array >= 0, self.dep_array, n)
             self._steps = Steps(
                 at, position[:n], position[previous[at]].tolist(),
                 position[inputs[at]].tolist(), self.cost_code_array()[at].tolist(),
@@ -251,7 +252,7 @@ class Program:
             )  # fmt: skip
         return self._steps
 
-    def _levels(self, max_sweeps: int = 32) -> IntArray | None:
+    def _levels(self, inputs: IntArray, max_sweeps: int = 32) -> IntArray | None:
         """Each action's step on a clock where every action takes one step: one more than
         the later of its rank's previous action and its cross-rank input.
 
@@ -259,11 +260,11 @@ class Program:
         (forwards flow down, backwards up), each rank in one vectorised pass:
         ``level[i] = i + max over j <= i of (input level[j] + 1 - j)``. None when the
         sweeps do not settle (a cycle, or an unusual order): the worklist decides then.
+        ``inputs`` is each action's cross-rank input, ``size`` where it has none.
         """
         n = self.size
         level = np.zeros(n + 1, dtype=np.int64)
         level[n] = -1  # the sentinel input: level -1 + 1 = 0 imposes nothing
-        inputs = np.where(self.dep_array >= 0, self.dep_array, n)
         spans = [(lo, hi, np.arange(hi - lo, dtype=np.int64)) for lo, hi in self.rank_bounds]
         spans = [span for span in spans if span[1] > span[0]]
         for sweep in range(max_sweeps):
@@ -349,10 +350,8 @@ class Program:
 
     def duration_array(self, costs: CostModel) -> FloatArray:
         """:meth:`durations` without jitter, as an array."""
-        codes = self.cost_code_array()
-        if any(costs.predict_s):
-            codes[self.versions().actions.predicted] += 3 * self.num_stages
-        return cast(FloatArray, np.array(self.duration_table(costs))[codes])
+        table = np.array(self.duration_table(costs))
+        return cast(FloatArray, table[self.duration_codes(any(costs.predict_s))])
 
     def transfer_times(self, costs: CostModel) -> list[float]:
         """Seconds each action's cross-rank input spends on its link (0.0 when none)."""
@@ -363,10 +362,21 @@ class Program:
         """Per action ``kind * num_stages + stage``: its index in a [F..., B..., U...] table."""
         return self.arrays.kind * self.num_stages + self.arrays.stage
 
+    def duration_codes(self, predicting: bool) -> IntArray:
+        """Per action its index into :meth:`duration_table`: the cost code, moved to the
+        predicted-forward entries (``3 * num_stages + stage``) for forwards the version
+        analysis predicts when ``predicting`` (the costs have a prediction time)."""
+        if predicting not in self._codes:
+            codes = self.cost_code_array()
+            if predicting:
+                codes[self.versions().actions.predicted] += 3 * self.num_stages
+            self._codes[predicting] = codes
+        return self._codes[predicting]
+
     def duration_table(self, costs: CostModel) -> list[float]:
         """Seconds per cost code: ``[F..., B..., U..., predicted F...]`` of every stage.
 
-        A predicted forward (code ``3 * num_stages + stage``, see :meth:`step_cost_codes`)
+        A predicted forward (code ``3 * num_stages + stage``, see :meth:`duration_codes`)
         costs its forward plus the prediction."""
         if costs.num_stages < self.num_stages:
             raise ScheduleError(
@@ -381,15 +391,13 @@ class Program:
         """Compute seconds per stage and per rank without jitter, from how often each rank
         runs each cost code (counted once per program)."""
         s = self.num_stages
-        predicted = any(costs.predict_s)
-        if self._code_counts.get(predicted) is None:
-            codes = self.cost_code_array()
-            if predicted:
-                codes[self.versions().actions.predicted] += 3 * s
-            self._code_counts[predicted] = np.stack(
+        predicting = any(costs.predict_s)
+        if predicting not in self._code_counts:
+            codes = self.duration_codes(predicting)
+            self._code_counts[predicting] = np.stack(
                 [np.bincount(codes[lo:hi], minlength=4 * s) for lo, hi in self.rank_bounds]
             ) if self.rank_bounds else np.zeros((0, 4 * s), dtype=np.int64)  # fmt: skip
-        counts = self._code_counts[predicted]
+        counts = self._code_counts[predicting]
         table = np.array(self.duration_table(costs))
         per_code = counts * table  # seconds per (rank, code)
         per_stage = per_code.sum(axis=0).reshape(4, s).sum(axis=0)
@@ -402,16 +410,13 @@ class Program:
         return stage, rank
 
     def step_cost_codes(self, costs: CostModel) -> list[int]:
-        """Each step's index into :meth:`duration_table`: predicted forwards read the
-        predicted-forward entries when ``costs`` has a prediction cost."""
+        """:meth:`duration_codes` in step order (:meth:`steps`)."""
         if not any(costs.predict_s):
             return self.steps().cost_code
-        if self._predicted_codes is None:
-            codes = self.cost_code_array()
-            predicted = self.versions().actions.predicted
-            codes[predicted] += 3 * self.num_stages
-            self._predicted_codes = codes[self.steps().order_array].tolist()
-        return self._predicted_codes
+        if self._predicted_step_codes is None:
+            order = self.steps().order_array
+            self._predicted_step_codes = self.duration_codes(True)[order].tolist()
+        return self._predicted_step_codes
 
     def transfer_table(self, costs: CostModel) -> list[float]:
         """Seconds per link code of :attr:`Steps.link`: 0.0 for none, then for every edge
