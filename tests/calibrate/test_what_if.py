@@ -203,3 +203,32 @@ def test_a_real_two_process_run_is_predicted_back(
     assert (
         0 < other.time_per_mini_batch < 10 * by_name["time per mini-batch (steady state)"].measured
     )
+
+
+def test_bad_what_if_inputs_name_the_value_and_the_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_path = tmp_path / "run.json"
+    run = as_measured("pipeoptim", 3, 1, 6, known_costs(3))
+    run.save(run_path)
+    base = ["calibrate", "--trace", str(run_path)]
+    # a stage count below 1, with --predict
+    assert main([*base, "--predict", "gpipe", "--stages", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--stages must be at least 1 (got 0)" in err and "Traceback" not in err
+    # a profile of another model
+    other = tmp_path / "other.json"
+    Profile.from_costs([1.0] * 5, [2.0] * 5, [8] * 5, [8] * 5).save(other)
+    out_profile = tmp_path / "calibrated.json"
+    argv = [*base, "--predict", "gpipe", "--profile", str(other), "--out-profile", str(out_profile)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "the profile has 5 layers but the measured run's model has 3" in err
+    assert "pass the profile of the model that ran" in err
+    assert not out_profile.exists()  # nothing half-written
+    # a trace without the layer boundaries the runtime now records
+    del run.meta["boundaries"]
+    run.save(run_path)
+    assert main([*base, "--out-profile", str(out_profile)]) == 2
+    assert "the trace records no layer boundaries" in capsys.readouterr().err
+    assert main(base) == 0  # calibrating the run itself needs no boundaries

@@ -153,6 +153,7 @@ BAD_OUTPUTS = [
     (["profile", "--model", "mlp"], "--out"),
     (["calibrate", "--trace", "{trace}"], "--html"),
     (["calibrate", "--trace", "{trace}"], "--out-trace"),
+    (["calibrate", "--trace", "{trace}"], "--out-profile"),
 ]
 
 
