@@ -39,6 +39,7 @@ PLAN_SCHEMA = Obj(
         "micro_batches": Int(minimum=1),
         "mini_batches": Opt(Int(minimum=1)),
         "virtual_stages": Int(minimum=1),
+        "data_parallel": Int(minimum=1),
         "prediction_offset": Int(),
         "optimizer": _OPTIMIZER_SCHEMA,
         "model": Opt(Str()),
@@ -89,6 +90,10 @@ class Plan:
     """Mini-batches in the run; None lets the consumer decide (epochs for the runtime)."""
     virtual_stages: int = 1
     """Stages per rank (interleaved-1f1b only)."""
+    data_parallel: int = 1
+    """Replicas D of the whole pipeline (PP x DP): D x P processes, the D replicas of each
+    stage average their gradients (all-reduce) before every update, and each replica trains
+    on its own 1/D of every batch. Global rank = replica x P + pipeline rank."""
     prediction_offset: int = 0
     """Added to the derived prediction distance s (1 reproduces the reference code's D-rank)."""
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
