@@ -6,7 +6,9 @@ Definitions (all times in the trace's seconds):
 * **samples**: micro-batches that ran a forward on the first stage, times the samples per
   micro-batch. That is ``meta["batch_size"] / meta["micro_batches"]`` (batch size = samples
   per mini-batch) when the trace's meta has a ``batch_size``, else
-  ``meta["samples_per_micro_batch"]``, else 1 sample per micro-batch.
+  ``meta["samples_per_micro_batch"]``, else 1 sample per micro-batch. A data-parallel run
+  (``meta["data_parallel"]`` replicas) records the global batch of all replicas there, so
+  samples and throughput count every replica.
 * **throughput**: whole run, ``samples / span`` (warm-up and drain included).
 * **steady-state throughput**: from the completion times of the last stage's updates (one
   per mini-batch). With ``n`` updates, the first and last ``n // 4`` are dropped (warm-up and

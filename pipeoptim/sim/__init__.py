@@ -3,10 +3,13 @@
 Pure Python plus SimPy; never imports torch. Both engines read one
 :class:`~pipeoptim.sim.costs.CostModel` and one compiled order
 (:class:`~pipeoptim.sim.program.Program`) and agree exactly when there is no jitter and no
-link contention. The SimPy engine emits the shared :class:`~pipeoptim.trace.Trace`;
-:func:`pipeoptim.metrics.compute_metrics` reads it.
+link contention. Data-parallel replicas of the pipeline (PP x DP) are one replica's run
+whose updates carry the all-reduce (:mod:`pipeoptim.sim.collectives`). The SimPy engine
+emits the shared :class:`~pipeoptim.trace.Trace`; :func:`pipeoptim.metrics.compute_metrics`
+reads it.
 """
 
+from pipeoptim.sim.collectives import Cluster, ring_allreduce_s
 from pipeoptim.sim.costs import CostModel, parse_uniform
 from pipeoptim.sim.engine import build_trace, run_simpy, simulate, simulate_order
 from pipeoptim.sim.evaluate import (
@@ -21,6 +24,7 @@ from pipeoptim.sim.memory import MemoryReport, StagePeak, memory_report
 from pipeoptim.sim.program import Program, Timing
 
 __all__ = [
+    "Cluster",
     "CostModel",
     "Evaluation",
     "MemoryReport",
@@ -35,6 +39,7 @@ __all__ = [
     "list_schedule",
     "memory_report",
     "parse_uniform",
+    "ring_allreduce_s",
     "run_simpy",
     "simulate",
     "simulate_order",

@@ -18,6 +18,10 @@ A cost model comes from
 Links: edge ``k`` joins stage ``k`` and ``k+1``. A transfer over it takes
 ``latency_s[k] + bytes / bandwidth[k]`` (store-and-forward: the link is busy that long), and
 costs nothing when both stages sit on one rank.
+
+Data parallelism (:meth:`CostModel.with_data_parallel`): D replicas of the pipeline, each on
+its share of the batch, are timed as one replica whose updates also all-reduce the stage's
+gradients (:mod:`pipeoptim.sim.collectives`); throughput counts all D.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeoptim.errors import PlanError
 from pipeoptim.plan.profile import optimizer_state_factor
+from pipeoptim.sim.collectives import Cluster, allreduce_times, check_replicas, edge_links
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -100,9 +105,17 @@ class CostModel:
     bandwidth: tuple[float, ...]
     """Bytes per second of each edge (``math.inf``: bytes cost no time)."""
     samples_per_micro_batch: float = 1.0
-    """Samples in one micro-batch; throughput is reported in samples per second."""
+    """Samples in one micro-batch of one replica; throughput is reported in samples per
+    second over all replicas (``data_parallel`` times as many)."""
     optimizer: str = "sgd"
     """Optimizer family the state bytes are for."""
+    data_parallel: int = 1
+    """Replicas D of the pipeline (PP x DP). The model times one replica (they run alike)
+    and reports the throughput of all of them."""
+    allreduce_s: tuple[float, ...] = ()
+    """Seconds of each stage's gradient all-reduce over its D replicas, per update (empty:
+    none). It runs inside the update, blocking, so the update takes ``update_s +
+    allreduce_s`` (:attr:`update_total_s`); :meth:`with_data_parallel` sets it."""
 
     def __post_init__(self) -> None:
         s = len(self.forward_s)
@@ -124,6 +137,9 @@ class CostModel:
             raise PlanError(
                 f"samples_per_micro_batch must be > 0, got {self.samples_per_micro_batch}"
             )
+        check_replicas(self.data_parallel, "data_parallel")
+        ar = self.allreduce_s if len(self.allreduce_s) else (0.0,) * s
+        object.__setattr__(self, "allreduce_s", _floats("allreduce_s", ar, s))
 
     # ------------------------------------------------------------------ derived
     @property
@@ -135,6 +151,16 @@ class CostModel:
         """Bytes of the gradient buffer per stage (one parameter-sized copy)."""
         return self.param_bytes
 
+    @property
+    def update_total_s(self) -> tuple[float, ...]:
+        """Seconds of every stage's update with its all-reduce: what a U action takes."""
+        return tuple(u + a for u, a in zip(self.update_s, self.allreduce_s, strict=True))
+
+    @property
+    def global_samples_per_micro_batch(self) -> float:
+        """Samples one micro-batch index trains over all replicas."""
+        return self.samples_per_micro_batch * self.data_parallel
+
     def transfer_s(self, edge: int, backward: bool = False) -> float:
         """Seconds one micro-batch's activation (or gradient) takes over ``edge``."""
         size = (self.send_backward_bytes if backward else self.send_forward_bytes)[edge]
@@ -145,7 +171,7 @@ class CostModel:
         """Largest per-stage ``forward + backward + update``: the async steady-state period."""
         return max(
             f + b + u
-            for f, b, u in zip(self.forward_s, self.backward_s, self.update_s, strict=True)
+            for f, b, u in zip(self.forward_s, self.backward_s, self.update_total_s, strict=True)
         )
 
     def with_links(
@@ -159,8 +185,27 @@ class CostModel:
             bandwidth=self.bandwidth if bandwidth is None else (bandwidth,) * e,
         )
 
+    def with_data_parallel(
+        self, replicas: int, cluster: Cluster, *, num_ranks: int | None = None
+    ) -> CostModel:
+        """The model of ``replicas`` replicas placed on ``cluster``
+        (:mod:`pipeoptim.sim.collectives`): every edge gets the latency and bandwidth of
+        its tier, every update its stage's ring all-reduce of ``grad_bytes`` over the
+        replicas, and throughput counts all replicas. Stage s sits on pipeline rank
+        ``s mod num_ranks`` (default: one stage per rank). The replicas' batch is what the
+        model was built for: build it with each replica's share of the global batch."""
+        links = edge_links(self.num_stages, replicas, cluster, num_ranks)
+        return replace(
+            self,
+            latency_s=tuple(lat for _, lat in links),
+            bandwidth=tuple(bw for bw, _ in links),
+            data_parallel=replicas,
+            allreduce_s=allreduce_times(self.grad_bytes, replicas, cluster, num_ranks),
+        )
+
     def scaled(self, factor: float) -> CostModel:
-        """Times (not bytes) multiplied by ``factor``: a faster or slower device."""
+        """Times (not bytes) multiplied by ``factor``: a faster or slower device. Link
+        times, the all-reduce among them, stay as they are."""
         return replace(
             self,
             forward_s=tuple(v * factor for v in self.forward_s),

@@ -211,8 +211,10 @@ def build_trace(
         "micro_batches": m,
         "mini_batches": shape.mini_batches if shape is not None else None,
         "virtual_stages": shape.virtual_stages if shape is not None else 1,
-        "batch_size": m * costs.samples_per_micro_batch,
-        "samples_per_micro_batch": costs.samples_per_micro_batch,
+        # global: what all replicas train (the events are one replica's, all run alike)
+        "batch_size": m * costs.global_samples_per_micro_batch,
+        "samples_per_micro_batch": costs.global_samples_per_micro_batch,
+        "data_parallel": costs.data_parallel,
         "source": "sim",
         "engine": engine,
         "time_unit": "s",
@@ -225,6 +227,9 @@ def build_trace(
         "stage_ranks": {str(k): r for k, r in sorted(program.stage_rank.items())},
         "makespan": timing.makespan,
     }
+    if costs.data_parallel > 1:
+        info["replica_batch_size"] = m * costs.samples_per_micro_batch
+        info["allreduce_s"] = {str(k): v for k, v in enumerate(costs.allreduce_s)}
     info.update(meta or {})
     return Trace(events=program.events(timing, costs), memory=mem.samples, meta=info)
 

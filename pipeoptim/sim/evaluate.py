@@ -56,7 +56,8 @@ class Evaluation:
     overall_bubble: float
     """Idle fraction of all ranks together over the span."""
     samples: float
-    """Samples the run trained (micro-batches times samples per micro-batch)."""
+    """Samples the run trained over all data-parallel replicas (micro-batches times samples
+    per micro-batch times replicas)."""
     throughput: float
     """Whole-run samples per second (``samples / span``)."""
     steady_throughput: float
@@ -192,10 +193,11 @@ def _summary(
     span = makespan - first
     bubble = {r: (1.0 - b / span if span > 0 else 0.0) for r, b in rank_busy.items()}
     overall = 1.0 - sum(rank_busy.values()) / (span * len(rank_busy)) if span > 0 else 0.0
-    samples = program.first_stage_micro_batches() * costs.samples_per_micro_batch
+    per_micro = costs.global_samples_per_micro_batch  # all replicas
+    samples = program.first_stage_micro_batches() * per_micro
     throughput = samples / span if span > 0 else 0.0
     ups = [ends[step(i)] for i in program.last_stage_updates()]
-    steady = steady_state_throughput(ups, program.micro_batches * costs.samples_per_micro_batch)
+    steady = steady_state_throughput(ups, program.micro_batches * per_micro)
     return Evaluation(
         makespan=makespan,
         span=span,

@@ -374,7 +374,8 @@ class Program:
         return self._codes[predicting]
 
     def duration_table(self, costs: CostModel) -> list[float]:
-        """Seconds per cost code: ``[F..., B..., U..., predicted F...]`` of every stage.
+        """Seconds per cost code: ``[F..., B..., U..., predicted F...]`` of every stage (an
+        update with its stage's all-reduce, :attr:`CostModel.update_total_s`).
 
         A predicted forward (code ``3 * num_stages + stage``, see :meth:`duration_codes`)
         costs its forward plus the prediction."""
@@ -385,7 +386,7 @@ class Program:
             )
         s = self.num_stages
         extra = [f + p for f, p in zip(costs.forward_s[:s], costs.predict_s[:s], strict=True)]
-        return [*costs.forward_s[:s], *costs.backward_s[:s], *costs.update_s[:s], *extra]
+        return [*costs.forward_s[:s], *costs.backward_s[:s], *costs.update_total_s[:s], *extra]
 
     def busy_seconds(self, costs: CostModel) -> tuple[dict[int, float], dict[int, float]]:
         """Compute seconds per stage and per rank without jitter, from how often each rank
