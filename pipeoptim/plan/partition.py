@@ -20,6 +20,12 @@ Cost model (``a_l`` = output activation bytes of layer ``l``, ``bw`` =
 Communication is counted in full on both ends of a link and is not overlapped with compute
 (a conservative, per-batch model). ``weight_copies_k`` and
 ``activation_slots_k`` depend on the training method: see :func:`method_memory_factors`.
+
+Two options serve data-parallel plans (PP x DP), where links come in tiers and updates
+all-reduce: ``edges`` gives every stage edge its own ``(bw, lat)`` in place of one link, and
+``sync`` charges stage ``k`` ``per_byte_k · Σ param_bytes + fixed_k`` seconds more (its
+gradient all-reduce, shared among the units of an update: linear in the stage's bytes, so
+the programme stays exact).
 """
 
 from __future__ import annotations
@@ -174,6 +180,42 @@ def _check_stages(num_layers: int, num_stages: int) -> None:
     check_partition_size(num_layers, num_stages)
 
 
+Sync = Sequence[tuple[float, float]]
+"""Per stage ``(seconds per parameter byte, fixed seconds)`` added to its time."""
+
+
+def _edges(
+    edges: Sequence[tuple[float, float]] | None, bandwidth: float, latency: float, num_stages: int
+) -> list[tuple[float, float]]:
+    """One checked ``(bandwidth, latency)`` per stage edge: ``edges``, or the one link."""
+    if edges is None:
+        return [(bandwidth, latency)] * (num_stages - 1)
+    if len(edges) != num_stages - 1:
+        raise PlanError(
+            f"edges needs one (bandwidth, latency) per stage edge (got {len(edges)} for "
+            f"{num_stages} stages); pass {num_stages - 1}"
+        )
+    return [_check_link(bw, lat) for bw, lat in edges]
+
+
+def _sync(sync: Sync | None, num_stages: int) -> list[tuple[float, float]] | None:
+    if sync is None:
+        return None
+    if len(sync) != num_stages:
+        raise PlanError(
+            f"sync needs one (seconds per byte, seconds) per stage (got {len(sync)} for "
+            f"{num_stages} stages); pass {num_stages}"
+        )
+    out = []
+    for k, (per_byte, fixed) in enumerate(sync):
+        if not (math.isfinite(per_byte) and per_byte >= 0 and math.isfinite(fixed) and fixed >= 0):
+            raise PlanError(
+                f"sync of stage {k} must be finite numbers >= 0 (got {(per_byte, fixed)!r})"
+            )
+        out.append((float(per_byte), float(fixed)))
+    return out
+
+
 def stage_comm_s(
     profile: Profile,
     start: int,
@@ -190,13 +232,27 @@ def stage_comm_s(
     and its gradient the other (``2·bytes/bw + 2·latency``); the first stage has no boundary
     before it, the last none after it.
     """
+    link = (bandwidth_bytes_per_s, latency_s)
+    return _comm(profile, start, end, stage_index, num_stages, link, link)
+
+
+def _comm(
+    profile: Profile,
+    start: int,
+    end: int,
+    stage_index: int,
+    num_stages: int,
+    before: tuple[float, float],
+    after: tuple[float, float],
+) -> float:
+    """:func:`stage_comm_s` with the link ``before`` the stage and the one ``after`` it."""
     comm = 0.0
     if stage_index > 0:
-        comm += 2.0 * profile.layers[start - 1].activation_bytes / bandwidth_bytes_per_s
-        comm += 2.0 * latency_s
+        comm += 2.0 * profile.layers[start - 1].activation_bytes / before[0]
+        comm += 2.0 * before[1]
     if stage_index < num_stages - 1:
-        comm += 2.0 * profile.layers[end - 1].activation_bytes / bandwidth_bytes_per_s
-        comm += 2.0 * latency_s
+        comm += 2.0 * profile.layers[end - 1].activation_bytes / after[0]
+        comm += 2.0 * after[1]
     return comm
 
 
@@ -224,6 +280,9 @@ class Partition:
 
     weight_copies: tuple[int, ...] = ()
     """Per-stage weight copies the memory figures assume."""
+
+    stage_sync_s: tuple[float, ...] = ()
+    """Per-stage gradient synchronisation charged per batch (``sync``), seconds; empty: none."""
 
     activation_slots: tuple[int, ...] = ()
     """Per-stage activation slots the memory figures assume."""
@@ -265,6 +324,7 @@ class Partition:
             "stage_comm_s": list(self.stage_comm_s),
             "weight_copies": list(self.weight_copies),
             "activation_slots": list(self.activation_slots),
+            "stage_sync_s": list(self.stage_sync_s),
         }
 
 
@@ -275,30 +335,30 @@ def evaluate_partition(
     bandwidth_bytes_per_s: float | str = math.inf,
     latency_s: float = 0.0,
     memory_factors: MemoryFactors | None = None,
+    edges: Sequence[tuple[float, float]] | None = None,
+    sync: Sync | None = None,
 ) -> Partition:
     """Cost of a given partition under the module's model (times and memory per stage).
 
-    ``memory_factors`` defaults to one weight copy and one activation slot per stage.
+    ``memory_factors`` defaults to one weight copy and one activation slot per stage;
+    ``edges`` and ``sync`` as in :func:`optimal_partition`.
     """
     stages = validate_boundaries(boundaries, profile.num_layers)
     bandwidth, latency = _check_link(bandwidth_bytes_per_s, latency_s)
     num_stages = len(stages)
+    links = _edges(edges, bandwidth, latency, num_stages)
+    syncs = _sync(sync, num_stages)
     copies, slots = _resolve_factors(memory_factors, num_stages)
-    compute, comm, memory = [], [], []
+    compute, comm, memory, synced = [], [], [], []
     for k, (start, end) in enumerate(stages):
         layers = profile.layers[start:end]
         compute.append(math.fsum(layer.compute_s for layer in layers))
-        comm.append(
-            stage_comm_s(
-                profile,
-                start,
-                end,
-                k,
-                num_stages,
-                bandwidth_bytes_per_s=bandwidth,
-                latency_s=latency,
-            )
-        )
+        before = links[k - 1] if k > 0 else (bandwidth, latency)
+        after = links[k] if k < num_stages - 1 else (bandwidth, latency)
+        comm.append(_comm(profile, start, end, k, num_stages, before, after))
+        if syncs is not None:
+            per_byte, fixed = syncs[k]
+            synced.append(per_byte * sum(layer.param_bytes for layer in layers) + fixed)
         memory.append(
             stage_memory_bytes(
                 sum(layer.param_bytes for layer in layers),
@@ -309,6 +369,8 @@ def evaluate_partition(
             )
         )
     times = tuple(c + m for c, m in zip(compute, comm, strict=True))
+    if synced:
+        times = tuple(t + x for t, x in zip(times, synced, strict=True))
     return Partition(
         boundaries=tuple(stages),
         stage_times=times,
@@ -318,6 +380,7 @@ def evaluate_partition(
         stage_comm_s=tuple(comm),
         weight_copies=tuple(copies),
         activation_slots=tuple(slots),
+        stage_sync_s=tuple(synced),
     )
 
 
@@ -438,12 +501,17 @@ def optimal_partition(
     latency_s: float = 0.0,
     memory_cap_bytes: int | float | str | None = None,
     memory_factors: MemoryFactors | None = None,
+    edges: Sequence[tuple[float, float]] | None = None,
+    sync: Sync | None = None,
 ) -> Partition:
     """The contiguous partition into ``num_stages`` stages with the fastest slowest stage.
 
     Exact under the module's cost model. ``memory_cap_bytes`` (bytes, or a string such as
     ``"16GiB"``) bounds every stage's memory; ``memory_factors`` (default: 1 weight copy, 1
-    activation slot) comes from :func:`method_memory_factors`. Ties between equally fast
+    activation slot) comes from :func:`method_memory_factors`. ``edges`` gives each of the
+    ``num_stages - 1`` stage edges its ``(bandwidth, latency)`` in place of the one link;
+    ``sync`` adds ``per_byte_k * param bytes + fixed_k`` seconds to stage ``k`` (module
+    doc). Ties between equally fast
     partitions are broken deterministically. Raises :class:`PlanError` when ``num_stages``
     is not in ``1..num_layers`` or when no partition fits the cap (the message gives the
     smallest cap that would fit).
@@ -452,22 +520,31 @@ def optimal_partition(
     _check_stages(num_layers, num_stages)
     bandwidth, latency = _check_link(bandwidth_bytes_per_s, latency_s)
     cap = None if memory_cap_bytes is None else min(parse_bytes(memory_cap_bytes), _INT_LIMIT)
+    links = _edges(edges, bandwidth, latency, num_stages)
+    syncs = _sync(sync, num_stages)
     copies, slots = _resolve_factors(memory_factors, num_stages)
     pre = _Prefixes(profile, copies, slots)
+    params = pre.param.astype(np.float64)
 
     # comm terms as vectors over layer index: recv[i] for a stage starting at i, send[j] for
-    # one ending at j (formula in the module docstring)
-    link = 2.0 * pre.act / bandwidth + 2.0 * latency
-    edge = np.zeros(num_layers + 1, dtype=np.float64)
-    edge[1:] = link
+    # one ending at j (formula in the module docstring), one vector per distinct link
+    vectors: dict[tuple[float, float], FloatArray] = {}
+    for bw, lat in set(links):
+        vector = np.zeros(num_layers + 1, dtype=np.float64)
+        vector[1:] = 2.0 * pre.act / bw + 2.0 * lat
+        vectors[(bw, lat)] = vector
     inner = np.arange(num_layers - num_stages + 1)
 
     def block(k: int, rows: IntArray) -> FloatArray:
         cols = rows + 1
-        recv = edge[rows] if k > 0 else 0.0
-        send = edge[cols] if k < num_stages - 1 else 0.0
+        recv = vectors[links[k - 1]][rows] if k > 0 else 0.0
+        send = vectors[links[k]][cols] if k < num_stages - 1 else 0.0
         end_term = pre.compute[cols] + send
         start_term = pre.compute[rows] - recv
+        if syncs is not None:  # the stage's all-reduce: linear in its bytes
+            per_byte, fixed = syncs[k]
+            end_term = end_term + per_byte * params[cols] + fixed
+            start_term = start_term + per_byte * params[rows]
         cost: FloatArray = end_term[None, :] - start_term[:, None]
         if cap is not None:
             f = pre.memory(k)
@@ -495,6 +572,8 @@ def optimal_partition(
         bandwidth_bytes_per_s=bandwidth,
         latency_s=latency,
         memory_factors=memory_factors,
+        edges=edges,
+        sync=sync,
     )
 
 
