@@ -14,7 +14,12 @@ are ordered by uncorrected distance, then peak memory, so a method that is as fa
 trains on fresher weights wins.
 
 The profile is taken as measured on one mini-batch of ``profile.batch_size`` samples; a
-micro-batch costs ``1/M`` of its time and activations (the linear model the simulator uses).
+micro-batch costs ``1/M`` of its time and activations (the linear model the simulator uses,
+keeping the profile's fitted fixed part of each time). With D data-parallel replicas
+(``replicas``, PP x DP) each replica trains ``batch_size / D`` samples of every batch, its
+links and all-reduces follow the ``cluster``'s placement (:mod:`pipeoptim.sim.collectives`),
+and throughput counts all replicas; :mod:`pipeoptim.device_search` searches the P x D
+factorisations of a device count.
 """
 
 from __future__ import annotations
@@ -30,6 +35,13 @@ from pipeoptim.plan.partition import Partition, method_memory_factors, optimal_p
 from pipeoptim.plan.profile import Profile
 from pipeoptim.plan.risk import MethodRisk, method_risk
 from pipeoptim.plan.units import format_bytes, format_distances
+from pipeoptim.sim.collectives import (
+    Cluster,
+    check_batch_split,
+    check_replicas,
+    edge_links,
+    group_within_node,
+)
 from pipeoptim.sim.costs import CostModel
 from pipeoptim.sim.evaluate import compile_method, evaluate_program
 
@@ -57,6 +69,17 @@ class Candidate:
     skipped: bool = False
     """Not simulated: the search's candidates together were over the work limit
     (:data:`pipeoptim.plan.limits.MAX_ACTIONS`); ``infeasible`` says why."""
+    data_parallel: int = 1
+    """Replicas D of the pipeline; ``throughput`` counts all of them."""
+    allreduce_s: tuple[float, ...] = ()
+    """Seconds of each stage's gradient all-reduce per update (empty: no replicas)."""
+    stages: int = 0
+    """Pipeline stages P (one per device of a replica)."""
+    update_period_s: float = 0.0
+    """Predicted steady-state seconds per mini-batch (update): global batch / throughput."""
+    steady_bubble: float = 0.0
+    """Idle fraction of the ranks in the steady state: 1 - mean stage busy time (all-reduce
+    included) per mini-batch / ``update_period_s`` (``bubble_ratio`` counts warm-up too)."""
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -89,23 +112,45 @@ def micro_batch_options(method: str, num_stages: int, batch_size: int | None = N
     return [m for m in range(num_stages, batch_size + 1) if batch_size % m == 0][:3]
 
 
-def _per_micro_batch(profile: Profile, micro_batches: int) -> Profile:
-    if micro_batches == 1:
-        return profile
+def per_unit_profile(
+    profile: Profile, micro_batches: int, batch_size: int | None = None
+) -> Profile:
+    """The profile of one pipeline unit: a micro-batch of ``batch_size / micro_batches``
+    samples (``batch_size``: one replica's mini-batch, default the profile's)."""
+    pb = profile.batch_size
+    batch = pb if batch_size is None else batch_size
     m = micro_batches
-    samples = profile.batch_size / m
+    if m == 1 and batch == pb:
+        return profile
+    samples = batch / m
     layers = []
     for layer in profile.layers:  # the fixed part of a time does not shrink with the batch
-        forward, backward = layer.time_at(samples, profile.batch_size)
+        forward, backward = layer.time_at(samples, pb)
         layers.append(
             replace(
                 layer,
                 forward_s=forward,
                 backward_s=backward,
-                activation_bytes=math.ceil(layer.activation_bytes / m),
+                activation_bytes=-(-layer.activation_bytes * batch // (pb * m)),
             )
         )
-    return replace(profile, layers=tuple(layers), batch_size=max(1, profile.batch_size // m))
+    return replace(profile, layers=tuple(layers), batch_size=max(1, batch // m))
+
+
+def _sync(
+    replicas: int, cluster: Cluster, num_stages: int, micro_batches: int
+) -> list[tuple[float, float]] | None:
+    """Each stage's all-reduce as the partitioner charges it, shared among the update's
+    units: ``(seconds per gradient byte, fixed seconds)``, from the ring closed form."""
+    if replicas == 1:
+        return None
+    d, m = replicas, micro_batches
+    out = []
+    for k in range(num_stages):
+        bw, lat = cluster.tier(group_within_node(k, num_stages, d, cluster))
+        per_byte = 0.0 if math.isinf(bw) else 2 * (d - 1) / d / bw
+        out.append((per_byte / m, 2 * (d - 1) * lat / m))
+    return out
 
 
 def evaluate_candidate(
@@ -119,9 +164,20 @@ def evaluate_candidate(
     latency_s: float = 0.0,
     mini_batches: int | None = None,
     optimizer: str = "sgd",
+    replicas: int = 1,
+    cluster: Cluster | None = None,
+    batch_size: int | None = None,
+    short_run: bool = False,
 ) -> Candidate:
     """Partition for ``method`` at ``micro_batches`` and simulate it; ``optimizer`` sets
-    the convergence-risk coefficient (``risk.py``)."""
+    the convergence-risk coefficient (``risk.py``).
+
+    ``batch_size`` is the global mini-batch (default: the profile's), shared by
+    ``replicas`` replicas placed on ``cluster``; a cluster replaces
+    ``bandwidth_bytes_per_s`` and ``latency_s`` (its within-node tier is the one link
+    without ``gpus_per_node``). ``short_run``: ``mini_batches`` is short of the settled
+    steady state, so the throughput is capped at what the busiest stage allows (what a
+    long run converges to), not what `simulate` shows at its default run length."""
     spec = get_method(method)
     shape = spec.shape(num_stages, micro_batches if spec.micro_batched else None, mini_batches)
     if spec.interleaved:
@@ -129,26 +185,40 @@ def evaluate_candidate(
             f"plan search places one stage per device; {method} (several stages per "
             f"device) is not searched — pick it by hand with `pipeoptim simulate`"
         )
+    d, m = check_replicas(replicas, "replicas"), shape.micro_batches
+    batch = profile.batch_size if batch_size is None else batch_size
+    if d > 1:  # (one replica keeps its old leniency: M need not divide the batch)
+        check_batch_split(batch, d, m)
+    if cluster is None:
+        cluster = Cluster(bandwidth_bytes_per_s, latency_s)
+    links = (
+        edge_links(num_stages, d, cluster) if d > 1 or cluster.gpus_per_node is not None else None
+    )
     try:
         partition = optimal_partition(
-            _per_micro_batch(profile, shape.micro_batches),
+            per_unit_profile(profile, m, batch // d),
             num_stages,
-            bandwidth_bytes_per_s=bandwidth_bytes_per_s,
-            latency_s=latency_s,
+            bandwidth_bytes_per_s=cluster.bandwidth,
+            latency_s=cluster.latency_s,
             memory_cap_bytes=memory_cap_bytes,
-            memory_factors=method_memory_factors(method, num_stages, shape.micro_batches),
+            memory_factors=method_memory_factors(method, num_stages, m),
+            edges=links,
+            sync=_sync(d, cluster, num_stages, m),
         )
     except PlanError as err:
         if isinstance(err, WorkLimitError) or "memory" not in str(err):
             raise
-        return Candidate(method, shape.micro_batches, None, infeasible=str(err))
+        return Candidate(method, m, None, infeasible=str(err), data_parallel=d, stages=num_stages)
     costs = CostModel.from_profile(
         profile,
         partition.boundaries,
-        shape.micro_batches,
-        bandwidth=bandwidth_bytes_per_s,
-        latency_s=latency_s,
+        m,
+        batch_size=batch // d,
+        bandwidth=cluster.bandwidth,
+        latency_s=cluster.latency_s,
     )
+    if links is not None:
+        costs = costs.with_data_parallel(d, cluster)
     # one compiled order (cached per method and shape) serves timing and versions
     program = compile_method(method, shape)
     result = evaluate_program(program, costs)
@@ -160,16 +230,35 @@ def evaluate_candidate(
         [report.max_distance(k) for k in stages],
         [report.max_staleness(k) for k in stages],
     )
+    steady = result.steady_throughput
+    if short_run and result.busy_s:
+        # A short run's last updates can still be faster than the run settles to: an
+        # async pipeline drains its in-flight slack before a slightly slower stage sets
+        # the pace. No stage trains faster than its own busy time allows: that caps it.
+        steady = min(steady, result.samples / max(result.busy_s.values()))
     return Candidate(
         method,
-        shape.micro_batches,
+        m,
         partition,
-        throughput=result.steady_throughput,
+        throughput=steady,
         run_throughput=result.throughput,
         bubble_ratio=result.overall_bubble,
         max_staleness=max(report.max_staleness(k) for k in report.stages),
         risk=risk,
+        data_parallel=d,
+        allreduce_s=costs.allreduce_s if d > 1 else (),
+        stages=num_stages,
+        update_period_s=batch / steady if steady > 0 else 0.0,
+        steady_bubble=_steady_bubble(result.busy_s, result.samples, steady),
     )
+
+
+def _steady_bubble(busy_s: dict[int, float], samples: float, rate: float) -> float:
+    """1 - mean busy seconds / run length at ``rate`` (its steady state)."""
+    if not busy_s or samples <= 0 or rate <= 0:
+        return 0.0
+    mean = math.fsum(busy_s.values()) / len(busy_s)
+    return min(1.0, max(0.0, 1.0 - mean * rate / samples))
 
 
 def search(
@@ -184,8 +273,12 @@ def search(
     tie_tolerance: float = 0.01,
     progress: Callable[[str], None] | None = None,
     optimizer: str = "sgd",
+    cluster: Cluster | None = None,
+    batch_size: int | None = None,
 ) -> list[Candidate]:
-    """Every feasible candidate ranked best first, then the infeasible ones."""
+    """Every feasible candidate ranked best first, then the infeasible ones; ``cluster``
+    and ``batch_size`` (the mini-batch, default the profile's) as in
+    :func:`evaluate_candidate`."""
     names = (
         list(methods)
         if methods is not None
@@ -199,14 +292,14 @@ def search(
     pairs = [
         (name, m)
         for name in names
-        for m in micro_batch_options(name, num_stages, profile.batch_size)
+        for m in micro_batch_options(name, num_stages, batch_size or profile.batch_size)
     ]
     sizes = [_actions(name, num_stages, m, mini_batches) for name, m in pairs]
     keep = fit_budget(sizes)
     found: list[Candidate] = []
     for (name, m), size, kept in zip(pairs, sizes, keep, strict=True):
         if not kept:
-            found.append(_skipped(name, m, size))
+            found.append(skipped_candidate(name, m, size, num_stages))
             continue
         if progress is not None:
             progress(f"{name} M={m}")
@@ -221,6 +314,8 @@ def search(
                 latency_s=latency_s,
                 mini_batches=mini_batches,
                 optimizer=optimizer,
+                cluster=cluster,
+                batch_size=batch_size,
             )
         )
     return rank(found, tie_tolerance)
@@ -237,7 +332,9 @@ def _actions(method: str, num_stages: int, micro_batches: int, mini_batches: int
     return estimate_work(spec, shape).cost
 
 
-def _skipped(method: str, micro_batches: int, size: int) -> Candidate:
+def skipped_candidate(
+    method: str, micro_batches: int, size: int, num_stages: int, replicas: int = 1
+) -> Candidate:
     limit = max_actions()
     why = (
         f"not simulated: about {size:,} actions, over the limit of {limit:,}"
@@ -246,7 +343,15 @@ def _skipped(method: str, micro_batches: int, size: int) -> Candidate:
         f"is over its limit of {limit:,} actions; plan it alone with --method {method} "
         f"--micro-batches {micro_batches}"
     )
-    return Candidate(method, micro_batches, None, infeasible=why, skipped=True)
+    return Candidate(
+        method,
+        micro_batches,
+        None,
+        infeasible=why,
+        skipped=True,
+        data_parallel=replicas,
+        stages=num_stages,
+    )
 
 
 def rank(candidates: Sequence[Candidate], tie_tolerance: float = 0.01) -> list[Candidate]:
@@ -265,7 +370,8 @@ def rank(candidates: Sequence[Candidate], tie_tolerance: float = 0.01) -> list[C
     return sorted(feasible, key=key) + [c for c in candidates if c.infeasible is not None]
 
 
-def _rate(samples_per_s: float) -> str:
+def format_rate(samples_per_s: float) -> str:
+    """Samples per second for a sentence: whole numbers from 100 on, else 3 digits."""
     return f"{samples_per_s:,.0f}" if samples_per_s >= 100 else f"{samples_per_s:.3g}"
 
 
@@ -279,7 +385,7 @@ def explain(ranked: Sequence[Candidate], memory_cap_bytes: int | None = None) ->
     cap = f" within the {format_bytes(memory_cap_bytes)} cap" if memory_cap_bytes else ""
     text = (
         f"Run {best.method} with {best.micro_batches} micro-batch(es): predicted "
-        f"{_rate(best.throughput)} samples/s, {describe_staleness(best)}, peak stage "
+        f"{format_rate(best.throughput)} samples/s, {describe_staleness(best)}, peak stage "
         f"memory {format_bytes(best.peak_memory_bytes)}{cap}."
     )
     # as fast or faster per sample, ranked lower only because of the convergence risk
@@ -303,9 +409,9 @@ def explain(ranked: Sequence[Candidate], memory_cap_bytes: int | None = None) ->
         else:
             pace = "as fast"
         text += (
-            f" Next best: {other.method} (M={other.micro_batches}), {_rate(other.throughput)} "
-            f"samples/s ({pace}), {describe_staleness(other)}, peak memory "
-            f"{format_bytes(other.peak_memory_bytes)}."
+            f" Next best: {other.method} (M={other.micro_batches}), "
+            f"{format_rate(other.throughput)} samples/s ({pace}), {describe_staleness(other)}, "
+            f"peak memory {format_bytes(other.peak_memory_bytes)}."
         )
     fits = {c.method for c in feasible}
     out = sorted({c.method for c in ranked if c.infeasible is not None and not c.skipped} - fits)
@@ -354,8 +460,8 @@ def _passed_over(passed: Sequence[Candidate], best: Candidate) -> str:
         f"{who} {verb} {pace} per sample but not chosen because of the convergence risk "
         f"({scale}fitted by the convergence study; pipeoptim.plan.risk): "
         + "; ".join(reasons)
-        + f". So the time to accuracy is longer ({_rate(closest.effective_throughput)} "
-        f"against {_rate(best.effective_throughput)} effective samples/s at best)."
+        + f". So the time to accuracy is longer ({format_rate(closest.effective_throughput)} "
+        f"against {format_rate(best.effective_throughput)} effective samples/s at best)."
     )
 
 
