@@ -9,6 +9,12 @@ One process per stage, the same script, under torchrun (gloo on CPU, NCCL on GPU
 
     torchrun --nproc-per-node 2 examples/library_quickstart.py --transport dist --stages 2
 
+Data-parallel replicas of the pipeline (PP x DP): D x P processes, here 2 replicas of a
+2-stage pipeline; each replica trains on half of every batch::
+
+    torchrun --nproc-per-node 4 examples/library_quickstart.py --transport dist --stages 2 \
+        --data-parallel 2
+
 Only the rank of the first stage reads the data; every rank builds the model and the
 loaders from the same code, so the script is the same everywhere.
 """
@@ -74,6 +80,9 @@ def main() -> None:
         help="dist: stage 0 sends the targets to the last stage, or the last stage's rank "
         "reads the (deterministic) loader itself",
     )
+    parser.add_argument(
+        "--data-parallel", type=int, default=1, help="replicas of the pipeline (dist only)"
+    )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args()
 
@@ -91,11 +100,12 @@ def main() -> None:
         amp=args.amp,
         grad_clip=1.0,
         targets=args.targets,
+        data_parallel=args.data_parallel,
     )
     result = pipe.fit(train_loader, epochs=args.epochs, eval_data=test_loader)
     pipe.close()
-    if 0 not in pipe.stages:
-        return  # every rank holds the same result; the first stage's rank reports it
+    if 0 not in pipe.stages or pipe.replica != 0:
+        return  # every rank holds the same result; replica 0's first stage reports it
     if args.json:
         print(json.dumps(result.summary()))
         return

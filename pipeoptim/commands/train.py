@@ -38,6 +38,7 @@ examples:
   pipeoptim train --method 2bw --micro-batches 4 --model cnn --trace run.json
   pipeoptim train --transport dist --stages 4        # one process per stage (gloo/NCCL)
   torchrun --nproc-per-node 4 -m pipeoptim.cli train --transport dist --stages 4
+  pipeoptim train --transport dist --stages 2 --data-parallel 2   # 2 replicas x 2 stages
   pipeoptim train --checkpoint-dir ckpt --checkpoint-every 20 [--resume]
   pipeoptim train --model examples/custom_model.py:make_model
 
@@ -94,6 +95,13 @@ def register(subparsers: Any) -> None:
         choices=("local", "dist"),
         default="local",
         help="local: all stages in this process; dist: one process per stage",
+    )
+    p.add_argument(
+        "--data-parallel",
+        type=int,
+        metavar="D",
+        help="D replicas of the pipeline (dist only: D x P processes), each training on 1/D of "
+        "every batch and averaging gradients before each update (default: the plan's, or 1)",
     )
     p.add_argument("--device", default="auto", help="auto (cuda if present), cpu, cuda, cuda:N")
     p.add_argument("--checkpoint-dir", metavar="D", help="write per-stage checkpoints here")
@@ -162,6 +170,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         ("batch-size", args.batch_size),
         ("micro-batches", args.micro_batches),
         ("keep-checkpoints", args.keep_checkpoints),
+        ("data-parallel", args.data_parallel),
     ):
         if value is not None and value < 1:
             raise RuntimeConfigError(f"--{flag} must be at least 1 (got {value})")
@@ -217,6 +226,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         batch_size=batch,
         boundaries=base.boundaries if same_layout and base else None,
         devices=base.devices if base else None,
+        data_parallel=args.data_parallel or (base.data_parallel if base else 1),
     )
     return TrainConfig(
         plan,
@@ -280,6 +290,8 @@ def handler(args: argparse.Namespace) -> int:
     plan = config.plan
     m = result.micro_batches
     ranks = f" on {plan.num_stages} ranks" if plan.num_stages != result.num_stages else ""
+    if plan.data_parallel > 1:
+        ranks += f" x {plan.data_parallel} data-parallel replicas"
     print(
         f"pipeoptim train: {result.method}, {result.num_stages} stages{ranks}, "
         f"model {result.model}, {plan.optimizer.family} lr {plan.optimizer.lr:g}, "

@@ -24,6 +24,7 @@ __all__ = [
     "LR_SCHEDULES",
     "TrainConfig",
     "check_options",
+    "check_replicas",
     "resolve_plan",
     "run_length",
 ]
@@ -126,6 +127,7 @@ class TrainConfig:
             )
         if self.resume and not self.checkpoint_dir:
             raise RuntimeConfigError("--resume needs --checkpoint-dir D")
+        check_replicas(self.plan.data_parallel, self.transport, flag="--data-parallel")
 
     @property
     def model(self) -> str:
@@ -253,3 +255,21 @@ def check_options(
         raise RuntimeConfigError(f"log_every must be at least 1 (got {log_every!r})")
     if not timeout > 0:
         raise RuntimeConfigError(f"timeout must be positive (got {timeout})")
+
+
+def check_replicas(data_parallel: object, transport: str, flag: str = "data_parallel") -> int:
+    """``data_parallel`` as a replica count, or the error that says how to fix it (naming
+    ``flag``: the library argument or the command-line option)."""
+    if not isinstance(data_parallel, int) or isinstance(data_parallel, bool) or data_parallel < 1:
+        raise RuntimeConfigError(
+            f"{flag} must be a positive number of pipeline replicas (got {data_parallel!r}); "
+            f"use 1 for one pipeline"
+        )
+    if data_parallel > 1 and transport != "dist":
+        option = "--transport dist" if flag.startswith("--") else "transport='dist'"
+        raise RuntimeConfigError(
+            f"{flag} {data_parallel} runs {data_parallel} replicas of the pipeline as separate "
+            f"processes, which needs {option}; the local transport runs one pipeline in this "
+            f"process"
+        )
+    return data_parallel

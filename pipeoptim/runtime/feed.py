@@ -29,7 +29,14 @@ from torch.utils.data import DataLoader
 
 from pipeoptim.errors import RuntimeConfigError
 
-__all__ = ["BatchSpec", "EvalReader", "TrainFeed", "epoch_seed", "steps_per_epoch"]
+__all__ = [
+    "BatchSpec",
+    "EvalReader",
+    "TrainFeed",
+    "check_split",
+    "epoch_seed",
+    "steps_per_epoch",
+]
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
@@ -139,6 +146,19 @@ def steps_per_epoch(data: Iterable[Any], given: int | None) -> tuple[int, int]:
     return n, 0
 
 
+def check_split(batch_size: int, micro_batches: int, replicas: int = 1) -> None:
+    """A batch splits evenly into ``replicas`` shards of ``micro_batches`` micro-batches."""
+    parts = micro_batches * replicas
+    if batch_size % parts:
+        b, m, d = batch_size, micro_batches, replicas
+        split = f"{m} micro-batches" if d == 1 else f"{d} replicas x {m} micro-batches"
+        raise RuntimeConfigError(
+            f"batch size {b} is not divisible by {split}; use a batch size of "
+            f"{max(parts, b // parts * parts)}, or "
+            + ("a micro-batch count that divides " + str(b) if d == 1 else "fewer micro-batches")
+        )
+
+
 def iterate_epoch(data: Iterable[Any], seed: int, epoch: int) -> Iterator[Any]:
     """Iterate ``data`` for ``epoch`` with its order fixed by ``(seed, epoch)``."""
     s = epoch_seed(seed, epoch)
@@ -168,7 +188,9 @@ _END = object()
 
 
 class TrainFeed:
-    """Stage 0's rank: the micro-batches of global step ``g``, read in step order."""
+    """Stage 0's rank: the micro-batches of global step ``g``, read in step order. Under
+    data parallelism (``replicas`` > 1) each batch is the global one and this replica trains
+    on its ``replica``-th contiguous 1/D of it."""
 
     def __init__(
         self,
@@ -179,10 +201,13 @@ class TrainFeed:
         device: torch.device,
         seed: int,
         start_step: int,
+        replicas: int = 1,
+        replica: int = 0,
     ) -> None:
         self.data = data
         self.steps_per_epoch = steps_per_epoch
         self.micro_batches = micro_batches
+        self.replicas, self.replica = replicas, replica
         self.device = device
         self.seed = seed
         self.spec: BatchSpec | None = None
@@ -220,12 +245,7 @@ class TrainFeed:
         x, y = as_batch(item, where)
         if self.spec is None:
             self.spec = BatchSpec.of(x, y)
-            if self.spec.batch_size % self.micro_batches:
-                m, b = self.micro_batches, self.spec.batch_size
-                raise RuntimeConfigError(
-                    f"batch size {b} is not divisible by {m} micro-batches; use a batch size "
-                    f"of {max(m, b // m * m)}, or a micro-batch count that divides {b}"
-                )
+            check_split(self.spec.batch_size, self.micro_batches, self.replicas)
         self.spec.check(x, y, where)
         self._pos += 1
         return x, y
@@ -237,6 +257,11 @@ class TrainFeed:
                 raise RuntimeError(f"the feed was asked for step {step}, next is {self._next}")
             x, y = self._read()
             m = self.micro_batches
+            if self.replicas > 1:  # this replica's shard, before it moves to the device
+                x, y = (
+                    x.tensor_split(self.replicas)[self.replica],
+                    y.tensor_split(self.replicas)[self.replica],
+                )
             x = x.to(self.device, non_blocking=True)
             y = y.to(self.device, non_blocking=True)
             self._parts = (x.tensor_split(m), y.tensor_split(m))

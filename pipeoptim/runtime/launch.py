@@ -1,4 +1,5 @@
-"""Start a training run: in this process, as P spawned processes, or as one torchrun rank.
+"""Start a training run: in this process, as P (x D replicas) spawned processes, or as one
+torchrun rank.
 
 ``train(config)`` is the entry point of ``pipeoptim train``; every path ends in
 :func:`run_config`, which builds a :class:`~pipeoptim.runtime.pipeline.Pipeline` from the
@@ -43,10 +44,11 @@ from pipeoptim.errors import PipeoptimError, RuntimeConfigError
 from pipeoptim.runtime.config import TrainConfig, run_length
 from pipeoptim.runtime.data import DatasetLoader
 from pipeoptim.runtime.executor import NonFiniteLossError, RankResult
+from pipeoptim.runtime.feed import check_split
 from pipeoptim.runtime.lr import scheduler_factory
 from pipeoptim.runtime.models import build_model, model_loss, stage_boundaries
 from pipeoptim.runtime.pipeline import Pipeline
-from pipeoptim.runtime.placement import pick_device, rank_threads
+from pipeoptim.runtime.placement import pick_device, rank_threads, world_error
 from pipeoptim.runtime.result import FitResult, build_trace, merge
 from pipeoptim.runtime.transport import FailureBoard, PeerLostError
 from pipeoptim.trace import Trace
@@ -165,27 +167,21 @@ def preflight(config: TrainConfig) -> None:
     layers, data = build_model(config.model, config.seed)
     shape = config.plan.shape(1)
     stage_boundaries(len(layers), shape.num_stages, config.plan.boundaries, config.model)
-    m = shape.micro_batches
-    if config.batch_size % m:
-        raise RuntimeConfigError(
-            f"batch size {config.batch_size} is not divisible by {m} micro-batches; use "
-            f"--batch-size {max(m, config.batch_size // m * m)}, or a micro-batch count that "
-            f"divides {config.batch_size}"
-        )
+    check_split(config.batch_size, shape.micro_batches, config.plan.data_parallel)
     DatasetLoader(data.train_x, data.train_y, config.batch_size, seed=config.seed)
     if config.device != "cpu" and torch.cuda.is_available():
-        _check_gpus(config, config.plan.num_stages)
+        _check_gpus(config, _world(config))
 
 
 # -- one rank of a multi-process run ----------------------------------------------------------
+def _world(config: TrainConfig) -> int:
+    """Processes of a dist run: one per pipeline rank of each data-parallel replica."""
+    return config.plan.num_stages * config.plan.data_parallel
+
+
 def _connect(config: TrainConfig, rank: int, world: int, store: Store | None) -> torch.device:
-    p = config.plan.num_stages
-    if world != p:
-        raise RuntimeConfigError(
-            f"world size {world} does not match the plan's {p} pipeline stages (dist runs "
-            f"one process per stage); launch {p} processes (torchrun --nproc-per-node {p}) "
-            f"or use --stages {world}"
-        )
+    if world != _world(config):
+        raise world_error(world, config.plan.num_stages, config.plan.data_parallel)
     device = _device_of(config, rank)
     if device.type == "cuda":
         _check_gpus(config, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
@@ -218,7 +214,7 @@ def _device_of(config: TrainConfig, rank: int) -> torch.device:
             f"the plan lists {len(devices)} devices for {config.plan.num_stages} ranks; give "
             f"one device per rank"
         )
-    return torch.device(devices[rank])
+    return torch.device(devices[rank % config.plan.num_stages])  # alike in every replica
 
 
 def _check_gpus(config: TrainConfig, local_ranks: int) -> None:
@@ -264,13 +260,13 @@ def _train_torchrun(config: TrainConfig) -> FitResult | None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = _connect(config, rank, world, None)
     store = dist.distributed_c10d._get_default_store()
-    label = f"{device.type} x{world}"
+    label = f"{device.type} x{config.plan.num_stages}"
     try:
         result = _run_rank(config, rank, store)
         dist.barrier()
     except BaseException:
-        if rank == 0:
-            _save_trace(config, _gather(store, world, 5.0), label)
+        if rank == 0:  # replica 0's pipeline, as a finished run's trace
+            _save_trace(config, _gather(store, config.plan.num_stages, 5.0), label)
         raise
     dist.destroy_process_group()
     if rank != 0:
@@ -289,9 +285,9 @@ def _describe_exit(code: int) -> str:
 
 
 def _spawn(config: TrainConfig) -> FitResult:
-    """Start one process per stage on this machine and watch them."""
+    """Start one process per stage (of each replica) on this machine and watch them."""
     preflight(config)
-    p = config.plan.num_stages
+    p, world = config.plan.num_stages, _world(config)
     timeout = timedelta(seconds=config.timeout)
     # Port 0: the OS picks a free port as the store binds it, so no other process can race us.
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
@@ -302,13 +298,13 @@ def _spawn(config: TrainConfig) -> FitResult:
         "MASTER_PORT": str(port),
         "PIPEOPTIM_STORE_PORT": str(port),
         "PIPEOPTIM_LAUNCHER_PID": str(os.getpid()),
-        "WORLD_SIZE": str(p),
+        "WORLD_SIZE": str(world),
         "PIPEOPTIM_CONFIG": config.to_json(),
     }
     command = [sys.executable, "-m", "pipeoptim.runtime.launch"]
     procs = [
         subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
-        for r in range(p)
+        for r in range(world)
     ]
     try:
         codes, stopped = _watch(procs, FailureBoard(store), grace=min(10.0, config.timeout))
@@ -316,7 +312,7 @@ def _spawn(config: TrainConfig) -> FitResult:
         for proc in procs:
             proc.kill()
         raise
-    results = _gather(store, p, 0.0)
+    results = _gather(store, p, 0.0)  # replica 0's pipeline: the trace shows one
     device = "cuda" if torch.cuda.is_available() and config.device != "cpu" else "cpu"
     label = f"{device} x{p}"
     if any(codes):

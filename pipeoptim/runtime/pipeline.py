@@ -49,7 +49,13 @@ from pipeoptim.runtime.checkpoint import (
     plan_segments,
 )
 from pipeoptim.runtime.closure import PredictionClosure
-from pipeoptim.runtime.config import MAX_SEED, check_options, resolve_plan, run_length
+from pipeoptim.runtime.config import (
+    MAX_SEED,
+    check_options,
+    check_replicas,
+    resolve_plan,
+    run_length,
+)
 from pipeoptim.runtime.executor import (
     Boundary,
     NonFiniteLossError,
@@ -64,6 +70,7 @@ from pipeoptim.runtime.feed import BatchSpec, EvalReader, TrainFeed, steps_per_e
 from pipeoptim.runtime.models import stage_boundaries
 from pipeoptim.runtime.placement import join_group, local_device
 from pipeoptim.runtime.probe import probe_stages
+from pipeoptim.runtime.replicas import GradientAverager, ReplicaGroups, collective
 from pipeoptim.runtime.result import EvalResult, FitResult, build_trace, merge
 from pipeoptim.runtime.stage import (
     LossFn,
@@ -122,7 +129,15 @@ class Pipeline:
     ``predicted_backward`` (predicting methods; beyond the paper): each predicted forward
     keeps its Ŵ for its backward, so the input gradients also go through Ŵ (consistent, as
     PipeDream's stash) at one weight copy per mini-batch in flight instead of PipeOptim's
-    one extra copy; measured in ``examples/convergence``.
+    one extra copy; measured in ``examples/convergence``. ``data_parallel`` (``dist`` only):
+    D replicas of the pipeline in D x P processes (``torchrun --nproc-per-node`` times
+    ``--nnodes`` = D x P; global rank = replica x P + pipeline rank); each replica trains on
+    its own 1/D of every batch the data yields (so the batch divides into D x M), and the
+    replicas of a stage average their gradients before each update (``replicas.py``).
+    Replica 0's weights are broadcast at start; only replica 0 writes checkpoints (every
+    replica reads them on resume, so put ``checkpoint_dir`` on a shared file system across
+    nodes); evaluation runs the whole data on every replica; the replicas draw the same
+    dropout masks (one RNG stream per stage, as a resume restores it).
     """
 
     def __init__(
@@ -155,9 +170,13 @@ class Pipeline:
         run_identity: dict[str, Any] | None = None,
         hyperparameters: dict[str, Any] | None = None,
         predicted_backward: bool = False,
+        data_parallel: int | None = None,
     ) -> None:
         self.units = _units(layers)
         self.plan = resolve_plan(plan, method, stages, micro_batches, virtual_stages)
+        if data_parallel is None:
+            data_parallel = plan.data_parallel if isinstance(plan, Plan) else 1
+        self.plan.data_parallel = check_replicas(data_parallel, transport)
         if prediction_offset is not None:
             self.plan.prediction_offset = prediction_offset
         check_options(optimizer, loss_fn, transport, amp, grad_clip, log_every, timeout)
@@ -206,11 +225,20 @@ class Pipeline:
         self.last = n_stages - 1
         self._owns_group = False
         self.store = store
+        self.replicas = ReplicaGroups.single(self.shape.num_ranks)
+        """This process's replica and its process groups (``replicas.py``)."""
         self.device, ranks = self._place(device)
         self.transports: dict[int, Transport] = (
             dict(enumerate(LocalTransport.group(self.shape.num_ranks)))
             if transport == "local"
-            else {ranks[0]: DistTransport(ranks[0], self.shape.num_ranks, self.device)}
+            else {
+                ranks[0]: DistTransport(
+                    ranks[0],
+                    self.shape.num_ranks,
+                    self.device,
+                    first_rank=self.replicas.global_rank(0),
+                )
+            }
         )
         spec = optimizer if optimizer is not None else self.plan.optimizer
         self.stages: dict[int, Stage] = {}
@@ -235,6 +263,7 @@ class Pipeline:
                 first_unit=a,
                 predicted_backward=predicted_backward,
             )
+        self._join_replicas()
         self._record_optimizer()
         self.identity = run_identity or self._identity()
         self.keep_checkpoints = keep_checkpoints
@@ -268,12 +297,23 @@ class Pipeline:
         if self.transport_name == "local":
             device = local_device(requested, self.plan.devices)
             return device, sorted(set(self.rank_of.values()))
+        p, d = self.shape.num_ranks, self.plan.data_parallel
         device, rank, self._owns_group = join_group(
-            self.shape.num_ranks, requested, self.plan.devices, self.timeout
+            p, requested, self.plan.devices, self.timeout, replicas=d
         )
         if self.store is None:
             self.store = dist.distributed_c10d._get_default_store()
-        return device, [rank]
+        self.replicas = ReplicaGroups.build(d, p, device)
+        return device, [rank % p]
+
+    def _join_replicas(self) -> None:
+        """Start every replica from replica 0's weights; average gradients before updates."""
+        group = self.replicas.data_group
+        if group is None:
+            return
+        self.replicas.broadcast_weights([s.module for s in self.stages.values()])
+        for stage in self.stages.values():
+            stage.grad_sync = GradientAverager(group, self.replicas.replicas)
 
     def _record_optimizer(self) -> None:
         """The plan (and trace) name the optimizer the stages actually built."""
@@ -310,7 +350,10 @@ class Pipeline:
         box = [obj]
         cuda = self.device.type == "cuda"
         dist.broadcast_object_list(
-            box, src=self.rank_of[stage], device=self.device if cuda else None
+            box,
+            src=self.replicas.global_rank(self.rank_of[stage]),
+            group=self.replicas.pipeline_group,
+            device=self.device if cuda else None,
         )
         return box[0]
 
@@ -433,7 +476,7 @@ class Pipeline:
             num_stages=self.shape.num_stages,
             store=self.store,
             rank=min(self.transports),
-            world_size=len(self.rank_of) if self.store is None else dist.get_world_size(),
+            world_size=len(self.rank_of) if self.store is None else self.shape.num_ranks,
             timeout=self.timeout,
             abort_check=FailureBoard(self.store).check if self.store is not None else lambda: None,
             keep=self.keep_checkpoints,
@@ -470,7 +513,8 @@ class Pipeline:
         if checkpoints is None:
             yield
             return
-        lock = DirectoryLock(checkpoints.root) if min(self.transports) == 0 else None
+        writer = min(self.transports) == 0 and self.replicas.replica == 0
+        lock = DirectoryLock(checkpoints.root) if writer else None
         if lock is not None:
             lock.acquire()
         try:
@@ -508,6 +552,8 @@ class Pipeline:
                 device=self.device,
                 seed=self.seed,
                 start_step=start,
+                replicas=self.replicas.replicas,
+                replica=self.replicas.replica,
             )
 
         def read_first() -> dict[str, Any]:
@@ -533,7 +579,7 @@ class Pipeline:
         reads_targets = self.targets == "read" and self.last in self.stages and 0 not in self.stages
         target_feed = make_feed(spe) if reads_targets else None
         for ex in self._executors:
-            ex.micro_size = batch // self.shape.micro_batches
+            ex.micro_size = batch // (self.shape.micro_batches * self.replicas.replicas)
             ex.feed = feed if 0 in ex.stages else None
             ex.targets_read = self.targets == "read"
             ex.target_feed = target_feed if self.last in ex.stages else None
@@ -601,24 +647,41 @@ class Pipeline:
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        values = torch.stack([p[1].float() for p in pending]).tolist()
+        losses = torch.stack([p[1].float() for p in pending])
         has_correct = all(p[2] is not None for p in pending)
-        right = torch.stack([p[2] for p in pending]).tolist() if has_correct else []  # type: ignore[misc]
+        right = torch.stack([p[2] for p in pending]) if has_correct else None  # type: ignore[misc]
+        losses, right = self._over_replicas(losses, right)
+        values, counts = losses.tolist(), right.tolist() if right is not None else []
         res = self.result
         for i, (step, _, _, targets) in enumerate(pending):
             value = values[i]
             if value != value or abs(value) == float("inf"):
                 raise NonFiniteLossError(self._nonfinite_message(value, step), step)
             res.losses[step] = value
-            res.targets[step] = targets
+            res.targets[step] = targets * self.replicas.replicas  # every replica's share
             if has_correct:
-                res.correct[step] = int(right[i])
+                res.correct[step] = int(counts[i])
         for record in (res.losses, res.targets, res.correct):
             while len(record) > HISTORY:  # oldest first: dicts keep insertion order
                 del record[next(iter(record))]
         if self._bar is not None:
             self._bar.update(len(pending) * (self._spec.batch_size if self._spec else 1))
             self._bar.set_postfix(step=pending[-1][0], loss=f"{values[-1]:.4f}")
+
+    def _over_replicas(self, losses: Tensor, right: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """The whole batch's mean losses and correct counts from every replica's share
+        (each replica's last stage saw 1/D of the batch). Every replica then checks the
+        same values, so a non-finite loss stops all of them at the same step."""
+        group = self.replicas.data_group
+        if group is None:
+            return losses, right
+        n = len(losses)
+        parts = [losses.double()] + ([right.double()] if right is not None else [])
+        sums = torch.cat(parts)
+        with collective(group, "averaging the losses"):
+            dist.all_reduce(sums, group=group)
+        mean = (sums[:n] / self.replicas.replicas).float()
+        return mean, sums[n:].round().long() if right is not None else None
 
     def _nonfinite_message(self, value: float, step: int) -> str:
         if self._last_checkpoint is not None:
@@ -668,6 +731,9 @@ class Pipeline:
                     + f" (the weights of stage {k} became non-finite)",
                     self._step,
                 )
+        if self.replicas.replica != 0:  # the replicas hold the same state: one writes it
+            self._last_checkpoint = self._step
+            return
         epoch, pos = divmod(self._step, spe)
         states = {k: stage.state_dict() for k, stage in self.stages.items()}
         extra = {
@@ -782,13 +848,15 @@ class Pipeline:
             "boundaries": [list(b) for b in self.bounds],
             "num_layers": len(self.units),
             "threads": torch.get_num_threads(),  # CPU threads each rank computed with
+            # replicas of the pipeline; the events are replica 0's (they run alike)
+            "data_parallel": self.replicas.replicas,
         }
 
     def _merged(self) -> FitResult:
         mine = self.rank_result()
-        if self.transport_name == "dist":
-            texts: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(texts, mine.to_json())
+        if self.transport_name == "dist":  # this replica's pipeline
+            texts: list[Any] = [None] * self.shape.num_ranks
+            dist.all_gather_object(texts, mine.to_json(), group=self.replicas.pipeline_group)
             results = [RankResult.from_json(t) for t in texts]
         else:
             results = [mine]
@@ -810,6 +878,12 @@ class Pipeline:
         for stage in self.stages.values():
             stage.closure = probe
         return probe
+
+    @property
+    def replica(self) -> int:
+        """This process's data-parallel replica (0 without data parallelism): the replicas
+        return the same result, so a script reports from replica 0's first stage."""
+        return self.replicas.replica
 
     @property
     def step(self) -> int:

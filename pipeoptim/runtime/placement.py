@@ -1,9 +1,10 @@
 """Where a pipeline's stages run: the device of this process and, for the ``dist``
 transport, its place in the ``torch.distributed`` process group.
 
-One rank per stage: under ``torchrun`` (or any launcher that sets ``RANK``/``WORLD_SIZE``)
-the group is started here with NCCL on GPUs and gloo on CPU, unless the caller (the
-``pipeoptim train`` launcher, a user's script) already started one.
+One rank per stage (of each data-parallel replica): under ``torchrun`` (or any launcher
+that sets ``RANK``/``WORLD_SIZE``) the group is started here with NCCL on GPUs and gloo on
+CPU, unless the caller (the ``pipeoptim train`` launcher, a user's script) already started
+one.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.profile import threads_per_rank
 
-__all__ = ["join_group", "local_device", "pick_device"]
+__all__ = ["join_group", "local_device", "pick_device", "world_error"]
 
 
 def pick_device(requested: str, local_rank: int = 0) -> torch.device:
@@ -46,10 +47,10 @@ def local_device(requested: str, devices: list[str] | None) -> torch.device:
 
 
 def join_group(
-    ranks: int, requested: str, devices: list[str] | None, timeout: float
+    ranks: int, requested: str, devices: list[str] | None, timeout: float, *, replicas: int = 1
 ) -> tuple[torch.device, int, bool]:
-    """(device, rank, whether this call started the group) of this process in a group of
-    ``ranks`` processes, one per pipeline rank."""
+    """(device, global rank, whether this call started the group) of this process in a group
+    of ``replicas`` x ``ranks`` processes, one per pipeline rank of each replica."""
     started = False
     if not dist.is_initialized():
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
@@ -60,8 +61,8 @@ def join_group(
                 f"stage in this process"
             )
         world = int(os.environ["WORLD_SIZE"])
-        if world != ranks:  # before the rendezvous, so nothing waits
-            raise _world_error(world, ranks)
+        if world != ranks * replicas:  # before the rendezvous, so nothing waits
+            raise world_error(world, ranks, replicas)
         device = pick_device(requested, int(os.environ.get("LOCAL_RANK", "0")))
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -69,10 +70,10 @@ def join_group(
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
         started = True
     rank, world = dist.get_rank(), dist.get_world_size()
-    if world != ranks:
-        raise _world_error(world, ranks)
+    if world != ranks * replicas:
+        raise world_error(world, ranks, replicas)
     if requested == "auto" and devices and len(devices) == ranks:
-        device = torch.device(devices[rank])
+        device = torch.device(devices[rank % ranks])
     elif requested == "auto" and dist.get_backend() != "nccl":
         device = torch.device("cpu")
     else:
@@ -80,11 +81,21 @@ def join_group(
     return device, rank, started
 
 
-def _world_error(world: int, ranks: int) -> RuntimeConfigError:
+def world_error(world: int, ranks: int, replicas: int = 1) -> RuntimeConfigError:
+    """The world size is not pipeline ranks x replicas: what to launch instead."""
+    if replicas == 1:
+        return RuntimeConfigError(
+            f"world size {world} does not match the plan's {ranks} pipeline stages (dist runs "
+            f"one process per stage); launch {ranks} processes (torchrun --nproc-per-node "
+            f"{ranks}) or use {world} stages"
+        )
+    need = ranks * replicas
+    fits = world % ranks == 0
     return RuntimeConfigError(
-        f"world size {world} does not match the plan's {ranks} pipeline stages (dist runs one "
-        f"process per stage); launch {ranks} processes (torchrun --nproc-per-node {ranks}) or "
-        f"use {world} stages"
+        f"world size {world} does not match {replicas} replicas x {ranks} pipeline ranks = "
+        f"{need} processes (dist runs one process per stage of each replica); launch {need} "
+        f"processes (e.g. torchrun --nnodes {replicas} --nproc-per-node {ranks})"
+        + (f" or use --data-parallel {world // ranks}" if fits else "")
     )
 
 

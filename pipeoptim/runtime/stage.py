@@ -381,6 +381,9 @@ class Stage:
         self._held: set[int] = set()  # micro-batches whose graph holds their own Ŵ
         self.closure: PredictionClosure | None = None
         """Set to measure how much of the stale distance each prediction removes."""
+        self.grad_sync: Callable[[Sequence[Tensor]], None] | None = None
+        """Set under data parallelism: averages the gradients over the stage's replicas
+        before each update (``replicas.GradientAverager``)."""
         self._static_bytes: dict[str, int] = {}
         self._random = _draws_random_numbers(self.module)
         """Whether passes run under the stage's own RNG stream (see :meth:`rng`)."""
@@ -581,6 +584,8 @@ class Stage:
             self._freeze(cur)
         opt = self.optimizer
         if opt is not None:
+            if self.grad_sync is not None:  # before unscaling, clipping: replicas stay equal
+                self.grad_sync(self._params)
             if self.scaler is not None:
                 if self.grad_clip is not None:
                     self.scaler.unscale_(opt)

@@ -125,10 +125,15 @@ class DistTransport(Transport):
     :class:`PeerLostError` naming it (gloo notices a closed connection at once).
     """
 
-    def __init__(self, rank: int, num_stages: int, device: torch.device) -> None:
+    def __init__(
+        self, rank: int, num_stages: int, device: torch.device, *, first_rank: int = 0
+    ) -> None:
         self.rank = rank
         self.device = device
         self._num_stages = num_stages
+        self._first = first_rank
+        """Process-group rank of this pipeline's rank 0 (replica x P under data parallelism):
+        peers are named by pipeline rank, addressed by process-group rank."""
         self._recvs: dict[MessageKey, tuple[dist.Work, Tensor, int]] = {}
         self._sends: list[tuple[dist.Work, Tensor, int, MessageKey]] = []
 
@@ -139,7 +144,7 @@ class DistTransport(Transport):
 
     def send(self, tensor: Tensor, peer: int, key: MessageKey) -> None:
         buf = tensor.detach().contiguous()
-        work = dist.isend(buf, peer, tag=self._tag(key))
+        work = dist.isend(buf, self._first + peer, tag=self._tag(key))
         if work is None:  # pragma: no cover - only when this rank is not in the group
             raise RuntimeError(f"rank {self.rank}: isend to rank {peer} returned no work")
         self._sends.append((work, buf, peer, key))
@@ -156,7 +161,7 @@ class DistTransport(Transport):
         if key in self._recvs:
             return
         buf = torch.empty(tuple(shape), dtype=dtype, device=self.device)
-        work = dist.irecv(buf, peer, tag=self._tag(key))
+        work = dist.irecv(buf, self._first + peer, tag=self._tag(key))
         if work is None:  # pragma: no cover
             raise RuntimeError(f"rank {self.rank}: irecv from rank {peer} returned no work")
         self._recvs[key] = (work, buf, peer)
@@ -164,7 +169,7 @@ class DistTransport(Transport):
     def recv(self, key: MessageKey, peer: int, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
         self.post_recv(key, peer, shape, dtype)
         work, buf, _ = self._recvs.pop(key)
-        self._wait(work, peer, f"{_describe(key)} from rank {peer}")
+        self._wait(work, peer, f"{_describe(key)} from rank {self._first + peer}")
         return buf
 
     def flush(self) -> None:
@@ -173,14 +178,15 @@ class DistTransport(Transport):
 
     def _wait_sends(self, sends: list[tuple[dist.Work, Tensor, int, MessageKey]]) -> None:
         for work, _, peer, key in sends:
-            self._wait(work, peer, f"delivery of {_describe(key)} to rank {peer}")
+            self._wait(work, peer, f"delivery of {_describe(key)} to rank {self._first + peer}")
 
     def _wait(self, work: dist.Work, peer: int, what: str) -> None:
         try:
             work.wait()
         except RuntimeError as err:  # gloo/NCCL report a dead peer or a timeout this way
+            lost = self._first + peer  # the process-group rank, as the launcher names ranks
             raise PeerLostError(
-                f"lost rank {peer} while waiting for {what}: {_cause(err)}", peer
+                f"lost rank {lost} while waiting for {what}: {_cause(err)}", lost
             ) from None
 
 

@@ -78,11 +78,14 @@ def dataset() -> Dataset:
     return Dataset("toy", x[:120], y[:120], x[120:], y[120:], 3)
 
 
-def config(method: str, stages: int, micro: int, transport: str, **kw: object) -> TrainConfig:
+def config(
+    method: str, stages: int, micro: int, transport: str, data_parallel: int = 1, **kw: object
+) -> TrainConfig:
     plan = Plan(
         method,
         stages,
         micro_batches=micro,
+        data_parallel=data_parallel,
         optimizer=OptimizerSpec("adam", 0.01),
         model=f"{HERE}:net",
         batch_size=12,

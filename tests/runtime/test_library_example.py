@@ -51,3 +51,14 @@ def test_torchrun_equals_one_process_bit_for_bit(stages: int, targets: str) -> N
     assert dist["losses"] == local["losses"]
     assert dist["eval"] == local["eval"]
     assert local["eval"]["accuracy"] > 0.5  # one epoch: well past chance (0.1)
+
+
+def test_torchrun_data_parallel_replicas_train_as_one_pipeline() -> None:
+    """2 replicas x 2 stages (4 processes): each replica trains on half of every batch and
+    the replicas average their gradients, so the run follows the one-process run on the
+    whole batch (to rounding: the two halves are summed in another order)."""
+    local = run(["--stages", "2"])
+    dist = run(["--stages", "2", "--transport", "dist", "--data-parallel", "2"], nproc=4)
+    assert dist["device"] == "cpu x2"
+    assert dist["losses"] == pytest.approx(local["losses"], abs=1e-5)
+    assert dist["eval"]["accuracy"] == pytest.approx(local["eval"]["accuracy"], abs=0.01)
