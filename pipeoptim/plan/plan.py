@@ -113,6 +113,12 @@ class Plan:
 
     def __post_init__(self) -> None:
         self.shape()  # fail at construction, not deep inside a run
+        d = self.data_parallel
+        if not isinstance(d, int) or isinstance(d, bool) or d < 1:
+            raise PlanError(
+                f"data_parallel must be a positive number of pipeline replicas (got {d!r}); "
+                f"use 1 for one pipeline"
+            )
         if self.boundaries is not None:
             self.boundaries = [(int(a), int(b)) for a, b in self.boundaries]
             check_boundaries(self.boundaries, self.num_stages * self.virtual_stages)
