@@ -9,6 +9,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pipeoptim.commands.cluster import (
+    add_cluster_flags,
+    check_cluster_flags,
+    cluster_from_args,
+    cluster_notes,
+)
 from pipeoptim.commands.common import (
     ResultFiles,
     add_json_flag,
@@ -74,16 +80,36 @@ def register(sub: Any) -> None:
     src = plan.add_mutually_exclusive_group(required=True)
     src.add_argument("--profile", type=Path, help="profile JSON from `pipeoptim profile`")
     src.add_argument("--model", help="profile this model first (built-in name or module:factory)")
-    plan.add_argument("--stages", type=int, required=True, help="devices P")
+    size = plan.add_mutually_exclusive_group(required=True)
+    size.add_argument("--stages", type=int, help="pipeline stages P, one device each")
+    size.add_argument(
+        "--devices",
+        type=int,
+        help="devices N: search every P stages x D data-parallel replicas with P x D = N "
+        "(PP x DP) and explain the choice",
+    )
     plan.add_argument("--method", default="auto", help=f"auto or one of: {', '.join(METHODS)}")
     plan.add_argument("--micro-batches", type=int, default=None, help="M (default: P)")
     plan.add_argument("--memory-cap", default=None, help="per-device memory, e.g. 8GiB")
-    plan.add_argument("--bandwidth", default="inf", help="link bandwidth, e.g. 25GB/s")
+    plan.add_argument(
+        "--bandwidth",
+        default="inf",
+        help="link bandwidth (within a node with --gpus-per-node), e.g. 25GB/s",
+    )
     plan.add_argument(
         "--latency",
         type=float,
         default=None,
-        help="link latency in seconds (default: a calibrated profile's, else 0)",
+        help="link latency in seconds (within a node with --gpus-per-node; default: a "
+        "calibrated profile's, else 0)",
+    )
+    add_cluster_flags(plan, data_parallel=False)
+    plan.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="samples per mini-batch over all replicas, each training 1/D of it (default: "
+        "the profile's batch size; the costs scale to it)",
     )
     plan.add_argument("--optimizer", choices=OPTIMIZER_FAMILIES, default=None)
     plan.add_argument("--lr", type=float, default=None, help="learning rate stored in the plan")
@@ -207,6 +233,10 @@ def run_plan(args: argparse.Namespace) -> int:
     check_output_paths(args, ["--out", "--html"], inputs=["--profile"])
     check_number("--latency", args.latency, minimum=0, example="0.0001 (seconds per transfer)")
     check_number("--lr", args.lr, above=0, example="0.05")
+    check_cluster_flags(args)
+    for flag, value in (("--devices", args.devices), ("--global-batch", args.global_batch)):
+        if value is not None and value < 1:
+            raise PlanError(f"{flag} must be a whole number >= 1 (got {value}); e.g. {flag} 64")
     if args.model is not None:
         _check_batch(args.batch_size)
     if args.profile is not None:
@@ -221,9 +251,10 @@ def run_plan(args: argparse.Namespace) -> int:
             progress=not args.json,
             ranks=args.stages,
         )
-    warning = conditions_warning(profile.device, profile.meta.get("threads"), args.stages)
-    if warning:
-        print(warning, file=sys.stderr)
+    if args.stages is not None:
+        warning = conditions_warning(profile.device, profile.meta.get("threads"), args.stages)
+        if warning:
+            print(warning, file=sys.stderr)
     cap = parse_bytes(args.memory_cap) if args.memory_cap else None
     bandwidth = math.inf if args.bandwidth in ("inf", "") else parse_bandwidth(args.bandwidth)
     family = args.optimizer or (
@@ -233,11 +264,26 @@ def run_plan(args: argparse.Namespace) -> int:
     latency: float = args.latency
     if latency is None:
         latency = float(profile.meta.get("link_latency_s", 0.0))
+    cluster = cluster_from_args(args, bandwidth, latency)
+    if cluster.gpus_per_node is not None and args.inter_node_bandwidth is None:
+        print(
+            "note: --gpus-per-node without --inter-node-bandwidth: links between nodes are "
+            "taken as fast as those within a node",
+            file=sys.stderr,
+        )
+    if args.devices is not None:
+        from pipeoptim.commands.plan_devices import run_device_plan
+
+        return run_device_plan(args, profile, cap=cap, family=family, cluster=cluster)
+    cluster.check_devices(args.stages)
+    batch = args.global_batch or profile.batch_size
     options: dict[str, Any] = {
         "memory_cap_bytes": cap,
         "bandwidth_bytes_per_s": bandwidth,
         "latency_s": latency,
         "optimizer": family,
+        "cluster": cluster,
+        "batch_size": batch,
     }
     if args.method == "auto":
         ranked = search(
@@ -250,12 +296,12 @@ def run_plan(args: argparse.Namespace) -> int:
         spec = get_method(args.method)
         m = args.micro_batches if spec.micro_batched else 1
         if m is None:  # the first count the planner would try: P, or one dividing the batch
-            m = next(iter(micro_batch_options(args.method, args.stages, profile.batch_size)), 0)
+            m = next(iter(micro_batch_options(args.method, args.stages, batch)), 0)
             if m == 0:
                 raise PlanError(
                     f"{args.method} splits a batch into at least {args.stages} micro-batches, "
-                    f"but the profile's batch has {profile.batch_size} samples; profile "
-                    f"with --batch-size {args.stages} or more"
+                    f"but the batch has {batch} samples; profile with --batch-size "
+                    f"{args.stages} or more, or pass --global-batch {args.stages} or more"
                 )
         ranked = [evaluate_candidate(profile, args.stages, args.method, m, **options)]
     summary = explain(ranked, cap)  # raises when nothing fits, with the cap message
@@ -267,15 +313,14 @@ def run_plan(args: argparse.Namespace) -> int:
         micro_batches=best.micro_batches,
         optimizer=OptimizerSpec(family, args.lr if args.lr is not None else OptimizerSpec().lr),
         model=args.model or profile.meta.get("model"),
-        batch_size=profile.batch_size,
+        batch_size=batch,
         boundaries=[(a, b) for a, b in best.partition.boundaries],
         stage_graph=stage_graph_to_dict(best.partition.stage_graph(profile)),
         notes={
             "predicted_samples_per_s": best.throughput,
             "predicted_bubble_ratio": best.bubble_ratio,
             "memory_cap_bytes": cap,
-            "bandwidth_bytes_per_s": None if math.isinf(bandwidth) else bandwidth,
-            "latency_s": latency,
+            **cluster_notes(cluster),
             "why": summary,
         },
     )

@@ -20,6 +20,13 @@ from typing import Any
 
 from tqdm import tqdm
 
+from pipeoptim.commands.cluster import (
+    add_cluster_flags,
+    allreduce_lines,
+    check_cluster_flags,
+    cluster_from_args,
+    global_batch,
+)
 from pipeoptim.commands.common import (
     ResultFiles,
     add_json_flag,
@@ -28,6 +35,7 @@ from pipeoptim.commands.common import (
     format_table,
     print_json,
 )
+from pipeoptim.commands.sim_inputs import check_costs, job_costs, job_links
 from pipeoptim.errors import PlanError
 from pipeoptim.metrics import RunMetrics, compute_metrics
 from pipeoptim.plan.limits import (
@@ -41,8 +49,9 @@ from pipeoptim.plan.limits import (
 from pipeoptim.plan.methods import METHODS, Method, get_method
 from pipeoptim.plan.risk import method_risk
 from pipeoptim.plan.schedules import Shape
-from pipeoptim.plan.units import format_bytes, format_distances, parse_bandwidth, parse_bytes
-from pipeoptim.sim.costs import CostModel, parse_uniform
+from pipeoptim.plan.units import format_bytes, format_distances
+from pipeoptim.sim.collectives import check_batch_split
+from pipeoptim.sim.costs import CostModel
 from pipeoptim.trace import Trace
 
 __all__ = ["register", "run"]
@@ -131,14 +140,17 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--bandwidth",
         default=None,
-        help="link bandwidth, e.g. 25GB/s or 100Gbps (default: the plan's, else free)",
+        help="link bandwidth (within a node with --gpus-per-node), e.g. 25GB/s or 100Gbps "
+        "(default: the plan's, else free)",
     )
     p.add_argument(
         "--latency",
         type=float,
         default=None,
-        help="link latency in seconds (default: the plan's, a calibrated profile's, else 0)",
+        help="link latency in seconds (within a node with --gpus-per-node; default: the "
+        "plan's, a calibrated profile's, else 0)",
     )
+    add_cluster_flags(p, data_parallel=True)
     p.add_argument(
         "--no-contention", action="store_true", help="transfers never queue on a link (pure delays)"
     )
@@ -190,65 +202,6 @@ def _shape(method: Method, args: argparse.Namespace, num_ranks: int, every: bool
     return method.shape(num_ranks, m, args.mini_batches, v)
 
 
-def _costs(args: argparse.Namespace, shape: Shape, plan: Any, profile: Any) -> CostModel:
-    """The cost model of one job: the plan's stage graph, else the profile, else uniform."""
-    # Links not given here: those the plan was made for, or a calibrated profile's.
-    notes = plan.notes if plan is not None else {}
-    latency = args.latency
-    if latency is None and notes.get("latency_s") is not None:
-        latency = float(notes["latency_s"])
-    if latency is None:
-        latency = float(profile.meta.get("link_latency_s", 0.0)) if profile is not None else 0.0
-    links: dict[str, Any] = {"latency_s": latency}
-    if args.bandwidth in ("inf", ""):  # free links, as `plan --bandwidth inf`
-        links["bandwidth"] = math.inf
-    elif args.bandwidth is not None:
-        links["bandwidth"] = parse_bandwidth(args.bandwidth)
-    elif notes.get("bandwidth_bytes_per_s") is not None:
-        links["bandwidth"] = float(notes["bandwidth_bytes_per_s"])
-    options: dict[str, Any] = dict(links)
-    optimizer = args.optimizer or (plan.optimizer.family if plan is not None else None)
-    if optimizer:
-        options["optimizer"] = optimizer
-    batch = args.batch_size or (plan.batch_size if plan is not None else None)
-    if batch is not None:
-        options["batch_size"] = batch
-    stages = shape.num_stages
-    if plan is not None and plan.stage_graph is not None:
-        from pipeoptim.plan.graph import stage_graph_from_dict
-
-        graph = stage_graph_from_dict(plan.stage_graph)
-        if graph.number_of_nodes() == stages:
-            return CostModel.from_stage_graph(graph, shape.micro_batches, **options)
-    if profile is not None:
-        from pipeoptim.plan.plan import even_boundaries
-
-        bounds = (
-            plan.boundaries
-            if plan is not None and plan.boundaries is not None and len(plan.boundaries) == stages
-            else even_boundaries(profile.num_layers, stages)
-        )
-        return CostModel.from_profile(profile, bounds, shape.micro_batches, **options)
-    if plan is not None and args.uniform is None:
-        raise PlanError(
-            f"the plan has no stage costs for {stages} stages (no stage graph of that size), "
-            f"so there is nothing to simulate with; pass --profile FILE or --uniform F,B"
-        )
-    f, b, u = parse_uniform(args.uniform or "1,2")
-    v = shape.virtual_stages
-    return CostModel.uniform(
-        stages,
-        f / v,
-        b / v,
-        u / v,
-        param_bytes=parse_bytes(args.param_bytes) // v,
-        activation_bytes=parse_bytes(args.activation_bytes) // v,
-        boundary_bytes=parse_bytes(args.activation_bytes),
-        optimizer=optimizer or "sgd",
-        **links,
-    )
-
-
 def _check_args(args: argparse.Namespace) -> None:
     """Everything about the flags alone, before any file is read or work is done."""
     check_output_paths(
@@ -256,6 +209,7 @@ def _check_args(args: argparse.Namespace) -> None:
     )
     check_number("--latency", args.latency, minimum=0, example="0.0001 (seconds per transfer)")
     check_number("--jitter", args.jitter, minimum=0, maximum=MAX_JITTER, example="0.1")
+    check_cluster_flags(args)
     if args.virtual_stages is not None and args.virtual_stages < 1:
         raise PlanError(
             f"--virtual-stages must be at least 1 stage per rank (got {args.virtual_stages}); "
@@ -265,22 +219,6 @@ def _check_args(args: argparse.Namespace) -> None:
         raise PlanError(
             f"--batch-size must be at least 1 sample per mini-batch (got {args.batch_size}); "
             f"e.g. --batch-size 64"
-        )
-
-
-def _check_costs(costs: CostModel, args: argparse.Namespace) -> None:
-    """A run whose forwards and backwards take no time has no throughput to report."""
-    if not any(f + b > 0 for f, b in zip(costs.forward_s, costs.backward_s, strict=True)):
-        source = (
-            f"--profile {args.profile}"
-            if args.profile is not None
-            else f"--plan {args.plan}"
-            if args.uniform is None and args.plan is not None
-            else f"--uniform {args.uniform}"
-        )
-        raise PlanError(
-            f"every stage's forward and backward take 0 s (from {source}), so the run takes "
-            f"no time and has no throughput; give positive times, e.g. --uniform 1,2"
         )
 
 
@@ -335,6 +273,15 @@ def run(args: argparse.Namespace) -> int:
             args.mini_batches = plan.mini_batches
         if args.virtual_stages is None and plan.virtual_stages > 1:
             args.virtual_stages = plan.virtual_stages
+        if args.data_parallel is None:
+            args.data_parallel = plan.data_parallel
+    if args.data_parallel is None:
+        args.data_parallel = 1
+    links = job_links(args, plan, profile)
+    cluster = cluster_from_args(
+        args, links.get("bandwidth", math.inf), links["latency_s"], plan.notes if plan else {}
+    )
+    cluster.check_devices(num_ranks * args.data_parallel)
     from pipeoptim.plan.profile import conditions_warning
 
     warning = None
@@ -350,9 +297,13 @@ def run(args: argparse.Namespace) -> int:
 
     jobs: list[tuple[Method, Shape]] = []
     skipped: list[tuple[str, str]] = []
+    batch = global_batch(args, plan, profile) if args.data_parallel > 1 else None
     for method in methods:
         try:
-            jobs.append((method, _shape(method, args, num_ranks, every)))
+            shape = _shape(method, args, num_ranks, every)
+            if batch is not None:
+                check_batch_split(batch, args.data_parallel, shape.micro_batches)
+            jobs.append((method, shape))
         except PlanError as err:
             if not every:
                 raise
@@ -366,6 +317,7 @@ def run(args: argparse.Namespace) -> int:
     big = sum(s.num_ranks * s.total_micro_batches * 2 * s.virtual_stages for _, s in jobs)
     traces: dict[str, Trace] = {}
     metrics: dict[str, RunMetrics] = {}
+    used: dict[str, CostModel] = {}
     bar = tqdm(
         jobs,
         desc="simulate",
@@ -375,8 +327,10 @@ def run(args: argparse.Namespace) -> int:
     )
     for method, shape in bar:
         bar.set_postfix_str(method.name)
-        costs = _costs(args, shape, plan, profile)
-        _check_costs(costs, args)
+        costs = job_costs(args, shape, plan, profile)
+        if args.data_parallel > 1 or cluster.gpus_per_node is not None:
+            costs = costs.with_data_parallel(args.data_parallel, cluster, num_ranks=num_ranks)
+        check_costs(costs, args)
         if args.engine == "fast":
             trace = evaluate_trace(method, shape, costs, jitter=args.jitter, seed=args.seed)
         else:
@@ -390,6 +344,7 @@ def run(args: argparse.Namespace) -> int:
             )
         traces[method.name] = trace
         metrics[method.name] = compute_metrics(trace)
+        used[method.name] = costs
     bar.close()
     notes = [f"skipped {name}: {why}" for name, why in skipped]
 
@@ -413,6 +368,8 @@ def run(args: argparse.Namespace) -> int:
                     name: {"shape": _shape_dict(traces[name]), **m.as_dict()}
                     for name, m in metrics.items()
                 },
+                "data_parallel": args.data_parallel,
+                "allreduce_s": {name: list(c.allreduce_s) for name, c in used.items()},
                 "skipped": [{"method": n, "reason": why} for n, why in skipped],
                 "written": written,
                 "not_written": files.failed,
@@ -457,7 +414,14 @@ def run(args: argparse.Namespace) -> int:
                 _copies(traces[name]),
             ]
         )
+    if args.data_parallel > 1:  # the replicas, after P
+        headers.insert(2, "D")
+        for row in rows:
+            row.insert(2, args.data_parallel)
     print(format_table(headers, rows))
+    if args.data_parallel > 1:  # once for the methods that share it
+        lines = (allreduce_lines(c, num_ranks, cluster) for c in used.values())
+        print("\n".join(dict.fromkeys(lines)))
     for note in notes:
         print(f"note: {note}")
     for path in written:

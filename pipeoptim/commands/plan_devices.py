@@ -1,0 +1,215 @@
+"""``pipeoptim plan --devices N``: split N devices into P stages x D replicas, and say why.
+
+The search is :mod:`pipeoptim.device_search`; this module turns its result into a plan
+file (``num_stages`` P, ``data_parallel`` D, the global ``batch_size``, the cluster in the
+notes, as :mod:`pipeoptim.commands.cluster` writes them), a table of the best candidate of
+every factorisation and the explanation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any
+
+from pipeoptim.commands.cluster import cluster_notes
+from pipeoptim.commands.common import ResultFiles, format_table, print_json
+from pipeoptim.device_search import DeviceSearch, explain_devices, search_devices, shares
+from pipeoptim.errors import PlanError
+from pipeoptim.plan.graph import stage_graph_to_dict
+from pipeoptim.plan.methods import get_method
+from pipeoptim.plan.plan import OptimizerSpec, Plan
+from pipeoptim.plan.profile import Profile
+from pipeoptim.plan.units import format_bytes
+from pipeoptim.planner import Candidate
+from pipeoptim.sim.collectives import Cluster
+
+__all__ = ["run_device_plan"]
+
+
+def run_device_plan(
+    args: argparse.Namespace,
+    profile: Profile,
+    *,
+    cap: int | None,
+    family: str,
+    cluster: Cluster,
+) -> int:
+    """Search, write the plan (and page), print the tables and the explanation."""
+    methods = None
+    if args.method != "auto":
+        spec = get_method(args.method)
+        if spec.interleaved:
+            raise PlanError(
+                f"plan search places one stage per device; {spec.name} (several stages per "
+                f"device) is not searched; pick another --method or auto"
+            )
+        methods = [spec.name]
+    result = search_devices(
+        profile,
+        args.devices,
+        cluster=cluster,
+        batch_size=args.global_batch,
+        memory_cap_bytes=cap,
+        methods=methods,
+        micro_batches=args.micro_batches,
+        optimizer=family,
+        progress=None if args.json else lambda s: print(f"  evaluating {s}", file=sys.stderr),
+    )
+    best = result.best  # raises with every factorisation's reason when nothing runs
+    assert best.partition is not None
+    summary = explain_devices(result, profile)
+    plan = Plan(
+        method=best.method,
+        num_stages=best.stages,
+        micro_batches=best.micro_batches,
+        data_parallel=best.data_parallel,
+        optimizer=OptimizerSpec(family, args.lr if args.lr is not None else OptimizerSpec().lr),
+        model=args.model or profile.meta.get("model"),
+        batch_size=result.batch_size,
+        boundaries=[(a, b) for a, b in best.partition.boundaries],
+        stage_graph=stage_graph_to_dict(best.partition.stage_graph(profile)),
+        notes={
+            "predicted_samples_per_s": best.throughput,
+            "predicted_bubble_ratio": best.steady_bubble,
+            "memory_cap_bytes": cap,
+            "devices": result.devices,
+            **cluster_notes(cluster),
+            "why": summary,
+        },
+    )
+    files = ResultFiles()
+    if args.out is not None:
+        files.write(args.out, plan.save)
+    if args.html is not None:
+        from pipeoptim.viz.partition import write_partition_html
+
+        partition = best.partition
+        files.write(
+            args.html,
+            lambda p: write_partition_html(
+                p, partition, profile, memory_cap_bytes=cap, summary=summary
+            ),
+        )
+    written = args.out is not None and str(args.out) in files.written
+    if args.json:
+        print_json(
+            {
+                "plan": plan.to_dict(),
+                "factorisations": _factorisation_dicts(result),
+                "ranking": [_candidate_dict(c, result.batch_size) for c in result.ranked],
+                "why": summary,
+                "out": str(args.out) if written else None,
+            }
+        )
+        return files.finish("plan")
+    print(format_table(_STAGE_HEADERS, _stage_rows(best)))
+    print()
+    print(format_table(_TABLE_HEADERS, _factorisation_rows(result)))
+    print()
+    print(summary)
+    if written:
+        print(f"wrote plan to {args.out}")
+    elif args.out is not None:  # the plan is not lost: print it, to be saved by hand
+        print(json.dumps(plan.to_dict(), indent=2))
+    return files.finish("plan")
+
+
+_STAGE_HEADERS = ["stage", "layers", "count", "ms per unit", "memory", "all-reduce s", "s"]
+_TABLE_HEADERS = [
+    "P",
+    "D",
+    "method",
+    "M",
+    "samples/mb",
+    "samples/s",
+    "effective/s",
+    "vs best",
+    "all-reduce",
+    "idle",
+    "peak memory",
+]
+
+
+def _stage_rows(best: Candidate) -> list[list[Any]]:
+    part = best.partition
+    assert part is not None
+    reduce = list(best.allreduce_s) or [0.0] * part.num_stages
+    return [
+        [
+            k,
+            f"{a}..{b - 1}",
+            b - a,
+            part.stage_times[k] * 1e3,
+            format_bytes(part.stage_memory[k]),
+            reduce[k],
+            best.risk.distances[k] if best.risk else 0,
+        ]
+        for k, (a, b) in enumerate(part.boundaries)
+    ]
+
+
+def _factorisation_rows(result: DeviceSearch) -> list[list[Any]]:
+    """The best candidate of every factorisation, then those that cannot run."""
+    top = result.best.effective_throughput
+    rows: list[list[Any]] = []
+    for f in result.factorisations:
+        c = f.best
+        if c is None:
+            why = f.excluded or "-"
+            rows.append([f.stages, f.replicas, "-", "-", "-", "-", "-", "-", "-", "-", why])
+            continue
+        s = shares(c, result.batch_size)
+        ratio = top / c.effective_throughput if c.effective_throughput > 0 else math.inf
+        rows.append(
+            [
+                f.stages,
+                f.replicas,
+                c.method,
+                c.micro_batches,
+                result.batch_size / (c.data_parallel * c.micro_batches),
+                c.throughput,
+                c.effective_throughput,
+                "best" if c is result.best else f"{ratio:.3g}x slower",
+                f"{s.allreduce:.0%}",
+                f"{s.idle:.0%}",
+                format_bytes(c.peak_memory_bytes),
+            ]
+        )
+    return rows
+
+
+def _candidate_dict(c: Candidate, batch_size: int) -> dict[str, Any]:
+    s = shares(c, batch_size) if c.infeasible is None else None
+    return {
+        "stages": c.stages,
+        "data_parallel": c.data_parallel,
+        "method": c.method,
+        "micro_batches": c.micro_batches,
+        "samples_per_s": c.throughput,
+        "effective_samples_per_s": c.effective_throughput,
+        "update_period_s": c.update_period_s,
+        "allreduce_s": list(c.allreduce_s),
+        "allreduce_share": s.allreduce if s else None,
+        "idle_share": s.idle if s else None,
+        "convergence_risk": c.risk.risk if c.risk else None,
+        "max_staleness": c.max_staleness,
+        "peak_memory_bytes": c.peak_memory_bytes,
+        "infeasible": c.infeasible,
+    }
+
+
+def _factorisation_dicts(result: DeviceSearch) -> list[dict[str, Any]]:
+    return [
+        {
+            "stages": f.stages,
+            "data_parallel": f.replicas,
+            "best": None if f.best is None else _candidate_dict(f.best, result.batch_size),
+            "excluded": f.excluded,
+            "inter_node_edges": f.inter_node_edges,
+            "inter_node_groups": f.inter_node_groups,
+        }
+        for f in result.factorisations
+    ]
