@@ -118,11 +118,20 @@ class DeviceSearch:
         for c in self.ranked:
             if c.infeasible is None:
                 return c
+        whys = [f.excluded or "" for f in self.factorisations]
         reasons = "; ".join(f"{f.label}: {f.excluded}" for f in self.factorisations)
+        fixes = []
+        if any("memory cap" in why for why in whys):
+            fixes.append("raise --memory-cap")
+        if any("split" in why for why in whys):
+            fixes.append(
+                f"pass a --global-batch that the replicas and micro-batches divide (e.g. a "
+                f"multiple of {self.devices})"
+            )
+        fixes.append("use another device count")
         raise PlanError(
             f"no factorisation of {self.devices} devices into P stages x D replicas can run: "
-            f"{reasons}. Raise --memory-cap, change --global-batch so it splits into the "
-            f"replicas, or use another device count"
+            f"{reasons}. Fix: {', or '.join(fixes)}"
         )
 
     def factorisation(self, candidate: Candidate) -> Factorisation:

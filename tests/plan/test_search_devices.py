@@ -152,7 +152,7 @@ def test_nothing_runs_names_every_reason_and_the_fix() -> None:
     assert "no factorisation of 8 devices into P stages x D replicas can run" in text
     assert "P=8 x D=1: more stages than the profile's 4 layers" in text
     assert "P=1 x D=8: no partition fits the memory cap of 1.00 GiB" in text
-    assert "Raise --memory-cap" in text
+    assert text.endswith("Fix: raise --memory-cap, or use another device count")
 
 
 def test_whole_nodes_and_a_bad_batch_are_refused() -> None:
