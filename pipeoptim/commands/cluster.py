@@ -104,15 +104,13 @@ def cluster_from_args(
     """The cluster of the flags, falling back to a plan's ``notes`` for each one not given;
     ``bandwidth``/``latency_s`` are the command's resolved within-node link."""
     notes = notes or {}
-    given = args.gpus_per_node is not None
-    gpus = args.gpus_per_node if given else notes.get("gpus_per_node")
+    gpus = args.gpus_per_node if args.gpus_per_node is not None else notes.get("gpus_per_node")
     inter_bw = parse_link(args.inter_node_bandwidth)
     inter_lat = args.inter_node_latency
-    if not given and gpus is not None:  # the plan's placement: its tiers come with it
-        if inter_bw is None:
-            inter_bw = _note(notes, "inter_node_bandwidth_bytes_per_s", infinite=True)
-        if inter_lat is None:
-            inter_lat = _note(notes, "inter_node_latency_s", infinite=False)
+    if inter_bw is None and "inter_node_bandwidth_bytes_per_s" in notes:
+        inter_bw = _note(notes, "inter_node_bandwidth_bytes_per_s", infinite=True)
+    if inter_lat is None and "inter_node_latency_s" in notes:
+        inter_lat = _note(notes, "inter_node_latency_s", infinite=False)
     return Cluster(  # refuses inter-node links without nodes
         bandwidth,
         latency_s,

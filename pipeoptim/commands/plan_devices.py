@@ -73,7 +73,9 @@ def run_device_plan(
         stage_graph=stage_graph_to_dict(best.partition.stage_graph(profile)),
         notes={
             "predicted_samples_per_s": best.throughput,
-            "predicted_bubble_ratio": best.steady_bubble,
+            # steady state: a whole run's bubble depends on its length, which the plan
+            # leaves to its consumer
+            "predicted_steady_idle_ratio": best.steady_bubble,
             "memory_cap_bytes": cap,
             "devices": result.devices,
             **cluster_notes(cluster),

@@ -207,3 +207,31 @@ def test_plan_stages_keeps_one_replica_and_records_the_tiers(capsys, profile: Pa
     assert plan["num_stages"] == 4 and plan["data_parallel"] == 1
     assert plan["notes"]["gpus_per_node"] == 2
     assert plan["notes"]["inter_node_bandwidth_bytes_per_s"] == 1e9
+
+
+def test_flags_override_the_plans_cluster_one_by_one() -> None:
+    import argparse
+
+    from pipeoptim.commands.cluster import cluster_from_args, cluster_notes
+    from pipeoptim.sim.collectives import Cluster
+
+    notes = cluster_notes(Cluster(1e11, 1e-6, 8, 1e9, 1e-4))
+    assert notes == {
+        "bandwidth_bytes_per_s": 1e11,
+        "latency_s": 1e-6,
+        "gpus_per_node": 8,
+        "inter_node_bandwidth_bytes_per_s": 1e9,
+        "inter_node_latency_s": 1e-4,
+    }
+
+    def flags(**given: object) -> argparse.Namespace:
+        names = ("gpus_per_node", "inter_node_bandwidth", "inter_node_latency")
+        return argparse.Namespace(**{n: given.get(n) for n in names})
+
+    assert cluster_from_args(flags(), 1e11, 1e-6, notes) == Cluster(1e11, 1e-6, 8, 1e9, 1e-4)
+    moved = cluster_from_args(flags(gpus_per_node=4), 1e11, 1e-6, notes)
+    assert moved == Cluster(1e11, 1e-6, 4, 1e9, 1e-4)  # the plan's tiers, other nodes
+    faster = cluster_from_args(flags(inter_node_bandwidth="inf"), 1e11, 1e-6, notes)
+    assert faster.inter_bandwidth == float("inf") and faster.inter_latency_s == 1e-4
+    free = cluster_notes(Cluster())
+    assert free == {"bandwidth_bytes_per_s": None, "latency_s": 0.0}
