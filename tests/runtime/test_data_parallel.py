@@ -9,6 +9,7 @@ The ranks run ``dp_worker.py`` under torchrun (the library path); the launcher p
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -46,28 +47,45 @@ def launched(method: str, micro: int, data_parallel: int, steps: int) -> TrainCo
     return TrainConfig(plan, transport="dist", device="cpu", timeout=60, max_steps=steps)
 
 
-def torchrun(tmp_path: Path, *args: str, nproc: int = 4) -> list[dict[str, Any]]:
+def torchrun(tmp_path: Path, *args: str, nproc: int = 4, nodes: int = 1) -> list[dict[str, Any]]:
+    """Run dp_worker.py on ``nproc`` processes; with ``nodes`` = 2, as two torchrun
+    invocations that meet over TCP, the way two machines do (static rendezvous)."""
     out = tmp_path / "ranks"
     out.mkdir()
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            str(nproc),
-            str(WORKER),
-            "--out",
-            str(out),
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    per_node = nproc // nodes
+    with socket.socket() as probe:  # a free port for the rendezvous of the "nodes"
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    multi = ["--nnodes", str(nodes), "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    launches = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                *([*multi, "--node-rank", str(node)] if nodes > 1 else []),
+                "--nproc-per-node",
+                str(per_node),
+                str(WORKER),
+                "--out",
+                str(out),
+                *args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
+        )
+        for node in range(nodes)
+    ]
+    try:
+        for launch in launches:
+            _, err = launch.communicate(timeout=180)
+            assert launch.returncode == 0, err[-3000:]
+    finally:
+        for launch in launches:
+            launch.kill()
     return [torch.load(out / f"rank-{g}.pt", weights_only=False) for g in range(nproc)]
 
 
@@ -102,11 +120,16 @@ def replica_weights(ranks: list[dict[str, Any]], replica: int) -> list[torch.Ten
 
 
 @pytest.mark.parametrize(
-    ("method", "optimizer", "micro"),
-    [("gpipe", "sgd", 2), ("1f1b", "sgd", 2), ("pipeoptim", "sgd", 1), ("pipeoptim", "adam", 1)],
+    ("method", "optimizer", "micro", "nodes"),
+    [
+        ("gpipe", "sgd", 2, 1),
+        ("1f1b", "sgd", 2, 2),  # two torchrun "machines", one replica each
+        ("pipeoptim", "sgd", 1, 1),
+        ("pipeoptim", "adam", 1, 1),
+    ],
 )
 def test_two_replicas_of_two_stages_train_as_one_process_on_the_full_batch(
-    tmp_path: Path, method: str, optimizer: str, micro: int
+    tmp_path: Path, method: str, optimizer: str, micro: int, nodes: int
 ) -> None:
     steps = 10  # one epoch is 10 batches of 16
     ranks = torchrun(
@@ -119,6 +142,7 @@ def test_two_replicas_of_two_stages_train_as_one_process_on_the_full_batch(
         str(micro),
         "--steps",
         str(steps),
+        nodes=nodes,
     )
     assert [r["replica"] for r in ranks] == [0, 0, 1, 1]  # global rank = replica x P + rank
     # every update of every stage: bit-identical weights and optimizer state across replicas
@@ -185,3 +209,39 @@ def test_bad_replica_counts_say_how_to_fix_them(monkeypatch: pytest.MonkeyPatch)
         r"or use --data-parallel 1",
     ):
         train(config("1f1b", 2, 2, "dist", max_steps=2, data_parallel=2))
+
+
+def test_replicas_checkpoint_once_and_resume_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replica 0 writes the checkpoints; a resumed 2 x 2 run equals the uninterrupted one,
+    bit for bit, and a checkpoint of 2 replicas resumes on 1 (the replica count is not part
+    of a run's identity: the global batch and its mean gradient are the same)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+    def run(replicas: int, steps: int, folder: str, resume: bool = False) -> Any:
+        cfg = launched("pipeoptim", 1, replicas, steps)
+        cfg.checkpoint_dir, cfg.checkpoint_every, cfg.resume = str(tmp_path / folder), 3, resume
+        result = train(cfg)
+        assert result is not None
+        return result
+
+    whole = run(2, 9, "whole")
+    first = run(2, 6, "parts")
+    rest = run(2, 9, "parts", resume=True)
+    assert rest.start_step == 6
+    assert first.losses + rest.losses == whole.losses
+    assert sorted(p.name for p in (tmp_path / "parts" / "step-00000009").iterdir()) == [
+        "stage-0.pt",
+        "stage-1.pt",
+    ]
+    for k in range(2):
+        a = torch.load(tmp_path / "whole" / "step-00000009" / f"stage-{k}.pt", weights_only=True)
+        b = torch.load(tmp_path / "parts" / "step-00000009" / f"stage-{k}.pt", weights_only=True)
+        for name, tensor in a["state"]["module"].items():
+            assert torch.equal(tensor, b["state"]["module"][name])
+    one = run(1, 9, "one")  # the reference for a resume on one replica
+    run(2, 6, "two-then-one")
+    resumed = run(1, 9, "two-then-one", resume=True)
+    assert resumed.start_step == 6
+    assert resumed.losses == pytest.approx(one.losses[6:], abs=1e-5)
