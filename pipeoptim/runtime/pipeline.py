@@ -584,7 +584,7 @@ class Pipeline:
             ex.targets_read = self.targets == "read"
             ex.target_feed = target_feed if self.last in ex.stages else None
         res.start_step = res.end_step = start
-        if self.last in self.stages and self.progress:
+        if self.last in self.stages and self.progress and self.replicas.replica == 0:
             samples = max(total - start, 0) * batch
             self._bar = tqdm(total=samples, unit="sample", unit_scale=True, leave=False)
             self._bar.set_description(self.plan.method)
