@@ -57,7 +57,9 @@ def factorisations(devices: int) -> list[tuple[int, int]]:
         raise PlanError(
             f"--devices must be a whole number of devices >= 1 (got {devices!r}); e.g. --devices 64"
         )
-    return [(p, devices // p) for p in range(1, devices + 1) if devices % p == 0]
+    small = [p for p in range(1, math.isqrt(devices) + 1) if devices % p == 0]
+    stages = sorted({*small, *(devices // p for p in small)})
+    return [(p, devices // p) for p in stages]
 
 
 def steady_mini_batches(method: str, num_stages: int, micro_batches: int) -> int:
@@ -237,16 +239,12 @@ def search_devices(
         why = excluded.get((p, d))
         if why is None and not any(c.infeasible is None for c in cands):
             why = _why_none(profile, batch, memory_cap_bytes, p, d, cands)
-        out.append(
-            Factorisation(
-                p,
-                d,
-                tuple(cands),
-                why,
-                sum(not edge_within_node(k, p, d, cluster) for k in range(p - 1)),
-                sum(not group_within_node(k, p, d, cluster) for k in range(p)) if d > 1 else 0,
-            )
-        )
+        if p > profile.num_layers:  # nothing to place
+            out.append(Factorisation(p, d, tuple(cands), why))
+            continue
+        edges = sum(not edge_within_node(k, p, d, cluster) for k in range(p - 1))
+        groups = sum(not group_within_node(k, p, d, cluster) for k in range(p)) if d > 1 else 0
+        out.append(Factorisation(p, d, tuple(cands), why, edges, groups))
     out.sort(key=lambda f: position[id(f.best)] if f.best is not None else len(ranked) + f.stages)
     return DeviceSearch(devices, batch, cluster, memory_cap_bytes, tuple(out), ranked)
 

@@ -191,14 +191,20 @@ def _ranks_of(num_stages: int, num_ranks: int | None) -> int:
 def edge_within_node(edge: int, num_ranks: int, replicas: int, cluster: Cluster) -> bool:
     """Whether pipeline edge ``edge`` (stage ``edge`` to ``edge + 1``; stage s on pipeline rank
     ``s mod num_ranks``) stays within a node in every replica."""
-    p = num_ranks
+    p, g = num_ranks, cluster.gpus_per_node
+    if g is None:
+        return True
     a, b = edge % p, (edge + 1) % p
-    return all(cluster.within_node((d * p + a, d * p + b)) for d in range(replicas))
+    # which node a rank is on repeats every g // gcd(p, g) replicas: check one period
+    period = min(replicas, g // math.gcd(p, g))
+    return all(cluster.within_node((d * p + a, d * p + b)) for d in range(period))
 
 
 def group_within_node(pipeline_rank: int, num_ranks: int, replicas: int, cluster: Cluster) -> bool:
     """Whether the data-parallel group of ``pipeline_rank`` (ranks ``d * P + p``) is one node."""
-    return cluster.within_node([d * num_ranks + pipeline_rank for d in range(replicas)])
+    # the ranks ascend, so the group is one node when its first and last rank are
+    last = (replicas - 1) * num_ranks + pipeline_rank
+    return cluster.within_node((pipeline_rank, last))
 
 
 def edge_links(

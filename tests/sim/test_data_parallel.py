@@ -94,6 +94,20 @@ def test_interleaved_stages_sit_on_rank_s_mod_p() -> None:
     assert times == tuple(ring_allreduce_s(n, 2, 1e9, 0.0) for n in (8, 8, 16, 16))
 
 
+def test_placement_shortcuts_agree_with_every_rank() -> None:
+    # edge and group tiers check one period of replicas, or a group's ends: the same
+    # answer as looking at every replica's ranks (interleaved edges wrap, k >= P)
+    import itertools
+
+    for p, d, g in itertools.product(range(1, 10), range(1, 10), range(1, 10)):
+        c = Cluster(gpus_per_node=g)
+        for k in range(2 * p - 1):
+            every = all(c.within_node((r * p + k % p, r * p + (k + 1) % p)) for r in range(d))
+            assert edge_within_node(k, p, d, c) == every, (p, d, g, k)
+        for k in range(p):
+            assert group_within_node(k, p, d, c) == c.within_node([r * p + k for r in range(d)])
+
+
 def test_one_tier_without_gpus_per_node() -> None:
     one = Cluster(25e9, 1e-5)
     assert not one.tiered
