@@ -15,7 +15,8 @@ import sys
 from typing import Any
 
 from pipeoptim.commands.cluster import cluster_notes
-from pipeoptim.commands.common import ResultFiles, format_table, print_json
+from pipeoptim.commands.common import format_table, print_json
+from pipeoptim.commands.planning import write_plan_files
 from pipeoptim.device_search import DeviceSearch, explain_devices, search_devices, shares
 from pipeoptim.errors import PlanError
 from pipeoptim.plan.graph import stage_graph_to_dict
@@ -82,19 +83,7 @@ def run_device_plan(
             "why": summary,
         },
     )
-    files = ResultFiles()
-    if args.out is not None:
-        files.write(args.out, plan.save)
-    if args.html is not None:
-        from pipeoptim.viz.partition import write_partition_html
-
-        partition = best.partition
-        files.write(
-            args.html,
-            lambda p: write_partition_html(
-                p, partition, profile, memory_cap_bytes=cap, summary=summary
-            ),
-        )
+    files = write_plan_files(args, plan, best.partition, profile, cap, summary)
     written = args.out is not None and str(args.out) in files.written
     if args.json:
         print_json(

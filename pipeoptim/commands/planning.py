@@ -27,6 +27,7 @@ from pipeoptim.errors import PlanError
 from pipeoptim.plan.graph import stage_graph_to_dict
 from pipeoptim.plan.limits import MAX_PROFILE_BATCH, MAX_PROFILE_REPEATS
 from pipeoptim.plan.methods import METHODS, get_method
+from pipeoptim.plan.partition import Partition
 from pipeoptim.plan.plan import OPTIMIZER_FAMILIES, OptimizerSpec, Plan
 from pipeoptim.plan.profile import Profile, conditions_warning
 from pipeoptim.plan.units import format_bytes, format_distances, parse_bandwidth, parse_bytes
@@ -229,6 +230,30 @@ def _stage_rows(candidate: Candidate, profile: Profile) -> list[list[Any]]:
     ]
 
 
+def write_plan_files(
+    args: argparse.Namespace,
+    plan: Plan,
+    partition: Partition,
+    profile: Profile,
+    cap: int | None,
+    summary: str,
+) -> ResultFiles:
+    """``--out`` (the plan) and ``--html`` (its partition drawn), each reported apart."""
+    files = ResultFiles()
+    if args.out is not None:
+        files.write(args.out, plan.save)
+    if args.html is not None:
+        from pipeoptim.viz.partition import write_partition_html
+
+        files.write(
+            args.html,
+            lambda p: write_partition_html(
+                p, partition, profile, memory_cap_bytes=cap, summary=summary
+            ),
+        )
+    return files
+
+
 def run_plan(args: argparse.Namespace) -> int:
     check_output_paths(args, ["--out", "--html"], inputs=["--profile"])
     check_number("--latency", args.latency, minimum=0, example="0.0001 (seconds per transfer)")
@@ -324,19 +349,7 @@ def run_plan(args: argparse.Namespace) -> int:
             "why": summary,
         },
     )
-    files = ResultFiles()
-    if args.out is not None:
-        files.write(args.out, plan.save)
-    if args.html is not None:
-        from pipeoptim.viz.partition import write_partition_html
-
-        partition = best.partition
-        files.write(
-            args.html,
-            lambda p: write_partition_html(
-                p, partition, profile, memory_cap_bytes=cap, summary=summary
-            ),
-        )
+    files = write_plan_files(args, plan, best.partition, profile, cap, summary)
     table = [
         {
             "method": c.method,
