@@ -79,15 +79,22 @@ def dataset() -> Dataset:
 
 
 def config(
-    method: str, stages: int, micro: int, transport: str, data_parallel: int = 1, **kw: object
+    method: str,
+    stages: int,
+    micro: int,
+    transport: str,
+    data_parallel: int = 1,
+    model: str | None = None,
+    **kw: object,
 ) -> TrainConfig:
+    """A run of ``model`` (default: net and dataset of this file, which the ranks load)."""
     plan = Plan(
         method,
         stages,
         micro_batches=micro,
         data_parallel=data_parallel,
         optimizer=OptimizerSpec("adam", 0.01),
-        model=f"{HERE}:net",
+        model=model or f"{HERE}:net",
         batch_size=12,
     )
     return TrainConfig(plan, transport=transport, device="cpu", timeout=60, **kw)  # type: ignore[arg-type]
