@@ -16,6 +16,7 @@ from pipeoptim.errors import PlanError
 from pipeoptim.jsonfile import read_json
 from pipeoptim.plan.graph import STAGE_GRAPH_SCHEMA
 from pipeoptim.plan.methods import Method, get_method
+from pipeoptim.plan.replicas import check_replicas
 from pipeoptim.plan.schedules import Shape
 from pipeoptim.schema import Dict, Int, List, Num, Obj, Opt, Str, check_header, validate
 
@@ -113,12 +114,7 @@ class Plan:
 
     def __post_init__(self) -> None:
         self.shape()  # fail at construction, not deep inside a run
-        d = self.data_parallel
-        if not isinstance(d, int) or isinstance(d, bool) or d < 1:
-            raise PlanError(
-                f"data_parallel must be a positive number of pipeline replicas (got {d!r}); "
-                f"use 1 for one pipeline"
-            )
+        check_replicas(self.data_parallel, "data_parallel")
         if self.boundaries is not None:
             self.boundaries = [(int(a), int(b)) for a, b in self.boundaries]
             check_boundaries(self.boundaries, self.num_stages * self.virtual_stages)

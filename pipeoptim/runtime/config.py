@@ -17,6 +17,7 @@ from typing import Any
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.plan import OptimizerSpec, Plan
+from pipeoptim.plan.replicas import check_replicas as plan_replicas
 
 __all__ = [
     "AMP_MODES",
@@ -260,16 +261,12 @@ def check_options(
 def check_replicas(data_parallel: object, transport: str, flag: str = "data_parallel") -> int:
     """``data_parallel`` as a replica count, or the error that says how to fix it (naming
     ``flag``: the library argument or the command-line option)."""
-    if not isinstance(data_parallel, int) or isinstance(data_parallel, bool) or data_parallel < 1:
-        raise RuntimeConfigError(
-            f"{flag} must be a positive number of pipeline replicas (got {data_parallel!r}); "
-            f"use 1 for one pipeline"
-        )
-    if data_parallel > 1 and transport != "dist":
+    replicas = plan_replicas(data_parallel, flag, error=RuntimeConfigError)
+    if replicas > 1 and transport != "dist":
         option = "--transport dist" if flag.startswith("--") else "transport='dist'"
         raise RuntimeConfigError(
-            f"{flag} {data_parallel} runs {data_parallel} replicas of the pipeline as separate "
+            f"{flag} {replicas} runs {replicas} replicas of the pipeline as separate "
             f"processes, which needs {option}; the local transport runs one pipeline in this "
             f"process"
         )
-    return data_parallel
+    return replicas

@@ -28,12 +28,12 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.plan.replicas import check_batch_split
 
 __all__ = [
     "BatchSpec",
     "EvalReader",
     "TrainFeed",
-    "check_split",
     "epoch_seed",
     "steps_per_epoch",
 ]
@@ -146,19 +146,6 @@ def steps_per_epoch(data: Iterable[Any], given: int | None) -> tuple[int, int]:
     return n, 0
 
 
-def check_split(batch_size: int, micro_batches: int, replicas: int = 1) -> None:
-    """A batch splits evenly into ``replicas`` shards of ``micro_batches`` micro-batches."""
-    parts = micro_batches * replicas
-    if batch_size % parts:
-        b, m, d = batch_size, micro_batches, replicas
-        split = f"{m} micro-batches" if d == 1 else f"{d} replicas x {m} micro-batches"
-        raise RuntimeConfigError(
-            f"batch size {b} is not divisible by {split}; use a batch size of "
-            f"{max(parts, b // parts * parts)}, or "
-            + ("a micro-batch count that divides " + str(b) if d == 1 else "fewer micro-batches")
-        )
-
-
 def iterate_epoch(data: Iterable[Any], seed: int, epoch: int) -> Iterator[Any]:
     """Iterate ``data`` for ``epoch`` with its order fixed by ``(seed, epoch)``."""
     s = epoch_seed(seed, epoch)
@@ -245,7 +232,9 @@ class TrainFeed:
         x, y = as_batch(item, where)
         if self.spec is None:
             self.spec = BatchSpec.of(x, y)
-            check_split(self.spec.batch_size, self.micro_batches, self.replicas)
+            check_batch_split(
+                self.spec.batch_size, self.replicas, self.micro_batches, error=RuntimeConfigError
+            )
         self.spec.check(x, y, where)
         self._pos += 1
         return x, y

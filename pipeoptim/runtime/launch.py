@@ -41,10 +41,10 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 from pipeoptim.errors import PipeoptimError, RuntimeConfigError
+from pipeoptim.plan.replicas import check_batch_split
 from pipeoptim.runtime.config import TrainConfig, run_length
 from pipeoptim.runtime.data import DatasetLoader
 from pipeoptim.runtime.executor import NonFiniteLossError, RankResult
-from pipeoptim.runtime.feed import check_split
 from pipeoptim.runtime.lr import scheduler_factory
 from pipeoptim.runtime.models import build_model, model_loss, stage_boundaries
 from pipeoptim.runtime.pipeline import Pipeline
@@ -167,7 +167,9 @@ def preflight(config: TrainConfig) -> None:
     layers, data = build_model(config.model, config.seed)
     shape = config.plan.shape(1)
     stage_boundaries(len(layers), shape.num_stages, config.plan.boundaries, config.model)
-    check_split(config.batch_size, shape.micro_batches, config.plan.data_parallel)
+    check_batch_split(
+        config.batch_size, config.plan.data_parallel, shape.micro_batches, error=RuntimeConfigError
+    )
     DatasetLoader(data.train_x, data.train_y, config.batch_size, seed=config.seed)
     if config.device != "cpu" and torch.cuda.is_available():
         _check_gpus(config, _world(config))

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipeoptim.errors import PlanError
+from pipeoptim.plan.replicas import check_batch_split, check_replicas
 
 __all__ = [
     "Cluster",
@@ -40,30 +41,6 @@ __all__ = [
     "group_within_node",
     "ring_allreduce_s",
 ]
-
-
-def check_replicas(replicas: object, flag: str = "--data-parallel") -> int:
-    """``replicas`` as a whole number >= 1, else a :class:`PlanError` naming ``flag``."""
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
-        raise PlanError(
-            f"{flag} must be a whole number of pipeline replicas >= 1 (got {replicas!r}); "
-            f"pass {flag} 1 for one pipeline, or more to train several replicas of it"
-        )
-    return replicas
-
-
-def check_batch_split(batch_size: int, replicas: int, micro_batches: int) -> None:
-    """Each of ``replicas`` replicas trains ``batch_size / replicas`` samples of every
-    global batch, split into ``micro_batches`` micro-batches: the batch must divide."""
-    d, m = replicas, micro_batches
-    if batch_size % (d * m):
-        near = d * m * max(1, round(batch_size / (d * m)))
-        raise PlanError(
-            f"a global batch of {batch_size} samples does not split into {d} replica(s) x "
-            f"{m} micro-batch(es) of whole samples (it must be a multiple of {d * m}); use a "
-            f"batch of {near} (--batch-size/--global-batch), or other --data-parallel or "
-            f"--micro-batches"
-        )
 
 
 def ring_allreduce_s(num_bytes: float, replicas: int, bandwidth: float, latency_s: float) -> float:

@@ -107,8 +107,8 @@ def test_simulate_refuses_a_batch_the_replicas_cannot_split(capsys, profile: Pat
         capsys, "simulate", "--profile", str(profile), "--stages", "2", "--method", "gpipe",
         "--micro-batches", "4", "--data-parallel", "3",
     )  # fmt: skip
-    assert "a global batch of 32 samples does not split into 3 replica(s) x 4 micro-batch" in err
-    assert "(it must be a multiple of 12); use a batch of 36" in err
+    assert "batch size 32 is not divisible by 3 replicas x 4 micro-batches" in err
+    assert "use a batch size of 24, or fewer replicas or micro-batches" in err
     # several methods: the ones that cannot split it are skipped with the reason
     data = _json(
         capsys, "simulate", "--profile", str(profile), "--stages", "2",
@@ -116,7 +116,7 @@ def test_simulate_refuses_a_batch_the_replicas_cannot_split(capsys, profile: Pat
         "--batch-size", "8",
     )  # fmt: skip
     assert [s["method"] for s in data["skipped"]] == ["gpipe"]
-    assert "does not split into 4 replica(s) x 4" in data["skipped"][0]["reason"]
+    assert "is not divisible by 4 replicas x 4" in data["skipped"][0]["reason"]
 
 
 # --------------------------------------------------------------------------- plan

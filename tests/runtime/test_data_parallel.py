@@ -180,17 +180,21 @@ def test_launcher_runs_replicas_and_names_a_killed_rank(
 def test_bad_replica_counts_say_how_to_fix_them(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(RuntimeConfigError, match="needs --transport dist"):
         config("1f1b", 2, 2, "local", data_parallel=2)
-    with pytest.raises(PlanError, match="data_parallel must be a positive number"):
+    with pytest.raises(
+        PlanError, match="data_parallel must be a whole number of pipeline replicas"
+    ):
         Plan("1f1b", 2, micro_batches=2, data_parallel=0)
     with pytest.raises(RuntimeConfigError, match="needs transport='dist'"):
         Pipeline(dp_worker.make_model(), method="1f1b", stages=2, data_parallel=2)
-    with pytest.raises(RuntimeConfigError, match="data_parallel must be a positive number"):
+    with pytest.raises(
+        RuntimeConfigError, match="data_parallel must be a whole number of pipeline replicas"
+    ):
         Pipeline(dp_worker.make_model(), method="1f1b", stages=2, data_parallel=0)
     # 12 samples do not split into 2 replicas x 4 micro-batches: refused before any process
     with pytest.raises(
         RuntimeConfigError,
-        match="batch size 12 is not divisible by 2 replicas x 4 micro-batches; use a batch "
-        "size of 8",
+        match=r"batch size 12 is not divisible by 2 replicas x 4 micro-batches \(each replica "
+        r"trains 1/2 of every batch, in 4 micro-batches\); use a batch size of 8",
     ):
         train(config("1f1b", 2, 4, "dist", max_steps=2, data_parallel=2))
     # under torchrun: 2 processes for 2 replicas of 2 stages, refused before any rendezvous

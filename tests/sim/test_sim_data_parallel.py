@@ -147,7 +147,9 @@ def test_a_job_over_several_nodes_takes_whole_nodes() -> None:
 
 def test_batch_split() -> None:
     check_batch_split(2048, 128, 16)
-    with pytest.raises(PlanError, match=r"batch of 96 samples does not split into 4 .* x 16"):
+    with pytest.raises(
+        PlanError, match=r"batch size 96 is not divisible by 4 replicas x 16 micro-batches"
+    ):
         check_batch_split(96, 4, 16)
 
 
