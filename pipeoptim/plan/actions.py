@@ -4,6 +4,10 @@ A schedule is plain data, ``dict[rank, list[Action | None]]``, so it prints, par
 validates and saves. The text form ``"2F13"`` (stage 2, forward, micro-batch 13) and the
 CSV layout (one row per rank, an empty cell for an idle step) are the ones
 ``torch.distributed.pipelining`` reads and writes, so schedules move both ways.
+
+PyTorch's lowered dumps also hold FSDP and data-parallel bookkeeping (``UNSHARD``,
+``RESHARD``, ``REDUCE_GRAD``) that has no meaning here: a CSV load drops those cells and
+reports it once through ``notes``.
 """
 
 from __future__ import annotations
@@ -24,6 +28,11 @@ class Kind(str, enum.Enum):
 
     FORWARD = "F"
     BACKWARD = "B"
+    """The full backward: input and weight gradients in one action."""
+    BACKWARD_INPUT = "I"
+    """The input-gradient half of a split backward (zero-bubble schedules)."""
+    BACKWARD_WEIGHT = "W"
+    """The weight-gradient half, after its own ``I``; it may wait to fill a bubble."""
     UPDATE = "U"
     SEND_F = "SEND_F"
     RECV_F = "RECV_F"
@@ -32,22 +41,36 @@ class Kind(str, enum.Enum):
 
     @property
     def is_compute(self) -> bool:
-        return self in (Kind.FORWARD, Kind.BACKWARD, Kind.UPDATE)
+        return self in _COMPUTE
 
     @property
     def is_comm(self) -> bool:
         return not self.is_compute
 
 
+_COMPUTE = frozenset(
+    (Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT, Kind.UPDATE)
+)
+
 F = Kind.FORWARD
 B = Kind.BACKWARD
 U = Kind.UPDATE
+SPLIT_BACKWARD = frozenset((Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT))
+"""The kinds of a split backward, which only the plan layer (validate, print, CSV) handles."""
 
-# Kinds PyTorch knows but pipeoptim's methods never produce; parsing names them in the error.
-_FOREIGN_KINDS = ("I", "W", "UNSHARD", "RESHARD", "REDUCE_GRAD", "OVERLAP_F_B")
+# PyTorch's FSDP and data-parallel bookkeeping: a CSV load drops these cells (see DROPPED_NOTE).
+_DROPPED_KINDS = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
 # Longest codes first so "SEND_F" is not read as a stage followed by "S...".
-_CODES = sorted([k.value for k in Kind] + list(_FOREIGN_KINDS), key=len, reverse=True)
+_CODES = sorted([k.value for k in Kind] + list(_DROPPED_KINDS), key=len, reverse=True)
 _ACTION_RE = re.compile(r"^(\d+)(" + "|".join(_CODES) + r")(\d*)$")
+
+DROPPED_NOTE = (
+    "note: {count} UNSHARD/RESHARD/REDUCE_GRAD cells of {source} were dropped (left as idle "
+    "steps): they are PyTorch's FSDP and data-parallel bookkeeping; pipeoptim shards no "
+    "stage (no FSDP inside a pipeline), and data-parallel gradient averaging happens inside "
+    "its update (U)"
+)
+"""The one note a CSV load reports when it drops PyTorch's FSDP/DP actions."""
 
 
 @dataclass(frozen=True, order=True)
@@ -71,16 +94,24 @@ class Action:
         """Parse ``"2F13"``; the inverse of ``str``."""
         stripped = text.strip()
         match = _ACTION_RE.match(stripped)
+        if match is None and "OVERLAP_F_B" in stripped:
+            raise ScheduleError(
+                f"action {text!r} overlaps a forward and a backward in one step (PyTorch's "
+                f"OVERLAP_F_B, written by DualPipeV); pipeoptim runs one action per step: "
+                f"write its sub-actions as separate cells in order (e.g. '(0F1;1B0)' becomes "
+                f"'0F1,1B0'), or dump a schedule without overlap"
+            )
         if match is None:
             raise ScheduleError(
                 f"malformed action {text!r}: an action is <stage><kind><micro-batch>, e.g. "
                 f"'2F13', with kind one of {', '.join(k.value for k in Kind)}"
             )
         stage, code, mb = match.groups()
-        if code in _FOREIGN_KINDS:
+        if code in _DROPPED_KINDS:
             raise ScheduleError(
-                f"action {text!r} uses kind {code!r}, which pipeoptim's methods do not "
-                f"execute (split backward and FSDP actions); use F, B and U"
+                f"action {text!r} is PyTorch's FSDP/data-parallel bookkeeping ({code}), which "
+                f"pipeoptim does not run; load the file with schedule_from_csv or load_csv, "
+                f"which drop such cells, or leave it out"
             )
         if mb == "":
             raise ScheduleError(
@@ -93,12 +124,45 @@ Schedule = dict[int, list[Action | None]]
 """Per-rank action lists; ``None`` is an idle step. Step ``i`` of every rank is one clock tick."""
 
 
-def parse_schedule(rows: Mapping[int, Sequence[str]]) -> Schedule:
-    """Parse per-rank action strings; empty strings become idle steps."""
-    return {
-        rank: [Action.parse(cell) if cell.strip() else None for cell in cells]
-        for rank, cells in rows.items()
-    }
+def _dropped(cell: str) -> bool:
+    """Whether a cell is one of PyTorch's FSDP/DP actions, which a load leaves idle."""
+    match = _ACTION_RE.match(cell.strip())
+    return match is not None and match.group(2) in _DROPPED_KINDS
+
+
+def _parse_row(cells: Sequence[str]) -> tuple[list[Action | None], int]:
+    """A row's actions (empty and dropped cells idle) and how many cells were dropped."""
+    row: list[Action | None] = []
+    dropped = 0
+    for cell in cells:
+        if not cell.strip() or _dropped(cell):
+            dropped += bool(cell.strip())
+            row.append(None)
+        else:
+            row.append(Action.parse(cell))
+    return row, dropped
+
+
+def _note_dropped(notes: list[str] | None, count: int, source: str) -> None:
+    if notes is not None and count:
+        notes.append(DROPPED_NOTE.format(count=count, source=source))
+
+
+def parse_schedule(
+    rows: Mapping[int, Sequence[str]], *, notes: list[str] | None = None
+) -> Schedule:
+    """Parse per-rank action strings; empty strings become idle steps.
+
+    PyTorch's UNSHARD/RESHARD/REDUCE_GRAD cells become idle steps too; when ``notes`` is
+    given, one line saying so is appended to it.
+    """
+    schedule: Schedule = {}
+    dropped = 0
+    for rank, cells in rows.items():
+        schedule[rank], n = _parse_row(cells)
+        dropped += n
+    _note_dropped(notes, dropped, "the schedule")
+    return schedule
 
 
 def format_schedule(schedule: Mapping[int, Sequence[Action | None]]) -> dict[int, list[str]]:
@@ -126,8 +190,16 @@ def schedule_to_csv(
     return out.getvalue()
 
 
-def schedule_from_csv(text: str, *, source: str = "<csv>") -> Schedule:
-    """Parse a CSV written by :func:`schedule_to_csv` or by PyTorch's ``_dump_csv``."""
+def schedule_from_csv(
+    text: str, *, source: str = "<csv>", notes: list[str] | None = None
+) -> Schedule:
+    """Parse a CSV written by :func:`schedule_to_csv` or by PyTorch's ``_dump_csv``.
+
+    Both of PyTorch's formats load: ``compute_only`` (a clock grid, idle cells empty) and
+    the lowered ``compute_comms`` (per-rank orders with sends and receives). PyTorch's
+    UNSHARD/RESHARD/REDUCE_GRAD cells become idle steps; when ``notes`` is given, one line
+    saying so (:data:`DROPPED_NOTE`) is appended to it.
+    """
     try:
         rows = list(csv.reader(io.StringIO(text)))
     except csv.Error as err:
@@ -141,11 +213,14 @@ def schedule_from_csv(text: str, *, source: str = "<csv>") -> Schedule:
             f"'0F0,0B0,0U0'"
         )
     schedule: Schedule = {}
+    dropped = 0
     for rank, row in enumerate(rows):
         try:
-            schedule[rank] = [Action.parse(c) if c.strip() else None for c in row]
+            schedule[rank], n = _parse_row(row)
         except ScheduleError as err:
             raise ScheduleError(f"{source}, row {rank + 1} (rank {rank}): {err}") from None
+        dropped += n
+    _note_dropped(notes, dropped, source)
     return schedule
 
 
@@ -153,9 +228,10 @@ def save_csv(schedule: Mapping[int, Sequence[Action | None]], path: str | Path) 
     Path(path).write_text(schedule_to_csv(schedule))
 
 
-def load_csv(path: str | Path) -> Schedule:
+def load_csv(path: str | Path, *, notes: list[str] | None = None) -> Schedule:
     """Read a CSV schedule file; a missing, binary, oversized or malformed file raises
-    :class:`ScheduleError` naming the file (and the row for a bad action)."""
+    :class:`ScheduleError` naming the file (and the row for a bad action). ``notes`` as in
+    :func:`schedule_from_csv`."""
     from pipeoptim.jsonfile import read_text  # jsonfile imports plan.limits, which needs us
     from pipeoptim.plan.limits import max_actions
 
@@ -169,7 +245,7 @@ def load_csv(path: str | Path) -> Schedule:
             f"(pipeoptim.plan.limits.MAX_GRID_CELLS); load a shorter schedule (fewer "
             f"mini-batches)"
         )
-    return schedule_from_csv(text, source=str(p))
+    return schedule_from_csv(text, source=str(p), notes=notes)
 
 
 def compact(schedule: Mapping[int, Sequence[Action | None]]) -> dict[int, list[Action]]:

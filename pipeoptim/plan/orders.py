@@ -5,6 +5,10 @@ and the one schedules print, parse and save. A run of a million actions costs se
 to build those objects, so generators of long asynchronous runs also produce this form, and
 the simulator's compiler and the version analysis read it directly. Both forms hold the
 same data and convert losslessly (communication actions and idle steps dropped).
+
+The arrays hold F, B and U only: the consumers (simulator, version analysis and, through
+it, the runtime) do not execute a split backward (I/W) yet, so converting one is refused
+rather than dropping the split halves.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from pipeoptim.plan.actions import Action, B, F, Kind, U
+from pipeoptim.errors import ScheduleError
+from pipeoptim.plan.actions import SPLIT_BACKWARD, Action, B, F, Kind, U
 
 __all__ = ["KIND_B", "KIND_CODES", "KIND_F", "KIND_U", "IntArray", "KeyIndex", "OrderArrays"]
 
@@ -67,11 +72,24 @@ class OrderArrays:
 
     @classmethod
     def from_order(cls, order: Mapping[int, Sequence[Action | None]]) -> OrderArrays:
-        """The array form of an Action order; idle steps and communication are dropped."""
+        """The array form of an Action order; idle steps and communication are dropped.
+
+        Raises :class:`ScheduleError` on a split backward (I or W), which nothing that
+        reads this form executes.
+        """
         per_rank: dict[int, tuple[IntArray, IntArray, IntArray]] = {}
         number = _KIND_NUMBER
         for r, acts in order.items():
-            kept = [a for a in acts if a is not None and a.kind in number]
+            kept = [a for a in acts if a is not None and a.kind.is_compute]
+            split = next((a for a in kept if a.kind in SPLIT_BACKWARD), None)
+            if split is not None:
+                raise ScheduleError(
+                    f"{split} on rank {r} is half of a split backward (I/W); the simulator, "
+                    f"the version analysis and the runtime run only full backwards (B): "
+                    f"merge each I and W into one B (pipeoptim.plan.passes.merge_backward) "
+                    f"to simulate or train it; `pipeoptim schedule --load` validates and "
+                    f"prints it as it is"
+                )
             per_rank[r] = (
                 np.fromiter((a.stage for a in kept), np.int64, len(kept)),
                 np.fromiter((number[a.kind] for a in kept), np.int64, len(kept)),

@@ -5,6 +5,12 @@
 each forward whose next stage lives on another rank, a ``RECV_F`` right before each
 forward whose previous stage does, and the same for backwards (``SEND_B``/``RECV_B``).
 Stage indices follow PyTorch: a send names the sending stage, a receive the receiving one.
+Of a split backward, the input half ``I`` carries the gradient (it receives and sends
+like ``B``); the weight half ``W`` communicates nothing.
+
+``split_backward`` and ``merge_backward`` move between the full backward ``B`` and its
+split form ``I`` then ``W`` (zero-bubble schedules); the simulator and the runtime run
+only ``B``, so a loaded zero-bubble schedule is merged before it is simulated.
 """
 
 from __future__ import annotations
@@ -13,6 +19,9 @@ from collections.abc import Mapping, Sequence
 
 from pipeoptim.plan.actions import Action, B, F, Kind
 from pipeoptim.plan.schedules import Order, stage_ranks
+
+_GRADIENT = frozenset((B, Kind.BACKWARD_INPUT))
+"""Backward kinds that take the next stage's gradient and pass one to the previous stage."""
 
 
 def add_communication(schedule: Mapping[int, Sequence[Action | None]]) -> Order:
@@ -30,12 +39,12 @@ def add_communication(schedule: Mapping[int, Sequence[Action | None]]) -> Order:
             k = a.stage
             if a.kind is F and k > 0 and rank_of[k - 1] != rank:
                 out.append(Action(k, Kind.RECV_F, a.mb))
-            if a.kind is B and k < last and rank_of[k + 1] != rank:
+            if a.kind in _GRADIENT and k < last and rank_of[k + 1] != rank:
                 out.append(Action(k, Kind.RECV_B, a.mb))
             out.append(a)
             if a.kind is F and k < last and rank_of[k + 1] != rank:
                 out.append(Action(k, Kind.SEND_F, a.mb))
-            if a.kind is B and k > 0 and rank_of[k - 1] != rank:
+            if a.kind in _GRADIENT and k > 0 and rank_of[k - 1] != rank:
                 out.append(Action(k, Kind.SEND_B, a.mb))
         lowered[rank] = out
     return lowered
@@ -45,5 +54,39 @@ def strip_communication(schedule: Mapping[int, Sequence[Action | None]]) -> Orde
     """The compute-only form: drop communication actions and idle steps."""
     return {
         rank: [a for a in acts if a is not None and a.kind.is_compute]
+        for rank, acts in schedule.items()
+    }
+
+
+def split_backward(schedule: Mapping[int, Sequence[Action | None]]) -> Order:
+    """Each full backward ``B`` becomes its input half ``I`` followed at once by its weight
+    half ``W``; idle steps are dropped (place the result with ``schedules.retime``)."""
+    out: Order = {}
+    for rank, acts in schedule.items():
+        row: list[Action] = []
+        for a in acts:
+            if a is None:
+                continue
+            if a.kind is B:
+                row += [
+                    Action(a.stage, Kind.BACKWARD_INPUT, a.mb),
+                    Action(a.stage, Kind.BACKWARD_WEIGHT, a.mb),
+                ]
+            else:
+                row.append(a)
+        out[rank] = row
+    return out
+
+
+def merge_backward(schedule: Mapping[int, Sequence[Action | None]]) -> Order:
+    """Each ``I`` becomes the full backward ``B`` where the ``I`` ran, its ``W`` is dropped;
+    idle steps are dropped. The weight gradient then comes as early as the input gradient,
+    which keeps every dependency (an update waited for the later ``W``)."""
+    return {
+        rank: [
+            Action(a.stage, B, a.mb) if a.kind is Kind.BACKWARD_INPUT else a
+            for a in acts
+            if a is not None and a.kind is not Kind.BACKWARD_WEIGHT
+        ]
         for rank, acts in schedule.items()
     }

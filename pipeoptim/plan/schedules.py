@@ -9,13 +9,22 @@ one continuous pipeline: they never flush.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from pipeoptim.errors import ScheduleError
-from pipeoptim.plan.actions import Action, B, F, Schedule, U, format_grid
+from pipeoptim.plan.actions import (
+    SPLIT_BACKWARD,
+    Action,
+    B,
+    F,
+    Kind,
+    Schedule,
+    U,
+    format_grid,
+)
 from pipeoptim.plan.orders import KIND_B, KIND_F, KIND_U, IntArray, OrderArrays
 
 Order = dict[int, list[Action]]
@@ -44,21 +53,45 @@ class Shape:
         return self.micro_batches * self.mini_batches
 
 
-def dependencies(action: Action, num_stages: int, micro_batches: int) -> list[Action]:
+def dependencies(
+    action: Action,
+    num_stages: int,
+    micro_batches: int,
+    present: Container[Action] | None = None,
+) -> list[Action]:
     """Actions that must finish before ``action`` may start, on any rank.
 
-    F of stage k needs F of stage k-1; B of stage k needs B of stage k+1 (the last stage:
-    its own F) and its own F; an update needs every backward of its mini-batch.
+    F of stage k needs F of stage k-1. A backward is either one B or split into I (input
+    gradient) then W (weight gradient): B and I of stage k need their own F and the
+    gradient from stage k+1's B or I; W needs its own I; an update needs every B or W of
+    its mini-batch. Which of the two forms a micro-batch takes is read from ``present``
+    (the schedule's actions); without it, the full backward B.
     """
     k, mb = action.stage, action.mb
-    if action.kind is F:
+    kind = action.kind
+    if kind is F:
         return [Action(k - 1, F, mb)] if k > 0 else []
-    if action.kind is B:
+    if kind is B or kind is Kind.BACKWARD_INPUT:
         own = Action(k, F, mb)
-        return [own] if k == num_stages - 1 else [Action(k + 1, B, mb), own]
-    if action.kind is U:
-        return [Action(k, B, mb * micro_batches + j) for j in range(micro_batches)]
+        if k == num_stages - 1:
+            return [own]
+        return [_either(Action(k + 1, B, mb), Action(k + 1, Kind.BACKWARD_INPUT, mb), present), own]
+    if kind is Kind.BACKWARD_WEIGHT:
+        return [Action(k, Kind.BACKWARD_INPUT, mb)]
+    if kind is U:
+        first = mb * micro_batches
+        return [
+            _either(Action(k, B, j), Action(k, Kind.BACKWARD_WEIGHT, j), present)
+            for j in range(first, first + micro_batches)
+        ]
     return []
+
+
+def _either(full: Action, split: Action, present: Container[Action] | None) -> Action:
+    """``split`` where the schedule holds it instead of ``full``, else ``full``."""
+    if present is not None and full not in present and split in present:
+        return split
+    return full
 
 
 def _one_f_one_b(
@@ -203,6 +236,8 @@ def retime(order: Mapping[int, Sequence[Action | None]], micro_batches: int) -> 
     queues = {r: [a for a in acts if a is not None] for r, acts in order.items()}
     num_stages = max((a.stage for acts in queues.values() for a in acts), default=-1) + 1
     present = {a for acts in queues.values() for a in acts}
+    # which backward form each micro-batch takes matters only where any backward is split
+    forms = present if any(a.kind in SPLIT_BACKWARD for a in present) else None
     done: dict[Action, int] = {}
     grid: Schedule = {r: [] for r in queues}
     cursor = dict.fromkeys(queues, 0)
@@ -214,11 +249,11 @@ def retime(order: Mapping[int, Sequence[Action | None]], micro_batches: int) -> 
             if cursor[r] >= len(q):
                 continue
             act = q[cursor[r]]
-            deps = [d for d in dependencies(act, num_stages, micro_batches) if d in present]
-            if all(d in done and done[d] < step for d in deps):
+            deps = dependencies(act, num_stages, micro_batches, forms)
+            if all(d in done and done[d] < step for d in deps if d in present):
                 placed.append((r, act))
         if not placed:
-            raise _deadlock_error(queues, cursor, grid, done, num_stages, micro_batches)
+            raise _deadlock_error(queues, cursor, grid, done, num_stages, micro_batches, present)
         placed_ranks = {r for r, _ in placed}
         for r in queues:
             grid[r].append(None)
@@ -241,6 +276,7 @@ def _deadlock_error(
     done: Mapping[Action, int],
     num_stages: int,
     micro_batches: int,
+    present: Container[Action],
 ) -> ScheduleError:
     blocked = []
     shown: Schedule = {r: [*acts] for r, acts in grid.items()}
@@ -248,7 +284,9 @@ def _deadlock_error(
         if cursor[r] < len(q):
             act = q[cursor[r]]
             missing = [
-                str(d) for d in dependencies(act, num_stages, micro_batches) if d not in done
+                str(d)
+                for d in dependencies(act, num_stages, micro_batches, present)
+                if d in present and d not in done
             ]
             blocked.append(f"rank {r} waits at {act} for {', '.join(missing)}")
             shown[r] = [*shown[r], act]

@@ -1,9 +1,16 @@
 """One validator for every schedule, generated or imported.
 
 Checks, in order: each stage sits on one rank, no action twice, every micro-batch's
-forward and backward on every stage, updates after their mini-batch's backwards, the
-per-rank orders run without deadlock, and on the clock grid every action comes after its
-dependencies. Errors name rank, step and action and show the grid with the step marked.
+forward and backward on every stage (a backward is one B, or split into I then W, never
+both), updates after their mini-batch's backwards, the per-rank orders run without
+deadlock, and on the clock grid every action comes after its dependencies. Errors name
+rank, step and action and show the grid with the step marked.
+
+A lowered schedule (one holding sends and receives, like PyTorch's ``compute_comms`` dump
+or :func:`~pipeoptim.plan.passes.add_communication`'s output) is a per-rank order, not a
+clock grid: lowering drops the lock-step of the ranks, so its cells line up with nothing
+on other ranks. Its cross-rank dependencies are checked by running the orders
+(:func:`~pipeoptim.plan.schedules.retime`), not by comparing columns.
 """
 
 from __future__ import annotations
@@ -11,10 +18,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from pipeoptim.errors import ScheduleError
-from pipeoptim.plan.actions import Action, B, F, Schedule, U, format_grid
+from pipeoptim.plan.actions import Action, B, F, Kind, Schedule, U, format_grid
 from pipeoptim.plan.schedules import dependencies, retime
 
 _WINDOW = 24  # grid steps shown around a marked error
+_I, _W = Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
+_PER_MICRO_BATCH = frozenset((F, B, _I, _W))
 
 
 def _fail(schedule: Mapping[int, Sequence[Action | None]], rank: int, step: int, msg: str) -> None:
@@ -82,8 +91,10 @@ def validate(
     _check_counts(schedule, position, num_stages, stage_rank)
     _check_updates(schedule, position, m)
     retime(schedule, m)  # raises on deadlock, with the blocked actions named
+    if any(a.kind.is_comm for a in position):
+        return m  # a lowered order: its columns are not clock steps (see the module doc)
     for a, (rank, step) in position.items():
-        for d in dependencies(a, num_stages, m):
+        for d in dependencies(a, num_stages, m, position):
             where = position.get(d)
             if where is not None and where[1] >= step:
                 _fail(
@@ -118,24 +129,51 @@ def _check_counts(
     num_stages: int,
     stage_rank: Mapping[int, int],
 ) -> None:
-    mbs = sorted({a.mb for a in position if a.kind is F or a.kind is B})
+    def fail(a: Action, msg: str) -> None:
+        _fail(schedule, *position[a], msg)
+
+    mbs = sorted({a.mb for a in position if a.kind in _PER_MICRO_BATCH})
     for mb in mbs:
         for k in range(num_stages):
             fwd, bwd = Action(k, F, mb), Action(k, B, mb)
-            if fwd not in position and bwd not in position:
+            inp, wgt = Action(k, _I, mb), Action(k, _W, mb)
+            r = stage_rank[k]
+            if not any(a in position for a in (fwd, bwd, inp, wgt)):
                 raise ScheduleError(
-                    f"micro-batch {mb} never runs on stage {k} (rank {stage_rank[k]}): "
-                    f"add {fwd} and {bwd}"
+                    f"micro-batch {mb} never runs on stage {k} (rank {r}): add {fwd} and {bwd}"
                 )
-            if bwd not in position:
-                r, s = position[fwd]
-                _fail(schedule, r, s, f"{fwd} has no backward: add {bwd} after it on rank {r}")
+            if bwd in position and (inp in position or wgt in position):
+                half = inp if inp in position else wgt
+                fail(
+                    half,
+                    f"{half} splits the backward of micro-batch {mb} on stage {k}, which also "
+                    f"has the full backward {bwd}; keep either {bwd} or {inp} then {wgt}",
+                )
+            if wgt in position and inp not in position:
+                fail(
+                    wgt,
+                    f"{wgt} has no input backward: add {inp} before it on rank {r} (or run "
+                    f"the full backward {bwd} instead of {wgt})",
+                )
+            if inp in position and wgt not in position:
+                fail(
+                    inp,
+                    f"{inp} has no weight backward: add {wgt} after it on rank {r} (or run "
+                    f"the full backward {bwd} instead of {inp})",
+                )
+            back = bwd if bwd in position else inp
+            if back not in position:
+                fail(fwd, f"{fwd} has no backward: add {bwd} (or {inp} then {wgt}) after it")
             if fwd not in position:
-                r, s = position[bwd]
-                _fail(schedule, r, s, f"{bwd} has no forward: add {fwd} before it on rank {r}")
-            if position[bwd][1] <= position[fwd][1]:
-                r, s = position[bwd]
-                _fail(schedule, r, s, f"{bwd} runs before its forward {fwd}; move it later")
+                fail(back, f"{back} has no forward: add {fwd} before it on rank {r}")
+            if position[back][1] <= position[fwd][1]:
+                fail(back, f"{back} runs before its forward {fwd}; move it later")
+            if wgt in position and position[wgt][1] <= position[inp][1]:
+                fail(
+                    wgt,
+                    f"{wgt} runs before {inp}: the weight gradient needs the output gradient "
+                    f"{inp} takes in; move {wgt} after {inp}",
+                )
 
 
 def _check_updates(
@@ -148,16 +186,23 @@ def _check_updates(
             continue
         for j in range(m):
             b = Action(a.stage, B, a.mb * m + j)
-            if b not in position:
+            w = Action(a.stage, _W, b.mb)
+            last = w if b not in position and w in position else b
+            if last not in position:
                 _fail(
                     schedule,
                     rank,
                     step,
                     f"{a} updates stage {a.stage} for mini-batch {a.mb}, whose micro-batch "
-                    f"{b.mb} has no backward {b} on this stage",
+                    f"{b.mb} has no backward {b} (or {w}) on this stage",
                 )
-            if position[b][1] >= step:
-                _fail(schedule, rank, step, f"{a} runs before {b}, whose gradient it applies")
+            if position[last][1] >= step:
+                _fail(
+                    schedule,
+                    rank,
+                    step,
+                    f"{a} runs before {last}, whose gradient it applies; move {a} after it",
+                )
 
 
 def validated(schedule: Schedule, micro_batches: int | None = None) -> Schedule:

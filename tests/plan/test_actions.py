@@ -21,7 +21,9 @@ from pipeoptim.plan.actions import (
 )
 
 
-@pytest.mark.parametrize("text", ["0F0", "2F13", "11B7", "3U2", "1SEND_F4", "2RECV_B10"])
+@pytest.mark.parametrize(
+    "text", ["0F0", "2F13", "11B7", "3U2", "1SEND_F4", "2RECV_B10", "0I3", "7W12"]
+)
 def test_text_form_round_trips(text: str) -> None:
     assert str(Action.parse(text)) == text
 
@@ -29,6 +31,9 @@ def test_text_form_round_trips(text: str) -> None:
 def test_parse_fields() -> None:
     assert Action.parse(" 2F13 ") == Action(2, Kind.FORWARD, 13)
     assert Action.parse("1SEND_F4") == Action(1, Kind.SEND_F, 4)
+    assert Action.parse("0I3") == Action(0, Kind.BACKWARD_INPUT, 3)
+    assert Action.parse("3W0") == Action(3, Kind.BACKWARD_WEIGHT, 0)
+    assert Kind.BACKWARD_INPUT.is_compute and Kind.BACKWARD_WEIGHT.is_compute
 
 
 @pytest.mark.parametrize(
@@ -37,7 +42,9 @@ def test_parse_fields() -> None:
         ("F1", "malformed action 'F1'"),
         ("1X2", "malformed action"),
         ("1F", "has no micro-batch number"),
-        ("0I3", "kind 'I'"),
+        ("0UNSHARD", "FSDP/data-parallel bookkeeping .* drop such cells"),
+        ("(0F1;1B0)OVERLAP_F_B", "write its sub-actions as separate cells"),
+        ("0I", "has no micro-batch number"),
         ("1F2x", "malformed"),
     ],
 )
