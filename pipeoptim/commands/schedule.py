@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,9 @@ def register(sub: Any) -> None:
             "Generate a method's schedule for P stages, M micro-batches and N mini-batches "
             "and print it as a grid (one row per rank, one column per clock step) or as the "
             "per-rank CSV that torch.distributed.pipelining reads. With --load, validate and "
-            "print a CSV schedule instead."
+            "print a CSV schedule instead: pipeoptim's own, or PyTorch's _dump_csv output in "
+            "either format (compute_only, or the lowered compute_comms, whose FSDP and "
+            "data-parallel actions UNSHARD/RESHARD/REDUCE_GRAD are dropped with a note)."
         ),
     )
     p.add_argument("--method", help=f"one of: {', '.join(METHODS)}")
@@ -87,8 +90,9 @@ def _version_summary(report: VersionReport) -> list[dict[str, int]]:
 
 def run_schedule(args: argparse.Namespace) -> int:
     check_output_paths(args, ["--out"])
+    notes: list[str] = []  # what the load left out (PyTorch's FSDP/DP cells), said once
     if args.load is not None:
-        schedule = load_csv(args.load)
+        schedule = load_csv(args.load, notes=notes)
         m = validate(schedule)
         source = str(args.load)
         report = None
@@ -121,6 +125,7 @@ def run_schedule(args: argparse.Namespace) -> int:
                 "schedule": format_schedule(schedule),
                 "versions": _version_summary(report) if report else None,
                 "out": str(args.out) if args.out else None,
+                "notes": notes,
             }
         )
     elif args.out is None:
@@ -135,4 +140,9 @@ def run_schedule(args: argparse.Namespace) -> int:
             )
     else:
         print(f"wrote {args.format} schedule ({source}, {len(schedule)} ranks) to {args.out}")
+    if not args.json:
+        # A CSV on stdout stays a clean CSV: the note goes to stderr there.
+        stream = sys.stderr if args.format == "csv" and args.out is None else sys.stdout
+        for note in notes:
+            print(note, file=stream)
     return files.finish("schedule")

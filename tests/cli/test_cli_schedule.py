@@ -116,6 +116,8 @@ def test_bad_input_exits_2_without_traceback(
         ("0F0,0F1,,0B0\n,1F0,1B0,1F1,1B1\n", "0F1 has no backward"),
         ("0F0,0B0\n,1F0,1B0\n", "needs 1B0"),
         ("0F0,0Q0\n", "malformed action '0Q0'"),
+        ("0F0,0W0,0I0\n", "0W0 runs before 0I0"),
+        ("0F0,(0F1;1B0)OVERLAP_F_B\n", "write its sub-actions as separate cells"),
     ],
 )
 def test_bad_csv_files(
@@ -125,6 +127,23 @@ def test_bad_csv_files(
     path.write_text(content)
     code, _, err = run(capsys, "schedule", "--load", str(path))
     assert code == 2 and message in err
+
+
+def test_load_a_lowered_split_schedule_with_fsdp_cells(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """PyTorch's lowered form (no clock lock-step, FSDP/DP bookkeeping) with I and W."""
+    path = tmp_path / "lowered.csv"
+    path.write_text(
+        "0UNSHARD,0F0,0SEND_F0,0RECV_B0,0I0,0W0,0REDUCE_GRAD,0RESHARD\r\n"
+        "1UNSHARD,1RECV_F0,1F0,1I0,1SEND_B0,1W0,1REDUCE_GRAD,1RESHARD\r\n"
+    )
+    code, out, err = run(capsys, "schedule", "--load", str(path))
+    assert code == 0 and err == ""
+    assert out.splitlines()[1].split() == [
+        "rank", "0", ".", "0F0", "0SEND_F0", "0RECV_B0", "0I0", "0W0", ".", ".",
+    ]  # fmt: skip
+    assert out.count("note:") == 1 and "6 UNSHARD/RESHARD/REDUCE_GRAD cells" in out
 
 
 def test_console_script_runs() -> None:
