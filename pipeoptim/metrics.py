@@ -39,7 +39,7 @@ from pipeoptim.trace import Trace
 
 __all__ = ["RunMetrics", "StageMetrics", "compute_metrics", "steady_state_throughput"]
 
-COMPUTE_KINDS = frozenset({"F", "B", "U"})
+COMPUTE_KINDS = frozenset({"F", "B", "I", "W", "U"})
 
 
 @dataclass(frozen=True)
@@ -175,9 +175,9 @@ def compute_metrics(trace: Trace) -> RunMetrics:
         if e.kind == "F":
             forwards[(e.stage, e.mb)] = e.weight_version
             distance[e.stage] = max(distance.get(e.stage, 0), e.distance)
-        elif e.kind == "B":
+        elif e.kind in ("B", "W"):  # a split backward's W makes the gradient, as a B does
             backwards[(e.stage, e.mb)] = e.weight_version
-        else:
+        elif e.kind == "U":
             updates.setdefault(e.stage, []).append((e.mb, e.weight_version, e.end))
     stages_sorted = sorted(stage_busy)
     first_stage = stages_sorted[0]

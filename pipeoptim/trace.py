@@ -73,7 +73,8 @@ class TraceEvent:
     stage: int
     """Pipeline stage the action belongs to."""
     kind: str
-    """Action kind code: F, B, U, or a communication kind (SEND_F, RECV_F, SEND_B, RECV_B)."""
+    """Action kind code: F, B, U, the halves of a split backward (I, W), or a communication
+    kind (SEND_F, RECV_F, SEND_B, RECV_B)."""
     mb: int
     """Global micro-batch id; for U the mini-batch index."""
     start: float

@@ -6,9 +6,10 @@ to build those objects, so generators of long asynchronous runs also produce thi
 the simulator's compiler and the version analysis read it directly. Both forms hold the
 same data and convert losslessly (communication actions and idle steps dropped).
 
-The arrays hold F, B and U only: the consumers (simulator, version analysis and, through
-it, the runtime) do not execute a split backward (I/W) yet, so converting one is refused
-rather than dropping the split halves.
+The arrays hold every compute kind: F, B and U, and the halves of a split backward, I
+(input gradient) and W (weight gradient). The simulator and the version analysis read them
+all; the runtime does not run I/W yet and refuses them where it plans a run
+(:func:`pipeoptim.runtime.executor.segment_plan`).
 """
 
 from __future__ import annotations
@@ -19,25 +20,36 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from pipeoptim.errors import ScheduleError
-from pipeoptim.plan.actions import SPLIT_BACKWARD, Action, B, F, Kind, U
+from pipeoptim.plan.actions import Action, B, F, Kind, U
 
-__all__ = ["KIND_B", "KIND_CODES", "KIND_F", "KIND_U", "IntArray", "KeyIndex", "OrderArrays"]
+__all__ = [
+    "KIND_B",
+    "KIND_CODES",
+    "KIND_F",
+    "KIND_I",
+    "KIND_U",
+    "KIND_W",
+    "IntArray",
+    "KeyIndex",
+    "OrderArrays",
+]
 
 IntArray = npt.NDArray[np.int64]
 
-KIND_F, KIND_B, KIND_U = 0, 1, 2
-KIND_CODES = ("F", "B", "U")
+KIND_F, KIND_B, KIND_U, KIND_I, KIND_W = 0, 1, 2, 3, 4
+KIND_CODES = ("F", "B", "U", "I", "W")
 """Text code of each kind number."""
-_KINDS = (F, B, U)
-_KIND_NUMBER = {F: KIND_F, B: KIND_B, U: KIND_U}
+_I, _W = Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
+_KINDS = (F, B, U, _I, _W)
+_KIND_NUMBER = {F: KIND_F, B: KIND_B, U: KIND_U, _I: KIND_I, _W: KIND_W}
 
 
 @dataclass(frozen=True)
 class OrderArrays:
     """Compute actions of every rank in execution order, ranks concatenated in rank order.
 
-    Action ``i`` is ``(stage[i], kind[i], mb[i])`` with kind 0 = F, 1 = B, 2 = U; rank
+    Action ``i`` is ``(stage[i], kind[i], mb[i])`` with kind 0 = F, 1 = B, 2 = U, 3 = I
+    (input half of a split backward), 4 = W (its weight half); rank
     ``ranks[p]`` owns the half-open index range ``bounds[p]:bounds[p + 1]``.
     """
 
@@ -72,24 +84,11 @@ class OrderArrays:
 
     @classmethod
     def from_order(cls, order: Mapping[int, Sequence[Action | None]]) -> OrderArrays:
-        """The array form of an Action order; idle steps and communication are dropped.
-
-        Raises :class:`ScheduleError` on a split backward (I or W), which nothing that
-        reads this form executes.
-        """
+        """The array form of an Action order; idle steps and communication are dropped."""
         per_rank: dict[int, tuple[IntArray, IntArray, IntArray]] = {}
         number = _KIND_NUMBER
         for r, acts in order.items():
             kept = [a for a in acts if a is not None and a.kind.is_compute]
-            split = next((a for a in kept if a.kind in SPLIT_BACKWARD), None)
-            if split is not None:
-                raise ScheduleError(
-                    f"{split} on rank {r} is half of a split backward (I/W); the simulator, "
-                    f"the version analysis and the runtime run only full backwards (B): "
-                    f"merge each I and W into one B (pipeoptim.plan.passes.merge_backward) "
-                    f"to simulate or train it; `pipeoptim schedule --load` validates and "
-                    f"prints it as it is"
-                )
             per_rank[r] = (
                 np.fromiter((a.stage for a in kept), np.int64, len(kept)),
                 np.fromiter((number[a.kind] for a in kept), np.int64, len(kept)),

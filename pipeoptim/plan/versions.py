@@ -4,6 +4,11 @@ Derived from the schedule, never hard-coded: the prediction distance ``s(k, t)``
 number of updates stage k performs between mini-batch t's forward and its backward, so
 the same code gives ``min(t, P-1-k)`` for asynchronous 1F1B and the right value for any
 micro-batched or interleaved schedule. ``W^(j)`` is a stage's weights after j updates.
+
+A split backward (I then W, see :mod:`pipeoptim.plan.zero_bubble`) counts as one backward:
+its weight half W takes the backward's place (it closes the micro-batch: the activations
+are held until it ends, and the update applies its gradient), and the input half I reads
+the same version as its W (in a synchronous schedule both run on the forward's ``W^(t)``).
 """
 
 from __future__ import annotations
@@ -17,7 +22,16 @@ import numpy.typing as npt
 from pipeoptim.errors import ScheduleError
 from pipeoptim.plan.actions import Action
 from pipeoptim.plan.methods import WeightPolicy
-from pipeoptim.plan.orders import KIND_B, KIND_F, KIND_U, IntArray, KeyIndex, OrderArrays
+from pipeoptim.plan.orders import (
+    KIND_B,
+    KIND_F,
+    KIND_I,
+    KIND_U,
+    KIND_W,
+    IntArray,
+    KeyIndex,
+    OrderArrays,
+)
 
 BoolArray = npt.NDArray[np.bool_]
 
@@ -229,7 +243,8 @@ def analyze_order(order: OrderArrays, policy: WeightPolicy, m: int = 1) -> Versi
     perm = np.argsort(order.stage, kind="stable")
     stage, kind, mb = order.stage[perm], order.kind[perm], order.mb[perm]
     n = len(stage)
-    is_f, is_b, is_u = kind == KIND_F, kind == KIND_B, kind == KIND_U
+    is_f, is_u = kind == KIND_F, kind == KIND_U
+    is_b = (kind == KIND_B) | (kind == KIND_W)  # a W stands for its split backward
     first = np.r_[True, stage[1:] != stage[:-1]] if n else np.zeros(0, dtype=bool)
     group_start = np.flatnonzero(first)
     group = np.cumsum(first) - 1
@@ -249,6 +264,29 @@ def analyze_order(order: OrderArrays, policy: WeightPolicy, m: int = 1) -> Versi
                 f"{order.name(int(perm[pos[twice[0]]]))} appears twice in the order; every "
                 f"{name} runs once per stage and micro-batch"
             )
+    i_pos = np.flatnonzero(kind == KIND_I)
+    i_keys = mb[i_pos] * num_stages + stage[i_pos]
+    i_index = KeyIndex(i_keys)
+    twice = i_index.duplicate()
+    if twice is not None:
+        raise ScheduleError(
+            f"{order.name(int(perm[i_pos[twice[0]]]))} appears twice in the order; every "
+            f"input-gradient half (I) runs once per stage and micro-batch"
+        )
+    i_match = b_index.find(i_keys)
+    unpaired = np.flatnonzero(i_match < 0)
+    if not len(unpaired):
+        halves = b_pos[i_match]
+        unpaired = np.flatnonzero(kind[halves] != KIND_W)
+    w_pos = np.flatnonzero(kind == KIND_W)
+    orphans = i_index.find(mb[w_pos] * num_stages + stage[w_pos]) < 0
+    if len(unpaired) or orphans.any():
+        q = int(i_pos[unpaired[0]]) if len(unpaired) else int(w_pos[int(np.argmax(orphans))])
+        k, j = int(stage[q]), int(mb[q])
+        raise ScheduleError(
+            f"stage {k}: {order.name(int(perm[q]))} has no other half; a split backward "
+            f"runs {k}I{j} and {k}W{j} (and no {k}B{j})"
+        )
     match = b_index.find(f_keys)
     if (match < 0).any():
         i = f_pos[int(np.argmax(match < 0))]
@@ -300,6 +338,9 @@ def analyze_order(order: OrderArrays, policy: WeightPolicy, m: int = 1) -> Versi
     b_pass = f_index.find(b_keys)
     has_pass = b_pass >= 0
     version[b_pos[has_pass]] = backward[b_pass[has_pass]]
+    i_pass = f_index.find(i_keys)
+    has_pass = i_pass >= 0
+    version[i_pos[has_pass]] = backward[i_pass[has_pass]]
     action_distance = np.zeros(n, dtype=np.int64)
     action_distance[f_pos] = distance
     action_predicted = np.zeros(n, dtype=bool)

@@ -8,8 +8,10 @@ is flushed, each stage updates once (``U``, numbered by the mini-batch ``t``) af
 clock grid placed by :func:`~pipeoptim.plan.schedules.retime`: one action per step, each
 at the first step after its dependencies, i.e. the timing of uniform costs F = I = W = 1.
 
-The simulator and the runtime run only full backwards: merge a zero-bubble schedule with
-:func:`~pipeoptim.plan.passes.merge_backward` before simulating it.
+The simulator runs them as they are (I and W take the cost model's ``backward_input_s``
+and ``backward_weight_s``, halves of the backward by its ``weight_grad_fraction``); the
+runtime runs only full backwards: merge a zero-bubble schedule with
+:func:`~pipeoptim.plan.passes.merge_backward` to train it.
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pipeoptim.errors import RuntimeConfigError
-from pipeoptim.plan.actions import Action, Kind
+from pipeoptim.errors import RuntimeConfigError, ScheduleError
+from pipeoptim.plan.actions import SPLIT_BACKWARD, Action, Kind
 from pipeoptim.plan.methods import Method
 from pipeoptim.plan.passes import add_communication
 from pipeoptim.plan.schedules import Shape, forward_only, stage_ranks
@@ -99,8 +99,28 @@ class SegmentPlan:
 
 @lru_cache(maxsize=8)
 def segment_plan(method: Method, shape: Shape) -> SegmentPlan:
-    """Schedule, analyse and lower one segment length (a run's segments mostly share one)."""
+    """Schedule, analyse and lower one segment length (a run's segments mostly share one).
+
+    Raises :class:`ScheduleError` on a split backward (I/W), which the executor does not run.
+    """
     order = method.order(shape)
+    split = next(
+        (
+            (r, a)
+            for r, acts in order.items()
+            for a in acts
+            if a is not None and a.kind in SPLIT_BACKWARD
+        ),
+        None,
+    )
+    if split is not None:
+        r, a = split
+        raise ScheduleError(
+            f"the runtime does not run split backwards yet; {a} on rank {r} is half of a "
+            f"split backward (I/W): merge each I and W into one B "
+            f"(pipeoptim.plan.passes.merge_backward) to train it (the simulator runs it as "
+            f"it is)"
+        )
     return SegmentPlan(
         shape,
         analyze_versions(order, method.weight_policy, shape.micro_batches),

@@ -116,6 +116,12 @@ class CostModel:
     """Seconds of each stage's gradient all-reduce over its D replicas, per update (empty:
     none). It runs inside the update, blocking, so the update takes ``update_s +
     allreduce_s`` (:attr:`update_total_s`); :meth:`with_data_parallel` sets it."""
+    weight_grad_fraction: float = 0.5
+    """Share of a backward that computes the weight gradient, in [0, 1]: where a schedule
+    splits the backward (zero-bubble schedules), its weight half W takes this fraction of
+    ``backward_s`` (:attr:`backward_weight_s`) and its input half I the rest
+    (:attr:`backward_input_s`). The default 0.5 is the zero-bubble paper's T_I = T_W (for
+    a matrix multiply both halves are one multiply of the same size)."""
 
     def __post_init__(self) -> None:
         s = len(self.forward_s)
@@ -140,6 +146,13 @@ class CostModel:
         check_replicas(self.data_parallel, "data_parallel")
         ar = self.allreduce_s if len(self.allreduce_s) else (0.0,) * s
         object.__setattr__(self, "allreduce_s", _floats("allreduce_s", ar, s))
+        w = self.weight_grad_fraction
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w <= 1.0:
+            raise PlanError(
+                f"weight_grad_fraction must be a number in [0, 1], the share of a backward "
+                f"that computes the weight gradient (got {w!r}); e.g. 0.5"
+            )
+        object.__setattr__(self, "weight_grad_fraction", float(w))
 
     # ------------------------------------------------------------------ derived
     @property
@@ -155,6 +168,18 @@ class CostModel:
     def update_total_s(self) -> tuple[float, ...]:
         """Seconds of every stage's update with its all-reduce: what a U action takes."""
         return tuple(u + a for u, a in zip(self.update_s, self.allreduce_s, strict=True))
+
+    @property
+    def backward_weight_s(self) -> tuple[float, ...]:
+        """Seconds of a split backward's weight half W, per stage:
+        ``weight_grad_fraction * backward_s``."""
+        return tuple(self.weight_grad_fraction * b for b in self.backward_s)
+
+    @property
+    def backward_input_s(self) -> tuple[float, ...]:
+        """Seconds of a split backward's input half I, per stage: the rest of the backward,
+        ``backward_s - backward_weight_s``."""
+        return tuple(b - w for b, w in zip(self.backward_s, self.backward_weight_s, strict=True))
 
     @property
     def global_samples_per_micro_batch(self) -> float:
@@ -232,10 +257,12 @@ class CostModel:
         optimizer: str = "sgd",
         momentum: bool | None = None,
         samples_per_micro_batch: float = 1.0,
+        weight_grad_fraction: float = 0.5,
     ) -> CostModel:
         """Every stage alike. ``boundary_bytes`` (sent per micro-batch over each edge, both
         ways) defaults to ``activation_bytes``; optimizer state is ``param_bytes`` times the
-        optimizer's factor."""
+        optimizer's factor; a split backward's W takes ``weight_grad_fraction`` of
+        ``backward_s`` and its I the rest."""
         if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
             raise PlanError(f"a cost model needs num_stages >= 1, got {num_stages!r}")
         sent = activation_bytes if boundary_bytes is None else boundary_bytes
@@ -255,6 +282,7 @@ class CostModel:
             bandwidth=(bandwidth,) * e,
             samples_per_micro_batch=samples_per_micro_batch,
             optimizer=optimizer,
+            weight_grad_fraction=weight_grad_fraction,
         )
 
     @classmethod

@@ -14,7 +14,9 @@ What a stage holds (bytes), following the method's weight policy as
   ``zero_grad(set_to_none=True)`` does);
 * ``optimizer``: the optimizer state, always;
 * ``activations``: one micro-batch's activations from its forward's start to its
-  backward's end.
+  backward's end; where the backward is split, to the end of its weight half W (W still
+  reads them; the input half I frees nothing), and the W, not the I, then plays the
+  backward's part for the gradient buffer and the stash.
 
 Peaks therefore match :class:`~pipeoptim.plan.versions.VersionReport`: weight copies peak at
 ``weight_copies[stage]`` and activations at ``max_in_flight[stage]`` micro-batches.
@@ -27,7 +29,7 @@ from dataclasses import dataclass, field
 
 from pipeoptim.plan.methods import WeightPolicy
 from pipeoptim.sim.costs import CostModel
-from pipeoptim.sim.program import KIND_B, KIND_F, Program, Timing
+from pipeoptim.sim.program import KIND_B, KIND_F, KIND_I, KIND_W, Program, Timing
 from pipeoptim.trace import MemorySample
 
 __all__ = ["MemoryReport", "StagePeak", "memory_report"]
@@ -181,7 +183,9 @@ def memory_report(
                     st.predicted = True
                 if st.refresh():
                     emit(starts[i])
-            elif c == KIND_B:
+            elif c == KIND_I:
+                continue  # the activations stay until the W
+            elif c in (KIND_B, KIND_W):
                 st.inflight -= 1
                 st.grads = st.param
                 if keeps:

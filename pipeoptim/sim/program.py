@@ -7,7 +7,10 @@ lists of ints and floats indexed by a global action number keep both hot loops c
 :class:`Action` hashing, no object per action.
 
 Dependencies are those of :func:`pipeoptim.plan.schedules.dependencies` (F of stage k after
-F of k-1; B of k after B of k+1 and its own F; U after its mini-batch's backwards). A
+F of k-1; B of k after B of k+1 and its own F; U after its mini-batch's backwards). A split
+backward's input half I waits like a B (for the I or B of stage k+1, whose gradient crosses
+the edge, and its own F), its weight half W for its own I (same rank, no message), and U
+for the W's of its mini-batch where its backwards are split. A
 dependency on the same rank earlier in its order is implied by the rank running actions one
 after the other, so only cross-rank dependencies are kept; one on the same rank *later* in
 the order can never be met and is reported at compile time.
@@ -33,7 +36,9 @@ from pipeoptim.plan.orders import (
     KIND_B,
     KIND_CODES,
     KIND_F,
+    KIND_I,
     KIND_U,
+    KIND_W,
     IntArray,
     KeyIndex,
     OrderArrays,
@@ -42,7 +47,11 @@ from pipeoptim.plan.versions import VersionReport, analyze_order
 from pipeoptim.sim.costs import CostModel
 from pipeoptim.trace import TraceEvent
 
-__all__ = ["KIND_B", "KIND_CODES", "KIND_F", "KIND_U", "Program", "Timing"]
+__all__ = ["KIND_B", "KIND_CODES", "KIND_F", "KIND_I", "KIND_U", "KIND_W", "Program", "Timing"]
+
+_KINDS = len(KIND_CODES)
+"""Kinds with a duration of their own: the cost table has one block of stages per kind,
+then the predicted forwards."""
 
 
 FloatArray = npt.NDArray[np.float64]
@@ -183,17 +192,20 @@ class Program:
         stage, kind, mb = self.arrays.stage, self.arrays.kind, self.arrays.mb
         rank = self.rank_array
         passes = np.flatnonzero(kind != KIND_U)
-        index = KeyIndex(((mb[passes] * s + stage[passes]) << 1) | kind[passes])
+        index = KeyIndex(((mb[passes] * s + stage[passes]) << 3) | kind[passes])
         twice = index.duplicate()
         if twice is not None:
             i, first = int(passes[twice[0]]), int(passes[twice[1]])
             raise ScheduleError(
                 f"{self._name(i)} appears twice in the order (also as action {first}); "
-                f"every F and B runs once per stage and micro-batch"
+                f"every F, B, I and W runs once per stage and micro-batch"
             )
 
-        def find(at: IntArray, j: IntArray, k: IntArray, code: int) -> IntArray:
-            found = index.find(((j * s + k) << 1) | code)
+        def find(at: IntArray, j: IntArray, k: IntArray, code: int, *other: int) -> IntArray:
+            """The action of kind ``code`` (else of the first ``other`` kind found)."""
+            found = index.find(((j * s + k) << 3) | code)
+            for alt in other:
+                found = np.where(found >= 0, found, index.find(((j * s + k) << 3) | alt))
             return np.where(found >= 0, passes[np.maximum(found, 0)], -1)
 
         late: list[tuple[int, int]] = []  # (action, a same-rank input it runs before)
@@ -212,13 +224,15 @@ class Program:
 
         f = np.flatnonzero((kind == KIND_F) & (stage > 0))
         link(f, find(f, mb[f], stage[f] - 1, KIND_F), 2 * (stage[f] - 1))
-        b = np.flatnonzero(kind == KIND_B)
+        b = np.flatnonzero((kind == KIND_B) | (kind == KIND_I))  # a backward's input gradient
         link(b, find(b, mb[b], stage[b], KIND_F), None)
         b = b[stage[b] < s - 1]
-        link(b, find(b, mb[b], stage[b] + 1, KIND_B), 2 * stage[b] + 1)
+        link(b, find(b, mb[b], stage[b] + 1, KIND_B, KIND_I), 2 * stage[b] + 1)
+        w = np.flatnonzero(kind == KIND_W)
+        link(w, find(w, mb[w], stage[w], KIND_I), None)
         u = np.flatnonzero(kind == KIND_U)
         for q in range(m):
-            link(u, find(u, mb[u] * m + q, stage[u], KIND_B), None)
+            link(u, find(u, mb[u] * m + q, stage[u], KIND_B, KIND_W), None)
         if late:
             i, d = min(late)
             r = int(rank[i])
@@ -359,25 +373,28 @@ class Program:
         return cast(list[float], table[self.edge_array + 1].tolist())
 
     def cost_code_array(self) -> IntArray:
-        """Per action ``kind * num_stages + stage``: its index in a [F..., B..., U...] table."""
+        """Per action ``kind * num_stages + stage``: its index in a [F..., B..., U..., I...,
+        W...] table."""
         return self.arrays.kind * self.num_stages + self.arrays.stage
 
     def duration_codes(self, predicting: bool) -> IntArray:
         """Per action its index into :meth:`duration_table`: the cost code, moved to the
-        predicted-forward entries (``3 * num_stages + stage``) for forwards the version
+        predicted-forward entries (``5 * num_stages + stage``) for forwards the version
         analysis predicts when ``predicting`` (the costs have a prediction time)."""
         if predicting not in self._codes:
             codes = self.cost_code_array()
             if predicting:
-                codes[self.versions().actions.predicted] += 3 * self.num_stages
+                codes[self.versions().actions.predicted] += _KINDS * self.num_stages
             self._codes[predicting] = codes
         return self._codes[predicting]
 
     def duration_table(self, costs: CostModel) -> list[float]:
-        """Seconds per cost code: ``[F..., B..., U..., predicted F...]`` of every stage (an
-        update with its stage's all-reduce, :attr:`CostModel.update_total_s`).
+        """Seconds per cost code: ``[F..., B..., U..., I..., W..., predicted F...]`` of
+        every stage (an update with its stage's all-reduce, :attr:`CostModel.update_total_s`;
+        I and W the halves of the backward, :attr:`CostModel.backward_input_s` and
+        :attr:`CostModel.backward_weight_s`).
 
-        A predicted forward (code ``3 * num_stages + stage``, see :meth:`duration_codes`)
+        A predicted forward (code ``5 * num_stages + stage``, see :meth:`duration_codes`)
         costs its forward plus the prediction."""
         if costs.num_stages < self.num_stages:
             raise ScheduleError(
@@ -386,7 +403,14 @@ class Program:
             )
         s = self.num_stages
         extra = [f + p for f, p in zip(costs.forward_s[:s], costs.predict_s[:s], strict=True)]
-        return [*costs.forward_s[:s], *costs.backward_s[:s], *costs.update_total_s[:s], *extra]
+        return [
+            *costs.forward_s[:s],
+            *costs.backward_s[:s],
+            *costs.update_total_s[:s],
+            *costs.backward_input_s[:s],
+            *costs.backward_weight_s[:s],
+            *extra,
+        ]
 
     def busy_seconds(self, costs: CostModel) -> tuple[dict[int, float], dict[int, float]]:
         """Compute seconds per stage and per rank without jitter, from how often each rank
@@ -396,12 +420,13 @@ class Program:
         if predicting not in self._code_counts:
             codes = self.duration_codes(predicting)
             self._code_counts[predicting] = np.stack(
-                [np.bincount(codes[lo:hi], minlength=4 * s) for lo, hi in self.rank_bounds]
-            ) if self.rank_bounds else np.zeros((0, 4 * s), dtype=np.int64)  # fmt: skip
+                [np.bincount(codes[lo:hi], minlength=(_KINDS + 1) * s)
+                 for lo, hi in self.rank_bounds]
+            ) if self.rank_bounds else np.zeros((0, (_KINDS + 1) * s), dtype=np.int64)  # fmt: skip
         counts = self._code_counts[predicting]
         table = np.array(self.duration_table(costs))
         per_code = counts * table  # seconds per (rank, code)
-        per_stage = per_code.sum(axis=0).reshape(4, s).sum(axis=0)
+        per_stage = per_code.sum(axis=0).reshape(_KINDS + 1, s).sum(axis=0)
         stage = {k: float(per_stage[k]) for k in sorted(self.stage_rank)}
         rank = {
             r: float(per_code[p].sum())
@@ -501,7 +526,7 @@ class Program:
         ]
         for i, t0, t1 in timing.transfers:
             d = self.dep[i]
-            back = self.kind[i] == KIND_B
+            back = self.kind[i] in (KIND_B, KIND_I)  # a gradient travels back
             e = self.edge[i] >> 1
             size = (costs.send_backward_bytes if back else costs.send_forward_bytes)[e]
             out.append(

@@ -166,17 +166,19 @@ def test_cli_loads_torch_dumps_with_one_note(
     assert err.count("note:") == len(notes)
 
 
-def test_split_schedules_are_refused_downstream_until_merged(
+def test_split_schedules_simulate_as_loaded_and_merged(
     dumps: dict[tuple[str, str], Path],
 ) -> None:
     from pipeoptim.plan.methods import WeightPolicy
     from pipeoptim.sim.program import Program
 
     loaded = load_csv(dumps[("ScheduleZBVZeroBubble", "compute_only")])
-    with pytest.raises(ScheduleError, match="merge_backward"):
-        Program(loaded, MICRO, WeightPolicy.FLUSH)
+    split = Program(loaded, MICRO, WeightPolicy.FLUSH)
+    assert split.size == OrderArrays.from_order(loaded).size
     merged = merge_backward(loaded)
-    assert Program(merged, MICRO, WeightPolicy.FLUSH).size == OrderArrays.from_order(merged).size
+    whole = Program(merged, MICRO, WeightPolicy.FLUSH)
+    assert whole.size == OrderArrays.from_order(merged).size
+    assert split.size == whole.size + sum(1 for k in whole.kind if k == 1)  # B -> I + W
 
 
 def test_torch_reads_our_split_export(tmp_path: Path) -> None:

@@ -264,12 +264,27 @@ def test_lowered_order_is_run_not_read_by_columns() -> None:
     assert "rank 0 waits at 0I0 for 1I0" in str(err.value)
 
 
-def test_downstream_refuses_split_backwards_and_merge_is_the_fix() -> None:
+def test_split_backwards_reach_the_arrays_and_versions_like_their_merge() -> None:
+    """I and W pass through the array form; the version analysis gives each the version of
+    the B they split (the runtime's refusal is tested with the executor)."""
     order, micro = split_order("1f1b", 3, 3, 2, None)
-    with pytest.raises(ScheduleError, match=r"split backward \(I/W\).*merge_backward"):
-        OrderArrays.from_order(order)
-    with pytest.raises(ScheduleError, match="merge_backward"):
-        analyze_versions(retime(order, micro), WeightPolicy.FLUSH, micro)
+    arrays = OrderArrays.from_order(order)
     merged = OrderArrays.from_order(merge_backward(order))
     original = OrderArrays.from_order(build_schedule("1f1b", 3, 3, 2)[0])
     assert merged.to_order() == original.to_order()
+    backwards = int((merged.kind == 1).sum())
+    assert arrays.size == merged.size + backwards  # each B is an I and a W
+    assert arrays.to_order() == {r: [a for a in acts if a] for r, acts in order.items()}
+    for policy in (WeightPolicy.FLUSH, WeightPolicy.STASH):
+        split = analyze_versions(retime(order, micro), policy, micro)
+        whole = analyze_versions(merge_backward(order), policy, micro)
+        assert split.passes == whole.passes and split.updates == whole.updates
+        assert split.max_in_flight == whole.max_in_flight
+        assert split.weight_copies == whole.weight_copies
+        version = split.actions.version.tolist()
+        by_name = {arrays.name(i): version[i] for i in range(arrays.size)}
+        for (k, j), p in whole.passes.items():
+            assert by_name[f"{k}I{j}"] == by_name[f"{k}W{j}"] == p.backward_version
+    lone = {0: [Action(0, Kind.FORWARD, 0), Action(0, Kind.BACKWARD_INPUT, 0)]}
+    with pytest.raises(ScheduleError, match="0I0 has no other half"):
+        analyze_versions(lone, WeightPolicy.FLUSH, 1)

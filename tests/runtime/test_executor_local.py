@@ -258,3 +258,20 @@ def test_local_transport_on_one_gpu(tmp_path: Path) -> None:
     trace = Trace.load(out)
     assert all(0 <= e.start <= e.end for e in trace.events)
     assert all(m.bytes > 0 for m in trace.memory)
+
+
+def test_segment_plan_refuses_a_zero_bubble_schedule() -> None:
+    """The simulator runs I/W; the runtime does not yet, and says how to train it."""
+    from pipeoptim.errors import ScheduleError
+    from pipeoptim.plan.methods import Method, WeightPolicy
+    from pipeoptim.plan.zero_bubble import zb_h1
+    from pipeoptim.runtime.executor import segment_plan
+
+    def generate(shape: Shape) -> dict:
+        return zb_h1(shape.num_stages, shape.micro_batches, shape.mini_batches)
+
+    method = Method("zb-h1-test", "ZB-H1", generate, WeightPolicy.FLUSH)
+    with pytest.raises(
+        ScheduleError, match=r"the runtime does not run split backwards yet; .*merge_backward"
+    ):
+        segment_plan(method, Shape(2, 2, 1))

@@ -4,14 +4,16 @@ a topological order by unit-time levels; every result equal to the Action path's
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 
 from pipeoptim.errors import ScheduleError
-from pipeoptim.plan.actions import Action, B, F, U
-from pipeoptim.plan.methods import METHODS, get_method
+from pipeoptim.plan.actions import Action, B, F, Schedule, U
+from pipeoptim.plan.methods import METHODS, WeightPolicy, get_method
 from pipeoptim.plan.orders import OrderArrays
+from pipeoptim.plan.zero_bubble import zb_h1, zb_v
 from pipeoptim.sim import CostModel, Program, evaluate_program, list_schedule, run_simpy
 from pipeoptim.sim.evaluate import summarize
 
@@ -69,7 +71,41 @@ def test_steps_are_a_topological_order(name: str, shape) -> None:
 def test_every_evaluation_path_gives_simpys_times(name: str, shape) -> None:
     method = get_method(name)
     program = Program(method.order_arrays(shape), shape.micro_batches, method.weight_policy)
-    costs = _costs(shape.num_stages)
+    _check_every_path(program, _costs(shape.num_stages))
+
+
+ZERO_BUBBLE = [
+    ("zb-h1", zb_h1, 1, 1, 2),
+    ("zb-h1", zb_h1, 2, 2, 3),
+    ("zb-h1", zb_h1, 4, 4, 2),
+    ("zb-h1", zb_h1, 3, 7, 2),
+    ("zb-v", zb_v, 2, 1, 2),
+    ("zb-v", zb_v, 4, 3, 2),
+    ("zb-v", zb_v, 6, 5, 3),
+    ("zb-v", zb_v, 8, 7, 2),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "generate", "stages", "micro", "mini"),
+    ZERO_BUBBLE,
+    ids=[f"{c[0]}-S{c[2]}-M{c[3]}-N{c[4]}" for c in ZERO_BUBBLE],
+)
+def test_split_backward_schedules_give_simpys_times(
+    name: str, generate: Callable[[int, int, int], Schedule], stages: int, micro: int, mini: int
+) -> None:
+    """Schedules with I and W (zero bubble) run alike on every path, I != W in cost."""
+    schedule = generate(stages, micro, mini)
+    program = Program(schedule, micro, WeightPolicy.FLUSH)
+    assert program.arrays.to_order() == {
+        r: [a for a in row if a is not None] for r, row in schedule.items()
+    }  # I and W survive the array form
+    assert Program(OrderArrays.from_order(schedule), micro).dep == program.dep
+    costs = dataclasses.replace(_costs(stages), weight_grad_fraction=0.4)
+    _check_every_path(program, costs)
+
+
+def _check_every_path(program: Program, costs: CostModel) -> None:
     durations, transfers = program.durations(costs), program.transfer_times(costs)
     simpy = run_simpy(program, durations, transfers, contention=False)
     listed = list_schedule(program, durations, transfers)
@@ -87,7 +123,13 @@ def test_every_evaluation_path_gives_simpys_times(name: str, shape) -> None:
     _, _, predicted = program.flat_versions()
     for i in range(program.size):
         k, kind = program.stage[i], program.kind[i]
-        plain = (costs.forward_s, costs.backward_s, costs.update_s)[kind][k]
+        plain = (
+            costs.forward_s,
+            costs.backward_s,
+            costs.update_s,
+            costs.backward_input_s,
+            costs.backward_weight_s,
+        )[kind][k]
         assert durations[i] == (plain + costs.predict_s[k] if predicted[i] else plain)
 
 
