@@ -24,17 +24,23 @@ __all__ = ["KIND_COLORS", "memory_figure", "memory_series", "overlay_figure", "t
 KIND_COLORS: dict[str, str] = {
     "F": "#4C78A8",
     "B": "#F58518",
+    "I": "#E45756",
+    "W": "#FFBF79",
     "U": "#54A24B",
     "SEND_F": "#B279A2",
     "SEND_B": "#9D755D",
     "RECV_F": "#BAB0AC",
     "RECV_B": "#79706E",
 }
-"""Bar colour per action kind."""
+"""Bar colour per action kind (I and W: the halves of a split backward)."""
+
+_COMPUTE = ("F", "B", "I", "W", "U")
 
 _KIND_NAMES = {
     "F": "forward",
     "B": "backward",
+    "I": "input gradient",
+    "W": "weight gradient",
     "U": "update",
     "SEND_F": "send activation",
     "SEND_B": "send gradient",
@@ -97,7 +103,7 @@ def timeline_figure(
                     "color": KIND_COLORS.get(kind, "#888888"),
                     "line": {"width": 0.5, "color": "white"},
                 },
-                text=[f"{e.kind}{e.mb}" if e.kind in ("F", "B", "U") else str(e.mb) for e in evs]
+                text=[f"{e.kind}{e.mb}" if e.kind in _COMPUTE else str(e.mb) for e in evs]
                 if with_labels
                 else None,
                 textposition="inside" if with_labels else None,
@@ -233,10 +239,10 @@ def overlay_figure(
     order: list[str] = []
     shown_kinds: set[str] = set()
     for label, trace, opacity in (("measured", measured, 1.0), ("simulated", predicted, 0.6)):
-        compute = [e for e in trace.events if e.kind in ("F", "B", "U")]
+        compute = [e for e in trace.events if e.kind in _COMPUTE]
         events = heapq.nsmallest(max_events, compute, key=attrgetter("start", "rank"))
         origin = min((e.start for e in events), default=0.0)
-        for kind in ("F", "B", "U"):
+        for kind in _COMPUTE:
             evs = [e for e in events if e.kind == kind]
             if not evs:
                 continue

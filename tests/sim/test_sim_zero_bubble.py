@@ -166,3 +166,14 @@ def test_weight_grad_fraction_splits_the_backward_and_is_checked() -> None:
     for bad in (-0.1, 1.5, float("nan"), True):
         with pytest.raises(PlanError, match="weight_grad_fraction"):
             CostModel.uniform(2, weight_grad_fraction=bad)
+
+
+def test_timeline_draws_the_split_backward_in_its_own_colours() -> None:
+    from pipeoptim.sim.engine import simulate_order
+    from pipeoptim.viz.timeline import KIND_COLORS, timeline_figure
+
+    trace = simulate_order(zb_h1(3, 3, 1), unit_costs(3), micro_batches=3)
+    bars = {bar.name: bar for bar in timeline_figure(trace).data}
+    for kind, name in (("I", "input gradient"), ("W", "weight gradient")):
+        assert bars[name].marker.color == KIND_COLORS[kind]
+        assert len(bars[name].x) == 9  # 3 stages x 3 micro-batches
