@@ -81,6 +81,7 @@ _STAGE_SCHEMA = Obj(
         "backward_fixed_s": Num(minimum=0),
         "update_s": Num(minimum=0),
         "predict_s": Num(minimum=0),
+        "weight_grad_s": Num(minimum=0),
     },
     required=("index", *_STAGE_KEYS),
 )
@@ -233,7 +234,8 @@ def stage_graph(
 
     Node ``k`` attributes: ``start, end, layers`` (list of layer indices), ``layer_names``,
     ``forward_s, backward_s, forward_fixed_s, backward_fixed_s, update_s, predict_s``
-    (summed), ``param_bytes, grad_bytes, optimizer_state_bytes, activation_bytes`` (summed),
+    (summed), ``weight_grad_s`` (the backward's weight-gradient seconds, summed),
+    ``param_bytes, grad_bytes, optimizer_state_bytes, activation_bytes`` (summed),
     ``weight_copies, activation_slots, memory_bytes``, ``param_count``. The graph keeps the
     profile's ``threads`` (CPU threads it was measured with) when it recorded them. Edge
     ``k -> k+1`` has ``bytes``: the activation of stage ``k``'s last layer, sent forward
@@ -267,6 +269,7 @@ def stage_graph(
             backward_s=sum(layer.backward_s for layer in layers),
             forward_fixed_s=sum(layer.forward_fixed_s for layer in layers),
             backward_fixed_s=sum(layer.backward_fixed_s for layer in layers),
+            weight_grad_s=sum(layer.weight_grad_s for layer in layers),
             update_s=sum(layer.update_s for layer in layers),
             predict_s=sum(layer.predict_s for layer in layers),
             param_bytes=param,

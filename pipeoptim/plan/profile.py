@@ -153,6 +153,13 @@ class LayerProfile:
     backward_fixed_s: float = 0.0
     """As ``forward_fixed_s``, for the backward."""
 
+    weight_grad_fraction: float = 0.5
+    """Share of ``backward_s`` that computes the weight gradient (W), in [0, 1]; the rest
+    computes the input gradient (I). A zero-bubble schedule runs the two apart. The
+    profiler measures it (``torch.autograd.grad`` for the input only, then for the weights
+    only); a layer without trainable parameters has 0. The default 0.5 (files and synthetic
+    profiles without it) is the zero-bubble paper's T_I = T_W."""
+
     def __post_init__(self) -> None:
         where = f"layer {self.name!r}"
         if not isinstance(self.name, str):
@@ -169,6 +176,18 @@ class LayerProfile:
         for name in ("update_s", "predict_s", "forward_fixed_s", "backward_fixed_s"):
             number = _check_nonnegative_number(f"{where} {name}", getattr(self, name))
             object.__setattr__(self, name, number)
+        share = self.weight_grad_fraction
+        if (
+            isinstance(share, bool)
+            or not isinstance(share, (int, float))
+            or not 0.0 <= share <= 1.0
+        ):
+            raise PlanError(
+                f"{where} weight_grad_fraction must be a number in [0, 1], the share of its "
+                f"backward that computes the weight gradient (got {share!r}); give a value "
+                "between 0 and 1 (0 for a layer without parameters), or re-profile"
+            )
+        object.__setattr__(self, "weight_grad_fraction", float(share))
         for part, total in (("forward", self.forward_s), ("backward", self.backward_s)):
             if getattr(self, f"{part}_fixed_s") > total:
                 raise PlanError(
@@ -184,6 +203,12 @@ class LayerProfile:
             self.forward_fixed_s + (self.forward_s - self.forward_fixed_s) * scale,
             self.backward_fixed_s + (self.backward_s - self.backward_fixed_s) * scale,
         )
+
+    @property
+    def weight_grad_s(self) -> float:
+        """Seconds of the backward's weight-gradient part W:
+        ``weight_grad_fraction * backward_s``."""
+        return self.weight_grad_fraction * self.backward_s
 
     @property
     def compute_s(self) -> float:
@@ -215,10 +240,17 @@ _LAYER_SCHEMA = Obj(
         "predict_s": Num(minimum=0),
         "forward_fixed_s": Num(minimum=0),
         "backward_fixed_s": Num(minimum=0),
+        "weight_grad_fraction": Num(minimum=0),
     },
     required=_LAYER_KEYS,
 )
-_OPTIONAL_LAYER_KEYS = ("update_s", "predict_s", "forward_fixed_s", "backward_fixed_s")
+_OPTIONAL_LAYER_KEYS = (
+    "update_s",
+    "predict_s",
+    "forward_fixed_s",
+    "backward_fixed_s",
+    "weight_grad_fraction",
+)
 PROFILE_SCHEMA = Obj(
     {
         "batch_size": Int(minimum=1),

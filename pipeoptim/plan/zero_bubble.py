@@ -9,7 +9,8 @@ clock grid placed by :func:`~pipeoptim.plan.schedules.retime`: one action per st
 at the first step after its dependencies, i.e. the timing of uniform costs F = I = W = 1.
 
 The simulator runs them as they are (I and W take the cost model's ``backward_input_s``
-and ``backward_weight_s``, halves of the backward by its ``weight_grad_fraction``); the
+and ``backward_weight_s``, the backward split by its per-stage ``weight_grad_fraction``,
+which a profile measures); the
 runtime runs only full backwards: merge a zero-bubble schedule with
 :func:`~pipeoptim.plan.passes.merge_backward` to train it.
 """

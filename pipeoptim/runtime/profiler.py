@@ -285,6 +285,80 @@ def _pass_times(
     )
 
 
+def _weight_grad_fractions(
+    named: Sequence[tuple[str, nn.Module]],
+    x: Tensor,
+    *,
+    warmup: int,
+    repeats: int,
+    timer: Callable[[Callable[[], Any]], float],
+) -> list[float]:
+    """Every layer's share of its backward that computes the weight gradient, timed within
+    whole passes as :func:`_pass_times` times the backward, but split the way a
+    zero-bubble schedule runs it: per layer (last first) the input gradient I alone
+    (``torch.autograd.grad`` for the input, keeping the graph), then the weight gradient W
+    alone (for the trainable parameters). The share is median W / (median I + median W);
+    0 for a layer without trainable parameters, 1 for one whose input takes no gradient
+    (e.g. an embedding of token ids)."""
+    count = len(named)
+    input_times: list[list[float]] = [[] for _ in range(count)]
+    weight_times: list[list[float]] = [[] for _ in range(count)]
+    trainable = [[p for p in m.parameters() if p.requires_grad] for _, m in named]
+    for run in range(warmup + repeats):
+        inputs: list[Tensor] = []
+        outputs: list[Tensor] = []
+        inp = _leaf_input(x)
+        for name, module in named:
+            out = _check_output(name, module(inp))
+            inputs.append(inp)
+            outputs.append(out)
+            inp = _leaf_input(out)
+        grad: Tensor | None = None
+        for i in reversed(range(count)):
+            out, params = outputs[i], trainable[i]
+            wants_input = inputs[i].requires_grad
+            i_s = w_s = 0.0
+            next_grad: Tensor | None = None
+            if out.requires_grad:
+                if grad is None or grad.shape != out.shape:
+                    grad = torch.ones_like(out)
+                if wants_input:
+                    found: list[tuple[Tensor | None, ...]] = []
+                    i_s = timer(
+                        partial(
+                            _call_into_tuple,
+                            partial(
+                                torch.autograd.grad,
+                                out,
+                                [inputs[i]],
+                                grad,
+                                retain_graph=bool(params),
+                                allow_unused=True,
+                            ),
+                            found,
+                        )
+                    )
+                    next_grad = found[0][0]
+                if params:
+                    w_s = timer(partial(torch.autograd.grad, out, params, grad, allow_unused=True))
+            if run >= warmup:
+                input_times[i].append(i_s)
+                weight_times[i].append(w_s)
+            grad = next_grad
+    shares = []
+    for i in range(count):
+        if not trainable[i]:
+            shares.append(0.0)
+            continue
+        i_s, w_s = statistics.median(input_times[i]), statistics.median(weight_times[i])
+        shares.append(min(1.0, w_s / (i_s + w_s)) if i_s + w_s > 0 else 0.5)
+    return shares
+
+
+def _call_into_tuple(fn: Callable[[], tuple[Tensor | None, ...]], holder: list[Any]) -> None:
+    holder.append(fn())
+
+
 def _measure_layer(
     name: str,
     module: nn.Module,
@@ -406,6 +480,9 @@ def profile_model(
     a quarter and an eighth of the batch), and a line through the times gives the part of
     each time that does not shrink with the batch, so micro-batch costs are not taken as a
     plain fraction.
+    At the full batch, further passes split every backward into its input-gradient and
+    weight-gradient parts (as zero-bubble schedules run them) and record the weight part's
+    share (``LayerProfile.weight_grad_fraction``).
     With ``steps`` the layer's optimizer step and its weight prediction are timed and its
     optimizer state is measured; otherwise ``optimizer`` (``sgd``, ``adam``, ``adamw``,
     ``rmsprop``) and ``momentum`` estimate the state bytes (see
@@ -523,6 +600,13 @@ def profile_model(
                 results.append(layer)
                 trainable.append(_trainable_bytes(module))
             results = _timed(results, named, sample_input.to(target), sizes, warmup, repeats, timer)
+            shares = _weight_grad_fractions(
+                named, sample_input.to(target), warmup=warmup, repeats=repeats, timer=timer
+            )
+            results = [
+                dataclasses.replace(layer, weight_grad_fraction=share)
+                for layer, share in zip(results, shares, strict=True)
+            ]
             if spec is not None and sum(trainable) > 0:
                 results = _streamed_steps(
                     results, trainable, stream_bytes or sum(trainable), spec, target, timer,
@@ -552,6 +636,7 @@ def profile_model(
         "batch_sizes": [batch, *sizes],
         "steps_measured": steps,
         "neighbours": busy.started,
+        "weight_grad_fraction": "measured",
     }
     if busy.problem is not None:
         meta["neighbours_failed"] = busy.problem

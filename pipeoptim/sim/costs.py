@@ -68,6 +68,32 @@ def _floats(name: str, values: float | Sequence[float], count: int) -> tuple[flo
     return tuple(float(v) for v in _expand(name, values, count))
 
 
+def _fractions(values: object, count: int) -> tuple[float, ...]:
+    """The per-stage weight-gradient shares: one number in [0, 1], or one per stage."""
+    rule = "the share of a backward that computes the weight gradient"
+    fix = "e.g. 0.5 (the zero-bubble paper's T_I = T_W), or re-profile"
+    if not isinstance(values, (int, float)) and not (
+        isinstance(values, Sequence) and not isinstance(values, str)
+    ):
+        raise PlanError(
+            f"weight_grad_fraction must be a number in [0, 1] ({rule}) or one such number "
+            f"per stage (got {values!r}); give {fix}"
+        )
+    raw = [values] * count if isinstance(values, (int, float)) else list(values)
+    if len(raw) != count:
+        raise PlanError(
+            f"weight_grad_fraction needs one value per stage (got {len(raw)} values "
+            f"{raw!r} for {count} stages); pass one number or a list of {count}"
+        )
+    for i, v in enumerate(raw):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
+            raise PlanError(
+                f"the weight_grad_fraction of stage {i} must be a number in [0, 1], {rule} "
+                f"(got {v!r}); give {fix}"
+            )
+    return tuple(float(v) for v in raw)
+
+
 def _ints(name: str, values: int | Sequence[int], count: int) -> tuple[int, ...]:
     return tuple(int(v) for v in _expand(name, values, count))
 
@@ -116,12 +142,15 @@ class CostModel:
     """Seconds of each stage's gradient all-reduce over its D replicas, per update (empty:
     none). It runs inside the update, blocking, so the update takes ``update_s +
     allreduce_s`` (:attr:`update_total_s`); :meth:`with_data_parallel` sets it."""
-    weight_grad_fraction: float = 0.5
-    """Share of a backward that computes the weight gradient, in [0, 1]: where a schedule
-    splits the backward (zero-bubble schedules), its weight half W takes this fraction of
-    ``backward_s`` (:attr:`backward_weight_s`) and its input half I the rest
-    (:attr:`backward_input_s`). The default 0.5 is the zero-bubble paper's T_I = T_W (for
-    a matrix multiply both halves are one multiply of the same size)."""
+    weight_grad_fraction: float | tuple[float, ...] = 0.5
+    """Share of a backward that computes the weight gradient, in [0, 1], per stage (one
+    number is given to every stage; after construction it is always a tuple): where a
+    schedule splits the backward (zero-bubble schedules), its weight part W takes this
+    fraction of ``backward_s`` (:attr:`backward_weight_s`) and its input part I the rest
+    (:attr:`backward_input_s`). :meth:`from_profile` takes each stage's from the profiled
+    layers (``LayerProfile.weight_grad_fraction``, weighted by their backward times). The
+    default 0.5 is the zero-bubble paper's T_I = T_W (for a matrix multiply both parts are
+    one multiply of the same size)."""
 
     def __post_init__(self) -> None:
         s = len(self.forward_s)
@@ -146,13 +175,7 @@ class CostModel:
         check_replicas(self.data_parallel, "data_parallel")
         ar = self.allreduce_s if len(self.allreduce_s) else (0.0,) * s
         object.__setattr__(self, "allreduce_s", _floats("allreduce_s", ar, s))
-        w = self.weight_grad_fraction
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w <= 1.0:
-            raise PlanError(
-                f"weight_grad_fraction must be a number in [0, 1], the share of a backward "
-                f"that computes the weight gradient (got {w!r}); e.g. 0.5"
-            )
-        object.__setattr__(self, "weight_grad_fraction", float(w))
+        object.__setattr__(self, "weight_grad_fraction", _fractions(self.weight_grad_fraction, s))
 
     # ------------------------------------------------------------------ derived
     @property
@@ -170,10 +193,19 @@ class CostModel:
         return tuple(u + a for u, a in zip(self.update_s, self.allreduce_s, strict=True))
 
     @property
+    def weight_grad_fractions(self) -> tuple[float, ...]:
+        """:attr:`weight_grad_fraction`, typed as the per-stage tuple it is."""
+        shares = self.weight_grad_fraction
+        assert isinstance(shares, tuple)
+        return shares
+
+    @property
     def backward_weight_s(self) -> tuple[float, ...]:
-        """Seconds of a split backward's weight half W, per stage:
+        """Seconds of a split backward's weight part W, per stage:
         ``weight_grad_fraction * backward_s``."""
-        return tuple(self.weight_grad_fraction * b for b in self.backward_s)
+        return tuple(
+            w * b for w, b in zip(self.weight_grad_fractions, self.backward_s, strict=True)
+        )
 
     @property
     def backward_input_s(self) -> tuple[float, ...]:
@@ -257,7 +289,7 @@ class CostModel:
         optimizer: str = "sgd",
         momentum: bool | None = None,
         samples_per_micro_batch: float = 1.0,
-        weight_grad_fraction: float = 0.5,
+        weight_grad_fraction: float | Sequence[float] = 0.5,
     ) -> CostModel:
         """Every stage alike. ``boundary_bytes`` (sent per micro-batch over each edge, both
         ways) defaults to ``activation_bytes``; optimizer state is ``param_bytes`` times the
@@ -282,7 +314,7 @@ class CostModel:
             bandwidth=(bandwidth,) * e,
             samples_per_micro_batch=samples_per_micro_batch,
             optimizer=optimizer,
-            weight_grad_fraction=weight_grad_fraction,
+            weight_grad_fraction=_fractions(weight_grad_fraction, num_stages),
         )
 
     @classmethod
@@ -300,12 +332,16 @@ class CostModel:
         predict_s: float | Sequence[float] | None = None,
         latency_s: float = 0.0,
         bandwidth: float = math.inf,
+        weight_grad_fraction: float | Sequence[float] | None = None,
     ) -> CostModel:
         """From per-stage sums measured on ``profile_batch`` samples.
 
         ``stages[k]`` has ``forward_s, backward_s, param_bytes, optimizer_state_bytes,
         activation_bytes`` and optionally ``forward_fixed_s, backward_fixed_s, update_s,
-        predict_s``; ``edge_bytes[k]`` is what crosses edge ``k`` for that batch.
+        predict_s, weight_grad_s``; ``edge_bytes[k]`` is what crosses edge ``k`` for that
+        batch. A stage's weight-gradient share is ``weight_grad_s / backward_s`` (0.5
+        without ``weight_grad_s``, or without a backward), unless ``weight_grad_fraction``
+        (one number or one per stage) is given.
         ``batch_size`` is the samples of one mini-batch (default: ``profile_batch``, i.e.
         the profile was measured on one mini-batch); a micro-batch has
         ``batch_size / micro_batches`` samples. Times scale from ``profile_batch`` to it
@@ -354,6 +390,11 @@ class CostModel:
             bandwidth=(bandwidth,) * (s - 1),
             samples_per_micro_batch=per_micro,
             optimizer=family,
+            weight_grad_fraction=(
+                tuple(_stage_share(st) for st in stages)
+                if weight_grad_fraction is None
+                else _fractions(weight_grad_fraction, s)
+            ),
         )
 
     @classmethod
@@ -367,8 +408,10 @@ class CostModel:
         """Sum the profile's layers per stage (``boundaries``: half-open layer ranges).
 
         The bytes crossing edge ``k`` are the output activation of stage ``k``'s last layer.
-        ``options`` as for :meth:`from_stages` (``batch_size``, ``optimizer``, ``update_s``,
-        ``predict_s``, ``latency_s``, ``bandwidth``).
+        Each stage's weight-gradient share is its layers' W seconds over their backward
+        seconds (``LayerProfile.weight_grad_fraction``). ``options`` as for
+        :meth:`from_stages` (``batch_size``, ``optimizer``, ``update_s``, ``predict_s``,
+        ``latency_s``, ``bandwidth``, ``weight_grad_fraction``).
         """
         from pipeoptim.plan.graph import validate_boundaries
 
@@ -382,6 +425,7 @@ class CostModel:
                     "backward_s": math.fsum(x.backward_s for x in layers),
                     "forward_fixed_s": math.fsum(x.forward_fixed_s for x in layers),
                     "backward_fixed_s": math.fsum(x.backward_fixed_s for x in layers),
+                    "weight_grad_s": math.fsum(x.weight_grad_s for x in layers),
                     "update_s": math.fsum(x.update_s for x in layers),
                     "predict_s": math.fsum(x.predict_s for x in layers),
                     "param_bytes": sum(x.param_bytes for x in layers),
@@ -444,6 +488,16 @@ class CostModel:
 
             bounds = even_boundaries(profile.num_layers, stages)
         return cls.from_profile(profile, bounds, m, **options)
+
+
+def _stage_share(stage: Mapping[str, Any]) -> float:
+    """A stage's weight-gradient share from its summed ``weight_grad_s`` and
+    ``backward_s`` (0.5 when it has no ``weight_grad_s`` or no backward)."""
+    backward = float(stage["backward_s"])
+    weight = stage.get("weight_grad_s")
+    if weight is None or not backward > 0:
+        return 0.5
+    return min(1.0, max(0.0, float(weight) / backward))
 
 
 def parse_uniform(text: str) -> tuple[float, float, float]:
