@@ -33,7 +33,7 @@ from torch import Tensor
 
 from pipeoptim.errors import RuntimeConfigError, ScheduleError
 from pipeoptim.plan.actions import SPLIT_BACKWARD, Action, Kind
-from pipeoptim.plan.methods import Method
+from pipeoptim.plan.methods import Method, WeightPolicy
 from pipeoptim.plan.passes import add_communication
 from pipeoptim.plan.schedules import Shape, forward_only, stage_ranks
 from pipeoptim.plan.versions import MicroBatchVersions, VersionReport, analyze_versions
@@ -101,26 +101,30 @@ class SegmentPlan:
 def segment_plan(method: Method, shape: Shape) -> SegmentPlan:
     """Schedule, analyse and lower one segment length (a run's segments mostly share one).
 
-    Raises :class:`ScheduleError` on a split backward (I/W), which the executor does not run.
+    Raises :class:`ScheduleError` on a split backward (I/W) of a method that is not
+    synchronous (flush): the stage keeps a micro-batch's graph from I to W, which only a
+    flush (no update in between) makes exact.
     """
     order = method.order(shape)
-    split = next(
-        (
-            (r, a)
-            for r, acts in order.items()
-            for a in acts
-            if a is not None and a.kind in SPLIT_BACKWARD
-        ),
-        None,
-    )
-    if split is not None:
-        r, a = split
-        raise ScheduleError(
-            f"the runtime does not run split backwards yet; {a} on rank {r} is half of a "
-            f"split backward (I/W): merge each I and W into one B "
-            f"(pipeoptim.plan.passes.merge_backward) to train it (the simulator runs it as "
-            f"it is)"
+    if method.weight_policy is not WeightPolicy.FLUSH:
+        split = next(
+            (
+                (r, a)
+                for r, acts in order.items()
+                for a in acts
+                if a is not None and a.kind in SPLIT_BACKWARD
+            ),
+            None,
         )
+        if split is not None:
+            r, a = split
+            raise ScheduleError(
+                f"{method.name}: {a} on rank {r} is half of a split backward (I/W), which the "
+                f"runtime runs only for synchronous (flush) methods (this one's weight policy "
+                f"is {method.weight_policy.name}): an update may come between an I and its W; "
+                f"merge each I and W into one B "
+                f"(pipeoptim.plan.passes.merge_backward) to train it"
+            )
     return SegmentPlan(
         shape,
         analyze_versions(order, method.weight_policy, shape.micro_batches),
@@ -386,8 +390,12 @@ class RankExecutor:
                 self._inputs[(k + 1, mb)] = out
             v = stage.versions(mb)
             return self._first + v.forward_version, stage.activation_bytes(mb), stage.distance(mb)
-        if a.kind is Kind.BACKWARD:
-            g_in = stage.backward(mb, None if stage.is_last else self._grads.pop((k, mb)))
+        if a.kind is Kind.BACKWARD_WEIGHT:  # local: the weight half sends nothing
+            stage.backward_weight(mb)
+            return self._first + stage.versions(mb).backward_version, 0, 0
+        if a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
+            run = stage.backward if a.kind is Kind.BACKWARD else stage.backward_input
+            g_in = run(mb, None if stage.is_last else self._grads.pop((k, mb)))
             if k > 0:
                 if g_in is None:  # the input took no gradient; the sender still expects one
                     b = self.boundaries[k - 1]

@@ -34,6 +34,18 @@ says it uses (the live ones for predicting methods, the stashed version for Pipe
 it needs them. Weights derived by other computations (``torch.nn.utils.parametrize``, weight
 norm) cannot be re-derived generically: for predicting methods their backward uses the value
 computed from Ŵ, and the stage says so once (``Stage.notes``).
+
+Split backward (zero-bubble schedules, synchronous methods only): the forward runs the
+stage's units one by one and keeps the output of each unit that has weights. The input half
+``I`` (:meth:`Stage.backward_input`) asks autograd for the gradient of the stage's input and
+of every such unit output at once (``torch.autograd.grad(..., retain_graph=True)``): no
+weight gradient is computed, and the graph stays. The weight half ``W``
+(:meth:`Stage.backward_weight`) runs, per unit, ``torch.autograd.backward(unit output,
+its gradient, inputs=unit weights)``, which walks that unit's part of the graph only, then
+drops the graph: the micro-batch's activations (and the captured gradients) are held until
+``W``. Where the units cannot be told apart (a weight shared by two units, a container with
+its own forward or hooks) the stage is one unit: ``W`` then walks the whole graph for the
+weights only. No random number is drawn again: both halves reuse the forward's graph.
 """
 
 from __future__ import annotations
@@ -282,8 +294,9 @@ class Stage:
     """A module slice trained with its own optimizer under its method's weight policy.
 
     The executor calls :meth:`begin_segment` with this stage's passes (local micro-batch id
-    to versions) of the segment's schedule, then :meth:`forward`, :meth:`backward` and
-    :meth:`update` in the schedule's order. Micro-batch losses are scaled by 1/M so the
+    to versions) of the segment's schedule, then :meth:`forward`, :meth:`backward` (or its
+    halves :meth:`backward_input` and :meth:`backward_weight`) and :meth:`update` in the
+    schedule's order. Micro-batch losses are scaled by 1/M so the
     accumulated gradient is that of the mini-batch mean. Nothing here reads a value back to
     the host: losses and correct counts stay on the device until the caller reads them.
     """
@@ -326,6 +339,8 @@ class Stage:
                 f"amp='fp16' needs a CUDA device (stage {index} is on {self.device}); use "
                 f"amp='bf16' on CPU"
             )
+        if method.split_backward and self.policy is not WeightPolicy.FLUSH:
+            raise StageError(_split_refusal(method.name, self.policy))
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
@@ -385,6 +400,14 @@ class Stage:
         """Set under data parallelism: averages the gradients over the stage's replicas
         before each update (``replicas.GradientAverager``)."""
         self._static_bytes: dict[str, int] = {}
+        self._unit_params = _unit_params(self.module, self._params)
+        """Trainable weights of each unit, where the stage can run its units one by one for
+        a split backward (None: it cannot; the stage is then one unit)."""
+        self._split = method.split_backward
+        self._units_out: dict[int, list[tuple[Tensor, list[Tensor]]]] = {}
+        """mb -> (unit output, its weights) of each weighted unit, kept by a split forward."""
+        self._weight_half: dict[int, list[tuple[Tensor, Sequence[Tensor], Tensor]]] = {}
+        """mb -> what its W runs (root, weights, gradient of the root), set by its I."""
         self._random = _draws_random_numbers(self.module)
         """Whether passes run under the stage's own RNG stream (see :meth:`rng`)."""
         self._act_cache: dict[tuple[Any, ...], int] = {}
@@ -424,6 +447,33 @@ class Stage:
         except Exception as err:
             raise StageError(self._failure(x, err)) from err
         return out
+
+    def _run_units_kept(
+        self, x: Tensor, unit_params: list[list[Tensor]]
+    ) -> tuple[Tensor, list[tuple[Tensor, list[Tensor]]] | None]:
+        """The stage's units on ``x`` one by one (what ``nn.Sequential`` does), keeping the
+        output of each unit with weights for a split backward; None in place of the kept
+        outputs where two units hand on the same tensor (an in-place unit with weights)."""
+        kept: list[tuple[Tensor, list[Tensor]]] | None = []
+        seen = {id(x)}
+        h = x
+        try:
+            for unit, params in zip(self.module, unit_params, strict=True):
+                h = unit(h)
+                if not params or not isinstance(h, Tensor) or not h.requires_grad:
+                    continue
+                if kept is not None and id(h) not in seen:
+                    seen.add(id(h))
+                    kept.append((h, params))
+                else:
+                    kept = None
+        except Exception as err:
+            raise StageError(self._failure(x, err)) from err
+        if not isinstance(h, Tensor):
+            raise StageError(
+                f"stage {self.index}: the last unit returned {type(h).__name__}, not a tensor"
+            )
+        return h, kept
 
     def _failure(self, x: Tensor, err: Exception) -> str:
         with self._autocast():
@@ -518,7 +568,11 @@ class Stage:
                     weights[n] = w = _alias(p, src)
                     # a saved cast is re-cast at backward from the weights it is to read
                     aliases[w.grad_fn] = src if held else now
-            out = self._run_units(weights, x_in)
+            units: list[tuple[Tensor, list[Tensor]]] | None = None
+            if self._split and weights is None and self._unit_params is not None:
+                out, units = self._run_units_kept(x_in, self._unit_params)
+            else:
+                out = self._run_units(weights, x_in)
             if self.is_last:
                 if target is None:
                     raise RuntimeError(f"stage {self.index}: the last stage needs targets")
@@ -529,6 +583,8 @@ class Stage:
             self._act_cache.setdefault(shape_key, act)
         if held:
             self._held.add(mb)
+        if units is not None:
+            self._units_out[mb] = units
         self._saved[mb] = (x_in, out)
         self._act_bytes[mb] = act if hooked else self._act_cache[shape_key]
         self._act_total += self._act_bytes[mb]
@@ -554,6 +610,7 @@ class Stage:
                 f"{v.backward_version}, which the stage no longer holds (live {self._cur})"
             )
         x_in, out = self._saved.pop(mb)
+        self._units_out.pop(mb, None)
         self._act_total -= self._act_bytes.pop(mb, 0)
         if self.closure is not None:
             self.closure.backward(self.index, mb, self._params)
@@ -574,6 +631,90 @@ class Stage:
         if g_in is not None and scaler is not None:  # send the true gradient upstream
             g_in = g_in / scaler.scale(torch.ones((), device=g_in.device))
         return g_in
+
+    def backward_input(self, mb: int, grad: Tensor | None = None) -> Tensor | None:
+        """The input half I of micro-batch ``mb``'s split backward: returns the gradient of
+        its input (None on the first stage), as :meth:`backward` does, and keeps the graph
+        and the gradient of each weighted unit's output for :meth:`backward_weight`; no
+        weight gradient is computed. Synchronous (flush) methods only."""
+        self._check_split("I", mb)
+        if mb in self._weight_half:
+            raise RuntimeError(f"stage {self.index}: a second I of micro-batch {mb}")
+        v = self.versions(mb)
+        if v.backward_version != self._cur:
+            raise RuntimeError(
+                f"stage {self.index}: I of micro-batch {mb} needs version {v.backward_version} "
+                f"(live {self._cur})"
+            )
+        x_in, out = self._saved[mb]
+        if self.closure is not None:
+            self.closure.backward(self.index, mb, self._params)
+        scaler = self.scaler
+        root: Tensor | None = None
+        root_grad: Tensor | None = None
+        if out.requires_grad:
+            if self.is_last:
+                root = scaler.scale(out) if scaler else out
+            elif grad is not None:
+                root, root_grad = out, scaler.scale(grad) if scaler else grad
+        units = self._units_out.pop(mb, None)
+        half: list[tuple[Tensor, Sequence[Tensor], Tensor]] = []
+        g_in: Tensor | None = None
+        if root is not None:
+            wants_input = x_in.requires_grad
+            targets = [x_in] if wants_input else []
+            if units is not None:
+                targets += [t for t, _ in units]
+            elif self._params:  # one unit: W walks the whole graph for the weights only
+                half.append(
+                    (root, self._params, torch.ones_like(root) if root_grad is None else root_grad)
+                )
+            if targets:
+                with self.rng():
+                    found = torch.autograd.grad(
+                        root, targets, root_grad, retain_graph=True, allow_unused=True
+                    )
+                if wants_input:
+                    g_in, found = found[0], found[1:]
+                for (t, params), g in zip(units or [], found, strict=True):
+                    if g is not None:
+                        half.append((t, params, g))
+        self._weight_half[mb] = half
+        extra = _nbytes(g for _, _, g in half)  # held until W, with the activations
+        self._act_bytes[mb] = self._act_bytes.get(mb, 0) + extra
+        self._act_total += extra
+        if g_in is not None and scaler is not None:  # send the true gradient upstream
+            g_in = g_in / scaler.scale(torch.ones((), device=g_in.device))
+        return g_in
+
+    def backward_weight(self, mb: int) -> None:
+        """The weight half W of micro-batch ``mb``'s split backward, after its I: the weight
+        gradients accumulate into ``.grad`` (until :meth:`update`), then the micro-batch's
+        graph and activations are released."""
+        self._check_split("W", mb)
+        half = self._weight_half.pop(mb, None)
+        if half is None:
+            raise RuntimeError(f"stage {self.index}: W of micro-batch {mb} before its I")
+        v = self.versions(mb)
+        with self.rng():
+            for root, params, g in half:
+                # inputs=: autograd walks only what leads to these weights (this unit).
+                torch.autograd.backward(root, g, inputs=params, retain_graph=True)
+        del half
+        self._saved.pop(mb)
+        self._act_total -= self._act_bytes.pop(mb, 0)
+        self._held.discard(mb)
+        if self._tracks_versions:
+            self._inflight[v.forward_version] -= 1
+            self._release(v.forward_version)
+        if not self._grad_bytes:
+            self._grad_bytes = _nbytes(p.grad for p in self._params)
+
+    def _check_split(self, half: str, mb: int) -> None:
+        if self.policy is not WeightPolicy.FLUSH:
+            raise StageError(_split_refusal(self.method.name, self.policy, half))
+        if mb not in self._saved:
+            raise RuntimeError(f"stage {self.index}: {half} of micro-batch {mb} before its F")
 
     def update(self) -> None:
         """Apply the accumulated gradient with the optimizer (one update per mini-batch),
@@ -826,6 +967,39 @@ def checked_loss(loss_fn: LossFn, out: Tensor, target: Tensor, where: str, stage
             f"reduction='mean' or .mean()) so every micro-batch gives one number"
         )
     return loss
+
+
+def _split_refusal(name: str, policy: WeightPolicy, half: str | None = None) -> str:
+    what = f"an {half} (half of a split backward)" if half else "a split backward (I/W)"
+    return (
+        f"method {name!r} runs {what} under the {policy.name} weight policy; the runtime "
+        f"splits backwards only for synchronous (flush) methods, where no update comes "
+        f"between a forward and its W: merge each I and W into one B "
+        f"(pipeoptim.plan.passes.merge_backward) for this method"
+    )
+
+
+def _unit_params(module: nn.Module, params: Sequence[Tensor]) -> list[list[Tensor]] | None:
+    """The trainable weights of each unit of ``module``, where a forward may run its units
+    one by one with each unit's weights its own: a plain ``nn.Sequential`` without hooks,
+    whose every weight belongs to exactly one unit. None otherwise."""
+    if type(module).forward is not nn.Sequential.forward:
+        return None
+    if module._forward_hooks or module._forward_pre_hooks:
+        return None
+    owner: dict[int, int] = {}
+    units: list[list[Tensor]] = []
+    for i, unit in enumerate(module._modules.values()):  # as the forward runs them
+        if unit is None:
+            return None
+        mine: list[Tensor] = [p for p in unit.parameters() if p.requires_grad]
+        for p in mine:
+            if owner.setdefault(id(p), i) != i:
+                return None  # shared by two units: one W pass would count it twice
+        units.append(mine)
+    if set(owner) != {id(p) for p in params}:
+        return None
+    return units
 
 
 def _unpack(saved: Tensor | _Recast) -> Tensor:

@@ -260,8 +260,8 @@ def test_local_transport_on_one_gpu(tmp_path: Path) -> None:
     assert all(m.bytes > 0 for m in trace.memory)
 
 
-def test_segment_plan_refuses_a_zero_bubble_schedule() -> None:
-    """The simulator runs I/W; the runtime does not yet, and says how to train it."""
+def test_segment_plan_refuses_a_split_backward_without_a_flush() -> None:
+    """The runtime runs I/W for synchronous methods only; it says how to train the rest."""
     from pipeoptim.errors import ScheduleError
     from pipeoptim.plan.methods import Method, WeightPolicy
     from pipeoptim.plan.zero_bubble import zb_h1
@@ -270,8 +270,6 @@ def test_segment_plan_refuses_a_zero_bubble_schedule() -> None:
     def generate(shape: Shape) -> dict:
         return zb_h1(shape.num_stages, shape.micro_batches, shape.mini_batches)
 
-    method = Method("zb-h1-test", "ZB-H1", generate, WeightPolicy.FLUSH)
-    with pytest.raises(
-        ScheduleError, match=r"the runtime does not run split backwards yet; .*merge_backward"
-    ):
+    method = Method("zb-h1-stash-test", "ZB-H1 with a stash", generate, WeightPolicy.STASH)
+    with pytest.raises(ScheduleError, match=r"only for synchronous \(flush\).*merge_backward"):
         segment_plan(method, Shape(2, 2, 1))
