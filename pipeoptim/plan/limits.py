@@ -131,12 +131,17 @@ class WorkEstimate:
     """Never flushes (the grid has one warm-up and one drain), else a flush per mini-batch."""
     shape: Shape
     """The resolved sizes."""
+    passes: int = 2
+    """Compute passes per micro-batch and stage: F and B, or F, I and W (split backward)."""
+    v_shape: bool = False
+    """Two stages per rank in a V (zb-v): its grid's length is bounded, not exact."""
 
     @property
     def per_mini_batch(self) -> int:
-        """Compute actions of one mini-batch: every stage runs M forwards, M backwards, 1 U."""
+        """Compute actions of one mini-batch: every stage runs M forwards, M backwards (or M
+        I and M W passes), 1 U."""
         s = self.shape
-        return s.num_stages * (2 * s.micro_batches + 1)
+        return s.num_stages * (self.passes * s.micro_batches + 1)
 
     @property
     def actions(self) -> int:
@@ -159,11 +164,21 @@ class WorkEstimate:
         )
 
     @property
+    def _fill(self) -> int:
+        """Idle steps of a rank per flush: fill and drain of the pipeline (a split backward
+        leaves one step per rank, its W's fill the drain; a V at most two per stage)."""
+        p = self.shape.num_ranks
+        if self.v_shape:
+            return 2 * (2 * p - 1)
+        return (p - 1) if self.passes == 3 else 2 * (p - 1)
+
+    @property
     def steps(self) -> int:
-        """Clock steps of the grid: per-rank actions plus the pipeline's fill and drain."""
+        """Clock steps of the grid: per-rank actions plus the pipeline's fill and drain
+        (exact, except an upper bound for a V, whose mini-batches overlap)."""
         s = self.shape
-        per_rank = s.virtual_stages * (2 * s.micro_batches + 1)
-        fill = 2 * (s.num_ranks - 1)
+        per_rank = s.virtual_stages * (self.passes * s.micro_batches + 1)
+        fill = self._fill
         if self.asynchronous:
             return s.mini_batches * per_rank + fill
         return s.mini_batches * (per_rank + fill)
@@ -177,9 +192,9 @@ class WorkEstimate:
     def grid_per_mini_batch(self) -> int:
         """Grid cells one more mini-batch adds."""
         s = self.shape
-        per_rank = s.virtual_stages * (2 * s.micro_batches + 1)
+        per_rank = s.virtual_stages * (self.passes * s.micro_batches + 1)
         if not self.asynchronous:
-            per_rank += 2 * (s.num_ranks - 1)
+            per_rank += self._fill
         return s.num_ranks * per_rank
 
     def describe(self) -> str:
@@ -219,7 +234,8 @@ class WorkEstimate:
 
 def estimate_work(method: Method, shape: Shape) -> WorkEstimate:
     """The work of ``method`` at ``shape`` (a resolved :meth:`Method.shape`)."""
-    return WorkEstimate(method.name, method.asynchronous, shape)
+    passes = 3 if method.split_backward else 2
+    return WorkEstimate(method.name, method.asynchronous, shape, passes, method.v_shape)
 
 
 def _env_hint() -> str:

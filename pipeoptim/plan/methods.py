@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pipeoptim.errors import PlanError
-from pipeoptim.plan import schedules
+from pipeoptim.plan import schedules, zero_bubble
 from pipeoptim.plan.actions import Schedule
 from pipeoptim.plan.limits import check_grid, estimate_work
 from pipeoptim.plan.orders import OrderArrays
@@ -56,6 +56,11 @@ class Method:
     """Runs ``virtual_stages`` chunks per rank; needs M to be a multiple of P."""
     array_generator: Callable[[Shape], OrderArrays] | None = None
     """The same generator building numpy arrays (long runs), if the method has one."""
+    v_shape: bool = False
+    """Two stages per rank in a V (ZB-V: rank r holds stages r and 2P-1-r); implies
+    ``interleaved`` with exactly 2 virtual stages and any micro-batch count."""
+    split_backward: bool = False
+    """Splits each backward into its input half I and its weight half W."""
 
     def shape(
         self,
@@ -86,6 +91,11 @@ class Method:
                 f"{num_ranks} or more"
             )
         v = virtual_stages if virtual_stages is not None else (2 if self.interleaved else 1)
+        if self.v_shape and v != 2:
+            raise PlanError(
+                f"{self.name} places exactly 2 stages on every rank, in a V (got {v} virtual "
+                f"stages); leave --virtual-stages out"
+            )
         if v < 1:
             fix = (
                 "pass --virtual-stages 2 (the default) or more"
@@ -96,9 +106,9 @@ class Method:
         if v > 1 and not self.interleaved:
             raise PlanError(
                 f"{self.name} runs one stage per rank (got {v} virtual stages); "
-                f"use interleaved-1f1b for several stages per rank"
+                f"use interleaved-1f1b or zb-v for several stages per rank"
             )
-        if self.interleaved and m % num_ranks:
+        if self.interleaved and not self.v_shape and m % num_ranks:
             raise PlanError(
                 f"{self.name} needs the micro-batch count to be a multiple of the rank "
                 f"count (got {m} micro-batches for {num_ranks} ranks); use "
@@ -198,6 +208,37 @@ _REGISTRY = [
         prediction_rule="optimizer",
         micro_batched=False,
         asynchronous=True,
+    ),
+]
+
+
+def _zb_h1(shape: Shape) -> Order:
+    return zero_bubble.zb_h1_order(shape.num_ranks, shape.micro_batches, shape.mini_batches)
+
+
+def _zb_v(shape: Shape) -> Order:
+    return zero_bubble.zb_v_order(2 * shape.num_ranks, shape.micro_batches, shape.mini_batches)
+
+
+_REGISTRY += [
+    Method(
+        "zb-h1",
+        "ZB-H1 zero bubble: backward split into input (I) and weight (W) passes, the W's "
+        "fill 1F1B's cool-down; 1F1B's memory, flush; needs M >= P",
+        _zb_h1,
+        WeightPolicy.FLUSH,
+        min_micro_batches_per_stage=True,
+        split_backward=True,
+    ),
+    Method(
+        "zb-v",
+        "ZB-V zero bubble: 2 stages per rank in a V, split backward, PyTorch's "
+        "ScheduleZBVZeroBubble order, flush; near-zero bubble from M >= 2P-1",
+        _zb_v,
+        WeightPolicy.FLUSH,
+        interleaved=True,
+        v_shape=True,
+        split_backward=True,
     ),
 ]
 

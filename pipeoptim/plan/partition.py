@@ -83,6 +83,10 @@ def _factor_rule(method: str, micro_batches: int) -> Callable[[int, int], tuple[
         "spectrain": lambda k, p: (1 if k == p - 1 else 2, p - k),
         "xpipe": lambda k, p: (1 if k == p - 1 else 2, p - k),
         "pipeoptim": lambda k, p: (1 if k == p - 1 else 2, p - k),
+        # zero bubble: activations held from F until the deferred W, P micro-batches
+        "zb-h1": lambda k, p: (1, min(p, m)),
+        # zb-v: over its 2P stages (the V), stage k holds min(2P - k, M)
+        "zb-v": lambda k, p: (1, min(p - k, m)),
     }
     return rules[method]
 
@@ -104,6 +108,8 @@ def method_memory_factors(method: str, num_stages: int, micro_batches: int) -> M
     spectrain           2, last stage 1            P-k
     xpipe               2, last stage 1            P-k (async: no flush)
     pipeoptim           2, last stage 1            P-k
+    zb-h1               1                          min(P, M) (held until W)
+    zb-v                1                          min(P-k, M), P = 2 x ranks
     ==================  =========================  ===================
 
     The returned function computes from the ``num_stages`` it is called with (so a search

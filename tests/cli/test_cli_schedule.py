@@ -86,6 +86,8 @@ def test_methods_json(capsys: pytest.CaptureFixture[str]) -> None:
         "spectrain",
         "xpipe",
         "pipeoptim",
+        "zb-h1",
+        "zb-v",
     ]
 
 

@@ -96,7 +96,11 @@ def test_item1_estimates_are_exact_for_every_method() -> None:
                 continue  # the method's own size rules refuse it
             estimate = estimate_work(method, shape)
             assert estimate.actions == sum(a is not None for r in schedule.values() for a in r)
-            assert estimate.steps == max(len(r) for r in schedule.values()), name
+            steps = max(len(r) for r in schedule.values())
+            if method.v_shape:  # a V's mini-batches overlap: the closed form is a bound
+                assert steps <= estimate.steps, name
+            else:
+                assert estimate.steps == steps, name
 
 
 def test_item1_benchmark_sizes_still_fit() -> None:

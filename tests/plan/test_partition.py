@@ -373,6 +373,7 @@ def test_memory_factors_agree_with_the_version_analysis(method: str, p: int, m: 
     spec = get_method(method)
     schedule, shape = build_schedule(method, p, m if spec.micro_batched else None, 3 * p)
     report = analyze_versions(schedule, spec.weight_policy, shape.micro_batches)
-    factors = method_memory_factors(method, p, shape.micro_batches)
-    for k in range(p):
-        assert factors(k, p) == (report.weight_copies[k], report.max_in_flight[k])
+    stages = p * shape.virtual_stages  # zb-v: 2 stages per rank, in a V
+    factors = method_memory_factors(method, stages, shape.micro_batches)
+    for k in range(stages):
+        assert factors(k, stages) == (report.weight_copies[k], report.max_in_flight[k])

@@ -13,10 +13,14 @@ import pytest
 
 from pipeoptim.errors import ScheduleError
 from pipeoptim.plan import get_method
-from pipeoptim.plan.actions import Action, B, F, U
+from pipeoptim.plan.actions import Action, B, F, Kind, U
 from pipeoptim.plan.methods import METHODS, WeightPolicy
 from pipeoptim.plan.orders import OrderArrays
 from pipeoptim.plan.versions import analyze_order, analyze_versions
+
+CLOSES = (B, Kind.BACKWARD_WEIGHT)
+"""What ends a micro-batch's pass on a stage: its B, or the W of a split backward (its I
+reads the same weights and changes nothing)."""
 
 
 def walk(order: dict[int, list[Action]], policy: WeightPolicy, m: int) -> dict[str, Any]:
@@ -33,9 +37,9 @@ def walk(order: dict[int, list[Action]], policy: WeightPolicy, m: int) -> dict[s
         for a in acts:
             if a.kind is F:
                 at_f[a.mb] = done
-            elif a.kind is B:
+            elif a.kind in CLOSES:  # a split backward ends at its W
                 at_b[a.mb] = done
-            else:
+            elif a.kind is U:
                 done += 1
         for j, base in at_f.items():
             s = at_b[j] - base
@@ -59,10 +63,10 @@ def walk(order: dict[int, list[Action]], policy: WeightPolicy, m: int) -> dict[s
                 extra = 1 if passes[(k, a.mb)][4] else 0
                 most = max(most, len(set(stash.values()) | {current}) + extra)
                 top = max(top, len(in_flight))
-            elif a.kind is B:
+            elif a.kind in CLOSES:
                 in_flight.discard(a.mb)
                 stash.pop(a.mb, None)
-            else:
+            elif a.kind is U:
                 grads = [passes[(k, a.mb * m + q)][2] for q in range(m)]
                 updates[(k, a.mb)] = (current, min(grads))
                 current += 1
