@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 
 from pipeoptim.cli import main
-from pipeoptim.errors import ScheduleError
 from pipeoptim.plan import build_schedule
 from pipeoptim.plan.actions import Action, Kind, load_csv, save_csv, schedule_to_csv
 from pipeoptim.plan.orders import OrderArrays
@@ -226,8 +225,9 @@ def test_our_export_of_torch_dumps_round_trips_through_torch(
         assert cells(runtime.pipeline_order) == cells(torch_schedule(name).pipeline_order)
 
 
-def test_runtime_refuses_a_method_with_split_backwards() -> None:
-    """The executor has no I/W yet: the run's planning step refuses, naming the fix."""
+def test_runtime_plans_a_synchronous_split_backward() -> None:
+    """The runtime's planning step takes a flushed schedule with I/W as it is: the lowered
+    order receives the gradient before each I and sends its input gradient after it."""
     from pipeoptim.plan.methods import Method, WeightPolicy
     from pipeoptim.plan.schedules import Shape, one_f_one_b
     from pipeoptim.runtime.executor import segment_plan
@@ -236,5 +236,6 @@ def test_runtime_refuses_a_method_with_split_backwards() -> None:
         return split_backward(one_f_one_b(shape))
 
     method = Method("zb-test", "1f1b with split backwards", split, WeightPolicy.FLUSH)
-    with pytest.raises(ScheduleError, match="merge_backward"):
-        segment_plan(method, Shape(2, 2, 1))
+    plan = segment_plan(method, Shape(2, 2, 1))
+    rank0 = [str(a) for a in plan.actions[0]]
+    assert rank0.index("0RECV_B0") < rank0.index("0I0") < rank0.index("0W0")
