@@ -15,8 +15,9 @@ Runs, interleaved round by round so machine noise hits all alike:
 
 * ``torch ScheduleGPipe`` and ``torch Schedule1F1B``: ``torch.distributed.pipelining``
   stages over gloo, one process per stage;
-* ``pipeoptim gpipe``, ``1f1b``, ``pipedream``, ``pipeoptim``: ``Pipeline(transport="dist")``
-  over gloo, one process per stage;
+* ``pipeoptim gpipe``, ``1f1b``, ``zb-h1``, ``pipedream``, ``pipeoptim``:
+  ``Pipeline(transport="dist")`` over gloo, one process per stage (zb-h1: the zero-bubble
+  schedule, each backward split into an input and a weight pass);
 * ``limit``: the whole model in one process with one thread, times the number of ranks:
   what P stages could do with no pipeline cost at all.
 
@@ -120,7 +121,7 @@ def _pipeoptim_rank(rank: int, ranks: int, port: int, args: dict[str, Any], out:
 
     _init(rank, ranks, port, args["threads"])
     method = args["run"].split()[-1]
-    micro = args["micro_batches"] if method in ("gpipe", "1f1b") else None
+    micro = args["micro_batches"] if method in ("gpipe", "1f1b", "zb-h1") else None
     pipe = Pipeline(
         blocks(),
         method,
@@ -180,6 +181,7 @@ RUNS = (
     "torch Schedule1F1B",
     "pipeoptim gpipe",
     "pipeoptim 1f1b",
+    "pipeoptim zb-h1",
     "pipeoptim pipedream",
     "pipeoptim pipeoptim",
     "limit",
