@@ -43,15 +43,16 @@ USERS = {
 }
 
 
-def mock_stages(name: str, rank: int = 0) -> list[Any]:
-    """Rank ``rank``'s two stages: looped (r, r+P) or, for ZBV, the V (r, 2P-1-r)."""
-    second = 2 * RANKS - 1 - rank if name == "ScheduleZBVZeroBubble" else rank + RANKS
+def mock_stages(name: str, rank: int = 0, ranks: int = RANKS) -> list[Any]:
+    """Rank ``rank``'s two stages of ``ranks``: looped (r, r+P) or, for ZBV, the V
+    (r, 2P-1-r)."""
+    second = 2 * ranks - 1 - rank if name == "ScheduleZBVZeroBubble" else rank + ranks
     return [
         SimpleNamespace(
             stage_index=k,
-            num_stages=2 * RANKS,
+            num_stages=2 * ranks,
             group_rank=rank,
-            group_size=RANKS,
+            group_size=ranks,
             submod=torch.nn.Identity(),
         )
         for k in (rank, second)

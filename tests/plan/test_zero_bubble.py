@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from types import SimpleNamespace
-from typing import Any
 
 import pytest
 
@@ -235,21 +233,13 @@ def test_errors() -> None:
 
 
 def torch_zbv_order(p: int, m: int) -> dict[int, list[str]]:
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    from test_torch_csv import mock_stages  # imports torch: only where torch is installed
+
     out: dict[int, list[str]] = {}
     for r in range(p):
-        stages: list[Any] = [
-            SimpleNamespace(
-                stage_index=k,
-                num_stages=2 * p,
-                group_rank=r,
-                group_size=p,
-                submod=torch.nn.Identity(),
-            )
-            for k in (r, 2 * p - 1 - r)
-        ]
-        sched = schedules.ScheduleZBVZeroBubble(stages, m)
+        sched = schedules.ScheduleZBVZeroBubble(mock_stages("ScheduleZBVZeroBubble", r, p), m)
         out[r] = [str(a) for a in sched.pipeline_order[r] if a is not None]
     return out
 
