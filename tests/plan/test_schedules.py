@@ -99,11 +99,21 @@ def test_gpipe_and_xpipe_accept_fewer_micro_batches_than_stages(m: int) -> None:
         ("pipeoptim", 4, 4, "runs each mini-batch as one unit"),
         ("gpipe", 0, 1, "need at least 1 stage"),
         ("nope", 2, 2, "choose one of: gpipe, 1f1b"),
+        ("zb-h1", 4, 3, "zb-h1 needs at least as many micro-batches as stages (got 3"),
     ],
 )
 def test_bad_shapes_are_rejected_with_the_fix(method: str, p: int, m: int, message: str) -> None:
     with pytest.raises(PlanError, match=message.replace("(", r"\(")):
         build_schedule(method, p, m, 2)
+
+
+def test_zb_v_places_exactly_two_stages_per_rank() -> None:
+    with pytest.raises(PlanError, match="exactly 2 stages on every rank, in a V \\(got 3"):
+        build_schedule("zb-v", 2, 4, 1, 3)
+    schedule, shape = build_schedule("zb-v", 2, 3, 1)  # any M, unlike interleaved-1f1b
+    assert (shape.virtual_stages, shape.micro_batches) == (2, 3)
+    owners = {a.stage: r for r, acts in schedule.items() for a in acts if a is not None}
+    assert owners == {0: 0, 1: 1, 2: 1, 3: 0}  # the V
 
 
 def test_retime_reports_deadlock_with_blocked_actions() -> None:
