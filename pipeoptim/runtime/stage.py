@@ -622,13 +622,22 @@ class Stage:
                     torch.autograd.backward(scaler.scale(out) if scaler else out)
                 elif grad is not None:
                     torch.autograd.backward(out, scaler.scale(grad) if scaler else grad)
+        self._retire(v)
+        return self._true_gradient(x_in.grad if x_in.requires_grad else None)
+
+    def _retire(self, v: MicroBatchVersions) -> None:
+        """A micro-batch's backward is complete (its B, or the W of a split one): release
+        the weight version its forward held and count the gradients it accumulated."""
         if self._tracks_versions:
             self._inflight[v.forward_version] -= 1
             self._release(v.forward_version)
         if not self._grad_bytes:  # later backwards accumulate into the same buffers
             self._grad_bytes = _nbytes(p.grad for p in self._params)
-        g_in = x_in.grad if x_in.requires_grad else None
-        if g_in is not None and scaler is not None:  # send the true gradient upstream
+
+    def _true_gradient(self, g_in: Tensor | None) -> Tensor | None:
+        """The input gradient as sent upstream: unscaled where fp16 loss scaling runs."""
+        scaler = self.scaler
+        if g_in is not None and scaler is not None:
             g_in = g_in / scaler.scale(torch.ones((), device=g_in.device))
         return g_in
 
@@ -683,9 +692,7 @@ class Stage:
         extra = _nbytes(g for _, _, g in half)  # held until W, with the activations
         self._act_bytes[mb] = self._act_bytes.get(mb, 0) + extra
         self._act_total += extra
-        if g_in is not None and scaler is not None:  # send the true gradient upstream
-            g_in = g_in / scaler.scale(torch.ones((), device=g_in.device))
-        return g_in
+        return self._true_gradient(g_in)
 
     def backward_weight(self, mb: int) -> None:
         """The weight half W of micro-batch ``mb``'s split backward, after its I: the weight
@@ -704,11 +711,7 @@ class Stage:
         self._saved.pop(mb)
         self._act_total -= self._act_bytes.pop(mb, 0)
         self._held.discard(mb)
-        if self._tracks_versions:
-            self._inflight[v.forward_version] -= 1
-            self._release(v.forward_version)
-        if not self._grad_bytes:
-            self._grad_bytes = _nbytes(p.grad for p in self._params)
+        self._retire(v)
 
     def _check_split(self, half: str, mb: int) -> None:
         if self.policy is not WeightPolicy.FLUSH:
