@@ -41,9 +41,10 @@ def test_metrics_of_a_handmade_trace() -> None:
     assert m.span_s == 10.0
     assert m.micro_batches == 2
     assert m.samples == 16.0
-    assert m.throughput == 1.6
-    assert m.steady_throughput == 1.6  # a single update: falls back to whole-run
-    assert m.rank_bubble == {0: 1.0 - 7.0 / 10.0, 1: 1.0 - 6.5 / 10.0}
+    # rates and shares by hand (rounded decimals), against compute_metrics' own sums
+    assert m.throughput == pytest.approx(1.6, rel=1e-12)
+    assert m.steady_throughput == pytest.approx(1.6, rel=1e-12)  # one update: whole-run
+    assert m.rank_bubble == pytest.approx({0: 1.0 - 7.0 / 10.0, 1: 1.0 - 6.5 / 10.0}, rel=1e-12)
     assert m.bubble_ratio == pytest.approx(1.0 - 13.5 / 20.0)
     # stage 0: U applied to version 3, backwards used version 0 -> staleness 3
     # stage 1: U applied to version 2, oldest backward used version 0 -> staleness 2
