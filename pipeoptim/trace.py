@@ -11,81 +11,51 @@ import json
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
+from pydantic import ConfigDict, StrictStr, with_config
+from typing_extensions import Required, TypedDict
+
+from pipeoptim.filecheck import (
+    IntKey,
+    NonNegativeNumber,
+    NonNegativeWhole,
+    Number,
+    PositiveWhole,
+    Whole,
+    WholeNumber,
+    check,
+)
 from pipeoptim.jsonfile import read_json
-from pipeoptim.schema import Dict, Int, List, Num, Obj, Opt, Str, check_header, validate
 
 TRACE_FORMAT = "pipeoptim-trace"
 TRACE_VERSION = 1
 _REMEDY = "write one with --trace FILE from `pipeoptim simulate` or `pipeoptim train`"
 
-_EVENT_SCHEMA = Obj(
-    {
-        "rank": Int(minimum=0),
-        "stage": Int(minimum=0),
-        "kind": Str(),
-        "mb": Int(),
-        "start": Num(),
-        "end": Num(),
-        "weight_version": Int(),
-        "bytes": Int(minimum=0),
-        "distance": Int(),
-    },
-    required=("rank", "stage", "kind", "mb", "start", "end"),
-    extra=False,
-)
-_MEMORY_SCHEMA = Obj(
-    {"rank": Int(minimum=0), "time": Num(), "bytes": Int(minimum=0), "detail": Dict(Int())},
-    required=("rank", "time", "bytes"),
-    extra=False,
-)
-_META_SCHEMA = Obj(
-    {
-        "method": Opt(Str()),
-        "source": Opt(Str()),
-        "transport": Opt(Str()),
-        "num_ranks": Opt(Int(minimum=0)),
-        "num_stages": Opt(Int(minimum=0)),
-        "micro_batches": Opt(Int(minimum=1)),
-        "mini_batches": Opt(Int(minimum=0)),
-        "virtual_stages": Opt(Int(minimum=1)),
-        "batch_size": Opt(Num(minimum=0)),
-        "samples_per_micro_batch": Opt(Num(minimum=0)),
-        "weight_copies": Opt(Dict(Int(), int_keys=True)),
-        "predict_s": Opt(Dict(Num(minimum=0), int_keys=True)),
-        "plan": Opt(Dict()),
-    }
-)
-TRACE_SCHEMA = Obj(
-    {"meta": _META_SCHEMA, "events": List(_EVENT_SCHEMA), "memory": List(_MEMORY_SCHEMA)},
-    required=("events",),
-)
-"""The trace file's fields and types; ``meta`` may hold further keys of any type."""
 
-
+@with_config(ConfigDict(extra="forbid"))
 @dataclass(frozen=True)
 class TraceEvent:
-    """One executed action."""
+    """One executed action (its field types are also what a trace file's events must hold)."""
 
-    rank: int
+    rank: NonNegativeWhole
     """Process (device) that ran it."""
-    stage: int
+    stage: NonNegativeWhole
     """Pipeline stage the action belongs to."""
-    kind: str
+    kind: StrictStr
     """Action kind code: F, B, U, the halves of a split backward (I, W), or a communication
     kind (SEND_F, RECV_F, SEND_B, RECV_B)."""
-    mb: int
+    mb: WholeNumber
     """Global micro-batch id; for U the mini-batch index."""
-    start: float
+    start: Number
     """Start time in seconds from the run's start."""
-    end: float
+    end: Number
     """End time in seconds from the run's start."""
-    weight_version: int = 0
+    weight_version: WholeNumber = 0
     """Weight version the action used (for a predicted forward: the version it predicts)."""
-    bytes: int = 0
+    bytes: NonNegativeWhole = 0
     """Bytes moved (communication) or allocated (compute) by the action; 0 if unknown."""
-    distance: int = 0
+    distance: WholeNumber = 0
     """For a forward: updates between it and its backward (prediction distance s)."""
 
     @property
@@ -93,15 +63,46 @@ class TraceEvent:
         return self.end - self.start
 
 
+@with_config(ConfigDict(extra="forbid"))
 @dataclass(frozen=True)
 class MemorySample:
     """Memory held by one rank at one time."""
 
-    rank: int
-    time: float
-    bytes: int
-    detail: dict[str, int] = field(default_factory=dict)
+    rank: NonNegativeWhole
+    time: Number
+    bytes: NonNegativeWhole
+    detail: dict[str, WholeNumber] = field(default_factory=dict)
     """Breakdown (weights, stash, gradients, optimizer, activations), where known."""
+
+
+@with_config(ConfigDict(extra="allow"))
+class TraceMeta(TypedDict, total=False):
+    """The run metadata keys a trace file's ``meta`` types; it may hold further keys."""
+
+    method: StrictStr | None
+    source: StrictStr | None
+    transport: StrictStr | None
+    num_ranks: NonNegativeWhole | None
+    num_stages: NonNegativeWhole | None
+    micro_batches: PositiveWhole | None
+    mini_batches: NonNegativeWhole | None
+    virtual_stages: PositiveWhole | None
+    batch_size: NonNegativeNumber | None
+    samples_per_micro_batch: NonNegativeNumber | None
+    weight_copies: dict[IntKey, WholeNumber] | None
+    predict_s: dict[IntKey, NonNegativeNumber] | None
+    plan: dict[str, Any] | None
+
+
+@with_config(ConfigDict(title="pipeoptim trace", extra="allow"))
+class TraceFile(TypedDict, total=False):
+    """A trace file: what :meth:`Trace.from_dict` checks before it builds the trace."""
+
+    format: Required[Literal["pipeoptim-trace"]]
+    version: Annotated[int, Whole(one_of=(TRACE_VERSION,))]
+    meta: TraceMeta
+    events: Required[list[TraceEvent]]
+    memory: list[MemorySample]
 
 
 @dataclass
@@ -139,20 +140,14 @@ class Trace:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "<trace>") -> Trace:
-        """Check ``data`` against :data:`TRACE_SCHEMA`, then build the trace."""
-        check_header(
-            data,
-            fmt=TRACE_FORMAT,
-            versions=(TRACE_VERSION,),
-            source=source,
-            what="pipeoptim trace",
-            remedy=_REMEDY,
-        )
-        checked = validate(data, TRACE_SCHEMA, source=source, remedy=_REMEDY)
+        """Check ``data`` as a :class:`TraceFile` (pydantic builds the events and memory
+        samples), then build the trace."""
+        checked = check(TraceFile, data, source=source, remedy=_REMEDY)
+        meta: dict[str, Any] = dict(checked.get("meta", {}))
         return cls(
-            events=[TraceEvent(**e) for e in checked["events"]],
-            memory=[MemorySample(**m) for m in checked.get("memory", [])],
-            meta=dict(checked.get("meta", {})),
+            events=checked["events"],
+            memory=checked.get("memory", []),
+            meta={key: meta[key] for key in data.get("meta", {})},  # in the file's order
         )
 
     def save(self, path: str | Path) -> None:

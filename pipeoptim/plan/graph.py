@@ -21,18 +21,28 @@ batch of ``Profile.batch_size`` samples (what a backward needs).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import networkx as nx
+from pydantic import ConfigDict, StrictStr, with_config
+from typing_extensions import Required, TypedDict
 
 from pipeoptim.errors import PlanError
+from pipeoptim.filecheck import (
+    NonNegativeNumber,
+    NonNegativeWhole,
+    PositiveWhole,
+    Whole,
+    WholeNumber,
+    check,
+)
 from pipeoptim.plan.limits import MAX_STAGE_BYTES
 from pipeoptim.plan.profile import Profile
-from pipeoptim.schema import Int, List, Num, Obj, Str, validate
 
 __all__ = [
     "STAGE_GRAPH_FORMAT",
     "STAGE_GRAPH_VERSION",
+    "StageGraphFile",
     "layer_graph",
     "stage_graph",
     "stage_graph_from_dict",
@@ -44,76 +54,67 @@ __all__ = [
 STAGE_GRAPH_FORMAT = "pipeoptim.stage_graph"
 STAGE_GRAPH_VERSION = 1
 
-_STAGE_KEYS = (
-    "start",
-    "end",
-    "layers",
-    "layer_names",
-    "forward_s",
-    "backward_s",
-    "param_bytes",
-    "grad_bytes",
-    "optimizer_state_bytes",
-    "activation_bytes",
-    "weight_copies",
-    "activation_slots",
-    "memory_bytes",
-    "param_count",
-)
-_STAGE_SCHEMA = Obj(
-    {
-        "index": Int(minimum=0),
-        "start": Int(minimum=0),
-        "end": Int(minimum=0),
-        "layers": List(Int(minimum=0)),
-        "layer_names": List(Str()),
-        "forward_s": Num(minimum=0),
-        "backward_s": Num(minimum=0),
-        "param_bytes": Int(minimum=0, maximum=MAX_STAGE_BYTES),
-        "grad_bytes": Int(minimum=0, maximum=MAX_STAGE_BYTES),
-        "optimizer_state_bytes": Int(minimum=0, maximum=MAX_STAGE_BYTES),
-        "activation_bytes": Int(minimum=0, maximum=MAX_STAGE_BYTES),
-        "weight_copies": Int(minimum=1),
-        "activation_slots": Int(minimum=0),
-        "memory_bytes": Int(minimum=0, maximum=MAX_STAGE_BYTES),
-        "param_count": Int(minimum=0, maximum=MAX_STAGE_BYTES),
-        "forward_fixed_s": Num(minimum=0),
-        "backward_fixed_s": Num(minimum=0),
-        "update_s": Num(minimum=0),
-        "predict_s": Num(minimum=0),
-        "weight_grad_s": Num(minimum=0),
-    },
-    required=("index", *_STAGE_KEYS),
-)
-STAGE_GRAPH_SCHEMA = Obj(
-    {
-        "format": Str(),
-        "version": Int(),
-        "graph": Obj(
-            {
-                "batch_size": Int(minimum=1),
-                "optimizer": Str(),
-                "device": Str(),
-                "dtype_bytes": Int(minimum=1),
-                "num_layers": Int(minimum=0),
-                "threads": Int(minimum=1),
-            }
-        ),
-        "stages": List(_STAGE_SCHEMA),
-        "edges": List(
-            Obj(
-                {
-                    "source": Int(minimum=0),
-                    "target": Int(minimum=0),
-                    "bytes": Int(minimum=0, maximum=MAX_STAGE_BYTES),
-                },
-                required=("source", "target"),
-            )
-        ),
-    },
-    required=("version", "graph", "stages", "edges"),
-)
-"""The stage graph's fields and types, as in a plan file's ``stage_graph``."""
+StageBytes = Annotated[int, Whole(ge=0, le=MAX_STAGE_BYTES)]
+
+
+@with_config(ConfigDict(extra="allow"))
+class StageFile(TypedDict, total=False):
+    """One stage of a stored stage graph (the node attributes of :func:`stage_graph`, in
+    the order it writes them, which a checked stage keeps)."""
+
+    index: Required[NonNegativeWhole]
+    start: Required[NonNegativeWhole]
+    end: Required[NonNegativeWhole]
+    layers: Required[list[NonNegativeWhole]]
+    layer_names: Required[list[StrictStr]]
+    forward_s: Required[NonNegativeNumber]
+    backward_s: Required[NonNegativeNumber]
+    forward_fixed_s: NonNegativeNumber
+    backward_fixed_s: NonNegativeNumber
+    weight_grad_s: NonNegativeNumber
+    update_s: NonNegativeNumber
+    predict_s: NonNegativeNumber
+    param_bytes: Required[StageBytes]
+    grad_bytes: Required[StageBytes]
+    optimizer_state_bytes: Required[StageBytes]
+    activation_bytes: Required[StageBytes]
+    weight_copies: Required[PositiveWhole]
+    activation_slots: Required[NonNegativeWhole]
+    memory_bytes: Required[StageBytes]
+    param_count: Required[StageBytes]
+
+
+@with_config(ConfigDict(extra="allow"))
+class StageGraphAttrs(TypedDict, total=False):
+    """The stored stage graph's graph attributes."""
+
+    batch_size: PositiveWhole
+    optimizer: StrictStr
+    device: StrictStr
+    dtype_bytes: PositiveWhole
+    num_layers: NonNegativeWhole
+    threads: PositiveWhole
+
+
+@with_config(ConfigDict(extra="allow"))
+class StageEdgeFile(TypedDict, total=False):
+    """One edge (stage boundary) of a stored stage graph."""
+
+    source: Required[NonNegativeWhole]
+    target: Required[NonNegativeWhole]
+    bytes: StageBytes
+
+
+@with_config(ConfigDict(extra="allow"))
+class StageGraphFile(TypedDict, total=False):
+    """A stage graph as :func:`stage_graph_to_dict` writes it (a plan file's
+    ``stage_graph``); unknown keys are kept, for newer files."""
+
+    format: StrictStr
+    version: Required[WholeNumber]
+    graph: Required[StageGraphAttrs]
+    stages: Required[list[StageFile]]
+    edges: Required[list[StageEdgeFile]]
 
 
 def stage_memory_bytes(
@@ -230,7 +231,7 @@ def stage_graph(
     ``boundaries`` are half-open ``(start, end)`` layer ranges, one per stage.
     ``weight_copies`` and ``activation_slots`` (one int for all stages or one per stage) are
     the method's memory factors, e.g. from
-    :func:`pipeoptim.plan.partition.method_memory_factors`.
+    :func:`pipeoptim.plan.memory_factors.method_memory_factors`.
 
     Node ``k`` attributes: ``start, end, layers`` (list of layer indices), ``layer_names``,
     ``forward_s, backward_s, forward_fixed_s, backward_fixed_s, update_s, predict_s``
@@ -308,10 +309,10 @@ def stage_graph_to_dict(graph: nx.DiGraph) -> dict[str, Any]:
 
 
 def stage_graph_from_dict(data: object, source: str = "the stage graph") -> nx.DiGraph:
-    """Rebuild a stage graph from :func:`stage_graph_to_dict` output (checked against
-    :data:`STAGE_GRAPH_SCHEMA`; stages numbered 0..S-1, joined k -> k+1)."""
+    """Rebuild a stage graph from :func:`stage_graph_to_dict` output (checked as a
+    :class:`StageGraphFile`; stages numbered 0..S-1, joined k -> k+1)."""
     fix = "write it with stage_graph_to_dict (or regenerate the plan)"
-    checked = validate(data, STAGE_GRAPH_SCHEMA, source=source, remedy=fix, error=PlanError)
+    checked = check(StageGraphFile, data, source=source, remedy=fix, error=PlanError)
     if checked["version"] != STAGE_GRAPH_VERSION:
         raise PlanError(
             f"{source} has version {checked['version']!r}; this pipeoptim reads version "
@@ -330,11 +331,11 @@ def stage_graph_from_dict(data: object, source: str = "the stage graph") -> nx.D
     for raw in stages:
         attrs = {key: value for key, value in raw.items() if key != "index"}
         graph.add_node(raw["index"], **attrs)
-    for position, raw in enumerate(checked["edges"]):
-        u, v = raw["source"], raw["target"]
+    for position, edge in enumerate(checked["edges"]):
+        u, v = edge["source"], edge["target"]
         if u not in graph or v not in graph:
             raise PlanError(f"{source}: edges[{position}] joins unknown stages {u} -> {v}; {fix}")
-        attrs = {key: value for key, value in raw.items() if key not in ("source", "target")}
+        attrs = {key: value for key, value in edge.items() if key not in ("source", "target")}
         graph.add_edge(u, v, **attrs)
     missing = [k for k in range(len(stages) - 1) if not graph.has_edge(k, k + 1)]
     if missing:

@@ -10,51 +10,74 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import ConfigDict, Field, StrictStr, with_config
+from typing_extensions import Required, TypedDict
 
 from pipeoptim.errors import PlanError
+from pipeoptim.filecheck import (
+    NonNegativeWhole,
+    Number,
+    PositiveWhole,
+    Whole,
+    WholeNumber,
+    check,
+    what,
+)
 from pipeoptim.jsonfile import read_json
-from pipeoptim.plan.graph import STAGE_GRAPH_SCHEMA
+from pipeoptim.plan.graph import StageGraphFile
 from pipeoptim.plan.methods import Method, get_method
 from pipeoptim.plan.replicas import check_replicas
 from pipeoptim.plan.schedules import Shape
-from pipeoptim.schema import Dict, Int, List, Num, Obj, Opt, Str, check_header, validate
 
 PLAN_FORMAT = "pipeoptim-plan"
 PLAN_VERSION = 1
 OPTIMIZER_FAMILIES = ("sgd", "adam", "adamw", "rmsprop")
 _REMEDY = "make one with `pipeoptim plan ... --out FILE`"
 
-_OPTIMIZER_SCHEMA = Obj(
-    {
-        "family": Str(),
-        "lr": Num(),
-        "options": Dict(),
-    },
-    extra=False,
-)
-PLAN_SCHEMA = Obj(
-    {
-        "method": Str(),
-        "num_stages": Int(minimum=1),
-        "micro_batches": Int(minimum=1),
-        "mini_batches": Opt(Int(minimum=1)),
-        "virtual_stages": Int(minimum=1),
-        "data_parallel": Int(minimum=1),
-        "prediction_offset": Int(),
-        "optimizer": _OPTIMIZER_SCHEMA,
-        "model": Opt(Str()),
-        "batch_size": Opt(Int(minimum=1)),
-        "boundaries": Opt(
-            List(List(Int(minimum=0), length=2), what="a list of [start, end] layer ranges")
-        ),
-        "stage_graph": Opt(STAGE_GRAPH_SCHEMA),
-        "devices": Opt(List(Str())),
-        "notes": Dict(),
-    },
-    required=("method", "num_stages"),
-)
-"""The plan file's fields and types (the dataclass below documents each field)."""
+
+@with_config(ConfigDict(title="pipeoptim plan", extra="allow"))
+class PlanHeader(TypedDict, total=False):
+    """What makes a JSON object a plan file (checked before its other keys)."""
+
+    format: Required[Literal["pipeoptim-plan"]]
+    version: Annotated[int, Whole(one_of=(PLAN_VERSION,))]
+
+
+@with_config(ConfigDict(extra="forbid"))
+class OptimizerFile(TypedDict, total=False):
+    """A plan file's ``optimizer`` (the fields of :class:`OptimizerSpec`)."""
+
+    family: StrictStr
+    lr: Number
+    options: dict[str, Any]
+
+
+@with_config(ConfigDict(title="pipeoptim plan", extra="forbid"))
+class PlanFile(PlanHeader, total=False):
+    """A plan file: the fields and types of :class:`Plan` (which documents each field)."""
+
+    method: Required[StrictStr]
+    num_stages: Required[PositiveWhole]
+    micro_batches: PositiveWhole
+    mini_batches: PositiveWhole | None
+    virtual_stages: PositiveWhole
+    data_parallel: PositiveWhole
+    prediction_offset: WholeNumber
+    optimizer: OptimizerFile
+    model: StrictStr | None
+    batch_size: PositiveWhole | None
+    boundaries: (
+        Annotated[
+            list[Annotated[list[NonNegativeWhole], Field(min_length=2, max_length=2)]],
+            what("a list of [start, end] layer ranges"),
+        ]
+        | None
+    )
+    stage_graph: StageGraphFile | None
+    devices: list[StrictStr] | None
+    notes: dict[str, Any]
 
 
 @dataclass
@@ -139,22 +162,14 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "<plan>") -> Plan:
-        """Check ``data`` against :data:`PLAN_SCHEMA`, then build (and check) the plan."""
-        check_header(
-            data,
-            fmt=PLAN_FORMAT,
-            versions=(PLAN_VERSION,),
-            source=source,
-            what="pipeoptim plan",
-            remedy=_REMEDY,
-            error=PlanError,
-        )
+        """Check ``data`` as a :class:`PlanFile`, then build (and check) the plan."""
+        check(PlanHeader, data, source=source, remedy=_REMEDY, error=PlanError)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known - {"format", "version"})
         if unknown:
             raise PlanError(f"{source}: unknown plan fields {unknown}; valid: {sorted(known)}")
-        checked = validate(data, PLAN_SCHEMA, source=source, remedy=_REMEDY, error=PlanError)
-        args = {k: v for k, v in checked.items() if k in known}
+        checked = check(PlanFile, data, source=source, remedy=_REMEDY, error=PlanError)
+        args: dict[str, Any] = {k: v for k, v in checked.items() if k in known}
         if "optimizer" in args:
             args["optimizer"] = OptimizerSpec(**args["optimizer"])
         try:

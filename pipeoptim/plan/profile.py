@@ -15,14 +15,17 @@ import json
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import ConfigDict, StrictStr, with_config
+from typing_extensions import Required, TypedDict
 
 from pipeoptim.errors import PlanError
+from pipeoptim.filecheck import NonNegativeNumber, PositiveWhole, Whole, check
 from pipeoptim.jsonfile import read_json
 from pipeoptim.plan.limits import MAX_LAYER_BYTES
-from pipeoptim.schema import Dict, Int, List, Num, Obj, Str, check_header, validate
 
 _REMEDY = "regenerate it with `pipeoptim profile` or Profile.save"
 
@@ -30,8 +33,10 @@ __all__ = [
     "OPTIMIZER_STATE_FACTORS",
     "PROFILE_FORMAT",
     "PROFILE_VERSION",
+    "LayerFile",
     "LayerProfile",
     "Profile",
+    "ProfileFile",
     "conditions_warning",
     "optimizer_state_factor",
     "threads_per_rank",
@@ -216,53 +221,47 @@ class LayerProfile:
         return self.forward_s + self.backward_s
 
 
-_LAYER_KEYS = (
-    "name",
-    "forward_s",
-    "backward_s",
-    "activation_bytes",
-    "param_bytes",
-    "optimizer_state_bytes",
-    "param_count",
-)
-_PROFILE_KEYS = ("batch_size", "optimizer", "device", "layers")
+LayerBytes = Annotated[int, Whole(ge=0, le=MAX_LAYER_BYTES)]
 
-_LAYER_SCHEMA = Obj(
-    {
-        "name": Str(),
-        "forward_s": Num(minimum=0),
-        "backward_s": Num(minimum=0),
-        "activation_bytes": Int(minimum=0, maximum=MAX_LAYER_BYTES),
-        "param_bytes": Int(minimum=0, maximum=MAX_LAYER_BYTES),
-        "optimizer_state_bytes": Int(minimum=0, maximum=MAX_LAYER_BYTES),
-        "param_count": Int(minimum=0, maximum=MAX_LAYER_BYTES),
-        "update_s": Num(minimum=0),
-        "predict_s": Num(minimum=0),
-        "forward_fixed_s": Num(minimum=0),
-        "backward_fixed_s": Num(minimum=0),
-        "weight_grad_fraction": Num(minimum=0),
-    },
-    required=_LAYER_KEYS,
-)
-_OPTIONAL_LAYER_KEYS = (
-    "update_s",
-    "predict_s",
-    "forward_fixed_s",
-    "backward_fixed_s",
-    "weight_grad_fraction",
-)
-PROFILE_SCHEMA = Obj(
-    {
-        "batch_size": Int(minimum=1),
-        "optimizer": Str(),
-        "device": Str(),
-        "dtype_bytes": Int(minimum=1),
-        "meta": Dict(),
-        "layers": List(_LAYER_SCHEMA),
-    },
-    required=_PROFILE_KEYS,
-)
-"""The profile file's fields and types (unknown keys are allowed, for newer files)."""
+
+@with_config(ConfigDict(extra="allow"))
+class LayerFile(TypedDict, total=False):
+    """One layer of a profile file (the fields of :class:`LayerProfile`)."""
+
+    name: Required[StrictStr]
+    forward_s: Required[NonNegativeNumber]
+    backward_s: Required[NonNegativeNumber]
+    activation_bytes: Required[LayerBytes]
+    param_bytes: Required[LayerBytes]
+    optimizer_state_bytes: Required[LayerBytes]
+    param_count: Required[LayerBytes]
+    update_s: NonNegativeNumber
+    predict_s: NonNegativeNumber
+    forward_fixed_s: NonNegativeNumber
+    backward_fixed_s: NonNegativeNumber
+    weight_grad_fraction: NonNegativeNumber
+
+
+@with_config(ConfigDict(title="profile", extra="allow"))
+class ProfileFile(TypedDict, total=False):
+    """A profile file; unknown keys are allowed (and ignored), for newer files."""
+
+    format: Literal["pipeoptim.profile"]
+    version: Required[Annotated[int, Whole(one_of=(PROFILE_VERSION,))]]
+    batch_size: Required[PositiveWhole]
+    optimizer: Required[StrictStr]
+    device: Required[StrictStr]
+    dtype_bytes: PositiveWhole
+    meta: dict[str, Any]
+    layers: Required[list[LayerFile]]
+
+
+def _layer_args(raw: LayerFile) -> dict[str, Any]:
+    """The :class:`LayerProfile` arguments in a checked layer (newer files' keys left out)."""
+    return {key: value for key, value in raw.items() if key in _LAYER_FIELDS}
+
+
+_LAYER_FIELDS = frozenset(f.name for f in fields(LayerProfile))
 
 
 @dataclass(frozen=True)
@@ -477,26 +476,9 @@ class Profile:
     @classmethod
     def from_dict(cls, data: object, *, source: str = "profile") -> Profile:
         """Build a profile from :meth:`to_dict` output; :class:`PlanError` names what is wrong."""
-        check_header(
-            data,
-            fmt=PROFILE_FORMAT,
-            versions=(PROFILE_VERSION,),
-            source=source,
-            what="profile",
-            remedy=_REMEDY,
-            error=PlanError,
-            format_required=False,
-            version_required=True,
-        )
-        checked = validate(data, PROFILE_SCHEMA, source=source, remedy=_REMEDY, error=PlanError)
+        checked = check(ProfileFile, data, source=source, remedy=_REMEDY, error=PlanError)
         try:
-            layers = tuple(
-                LayerProfile(
-                    **{key: raw[key] for key in _LAYER_KEYS},
-                    **{key: raw[key] for key in _OPTIONAL_LAYER_KEYS if key in raw},
-                )
-                for raw in checked["layers"]
-            )
+            layers = tuple(LayerProfile(**_layer_args(raw)) for raw in checked["layers"])
             return cls(
                 layers=layers,
                 batch_size=checked["batch_size"],
