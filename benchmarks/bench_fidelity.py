@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         f"# {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
         f"{where_run}, batch {BATCH}, {steps} steps per run"
     )
-    from pipeoptim.runtime.profiler import profile_builtin
+    from pipeoptim.workloads.profiling import profile_builtin
 
     profile = profile_builtin(
         MODEL, batch_size=BATCH, ranks=None if cuda else 2, repeats=5, device=args.device

@@ -12,13 +12,9 @@ import random
 import time
 
 from pipeoptim.errors import PlanError
-from pipeoptim.plan.partition import (
-    equal_layer_partition,
-    evaluate_partition,
-    method_memory_factors,
-    min_memory_partition,
-    optimal_partition,
-)
+from pipeoptim.plan.memory_factors import method_memory_factors
+from pipeoptim.plan.partition import equal_layer_partition, min_memory_partition, optimal_partition
+from pipeoptim.plan.partition_cost import evaluate_partition
 from pipeoptim.plan.profile import Profile
 from pipeoptim.plan.units import format_bytes
 

@@ -14,7 +14,7 @@ the module::
         # tensors; labels are class indices
         return train_x, train_y, test_x, test_y
 
-(or return a ``pipeoptim.runtime.data.Dataset``); define ``loss(output, target)`` to train
+(or return a ``pipeoptim.workloads.data.Dataset``); define ``loss(output, target)`` to train
 with another loss than cross-entropy. For full control (your DataLoader, optimizer,
 schedule, precision) use the library instead: ``examples/library_quickstart.py``.
 Examples::

@@ -406,7 +406,8 @@ def what_if(
     re-partitions :func:`calibrated_profile` with the partitioner (the median latency on
     every link). The simulated run has as many mini-batches as the measured one.
     """
-    from pipeoptim.plan.partition import method_memory_factors, optimal_partition
+    from pipeoptim.plan.memory_factors import method_memory_factors
+    from pipeoptim.plan.partition import optimal_partition
 
     plan = _plan_of(trace)
     spec = get_method(method)

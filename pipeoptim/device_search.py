@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 
 from pipeoptim.errors import PlanError, WorkLimitError
 from pipeoptim.plan.limits import estimate_work, fit_budget
+from pipeoptim.plan.memory_factors import method_memory_factors
 from pipeoptim.plan.methods import METHODS, get_method
-from pipeoptim.plan.partition import method_memory_factors, min_memory_partition
+from pipeoptim.plan.partition import min_memory_partition
 from pipeoptim.plan.profile import Profile
 from pipeoptim.plan.units import format_bandwidth, format_bytes
 from pipeoptim.planner import (

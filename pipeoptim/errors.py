@@ -24,11 +24,17 @@ class RuntimeConfigError(PipeoptimError):
     """A training run was configured inconsistently (world size, batch size, optimizer...)."""
 
 
+class StageError(RuntimeConfigError):
+    """User code (a layer, the loss, the optimizer or scheduler factory) failed in a stage;
+    the message names the stage, the unit and the values."""
+
+
 class WorkLimitError(PlanError):
     """The requested work (actions, memory, file size) is over a documented limit.
 
-    Raised before anything is built, by :mod:`pipeoptim.plan.limits`; the message gives the
-    estimate, the limit and the fix.
+    Raised before anything is built, by :mod:`pipeoptim.plan.limits` (work and memory) and
+    :mod:`pipeoptim.jsonfile` (input files); the message gives the estimate, the limit and the
+    fix.
     """
 
 

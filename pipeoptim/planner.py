@@ -30,8 +30,10 @@ from dataclasses import dataclass, replace
 
 from pipeoptim.errors import PlanError, WorkLimitError
 from pipeoptim.plan.limits import estimate_work, fit_budget, max_actions
+from pipeoptim.plan.memory_factors import method_memory_factors
 from pipeoptim.plan.methods import METHODS, get_method
-from pipeoptim.plan.partition import Partition, method_memory_factors, optimal_partition
+from pipeoptim.plan.partition import optimal_partition
+from pipeoptim.plan.partition_cost import Partition
 from pipeoptim.plan.profile import Profile
 from pipeoptim.plan.risk import MethodRisk, method_risk
 from pipeoptim.plan.units import format_bytes, format_distances

@@ -1,5 +1,6 @@
 """Layering, read from the source: plan/ below sim/ below the planner, plan/ and sim/ free of
-torch, and no import cycle among pipeoptim's modules."""
+torch, the runtime free of the simulator and of the built-in workloads, and no import cycle
+among pipeoptim's modules, counting the imports inside functions too."""
 
 from __future__ import annotations
 
@@ -16,11 +17,29 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports(path: Path, *, top_level_only: bool) -> set[str]:
+def _type_checking_nodes(tree: ast.Module) -> set[int]:
+    """The nodes under ``if TYPE_CHECKING:``: imports for annotations only, never run."""
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If):
+            test = node.test
+            name = test.id if isinstance(test, ast.Name) else getattr(test, "attr", None)
+            if name == "TYPE_CHECKING":
+                skipped.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return skipped
+
+
+def imports(path: Path, *, top_level_only: bool, run_time_only: bool = False) -> set[str]:
+    """Every module an import statement of ``path`` names (``from a.b import c`` names ``a.b``
+    and ``a.b.c``): at the top of the file only, or anywhere (imports inside functions too);
+    ``run_time_only`` leaves out the imports under ``if TYPE_CHECKING:``."""
     tree = ast.parse(path.read_text())
     nodes = tree.body if top_level_only else list(ast.walk(tree))
+    skipped = _type_checking_nodes(tree) if run_time_only else set()
     found: set[str] = set()
     for node in nodes:
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -32,43 +51,179 @@ def imports(path: Path, *, top_level_only: bool) -> set[str]:
 MODULES = {module_name(p): p for p in ROOT.rglob("*.py")}
 
 
-def test_plan_and_sim_import_nothing_above_them_and_no_torch() -> None:
-    above = {
-        "pipeoptim.plan": (
-            "pipeoptim.sim",
-            "pipeoptim.runtime",
-            "pipeoptim.planner",
-            "pipeoptim.study",
-            "pipeoptim.commands",
-            "torch",
-        ),
-        "pipeoptim.sim": (
-            "pipeoptim.runtime",
-            "pipeoptim.planner",
-            "pipeoptim.study",
-            "pipeoptim.commands",
-            "torch",
-        ),
-    }
-    bad = [
+def _within(name: str, packages: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def banned_imports(rules: dict[str, tuple[str, ...]]) -> list[tuple[str, str]]:
+    """(module, what it imports) for every module of a package in ``rules`` that imports,
+    anywhere in the file (lazy imports count too), something the package may not."""
+    return sorted(
         (name, target)
         for name, path in MODULES.items()
-        for package, banned in above.items()
-        if name == package or name.startswith(package + ".")
-        for target in imports(path, top_level_only=False)  # lazy imports count too
-        if target.startswith(banned)
-    ]
-    assert bad == []
+        for package, banned in rules.items()
+        if _within(name, (package,))
+        for target in imports(path, top_level_only=False)
+        if _within(target, banned)
+    )
+
+
+def own_modules(name: str, *, top_level_only: bool) -> set[str]:
+    """The pipeoptim modules module ``name`` imports at run time (not its own packages)."""
+    found = set()
+    for target in imports(MODULES[name], top_level_only=top_level_only, run_time_only=True):
+        # "from pipeoptim.runtime import stage" names the module pipeoptim.runtime.stage
+        while target and target not in MODULES:
+            target = target.rpartition(".")[0]
+        if target and target != name and not name.startswith(target + "."):
+            found.add(target)
+    return found
+
+
+def module_graph(*, top_level_only: bool) -> nx.DiGraph:
+    """Module -> module it imports, over pipeoptim's own modules."""
+    graph = nx.DiGraph()
+    for name in MODULES:
+        graph.add_edges_from((name, t) for t in own_modules(name, top_level_only=top_level_only))
+    return graph
+
+
+def cycles(graph: nx.DiGraph) -> list[list[str]]:
+    return sorted(c for c in nx.simple_cycles(graph) if len(c) > 1)
+
+
+def test_plan_and_sim_import_nothing_above_them_and_no_torch() -> None:
+    above = (
+        "pipeoptim.runtime",
+        "pipeoptim.workloads",
+        "pipeoptim.planner",
+        "pipeoptim.device_search",
+        "pipeoptim.calibrate",
+        "pipeoptim.study",
+        "pipeoptim.viz",
+        "pipeoptim.commands",
+        "pipeoptim.cli",
+        "torch",
+    )
+    assert banned_imports({"pipeoptim.plan": ("pipeoptim.sim", *above)}) == []
+    assert banned_imports({"pipeoptim.sim": above}) == []
+
+
+def test_runtime_imports_neither_the_simulator_nor_the_workloads() -> None:
+    """The runtime executes plans; the simulator and the built-in workloads are its peers and
+    clients (workloads import the runtime, never the other way; the calibration glue that
+    needs both the runtime's traces and the simulator is ``pipeoptim.calibrate``)."""
+    banned = (
+        "pipeoptim.sim",
+        "pipeoptim.workloads",
+        "pipeoptim.calibrate",
+        "pipeoptim.planner",
+        "pipeoptim.device_search",
+        "pipeoptim.study",
+        "pipeoptim.commands",
+        "pipeoptim.cli",
+    )
+    assert banned_imports({"pipeoptim.runtime": banned}) == []
+
+
+STAGE_PARTS = tuple(
+    f"pipeoptim.runtime.{m}"
+    for m in (
+        "weights",
+        "precision",
+        "update",
+        "memory",
+        "rng",
+        "saved",
+        "split_backward",
+        "loss",
+    )
+)
+"""The parts a stage's forward and backward run over, one concern each."""
+ABOVE_THE_STAGE = tuple(
+    f"pipeoptim.runtime.{m}"
+    for m in (
+        "stage",
+        "executor",
+        "assembly",
+        "fit_loop",
+        "checkpoint_folder",
+        "pipeline",
+        "launch",
+    )
+)
+
+
+def test_the_stage_parts_import_nothing_above_them() -> None:
+    """The runtime's layers run one way: a stage's parts <- the stage <- the executor <- the
+    fit loop and the checkpoint folder <- the Pipeline front. A part that reached up (the
+    version store asking the stage, the update asking the Pipeline) would tie the concerns
+    back together."""
+    assert banned_imports(dict.fromkeys(STAGE_PARTS, ABOVE_THE_STAGE)) == []
+    upward = {
+        "pipeoptim.runtime.stage": ABOVE_THE_STAGE[1:],
+        "pipeoptim.runtime.executor": ABOVE_THE_STAGE[2:],
+        "pipeoptim.runtime.fit_loop": ("pipeoptim.runtime.pipeline", "pipeoptim.runtime.launch"),
+        "pipeoptim.runtime.checkpoint_folder": (
+            "pipeoptim.runtime.fit_loop",
+            "pipeoptim.runtime.pipeline",
+            "pipeoptim.runtime.launch",
+        ),
+    }
+    assert banned_imports(upward) == []
+    assert all(name in MODULES for name in (*STAGE_PARTS, *ABOVE_THE_STAGE))
+
+
+def test_the_file_reader_and_the_limits_are_leaves() -> None:
+    """``jsonfile`` (which the plan reads its files through) and ``plan.limits`` (which every
+    size check reads) import nothing from pipeoptim at run time but its errors, so no circle
+    can close through either (the one that did: jsonfile -> plan.limits -> plan.methods ->
+    plan.actions -> jsonfile)."""
+    for leaf in ("pipeoptim.jsonfile", "pipeoptim.plan.limits"):
+        assert own_modules(leaf, top_level_only=False) <= {"pipeoptim.errors"}, leaf
 
 
 def test_no_import_cycle_between_modules() -> None:
-    graph = nx.DiGraph()
-    for name, path in MODULES.items():
-        for target in imports(path, top_level_only=True):
-            # "from pipeoptim.runtime import stage" names the module pipeoptim.runtime.stage
-            while target and target not in MODULES:
-                target = target.rpartition(".")[0]
-            if target and target != name and not name.startswith(target + "."):
-                graph.add_edge(name, target)
-    cycles = [c for c in nx.simple_cycles(graph) if len(c) > 1]
-    assert cycles == []
+    assert cycles(module_graph(top_level_only=True)) == []
+
+
+def test_no_import_cycle_through_lazy_imports() -> None:
+    """An import inside a function closes a circle as surely as one at the top, only later
+    (e.g. commands.planning -> commands.plan_devices -> commands.planning). Imports under
+    ``if TYPE_CHECKING:`` never run and are left out."""
+    assert cycles(module_graph(top_level_only=False)) == []
+
+
+def test_the_import_reader_sees_lazy_imports_and_skips_type_checking_ones(
+    tmp_path: Path,
+) -> None:
+    lazy = tmp_path / "lazy.py"
+    lazy.write_text("def f():\n    from pipeoptim.a import g\n")
+    assert imports(lazy, top_level_only=True) == set()
+    assert imports(lazy, top_level_only=False) == {"pipeoptim.a", "pipeoptim.a.g"}
+    typed = tmp_path / "typed.py"
+    typed.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pipeoptim.a\n"
+    )
+    assert imports(typed, top_level_only=False, run_time_only=True) == {
+        "typing",
+        "typing.TYPE_CHECKING",
+    }
+    assert "pipeoptim.a" in imports(typed, top_level_only=False)
+
+
+def test_the_readme_architecture_names_every_package_and_runtime_module() -> None:
+    """The README's architecture section is the map a newcomer reads: every package and
+    top-level module appears in its diagram, and every module of the runtime and the
+    workloads in their rows of its table, so a new module cannot land unmapped."""
+    readme = (ROOT.parent / "README.md").read_text()
+    section = readme.split("## Architecture", 1)[1].split("\n## ", 1)[0]
+    diagram = section.split("```", 2)[1]
+    tops = {p.name for p in ROOT.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    tops |= {p.stem for p in ROOT.glob("*.py") if not p.name.startswith("_")}
+    missing = sorted(t for t in tops if t not in diagram)
+    assert missing == []
+    for package in ("runtime", "workloads", "plan", "sim"):
+        row = next(line for line in section.splitlines() if line.startswith(f"| `{package}/`"))
+        modules = sorted(p.stem for p in (ROOT / package).glob("*.py") if p.stem != "__init__")
+        assert [m for m in modules if m not in row] == [], package

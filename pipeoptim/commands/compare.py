@@ -103,7 +103,7 @@ def _rates(entries: list[str]) -> dict[str, tuple[float, ...]]:
 
 
 def config_from_args(args: argparse.Namespace) -> StudyConfig:
-    from pipeoptim.runtime.models import BUILTIN_MODELS, build_model
+    from pipeoptim.workloads.loader import BUILTIN_MODELS, build_model
 
     for flag, value in (
         ("--seeds", args.seeds),
@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     profiles = None
     if args.profile is not None:  # checked before any training, not after the study
         from pipeoptim.plan.profile import Profile
-        from pipeoptim.study.report import check_profile
+        from pipeoptim.study.targets import check_profile
 
         profiles = {config.model: Profile.load(args.profile)}
         check_profile(profiles[config.model], config.model)

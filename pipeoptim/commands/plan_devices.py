@@ -16,7 +16,7 @@ from typing import Any
 
 from pipeoptim.commands.cluster import cluster_notes
 from pipeoptim.commands.common import format_table, print_json
-from pipeoptim.commands.planning import write_plan_files
+from pipeoptim.commands.plan_files import write_plan_files
 from pipeoptim.device_search import DeviceSearch, explain_devices, search_devices, shares
 from pipeoptim.errors import PlanError
 from pipeoptim.plan.graph import stage_graph_to_dict

@@ -23,11 +23,11 @@ from pipeoptim.commands.common import (
     format_table,
     print_json,
 )
+from pipeoptim.commands.plan_files import write_plan_files
 from pipeoptim.errors import PlanError
 from pipeoptim.plan.graph import stage_graph_to_dict
 from pipeoptim.plan.limits import MAX_PROFILE_BATCH, MAX_PROFILE_REPEATS
 from pipeoptim.plan.methods import METHODS, get_method
-from pipeoptim.plan.partition import Partition
 from pipeoptim.plan.plan import OPTIMIZER_FAMILIES, OptimizerSpec, Plan
 from pipeoptim.plan.profile import Profile, conditions_warning
 from pipeoptim.plan.units import format_bytes, format_distances, parse_bandwidth, parse_bytes
@@ -147,7 +147,7 @@ def _profile_model(
     ranks: int | None = None,
     threads: int | None = None,
 ) -> Profile:
-    from pipeoptim.runtime.profiler import profile_builtin
+    from pipeoptim.workloads.profiling import profile_builtin
 
     return profile_builtin(
         model,
@@ -228,30 +228,6 @@ def _stage_rows(candidate: Candidate, profile: Profile) -> list[list[Any]]:
         ]
         for k, (a, b) in enumerate(part.boundaries)
     ]
-
-
-def write_plan_files(
-    args: argparse.Namespace,
-    plan: Plan,
-    partition: Partition,
-    profile: Profile,
-    cap: int | None,
-    summary: str,
-) -> ResultFiles:
-    """``--out`` (the plan) and ``--html`` (its partition drawn), each reported apart."""
-    files = ResultFiles()
-    if args.out is not None:
-        files.write(args.out, plan.save)
-    if args.html is not None:
-        from pipeoptim.viz.partition import write_partition_html
-
-        files.write(
-            args.html,
-            lambda p: write_partition_html(
-                p, partition, profile, memory_cap_bytes=cap, summary=summary
-            ),
-        )
-    return files
 
 
 def run_plan(args: argparse.Namespace) -> int:

@@ -21,7 +21,7 @@ from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.runtime.config import AMP_MODES, LR_SCHEDULES
 
 GPT_DEFAULTS = {"lr": 5e-4}
-"""What the gpt workload was tuned with (``runtime/gpt.py``); kept here so the command
+"""What the gpt workload was tuned with (``workloads/gpt.py``); kept here so the command
 line does not import torch before it parses."""
 
 if TYPE_CHECKING:
@@ -267,7 +267,7 @@ def _check_checkpoint_dir(path: str) -> None:
 
 def handler(args: argparse.Namespace) -> int:
     from pipeoptim.runtime.executor import NonFiniteLossError
-    from pipeoptim.runtime.launch import train
+    from pipeoptim.workloads.train import train
 
     check_output_paths(args, ["--trace"])
     if args.checkpoint_dir:

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeoptim.errors import ScheduleError
+from pipeoptim.jsonfile import read_text
+from pipeoptim.plan.limits import max_actions
 
 
 class Kind(str, enum.Enum):
@@ -232,9 +234,6 @@ def load_csv(path: str | Path, *, notes: list[str] | None = None) -> Schedule:
     """Read a CSV schedule file; a missing, binary, oversized or malformed file raises
     :class:`ScheduleError` naming the file (and the row for a bad action). ``notes`` as in
     :func:`schedule_from_csv`."""
-    from pipeoptim.jsonfile import read_text  # jsonfile imports plan.limits, which needs us
-    from pipeoptim.plan.limits import max_actions
-
     p = Path(path)
     remedy = "write one with `pipeoptim schedule --format csv --out FILE`"
     text = read_text(p, what="schedule file", remedy=remedy, error=ScheduleError)

@@ -4,7 +4,8 @@ A schedule's size is a product of user inputs (P stages, M micro-batches, N mini
 v virtual stages), so one typo (``--mini-batches 1000000000``) asks for billions of actions
 and the machine runs out of memory long before anything is printed. Every consumer
 estimates the work first, with the closed forms below, and refuses with the estimate, the
-limit and the fix before allocating anything. All limits live in this module:
+limit and the fix before allocating anything. All limits live in this module (the one on
+input files beside the code that reads them):
 
 ``MAX_ACTIONS`` = 3,000,000 compute actions (F, B, U)
     simulated by one command (``pipeoptim simulate``, all its methods together; the plan
@@ -25,7 +26,8 @@ limit and the fix before allocating anything. All limits live in this module:
     temporaries, i.e. up to ~4,000 layers) and 2G cells over all stages (seconds of numpy).
 ``MAX_INPUT_BYTES`` = 1 GiB
     for a plan, profile, trace or CSV schedule file; a trace of ``MAX_ACTIONS`` events is
-    about 0.5 GB of JSON.
+    about 0.5 GB of JSON. It is defined with the file reading, in :mod:`pipeoptim.jsonfile`
+    (which every reader uses and which imports nothing from the plan).
 ``MAX_PROFILE_BATCH`` = 65,536 samples and ``MAX_PROFILE_REPEATS`` = 1,000
     for ``pipeoptim profile``: a profile scales linearly to any batch size in the simulator,
     so a smaller profiling batch loses nothing.
@@ -50,17 +52,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pipeoptim.errors import WorkLimitError
-from pipeoptim.plan.schedules import Shape
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # types only: at run time this module imports nothing from pipeoptim.plan
     from pipeoptim.plan.methods import Method
+    from pipeoptim.plan.schedules import Shape
 
 __all__ = [
     "BYTES_PER_ACTION",
     "BYTES_PER_GRID_CELL",
     "MAX_ACTIONS",
     "MAX_GRID_CELLS",
-    "MAX_INPUT_BYTES",
     "MAX_JITTER",
     "MAX_LAYER_BYTES",
     "MAX_PARTITION_CELLS",
@@ -71,9 +72,7 @@ __all__ = [
     "STAGE_COST",
     "WorkEstimate",
     "check_grid",
-    "check_input_size",
     "check_partition_size",
-    "check_schedule_size",
     "check_total",
     "check_work",
     "estimate_work",
@@ -85,7 +84,6 @@ MAX_ACTIONS = 3_000_000
 MAX_GRID_CELLS = 3_000_000
 MAX_PARTITION_CELLS = 16_000_000
 MAX_PARTITION_WORK = 2_000_000_000
-MAX_INPUT_BYTES = 1 << 30
 MAX_PROFILE_BATCH = 65_536
 MAX_PROFILE_REPEATS = 1_000
 MAX_JITTER = 3.0
@@ -304,30 +302,6 @@ def fit_budget(actions: Sequence[int], max_actions: int | None = None) -> list[b
     return keep
 
 
-def check_schedule_size(
-    method: str | Method,
-    num_ranks: int,
-    micro_batches: int | None = None,
-    mini_batches: int | None = None,
-    virtual_stages: int | None = None,
-    *,
-    max_actions: int | None = None,
-    what: str = "running",
-) -> Shape:
-    """Resolve and check the shape (the method's own rules first), then refuse a run of more
-    than ``max_actions`` actions (:attr:`WorkEstimate.cost`: actions plus ``STAGE_COST``
-    per stage). Returns the resolved :class:`Shape`; builds nothing.
-
-    ``what`` starts the message (``"training"`` gives "training pipeoptim with P=4, ...").
-    """
-    from pipeoptim.plan.methods import get_method
-
-    spec = get_method(method) if isinstance(method, str) else method
-    shape = spec.shape(num_ranks, micro_batches, mini_batches, virtual_stages)
-    check_work(estimate_work(spec, shape), max_actions=max_actions, what=what)
-    return shape
-
-
 def check_partition_size(num_layers: int, num_stages: int) -> None:
     """Refuse a partition whose dynamic programme is over ``MAX_PARTITION_CELLS`` per stage
     or ``MAX_PARTITION_WORK`` in all."""
@@ -340,17 +314,6 @@ def check_partition_size(num_layers: int, num_stages: int) -> None:
             f"{_size(cells * 32)} of memory each); the limits are {MAX_PARTITION_CELLS:,} "
             f"cells per matrix and {MAX_PARTITION_WORK:,} in all. Fix: profile coarser "
             f"layers (group blocks into fewer, larger units) or use more stages"
-        )
-
-
-def check_input_size(path: str, num_bytes: int, what: str) -> None:
-    """Refuse to read an input file larger than ``MAX_INPUT_BYTES``."""
-    if num_bytes > MAX_INPUT_BYTES:
-        raise WorkLimitError(
-            f"{what} {path!r} is {_size(num_bytes)}; the limit for an input file is "
-            f"{_size(MAX_INPUT_BYTES)} (a trace of {MAX_ACTIONS:,} actions is about 0.5 GB). "
-            f"Fix: write a smaller run (fewer --mini-batches) or check that this is the "
-            f"right file"
         )
 
 

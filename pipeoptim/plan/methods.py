@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pipeoptim.errors import PlanError
 from pipeoptim.plan import schedules, zero_bubble
 from pipeoptim.plan.actions import Schedule
-from pipeoptim.plan.limits import check_grid, estimate_work
+from pipeoptim.plan.limits import check_grid, check_work, estimate_work
 from pipeoptim.plan.orders import OrderArrays
 from pipeoptim.plan.schedules import Order, Shape
 
@@ -61,6 +61,10 @@ class Method:
     ``interleaved`` with exactly 2 virtual stages and any micro-batch count."""
     split_backward: bool = False
     """Splits each backward into its input half I and its weight half W."""
+    delay_correction: str | None = None
+    """Delay correction the runtime's update applies (a key of
+    ``pipeoptim.runtime.update.CORRECTIONS``), if any; it composes with the weight policy and
+    the prediction rule (DESIGN.md, "Delay corrections")."""
 
     def shape(
         self,
@@ -264,3 +268,27 @@ def build_schedule(
     m = get_method(method)
     shape = m.shape(num_ranks, micro_batches, mini_batches, virtual_stages)
     return m.schedule(shape), shape
+
+
+def check_schedule_size(
+    method: str | Method,
+    num_ranks: int,
+    micro_batches: int | None = None,
+    mini_batches: int | None = None,
+    virtual_stages: int | None = None,
+    *,
+    max_actions: int | None = None,
+    what: str = "running",
+) -> Shape:
+    """Resolve and check the shape (the method's own rules first), then refuse a run of more
+    than ``max_actions`` actions (:attr:`~pipeoptim.plan.limits.WorkEstimate.cost`: actions
+    plus ``STAGE_COST`` per stage). Returns the resolved :class:`Shape`; builds nothing.
+
+    ``what`` starts the message (``"training"`` gives "training pipeoptim with P=4, ...").
+    It lives with the registry, not in :mod:`pipeoptim.plan.limits`, because it looks the
+    method up: the limits import nothing from the plan at run time.
+    """
+    spec = get_method(method) if isinstance(method, str) else method
+    shape = spec.shape(num_ranks, micro_batches, mini_batches, virtual_stages)
+    check_work(estimate_work(spec, shape), max_actions=max_actions, what=what)
+    return shape

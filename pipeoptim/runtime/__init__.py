@@ -1,15 +1,18 @@
-"""Torch runtime: the Pipeline library, stages, weight prediction, transports, the executor."""
+"""Torch runtime: the Pipeline library, stages, weight prediction, transports, the executor.
+
+The built-in models a ``pipeoptim train`` run trains are not here but in
+:mod:`pipeoptim.workloads` (``pipeoptim.workloads.train.train`` runs a ``TrainConfig``),
+which imports the runtime; the runtime never imports it."""
 
 from typing import Any
 
-__all__ = ["EvalResult", "FitResult", "Pipeline", "TrainConfig", "train"]
+__all__ = ["EvalResult", "FitResult", "Pipeline", "TrainConfig"]
 
 _HOMES = {
     "Pipeline": "pipeline",
     "FitResult": "result",
     "EvalResult": "result",
     "TrainConfig": "config",
-    "train": "launch",
 }
 
 

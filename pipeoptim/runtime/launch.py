@@ -1,18 +1,21 @@
 """Start a training run: in this process, as P (x D replicas) spawned processes, or as one
 torchrun rank.
 
-``train(config)`` is the entry point of ``pipeoptim train``; every path ends in
-:func:`run_config`, which builds a :class:`~pipeoptim.runtime.pipeline.Pipeline` from the
-config and calls ``fit``, as a library user's script would:
+``train(config, runner)`` starts the run of ``pipeoptim train``; every path ends in
+:func:`run_config`, which has the :class:`Runner` build a
+:class:`~pipeoptim.runtime.pipeline.Pipeline` from the config and calls ``fit``, as a library
+user's script would. The runner comes from the package that knows the config's model
+(:mod:`pipeoptim.workloads.train`): this module starts, connects and watches processes and
+never builds a model itself, so the runtime does not depend on the built-in workloads.
 
 * ``transport="local"``: every stage in this process on one device (cuda:0 where there is
   a GPU, else the CPU); the fast path, and the one for a single GPU;
 * ``transport="dist"`` under ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``... in
   the environment): this process is one rank, rendezvous ``env://``; rank 0 returns the
   merged result, the other ranks None;
-* ``transport="dist"`` otherwise: spawns P processes on this machine (``python -m
-  pipeoptim.runtime.launch`` with the same torchrun-style environment and a store this
-  process hosts on a free 127.0.0.1 port) and watches them.
+* ``transport="dist"`` otherwise: spawns P processes on this machine (``python -m`` the
+  runner's worker module, with the same torchrun-style environment and a store this process
+  hosts on a free 127.0.0.1 port) and watches them.
 
 Each rank uses cuda + NCCL where GPUs exist (device ``LOCAL_RANK % device_count``), else CPU
 + gloo, with a bounded process-group timeout. So that no run hangs: a rank that fails posts
@@ -34,26 +37,34 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 from pipeoptim.errors import PipeoptimError, RuntimeConfigError
-from pipeoptim.plan.replicas import check_batch_split
-from pipeoptim.runtime.config import TrainConfig, run_length
-from pipeoptim.runtime.data import DatasetLoader
+from pipeoptim.runtime.config import TrainConfig
 from pipeoptim.runtime.executor import NonFiniteLossError, RankResult
-from pipeoptim.runtime.lr import scheduler_factory
-from pipeoptim.runtime.models import build_model, model_loss, stage_boundaries
 from pipeoptim.runtime.pipeline import Pipeline
 from pipeoptim.runtime.placement import pick_device, rank_threads, world_error
 from pipeoptim.runtime.result import FitResult, build_trace, merge
 from pipeoptim.runtime.transport import FailureBoard, PeerLostError
 from pipeoptim.trace import Trace
 
-__all__ = ["RankFailedError", "build_run", "preflight", "run_config", "train"]
+__all__ = [
+    "Build",
+    "RankFailedError",
+    "Runner",
+    "preflight",
+    "run_config",
+    "train",
+    "worker_main",
+    "write_trace",
+]
 
 
 class RankFailedError(RuntimeConfigError):
@@ -92,44 +103,33 @@ def _finish(config: TrainConfig, result: FitResult) -> FitResult:
     return result
 
 
-def build_run(
-    config: TrainConfig, *, store: Store | None = None
-) -> tuple[Pipeline, DatasetLoader, DatasetLoader]:
-    """``config`` as a library user would write it: the built-in model as a Pipeline, and
-    its training and test data as loaders."""
-    layers, data = build_model(config.model, config.seed)
-    train_data = DatasetLoader(data.train_x, data.train_y, config.batch_size, seed=config.seed)
-    test_data = DatasetLoader(data.test_x, data.test_y, config.batch_size, shuffle=False)
-    per_epoch = len(train_data)
-    total = run_length(config.epochs, config.max_steps, per_epoch)
-    pipe = Pipeline(
-        layers,
-        plan=config.plan,
-        optimizer=config.plan.optimizer,
-        scheduler=scheduler_factory(config.lr_schedule, total, config.warmup),
-        loss_fn=model_loss(config.model),
-        transport=config.transport,
-        device=config.device,
-        amp=config.amp,
-        grad_clip=config.grad_clip,
-        checkpoint_dir=config.checkpoint_dir,
-        checkpoint_every=config.checkpoint_every,
-        seed=config.seed,
-        timeout=config.timeout,
-        progress=not config.quiet and sys.stderr.isatty(),
-        keep_checkpoints=config.keep_checkpoints,
-        targets="read",  # the built-in loaders yield the same batches on every rank
-        store=store,
-        run_identity=config.identity(),
-        hyperparameters=config.hyperparameters(),
-    )
-    return pipe, train_data, test_data
+class Build(Protocol):
+    """Builds one process's run of a config: the Pipeline, its training data and its
+    evaluation data (``store``: the run's store when this process is one rank of several)."""
+
+    def __call__(
+        self, config: TrainConfig, *, store: Store | None = None
+    ) -> tuple[Pipeline, Iterable[Any], Iterable[Any]]: ...
 
 
-def run_config(config: TrainConfig, *, store: Store | None = None) -> FitResult:
-    """Train ``config`` (:func:`build_run`, then ``fit``). Every path of ``pipeoptim
-    train`` ends here (one process, or one rank of several)."""
-    pipe, train_data, test_data = build_run(config, store=store)
+@dataclass(frozen=True)
+class Runner:
+    """What the launcher needs from the package that knows a config's model."""
+
+    build: Build
+    """One process's Pipeline and data (:class:`Build`)."""
+    check: Callable[[TrainConfig], None]
+    """The checks every rank would fail alike (the model, its stage layout, the batch and
+    the data), made once in the launcher before any process starts."""
+    worker: str
+    """The module each spawned rank runs (``python -m``); its ``__main__`` is
+    ``os._exit(worker_main(runner))``."""
+
+
+def run_config(config: TrainConfig, runner: Runner, *, store: Store | None = None) -> FitResult:
+    """Train ``config`` (``runner.build``, then ``fit``). Every path of ``pipeoptim train``
+    ends here (one process, or one rank of several)."""
+    pipe, train_data, test_data = runner.build(config, store=store)
     try:
         result = pipe.fit(
             train_data,
@@ -151,26 +151,20 @@ def run_config(config: TrainConfig, *, store: Store | None = None) -> FitResult:
     return _finish(config, result)
 
 
-def train(config: TrainConfig) -> FitResult | None:
+def train(config: TrainConfig, runner: Runner) -> FitResult | None:
     """Run ``config``; returns the merged result (None on torchrun ranks other than 0)."""
     if config.transport == "local":
-        return run_config(config)
+        return run_config(config, runner)
     if "TORCHELASTIC_RUN_ID" in os.environ or (
         "RANK" in os.environ and "PIPEOPTIM_STORE_PORT" not in os.environ
     ):
-        return _train_torchrun(config)
-    return _spawn(config)
+        return _train_torchrun(config, runner)
+    return _spawn(config, runner)
 
 
-def preflight(config: TrainConfig) -> None:
+def preflight(config: TrainConfig, runner: Runner) -> None:
     """The checks every rank would fail alike, made once before any process starts."""
-    layers, data = build_model(config.model, config.seed)
-    shape = config.plan.shape(1)
-    stage_boundaries(len(layers), shape.num_stages, config.plan.boundaries, config.model)
-    check_batch_split(
-        config.batch_size, config.plan.data_parallel, shape.micro_batches, error=RuntimeConfigError
-    )
-    DatasetLoader(data.train_x, data.train_y, config.batch_size, seed=config.seed)
+    runner.check(config)
     if config.device != "cpu" and torch.cuda.is_available():
         _check_gpus(config, _world(config))
 
@@ -230,11 +224,11 @@ def _check_gpus(config: TrainConfig, local_ranks: int) -> None:
         )
 
 
-def _run_rank(config: TrainConfig, rank: int, store: Store) -> FitResult:
+def _run_rank(config: TrainConfig, runner: Runner, rank: int, store: Store) -> FitResult:
     """One rank's run (process group up); publishes its share, after a failure too."""
     board = FailureBoard(store)
     try:
-        return run_config(config, store=store)
+        return run_config(config, runner, store=store)
     except BaseException as err:
         message = str(err) if isinstance(err, PipeoptimError) else f"{type(err).__name__}: {err}"
         if isinstance(err, NonFiniteLossError):
@@ -258,13 +252,13 @@ def _gather(store: Store, world: int, wait: float) -> list[RankResult]:
     return [RankResult.from_json(store.get(k)) for k in keys if store.check([k])]
 
 
-def _train_torchrun(config: TrainConfig) -> FitResult | None:
+def _train_torchrun(config: TrainConfig, runner: Runner) -> FitResult | None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = _connect(config, rank, world, None)
     store = dist.distributed_c10d._get_default_store()
     label = f"{device.type} x{config.plan.num_stages}"
     try:
-        result = _run_rank(config, rank, store)
+        result = _run_rank(config, runner, rank, store)
         dist.barrier()
     except BaseException:
         if rank == 0:  # replica 0's pipeline, as a finished run's trace
@@ -286,9 +280,9 @@ def _describe_exit(code: int) -> str:
         return f"was killed by signal {-code}"
 
 
-def _spawn(config: TrainConfig) -> FitResult:
+def _spawn(config: TrainConfig, runner: Runner) -> FitResult:
     """Start one process per stage (of each replica) on this machine and watch them."""
-    preflight(config)
+    preflight(config, runner)
     p, world = config.plan.num_stages, _world(config)
     timeout = timedelta(seconds=config.timeout)
     # Port 0: the OS picks a free port as the store binds it, so no other process can race us.
@@ -303,7 +297,7 @@ def _spawn(config: TrainConfig) -> FitResult:
         "WORLD_SIZE": str(world),
         "PIPEOPTIM_CONFIG": config.to_json(),
     }
-    command = [sys.executable, "-m", "pipeoptim.runtime.launch"]
+    command = [sys.executable, "-m", runner.worker]
     procs = [
         subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
         for r in range(world)
@@ -391,8 +385,9 @@ def _exit_with_parent(rank: int, parent: int, period: float = 0.5) -> None:
     threading.Thread(target=watch, name="pipeoptim-parent-watch", daemon=True).start()
 
 
-def _worker_main() -> int:
-    """A spawned child: one rank, connected to the store its launcher hosts."""
+def worker_main(runner: Runner) -> int:
+    """A spawned child (``runner.worker``'s ``__main__``): one rank, connected to the store
+    its launcher hosts; returns the exit status."""
     config = TrainConfig.from_json(os.environ["PIPEOPTIM_CONFIG"])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     _exit_with_parent(rank, int(os.environ["PIPEOPTIM_LAUNCHER_PID"]))
@@ -404,7 +399,7 @@ def _worker_main() -> int:
     code = 0
     try:
         _connect(config, rank, world, store)
-        _run_rank(config, rank, store)
+        _run_rank(config, runner, rank, store)
         dist.barrier()  # nobody leaves while a peer may still be reading from it
     except PipeoptimError as err:
         print(f"pipeoptim train: rank {rank}: {err}", file=sys.stderr)
@@ -415,8 +410,3 @@ def _worker_main() -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     return code
-
-
-if __name__ == "__main__":
-    # os._exit: a failed rank must not block in process-group teardown on dead peers.
-    os._exit(_worker_main())

@@ -14,9 +14,11 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from pipeoptim.errors import StageError
 from pipeoptim.runtime.diagnose import describe_failure
 from pipeoptim.runtime.executor import Boundary
-from pipeoptim.runtime.stage import AMP_DTYPES, LossFn, StageError, checked_loss
+from pipeoptim.runtime.loss import LossFn, checked_loss
+from pipeoptim.runtime.precision import AMP_DTYPES
 
 __all__ = ["probe_stages"]
 

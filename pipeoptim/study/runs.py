@@ -121,10 +121,10 @@ def run_one(spec: RunSpec) -> RunRecord:
     import torch
 
     from pipeoptim.plan.plan import OptimizerSpec
-    from pipeoptim.runtime.data import DatasetLoader
     from pipeoptim.runtime.executor import NonFiniteLossError
-    from pipeoptim.runtime.models import build_model, model_loss
     from pipeoptim.runtime.pipeline import Pipeline
+    from pipeoptim.workloads.data import DatasetLoader
+    from pipeoptim.workloads.loader import build_model, model_loss
 
     if spec.steps < 1 or spec.eval_every < 1:
         raise RuntimeConfigError(

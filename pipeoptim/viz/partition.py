@@ -8,7 +8,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from pipeoptim.plan.partition import Partition
+from pipeoptim.plan.partition_cost import Partition
 from pipeoptim.plan.profile import Profile
 from pipeoptim.viz.report import offline_page
 

@@ -22,11 +22,10 @@ from pipeoptim.commands import planning
 from pipeoptim.errors import PipeoptimError, WorkLimitError
 from pipeoptim.plan.limits import (
     MAX_ACTIONS,
-    check_schedule_size,
     estimate_work,
     max_actions,
 )
-from pipeoptim.plan.methods import METHODS, build_schedule, get_method
+from pipeoptim.plan.methods import METHODS, build_schedule, check_schedule_size, get_method
 from pipeoptim.plan.partition import optimal_partition
 from pipeoptim.plan.plan import Plan
 from pipeoptim.plan.profile import Profile

@@ -13,17 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeoptim.errors import PlanError
-from pipeoptim.plan.partition import (
-    MEMORY_METHODS,
-    MemoryFactors,
-    Partition,
-    equal_layer_partition,
-    evaluate_partition,
-    method_memory_factors,
-    min_memory_partition,
-    optimal_partition,
-    stage_comm_s,
-)
+from pipeoptim.plan.memory_factors import MEMORY_METHODS, MemoryFactors, method_memory_factors
+from pipeoptim.plan.partition import equal_layer_partition, min_memory_partition, optimal_partition
+from pipeoptim.plan.partition_cost import Partition, evaluate_partition, stage_comm_s
 from pipeoptim.plan.profile import Profile
 from pipeoptim.plan.units import format_bytes, parse_bandwidth, parse_bytes
 

@@ -50,7 +50,8 @@ def test_async_beats_flushed_with_few_micro_batches() -> None:
 
 
 def test_memory_cap_rules_methods_out_and_explains() -> None:
-    from pipeoptim.plan.partition import method_memory_factors, min_memory_partition
+    from pipeoptim.plan.memory_factors import method_memory_factors
+    from pipeoptim.plan.partition import min_memory_partition
 
     least = {
         m: min_memory_partition(

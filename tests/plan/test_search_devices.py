@@ -16,7 +16,8 @@ from pipeoptim.device_search import (
     steady_mini_batches,
 )
 from pipeoptim.errors import PlanError
-from pipeoptim.plan.partition import evaluate_partition, optimal_partition
+from pipeoptim.plan.partition import optimal_partition
+from pipeoptim.plan.partition_cost import evaluate_partition
 from pipeoptim.plan.profile import Profile
 from pipeoptim.planner import evaluate_candidate
 from pipeoptim.sim.collectives import Cluster, ring_allreduce_s

@@ -18,8 +18,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from pipeoptim import Pipeline
-from pipeoptim.runtime.data import Dataset
 from pipeoptim.runtime.stage import Stage
+from pipeoptim.workloads.data import Dataset
 
 BATCH = 16
 LR = {"sgd": 0.05, "adam": 0.01}

@@ -13,11 +13,11 @@ from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.runtime.checkpoint import Segment, latest_step, plan_segments
 from pipeoptim.runtime.config import TrainConfig
-from pipeoptim.runtime.data import Dataset
 from pipeoptim.runtime.executor import NonFiniteLossError
-from pipeoptim.runtime.launch import train
 from pipeoptim.runtime.result import FitResult
 from pipeoptim.trace import Trace
+from pipeoptim.workloads.data import Dataset
+from pipeoptim.workloads.train import train
 
 HERE = Path(__file__)
 

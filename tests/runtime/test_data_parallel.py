@@ -27,7 +27,8 @@ from pipeoptim.errors import PlanError, RuntimeConfigError
 from pipeoptim.plan.plan import Plan
 from pipeoptim.runtime.config import TrainConfig
 from pipeoptim.runtime.feed import iterate_epoch
-from pipeoptim.runtime.launch import RankFailedError, train
+from pipeoptim.runtime.launch import RankFailedError
+from pipeoptim.workloads.train import train
 
 pytestmark = pytest.mark.slow
 WORKER = Path(dp_worker.__file__)

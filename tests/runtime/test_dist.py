@@ -21,11 +21,12 @@ from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.runtime.checkpoint import latest_step
 from pipeoptim.runtime.config import TrainConfig
-from pipeoptim.runtime.data import Dataset
 from pipeoptim.runtime.executor import NonFiniteLossError
-from pipeoptim.runtime.launch import RankFailedError, train
+from pipeoptim.runtime.launch import RankFailedError
 from pipeoptim.runtime.result import FitResult
 from pipeoptim.trace import Trace
+from pipeoptim.workloads.data import Dataset
+from pipeoptim.workloads.train import train
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__)

@@ -16,12 +16,12 @@ from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.plan.schedules import Shape
 from pipeoptim.plan.versions import analyze_versions
 from pipeoptim.runtime.config import TrainConfig
-from pipeoptim.runtime.data import BatchOrder, Dataset
-from pipeoptim.runtime.launch import build_run, train
-from pipeoptim.runtime.models import build_model
 from pipeoptim.runtime.pipeline import Pipeline
 from pipeoptim.runtime.stage import Stage, make_optimizer
 from pipeoptim.trace import Trace
+from pipeoptim.workloads.data import BatchOrder, Dataset
+from pipeoptim.workloads.loader import build_model
+from pipeoptim.workloads.train import build_run, train
 
 HERE = Path(__file__)
 

@@ -15,6 +15,7 @@ from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.plan import OptimizerSpec
 from pipeoptim.plan.versions import MicroBatchVersions, analyze_versions
 from pipeoptim.runtime import stage as stage_module
+from pipeoptim.runtime.rng import draws_random_numbers
 from pipeoptim.runtime.stage import Stage
 from pipeoptim.runtime.transport import LocalTransport
 
@@ -53,8 +54,8 @@ def test_flush_methods_run_without_an_alias_per_parameter(
     monkeypatch: pytest.MonkeyPatch, method: str, aliases: int
 ) -> None:
     calls = []
-    original = stage_module._alias
-    monkeypatch.setattr(stage_module, "_alias", lambda p, s: calls.append(1) or original(p, s))
+    original = stage_module.alias
+    monkeypatch.setattr(stage_module, "alias", lambda p, s: calls.append(1) or original(p, s))
     stage = make(method, nn.Linear(3, 2))
     run(stage, method)
     assert len(calls) == aliases  # 2 forwards x (weight, bias) where versions can move
@@ -103,9 +104,9 @@ def test_user_modules_are_assumed_random() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return x + torch.rand_like(x)
 
-    assert stage_module._draws_random_numbers(nn.Sequential(nn.Linear(2, 2), Noisy()))
-    assert stage_module._draws_random_numbers(nn.MultiheadAttention(4, 2, dropout=0.1))
-    assert not stage_module._draws_random_numbers(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
+    assert draws_random_numbers(nn.Sequential(nn.Linear(2, 2), Noisy()))
+    assert draws_random_numbers(nn.MultiheadAttention(4, 2, dropout=0.1))
+    assert not draws_random_numbers(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
 
 
 def test_local_transport_hands_over_without_a_copy() -> None:

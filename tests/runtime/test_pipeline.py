@@ -23,13 +23,13 @@ from pipeoptim import Pipeline
 from pipeoptim.errors import PipeoptimError, RuntimeConfigError
 from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.runtime.config import TrainConfig
-from pipeoptim.runtime.data import DatasetLoader
 from pipeoptim.runtime.executor import NonFiniteLossError
 from pipeoptim.runtime.feed import epoch_seed
-from pipeoptim.runtime.gpt import gpt, lm_loss, python_corpus
-from pipeoptim.runtime.launch import train
-from pipeoptim.runtime.models import build_model
 from pipeoptim.runtime.stage import StageError
+from pipeoptim.workloads.data import DatasetLoader
+from pipeoptim.workloads.gpt import gpt, lm_loss, python_corpus
+from pipeoptim.workloads.loader import build_model
+from pipeoptim.workloads.train import train
 
 HERE = Path(__file__)
 

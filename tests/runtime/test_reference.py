@@ -36,10 +36,11 @@ from torch import Tensor, nn
 from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.runtime.config import TrainConfig
-from pipeoptim.runtime.data import BatchOrder, Dataset
-from pipeoptim.runtime.launch import build_run
-from pipeoptim.runtime.models import build_model, stage_boundaries
+from pipeoptim.runtime.layout import stage_boundaries
 from pipeoptim.runtime.stage import make_optimizer
+from pipeoptim.workloads.data import BatchOrder, Dataset
+from pipeoptim.workloads.loader import build_model
+from pipeoptim.workloads.train import build_run
 
 HERE = Path(__file__)
 SEED = 3

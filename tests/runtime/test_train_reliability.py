@@ -19,9 +19,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from pipeoptim.cli import main
 from pipeoptim.plan.plan import OptimizerSpec, Plan
-from pipeoptim.runtime import pipeline as pipeline_module
+from pipeoptim.runtime import assembly, fit_loop
 from pipeoptim.runtime.checkpoint import DirectoryLock, latest_step
 from pipeoptim.runtime.executor import Recorder
+from pipeoptim.runtime.pipeline import Pipeline
 from pipeoptim.trace import Trace
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,11 +81,11 @@ def test_item1_a_billion_steps_run_in_bounded_memory() -> None:
 def test_item1_per_step_records_and_the_trace_are_bounded(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(pipeline_module, "HISTORY", 5)
-    monkeypatch.setattr(pipeline_module, "SEGMENT_PASSES", 12)  # 4 mini-batches x 3 stages
+    monkeypatch.setattr(fit_loop, "HISTORY", 5)
+    monkeypatch.setattr(assembly, "SEGMENT_PASSES", 12)  # 4 mini-batches x 3 stages
     x, y = torch.randn(64, 6), torch.randint(0, 3, (64,))
     layers = [torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)]
-    pipe = pipeline_module.Pipeline(layers, "pipeoptim", stages=3, device="cpu")
+    pipe = Pipeline(layers, "pipeoptim", stages=3, device="cpu")
     pipe.recorder.limit = 40
     result = pipe.fit(DataLoader(TensorDataset(x, y), batch_size=8), max_steps=14)
     assert sorted(pipe.result.losses) == [9, 10, 11, 12, 13]  # the newest 5 steps

@@ -12,8 +12,9 @@ from pipeoptim.cli import main
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.study import grid
 from pipeoptim.study.grid import StudyConfig, choose_rates, load_records, main_specs, run_specs
-from pipeoptim.study.report import samples_to_target, write_study_report
+from pipeoptim.study.report import write_study_report
 from pipeoptim.study.runs import CurvePoint, RunRecord, RunSpec
+from pipeoptim.study.targets import samples_to_target
 
 CONFIG = StudyConfig(
     "mlp",
@@ -200,7 +201,7 @@ def test_variants_and_longer_runs_per_optimizer() -> None:
 
 def test_time_to_target_on_a_chosen_hardware_profile(tmp_path: Path) -> None:
     from pipeoptim.plan.profile import Profile
-    from pipeoptim.study.report import simulated_seconds_per_sample
+    from pipeoptim.study.targets import simulated_seconds_per_sample
 
     records = [
         record(CONFIG.spec("gpipe", "adam", 1e-3, 2, seed), [0.96, 0.97]) for seed in (0, 1)
@@ -223,7 +224,7 @@ def test_the_fit_reads_only_the_closure_measured_in_the_cell(
 ) -> None:
     """The risk fit must not read the constants it produces (plan/risk.py CLOSURE)."""
     from pipeoptim.plan import risk
-    from pipeoptim.study.report import _measured_distance
+    from pipeoptim.study.targets import _measured_distance
 
     monkeypatch.setattr(risk, "CLOSURE", {("optimizer", "adam"): {1: -5.0, 2: -5.0, 3: -5.0}})
     # pipeoptim, P = 4: s = 3, 2, 1, 0; stage 1 measured nothing (no weights)

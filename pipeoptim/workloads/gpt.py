@@ -1,6 +1,6 @@
 """A small character-level language model on Python source, for realistic pipeline runs.
 
-The classification toys in :mod:`pipeoptim.runtime.data` converge in seconds and say little
+The classification toys in :mod:`pipeoptim.workloads.data` converge in seconds and say little
 about how weight prediction behaves on the workloads pipelines are built for. This module
 gives a real, if small, one: a decoder-only transformer learning next-character prediction
 on the Python standard library's own ``.py`` files. The corpus is read from the interpreter's
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeoptim.errors import RuntimeConfigError
-from pipeoptim.runtime.data import Dataset
+from pipeoptim.workloads.data import Dataset
 
 __all__ = [
     "CONTEXT",

@@ -1,18 +1,18 @@
-"""Built-in example models and the loader for user models (``--model module:factory``).
+"""Model names to what a run trains: layers, data set and loss (``--model NAME``).
 
-A pipeline splits a model at layer boundaries, so every model here is a flat list of layers
-(an ``nn.Sequential``) with at least 8 layers, enough for up to 8 stages:
+A pipeline splits a model at layer boundaries, so every model is a flat list of layers (an
+``nn.Sequential``). The built-in ones (:data:`BUILTIN_MODELS`):
 
-* ``mlp``: a 9-layer perceptron on ``digits`` (64 features, 10 classes);
-* ``cnn``: a 12-layer convolutional net on ``digits`` seen as 1x8x8 images;
-* ``transformer``: a 10-layer transformer encoder on ``majority`` (15-bit strings);
+* ``mlp``, ``cnn``, ``transformer``: :mod:`pipeoptim.workloads.classifiers`, on ``digits``
+  and ``majority`` (:mod:`pipeoptim.workloads.data`);
 * ``gpt``: a 9-unit decoder-only transformer, next-character prediction on the Python
-  standard library's own source (``runtime/gpt.py``), trained with a per-token loss.
+  standard library's own source (:mod:`pipeoptim.workloads.gpt`), trained with a per-token
+  loss.
 
 A user model is ``module:factory`` or ``path/to/file.py:factory``: ``factory()`` returns an
 ``nn.Sequential`` or a list of modules. It trains on ``digits`` (input: a float tensor of 64
 features per sample, 10 classes) unless the factory's module defines ``dataset()`` returning
-a :class:`~pipeoptim.runtime.data.Dataset` (or a tuple ``(train_x, train_y, test_x,
+a :class:`~pipeoptim.workloads.data.Dataset` (or a tuple ``(train_x, train_y, test_x,
 test_y)``; the class count is then ``max(label) + 1``). The last layer's output is the
 logits of a cross-entropy loss. Every rank builds the whole model from the same seed and
 keeps its own stages, so initial weights do not depend on the transport.
@@ -33,81 +33,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeoptim.errors import RuntimeConfigError
-from pipeoptim.plan.plan import even_boundaries
-from pipeoptim.runtime.data import Dataset, digits, majority
-from pipeoptim.runtime.gpt import gpt, lm_loss, python_corpus
+from pipeoptim.workloads.classifiers import cnn, mlp, transformer
+from pipeoptim.workloads.data import Dataset, digits, majority
+from pipeoptim.workloads.gpt import gpt, lm_loss, python_corpus
 
 __all__ = [
+    "BUILTIN_LOSSES",
     "BUILTIN_MODELS",
     "build_model",
     "model_loss",
-    "stage_boundaries",
 ]
-
-
-class MeanOverSequence(nn.Module):
-    """Averages a (batch, sequence, features) tensor over the sequence."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x.mean(dim=1)
-
-
-class LearnedPositions(nn.Module):
-    """Adds a learned position embedding to a (batch, sequence, features) tensor."""
-
-    def __init__(self, length: int, dim: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(length, dim) * 0.02)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x + self.weight[: x.shape[1]]
-
-
-def mlp() -> list[nn.Module]:
-    return [
-        nn.Linear(64, 128),
-        nn.ReLU(),
-        nn.Linear(128, 128),
-        nn.ReLU(),
-        nn.Linear(128, 128),
-        nn.ReLU(),
-        nn.Linear(128, 64),
-        nn.ReLU(),
-        nn.Linear(64, 10),
-    ]
-
-
-def cnn() -> list[nn.Module]:
-    return [
-        nn.Unflatten(1, (1, 8, 8)),
-        nn.Conv2d(1, 16, 3, padding=1),
-        nn.ReLU(),
-        nn.Conv2d(16, 32, 3, padding=1),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Conv2d(32, 32, 3, padding=1),
-        nn.ReLU(),
-        nn.Flatten(),
-        nn.Linear(32 * 4 * 4, 64),
-        nn.ReLU(),
-        nn.Linear(64, 10),
-    ]
-
-
-def transformer(dim: int = 32, layers: int = 4) -> list[nn.Module]:
-    blocks: list[nn.Module] = [
-        nn.TransformerEncoderLayer(dim, 4, 2 * dim, dropout=0.0, batch_first=True)
-        for _ in range(layers)
-    ]
-    return [
-        nn.Embedding(2, dim),
-        LearnedPositions(15, dim),
-        *blocks,
-        MeanOverSequence(),
-        nn.Linear(dim, dim),
-        nn.Tanh(),
-        nn.Linear(dim, 2),
-    ]
 
 
 BUILTIN_MODELS: dict[str, tuple[Callable[[], list[nn.Module]], Callable[[], Dataset]]] = {
@@ -159,7 +94,7 @@ def _user_dataset(module: ModuleType, spec: str) -> Dataset:
         return Dataset(f"{spec}:dataset", train_x, train_y.long(), test_x, test_y.long(), classes)
     raise RuntimeConfigError(
         f"model {spec!r}: dataset() returned {type(data).__name__}; return a "
-        f"pipeoptim.runtime.data.Dataset or (train_x, train_y, test_x, test_y)"
+        f"pipeoptim.workloads.data.Dataset or (train_x, train_y, test_x, test_y)"
     )
 
 
@@ -191,24 +126,6 @@ def build_model(name: str, seed: int) -> tuple[list[nn.Module], Dataset]:
             f"nn.Sequential or a non-empty list of nn.Module layers"
         )
     return layers, _user_dataset(module, name)
-
-
-def stage_boundaries(
-    num_layers: int, num_stages: int, boundaries: list[tuple[int, int]] | None, model: str
-) -> list[tuple[int, int]]:
-    """The plan's layer ranges, or an even split; checked against the model."""
-    if num_stages > num_layers:
-        raise RuntimeConfigError(
-            f"model {model!r} has {num_layers} layers, too few for {num_stages} stages (a "
-            f"stage holds at least one layer); use --stages {num_layers} or fewer"
-        )
-    bounds = boundaries or even_boundaries(num_layers, num_stages)
-    if bounds[-1][1] != num_layers:
-        raise RuntimeConfigError(
-            f"the plan's stage boundaries cover {bounds[-1][1]} layers but model {model!r} "
-            f"has {num_layers}; make the plan for this model"
-        )
-    return bounds
 
 
 def model_loss(name: str) -> Callable[[Tensor, Tensor], Tensor]:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeoptim.runtime.gpt import (
+from pipeoptim.workloads.gpt import (
     SKIP_DIRS,
     UNKNOWN,
     VOCAB,

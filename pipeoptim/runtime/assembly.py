@@ -1,0 +1,237 @@
+"""A Pipeline's built parts: the plan and its shape, placement, transports, stages, replicas.
+
+Why apart from the front: ``Pipeline.__init__`` checks the user's arguments and then builds
+the same things in the same order for every run (local or dist, one replica or D); the fit
+loop, the checkpoint folder and the results read these parts and never rebuild them. What
+changes during a run lives in :class:`RunState`, shared by those three.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._C._distributed_c10d import Store
+
+from pipeoptim.errors import PipeoptimError, RuntimeConfigError
+from pipeoptim.plan.limits import estimate_work
+from pipeoptim.plan.methods import Method
+from pipeoptim.plan.plan import OptimizerSpec, Plan
+from pipeoptim.plan.schedules import Shape
+from pipeoptim.runtime.executor import segment_plan
+from pipeoptim.runtime.loss import LossFn
+from pipeoptim.runtime.placement import join_group, local_device
+from pipeoptim.runtime.replicas import GradientAverager, ReplicaGroups
+from pipeoptim.runtime.stage import Stage
+from pipeoptim.runtime.transport import DistTransport, LocalTransport, Transport
+from pipeoptim.runtime.update import OptimizerFactory, SchedulerFactory
+
+__all__ = ["SEGMENT_ACTIONS", "SEGMENT_PASSES", "Assembly", "RunState", "segment_limit"]
+
+SEGMENT_PASSES = 2**16
+"""At most this many forward passes (mini-batches x stages x micro-batches) in one
+never-flushed segment. A segment's schedule is laid out in advance, so this bounds the
+memory of a long run: at 4 stages a drain (P-1 idle steps) every 16,384 mini-batches."""
+
+SEGMENT_ACTIONS = 4_000_000
+"""The most compute actions one segment may hold (about 140 B each in the executor); only
+absurd shapes reach it (a segment is at most SEGMENT_PASSES passes, or 4P mini-batches)."""
+
+_FAMILIES = {"SGD": "sgd", "Adam": "adam", "AdamW": "adamw", "RMSprop": "rmsprop"}
+
+
+def segment_limit(method: Method, shape: Shape) -> int:
+    """Mini-batches per never-flushed segment at most (see SEGMENT_PASSES), checked against
+    SEGMENT_ACTIONS."""
+    per_step = shape.num_stages * shape.micro_batches
+    limit = max(4 * shape.num_ranks, SEGMENT_PASSES // per_step)
+    work = estimate_work(method, replace(shape, mini_batches=limit))
+    if work.actions > SEGMENT_ACTIONS:
+        raise RuntimeConfigError(
+            f"one never-flushed segment ({limit} mini-batches of "
+            f"{shape.num_stages} stages x {shape.micro_batches} micro-batches) "
+            f"is about {work.actions:,} actions, over the limit of {SEGMENT_ACTIONS:,}; "
+            f"use fewer micro-batches (each carries B/M samples) or fewer stages"
+        )
+    return limit
+
+
+@dataclass
+class RunState:
+    """What changes as a Pipeline trains: read by the front, the loop and the folder."""
+
+    step: int = 0
+    """Mini-batches trained so far (the global step)."""
+    last_checkpoint: int | None = None
+    """The step of the newest checkpoint written or loaded (None: none yet)."""
+    failed: str | None = None
+    """Why the Pipeline stopped with passes in flight (None: usable)."""
+    busy: bool = False
+    """A schedule is running: an error now leaves passes in flight."""
+    notes: list[str] = field(default_factory=list)
+    """What the run says about itself (a resume's changes...), for the result."""
+    resumed_with: dict[str, Any] = field(default_factory=dict)
+    """Hyper-parameters a resume changed: name -> [old, new]."""
+
+
+class Assembly:
+    """The parts of one process's share of a pipeline, built in this order: placement (and
+    the process group under dist), transports, this process's stages, the replicas' start
+    from replica 0's weights."""
+
+    def __init__(
+        self,
+        units: list[nn.Module],
+        plan: Plan,
+        method: Method,
+        bounds: list[tuple[int, int]],
+        *,
+        optimizer: OptimizerFactory | OptimizerSpec | None,
+        scheduler: SchedulerFactory | None,
+        loss_fn: LossFn,
+        transport: str,
+        device: str,
+        amp: str | None,
+        grad_clip: float | None,
+        seed: int,
+        timeout: float,
+        store: Store | None,
+        predicted_backward: bool,
+    ) -> None:
+        self.units, self.plan, self.method, self.bounds = units, plan, method, bounds
+        self.shape = plan.shape(1)
+        self.loss_fn, self.amp, self.seed = loss_fn, amp, seed
+        self.transport_name, self.timeout = transport, timeout
+        self.predicted_backward = predicted_backward
+        n_stages = self.shape.num_stages
+        self.rank_of = segment_plan(method, self.shape).rank_of
+        self.last = n_stages - 1
+        self.owns_group = False
+        self.store = store
+        self.replicas = ReplicaGroups.single(self.shape.num_ranks)
+        """This process's replica and its process groups (``replicas.py``)."""
+        self.device, ranks = self._place(device)
+        self.ranks = ranks
+        self.transports: dict[int, Transport] = (
+            dict(enumerate(LocalTransport.group(self.shape.num_ranks)))
+            if transport == "local"
+            else {
+                ranks[0]: DistTransport(
+                    ranks[0],
+                    self.shape.num_ranks,
+                    self.device,
+                    first_rank=self.replicas.global_rank(0),
+                )
+            }
+        )
+        spec = optimizer if optimizer is not None else plan.optimizer
+        self.stages: dict[int, Stage] = {}
+        for k, r in sorted(self.rank_of.items()):
+            if r not in ranks:
+                continue
+            a, b = bounds[k]
+            self.stages[k] = Stage(
+                k,
+                nn.Sequential(*units[a:b]),
+                num_stages=n_stages,
+                method=method,
+                optimizer=spec,
+                micro_batches=self.shape.micro_batches,
+                prediction_offset=plan.prediction_offset,
+                device=self.device,
+                seed=seed * 1000 + k + 1,
+                loss_fn=loss_fn,
+                scheduler=scheduler,
+                amp=amp,
+                grad_clip=grad_clip,
+                first_unit=a,
+                predicted_backward=predicted_backward,
+            )
+        self._join_replicas()
+        self._record_optimizer()
+
+    def _place(self, requested: str) -> tuple[torch.device, list[int]]:
+        """This process's device and ranks; joins (or starts) the process group for dist."""
+        if self.transport_name == "local":
+            device = local_device(requested, self.plan.devices)
+            return device, sorted(set(self.rank_of.values()))
+        p, d = self.shape.num_ranks, self.plan.data_parallel
+        device, rank, self.owns_group = join_group(
+            p, requested, self.plan.devices, self.timeout, replicas=d
+        )
+        if self.store is None:
+            self.store = dist.distributed_c10d._get_default_store()
+        self.replicas = ReplicaGroups.build(d, p, device)
+        return device, [rank % p]
+
+    def _join_replicas(self) -> None:
+        """Start every replica from replica 0's weights; average gradients before updates."""
+        group = self.replicas.data_group
+        if group is None:
+            return
+        self.replicas.broadcast_weights([s.module for s in self.stages.values()])
+        for stage in self.stages.values():
+            stage.grad_sync = GradientAverager(group, self.replicas.replicas)
+
+    def _record_optimizer(self) -> None:
+        """The plan (and trace) name the optimizer the stages actually built."""
+        opt = next((s.optimizer for s in self.stages.values() if s.optimizer is not None), None)
+        if opt is None:
+            return
+        family = _FAMILIES.get(type(opt).__name__, self.plan.optimizer.family)
+        lr = float(opt.param_groups[0]["lr"])
+        self.plan.optimizer = OptimizerSpec(family, lr if lr > 0 else self.plan.optimizer.lr)
+
+    def identity(self) -> dict[str, Any]:
+        """What a checkpoint must agree on to be resumed (the same on every rank)."""
+        p, shape = self.plan, self.shape
+        units = [[type(u).__name__, [list(t.shape) for t in u.parameters()]] for u in self.units]
+        return {
+            "method": p.method,
+            "num_stages": p.num_stages,
+            "micro_batches": shape.micro_batches,
+            "virtual_stages": shape.virtual_stages,
+            "prediction_offset": p.prediction_offset,
+            "boundaries": [list(b) for b in self.bounds],
+            "units": units,
+            "seed": self.seed,
+            "amp": self.amp,
+            # only when set, so checkpoints written before the option resume unchanged
+            **({"predicted_backward": True} if self.predicted_backward else {}),
+        }
+
+    # -- sharing between ranks -------------------------------------------------------------
+    def share(self, obj: Any, stage: int) -> Any:
+        """``obj`` as computed on the rank of ``stage``, on every rank."""
+        if self.transport_name == "local":
+            return obj
+        box = [obj]
+        cuda = self.device.type == "cuda"
+        dist.broadcast_object_list(
+            box,
+            src=self.replicas.global_rank(self.rank_of[stage]),
+            group=self.replicas.pipeline_group,
+            device=self.device if cuda else None,
+        )
+        return box[0]
+
+    def on_first_rank(self, work: Any) -> Any:
+        """Run ``work`` on stage 0's rank and share its result; an error there is raised on
+        every rank (the original on stage 0's, its message elsewhere)."""
+        out: Any = None
+        error: BaseException | None = None
+        if 0 in self.stages:
+            try:
+                out = work()
+            except BaseException as err:
+                error = err
+                out = ("error", str(err) if isinstance(err, PipeoptimError) else repr(err))
+        out = self.share(out, 0)
+        if error is not None:
+            raise error
+        if isinstance(out, tuple) and len(out) == 2 and out[0] == "error":
+            raise RuntimeConfigError(f"stage 0's rank failed: {out[1]}")
+        return out

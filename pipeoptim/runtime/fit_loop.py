@@ -1,0 +1,460 @@
+"""A Pipeline's fit loop: the data, the never-flushed segments, the losses, evaluation, and the
+result of every rank.
+
+Why this shape: training runs as one never-flushed pipeline over the whole ``fit``, cut into
+segments only where a checkpoint or an evaluation is due (``checkpoint_every``,
+``eval_every``), at the segment limit, and at the end. Only stage 0's rank reads the data
+(``feed.py``); shapes, batch counts and evaluation chunk sizes reach the other ranks through
+:meth:`Assembly.on_first_rank`. A dry run of two samples through every stage (the *probe*)
+before any work finds the receive shapes and catches layers that do not chain, wrong feature
+counts, bad targets and non-scalar losses, naming the stage and the unit. The executors run
+the schedules; this loop only lays them out, reads the losses back every ``log_every``
+mini-batches (the only host syncs of training), and stops on a non-finite one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from tqdm import tqdm
+
+from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.plan.schedules import Shape
+from pipeoptim.runtime.assembly import Assembly, RunState
+from pipeoptim.runtime.checkpoint import Segment, plan_segments
+from pipeoptim.runtime.checkpoint_folder import CheckpointFolder
+from pipeoptim.runtime.config import run_length
+from pipeoptim.runtime.executor import (
+    Boundary,
+    NonFiniteLossError,
+    RankExecutor,
+    RankResult,
+    Recorder,
+    drive_local,
+    eval_plan,
+    segment_plan,
+)
+from pipeoptim.runtime.feed import BatchSpec, EvalReader, TrainFeed, steps_per_epoch
+from pipeoptim.runtime.probe import probe_stages
+from pipeoptim.runtime.replicas import collective
+from pipeoptim.runtime.result import EvalResult, FitResult, build_trace, merge
+from pipeoptim.trace import Trace
+
+__all__ = ["HISTORY", "FitLoop", "FitOptions"]
+
+HISTORY = 100_000
+"""Per-step losses kept in memory (the newest); a run of 10^9 steps keeps no more."""
+
+
+class FitOptions:
+    """How the loop reports and cuts a run (see ``Pipeline``'s arguments)."""
+
+    def __init__(
+        self,
+        *,
+        checkpoint_dir: str | None,
+        checkpoint_every: int | None,
+        progress: bool,
+        log_every: int,
+        memory_every: int,
+        targets: str,
+        segment_limit: int,
+    ) -> None:
+        self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
+        self.progress, self.log_every, self.memory_every = progress, log_every, memory_every
+        self.targets = targets
+        self.segment_limit = segment_limit
+
+
+class FitLoop:
+    """Trains and evaluates the stages of one process (the executors of its ranks)."""
+
+    def __init__(
+        self, parts: Assembly, state: RunState, options: FitOptions, hyperparameters: dict[str, Any]
+    ) -> None:
+        self.parts, self.state, self.options = parts, state, options
+        self.hyperparameters = hyperparameters
+        self.recorder = Recorder(parts.device, time.perf_counter())
+        self.result = RankResult(parts.ranks)
+        self.spec: BatchSpec | None = None
+        self.boundaries: list[Boundary] | None = None
+        self._target: Boundary | None = None
+        self._executors: list[RankExecutor] = []
+        self._pending: list[tuple[int, Tensor, Tensor | None, int]] = []
+        self._bar: Any = None
+        self.trace: Trace | None = None
+        """The trace of the last completed fit (None: none yet)."""
+
+    # -- the dry run -----------------------------------------------------------------------
+    def _probe(self, x: Tensor, y: Tensor) -> dict[str, Any]:
+        """Two samples through every stage: receive shapes, and user errors found early."""
+        p = self.parts
+        boundaries = probe_stages(p.units, p.bounds, x[:2], y[:2], p.loss_fn, p.amp, p.device)
+        return {"spec": BatchSpec.of(x, y), "boundaries": boundaries}
+
+    def _adopt(self, info: dict[str, Any]) -> None:
+        """Take the run's shapes (from the probe) and build the executors once."""
+        spec: BatchSpec = info["spec"]
+        if self.spec is None:
+            self.boundaries = info["boundaries"]
+            self._target = Boundary(spec.target_shape, spec.target_dtype)
+            self.spec = spec
+            self._build_executors()
+        self.spec = replace(self.spec, batch_size=spec.batch_size)
+
+    def _build_executors(self) -> None:
+        assert self.boundaries is not None and self._target is not None
+        p = self.parts
+        for rank in sorted(p.transports):
+            mine = {k: s for k, s in p.stages.items() if p.rank_of[k] == rank}
+            self._executors.append(
+                RankExecutor(
+                    rank,
+                    mine,
+                    p.transports[rank],
+                    boundaries=self.boundaries,
+                    target=self._target,
+                    micro_size=1,
+                    rank_of=p.rank_of,
+                    recorder=self.recorder,
+                    on_step=self._on_step if p.last in mine else None,
+                    memory_every=self.options.memory_every,
+                )
+            )
+
+    # -- training --------------------------------------------------------------------------
+    def train(
+        self,
+        folder: CheckpointFolder | None,
+        data: Iterable[Any],
+        epochs: int | None,
+        max_steps: int | None,
+        eval_data: Iterable[Any] | None,
+        eval_every: int | None,
+        given_spe: int | None,
+    ) -> FitResult:
+        """Train from the current step to the run's end (see ``Pipeline.fit``)."""
+        parts, state, options = self.parts, self.state, self.options
+        shape, replicas = parts.shape, parts.replicas
+        start = state.step
+        feed: TrainFeed | None = None
+
+        def make_feed(spe: int) -> TrainFeed:
+            return TrainFeed(
+                data,
+                steps_per_epoch=spe,
+                micro_batches=shape.micro_batches,
+                device=parts.device,
+                seed=parts.seed,
+                start_step=start,
+                replicas=replicas.replicas,
+                replica=replicas.replica,
+            )
+
+        def read_first() -> dict[str, Any]:
+            nonlocal feed
+            spe, skipped = steps_per_epoch(data, given_spe)
+            feed = make_feed(spe)
+            x, y = feed.peek()
+            if self.spec is not None:
+                self.spec.check(x, y, "the first batch", any_size=True)
+                info = {"spec": BatchSpec.of(x, y), "boundaries": self.boundaries}
+            else:
+                info = self._probe(x, y)
+            return {**info, "spe": spe, "skipped": skipped}
+
+        info = parts.on_first_rank(read_first)
+        self._adopt(info)
+        assert self.spec is not None
+        spe, batch = int(info["spe"]), self.spec.batch_size
+        parts.plan.batch_size = batch
+        res = self.result
+        res.steps_per_epoch, res.skipped_samples, res.batch_size = spe, info["skipped"], batch
+        total = run_length(epochs, max_steps, spe)
+        last = parts.last
+        reads_targets = options.targets == "read" and last in parts.stages and 0 not in parts.stages
+        target_feed = make_feed(spe) if reads_targets else None
+        for ex in self._executors:
+            ex.micro_size = batch // (shape.micro_batches * replicas.replicas)
+            ex.feed = feed if 0 in ex.stages else None
+            ex.targets_read = options.targets == "read"
+            ex.target_feed = target_feed if last in ex.stages else None
+        res.start_step = res.end_step = start
+        if last in parts.stages and options.progress and replicas.replica == 0:
+            samples = max(total - start, 0) * batch
+            self._bar = tqdm(total=samples, unit="sample", unit_scale=True, leave=False)
+            self._bar.set_description(parts.plan.method)
+        t0 = time.perf_counter()
+        every = [
+            options.checkpoint_every,
+            eval_every if eval_data is not None else None,
+            options.segment_limit,
+        ]
+        try:
+            for seg in plan_segments(start, total, every):
+                self._run_segment(seg.first_step, seg.num_steps)
+                state.step = res.end_step = seg.first_step + seg.num_steps
+                res.train_seconds = time.perf_counter() - t0
+                self._flush_metrics()
+                at_end = state.step == total
+                if folder is not None and (
+                    at_end or state.step % (options.checkpoint_every or total) == 0
+                ):
+                    self._check_finite_weights()
+                    folder.write(spe)
+                due = eval_every is not None and state.step % eval_every == 0
+                if eval_data is not None and due and not at_end:
+                    self.evaluate(eval_data)
+        finally:
+            res.train_seconds = time.perf_counter() - t0
+            self.close_bar()
+        if eval_data is not None:
+            self.evaluate(eval_data)
+        return self.merged()
+
+    def _run_segment(self, first_step: int, num_steps: int) -> None:
+        s = self.parts.shape
+        plan = segment_plan(
+            self.parts.method, Shape(s.num_ranks, s.micro_batches, num_steps, s.virtual_stages)
+        )
+        seg = Segment(0, first_step, num_steps)
+        self.state.busy = True  # an error from here on leaves passes in flight
+        for ex in self._executors:
+            ex.begin(seg, plan)
+        self._drive()
+        self.state.busy = False
+        self.recorder.resolve()
+
+    def _drive(self) -> None:
+        """Run every rank of this process to the end of the current schedule."""
+        if len(self._executors) == 1:
+            self._executors[0].run()
+        else:
+            drive_local(self._executors)
+        for t in self.parts.transports.values():
+            t.flush()
+
+    def _on_step(self, step: int, loss: Tensor, correct: Tensor | None, targets: int) -> None:
+        self._pending.append((step, loss, correct, targets))
+        if len(self._pending) >= self.options.log_every:
+            self._flush_metrics()
+
+    def _flush_metrics(self) -> None:
+        """Read the pending losses from the device (one sync) and check them."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        losses = torch.stack([p[1].float() for p in pending])
+        has_correct = all(p[2] is not None for p in pending)
+        right = torch.stack([p[2] for p in pending]) if has_correct else None  # type: ignore[misc]
+        losses, right = self._over_replicas(losses, right)
+        values, counts = losses.tolist(), right.tolist() if right is not None else []
+        res = self.result
+        replicas = self.parts.replicas.replicas
+        for i, (step, _, _, targets) in enumerate(pending):
+            value = values[i]
+            if value != value or abs(value) == float("inf"):
+                raise NonFiniteLossError(self.nonfinite_message(value, step), step)
+            res.losses[step] = value
+            res.targets[step] = targets * replicas  # every replica's share
+            if has_correct:
+                res.correct[step] = int(counts[i])
+        for record in (res.losses, res.targets, res.correct):
+            while len(record) > HISTORY:  # oldest first: dicts keep insertion order
+                del record[next(iter(record))]
+        if self._bar is not None:
+            self._bar.update(len(pending) * (self.spec.batch_size if self.spec else 1))
+            self._bar.set_postfix(step=pending[-1][0], loss=f"{values[-1]:.4f}")
+
+    def _over_replicas(self, losses: Tensor, right: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """The whole batch's mean losses and correct counts from every replica's share
+        (each replica's last stage saw 1/D of the batch). Every replica then checks the
+        same values, so a non-finite loss stops all of them at the same step."""
+        replicas = self.parts.replicas
+        group = replicas.data_group
+        if group is None:
+            return losses, right
+        n = len(losses)
+        parts = [losses.double()] + ([right.double()] if right is not None else [])
+        sums = torch.cat(parts)
+        with collective(group, "averaging the losses"):
+            dist.all_reduce(sums, group=group)
+        mean = (sums[:n] / replicas.replicas).float()
+        return mean, sums[n:].round().long() if right is not None else None
+
+    def _check_finite_weights(self) -> None:
+        """Refuse to checkpoint weights that became non-finite (the last good one stays)."""
+        for k, stage in self.parts.stages.items():
+            finite = torch.stack([torch.isfinite(p).all() for p in stage.module.parameters()])
+            if finite.numel() and not bool(finite.all()):
+                raise NonFiniteLossError(
+                    self.nonfinite_message(float("nan"), self.state.step)
+                    + f" (the weights of stage {k} became non-finite)",
+                    self.state.step,
+                )
+
+    def nonfinite_message(self, value: float, step: int) -> str:
+        """What stopped, what was kept, and the remedies for this method and depth."""
+        last, where = self.state.last_checkpoint, self.options.checkpoint_dir
+        if last is not None:
+            kept = f"the last good checkpoint (step {last}) in {where} was kept"
+        elif where:
+            kept = "no checkpoint had been written yet"
+        else:
+            kept = "nothing was checkpointed (set checkpoint_dir to keep one)"
+        resume = " and resume from it (--resume, fit(..., resume=True))" if last is not None else ""
+        return (
+            f"non-finite loss ({value}) at step {step} (mini-batches count from 0); training "
+            f"stopped and {kept}. Lower the learning rate{resume}" + self._divergence_advice()
+        )
+
+    def _divergence_advice(self) -> str:
+        """The remedies the convergence study measured, for this method and depth."""
+        method, p = self.parts.method, self.parts.shape.num_stages
+        if not method.asynchronous or method.micro_batched:
+            return "."
+        s = p - 1
+        text = (
+            f"; {method.name} runs stage 0's forward {s} update(s) ahead of its backward "
+            f"(s = P-1), and in the convergence study (examples/convergence/results) such "
+            f"pipelines at 8 stages lost accuracy or diverged under SGD-momentum where gpipe, "
+            f"2bw and xpipe (s <= 1) did not: use 2bw or xpipe, or fewer stages"
+        )
+        if method.prediction_rule is not None and not self.parts.predicted_backward:
+            text += (
+                ", or predicted_backward=True (input gradients through the predicted "
+                "weights too, one weight copy per mini-batch in flight)"
+            )
+        return text + "."
+
+    def close_bar(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    # -- evaluation ------------------------------------------------------------------------
+    def evaluate(self, data: Iterable[Any]) -> EvalResult:
+        """Loss (and accuracy) of the live weights on ``data``: a forward-only schedule."""
+        parts = self.parts
+        reader = EvalReader(data, self.spec) if 0 in parts.stages else None
+        modes = {k: s.module.training for k, s in parts.stages.items()}
+        for s in parts.stages.values():
+            s.module.eval()  # dropout off, batch-norm statistics frozen
+        first = 0
+        try:
+            while True:
+                chunk: list[tuple[Tensor, Tensor]] = []
+
+                def read(
+                    first: int = first, chunk: list[tuple[Tensor, Tensor]] = chunk
+                ) -> dict[str, Any]:
+                    chunk[:] = reader.next_chunk() if reader is not None else []
+                    if not chunk and first == 0:
+                        raise RuntimeConfigError(
+                            "the evaluation data is empty; give it at least one batch"
+                        )
+                    probe = self._probe(*chunk[0]) if chunk and self.spec is None else None
+                    return {"sizes": [len(x) for x, _ in chunk], "probe": probe}
+
+                info = parts.on_first_rank(read)
+                if info["probe"] is not None:
+                    self._adopt(info["probe"])
+                sizes: list[int] = info["sizes"]
+                if not sizes:
+                    break
+                placement = tuple(sorted(parts.rank_of.items()))
+                plan = eval_plan(placement, len(sizes))
+                self.state.busy = True
+                for ex in self._executors:
+                    ex.begin_eval(plan, sizes, first, chunk if 0 in ex.stages else None)
+                self._drive()
+                self.state.busy = False
+                first += len(sizes)
+        finally:
+            for k, s in parts.stages.items():
+                s.module.train(modes[k])
+            for ex in self._executors:
+                ex.end_eval()
+        return self._eval_result()
+
+    def _eval_result(self) -> EvalResult:
+        out: dict[str, Any] | None = None
+        for ex in self._executors:
+            sums = ex.eval_sums
+            if sums is not None:
+                loss = float(sums.loss) / max(sums.samples, 1)
+                acc = int(sums.correct) / sums.targets if sums.classifier else None
+                out = {
+                    "loss": loss,
+                    "accuracy": acc,
+                    "samples": sums.samples,
+                    "step": self.state.step,
+                }
+                ex.eval_sums = None
+        shared = self.parts.share(out, self.parts.last)
+        if shared is None:
+            raise RuntimeError("the evaluation produced no result on the last stage")
+        self.result.evals.append(shared)
+        return EvalResult.from_dict(shared)
+
+    # -- results ---------------------------------------------------------------------------
+    def rank_result(self) -> RankResult:
+        """This process's share so far (after a failure too: the trace of what ran)."""
+        self.recorder.resolve()
+        res, stages = self.result, self.parts.stages
+        res.events, res.memory = self.recorder.events, self.recorder.memory
+        res.weight_copies = {k: s.peak_weight_copies for k, s in stages.items()}
+        res.meta = self.meta()
+        res.predict_s = {
+            k: seconds for k, s in stages.items() if (seconds := s.prediction_s) is not None
+        }
+        res.notes = [*self.state.notes, *sorted({n for s in stages.values() for n in s.notes})]
+        return res
+
+    def meta(self) -> dict[str, Any]:
+        """The run's metadata, as the trace records it."""
+        p = self.parts
+        ranks = p.shape.num_ranks
+        device = str(p.device) if p.transport_name == "local" else f"{p.device.type} x{ranks}"
+        return {
+            "transport": p.transport_name,
+            "device": device,
+            "hyperparameters": self.hyperparameters,
+            "resumed_with_changes": self.state.resumed_with,
+            "trace_truncated": self.recorder.truncated,
+            "model": p.plan.model or "custom",
+            # the layer ranges the stages ran (the plan may leave them to the even split)
+            "boundaries": [list(b) for b in p.bounds],
+            "num_layers": len(p.units),
+            "threads": torch.get_num_threads(),  # CPU threads each rank computed with
+            # replicas of the pipeline; the events are replica 0's (they run alike)
+            "data_parallel": p.replicas.replicas,
+        }
+
+    def merged(self) -> FitResult:
+        """Every rank's result of this replica's pipeline, merged (the same on every rank)."""
+        mine = self.rank_result()
+        p = self.parts
+        if p.transport_name == "dist":  # this replica's pipeline
+            texts: list[Any] = [None] * p.shape.num_ranks
+            dist.all_gather_object(texts, mine.to_json(), group=p.replicas.pipeline_group)
+            results = [RankResult.from_json(t) for t in texts]
+        else:
+            results = [mine]
+        merged = merge(p.plan, results, self.meta())
+        self.trace = merged.trace
+        return merged
+
+    def partial(self) -> FitResult:
+        """What ran so far, merged from this process alone (a failed local run)."""
+        return merge(self.parts.plan, [self.rank_result()], self.meta())
+
+    def trace_so_far(self) -> Trace:
+        """The trace of what ran so far in this process."""
+        return build_trace(self.parts.plan, [self.rank_result()], self.meta())

@@ -1,0 +1,328 @@
+"""Timing the layers of a model: forward and backward passes, the backward's split into
+input and weight gradients, the fixed per-call part, the optimizer step and the prediction.
+
+The profiler (:mod:`pipeoptim.runtime.profiler`) measures on the device the model will train
+on. Every layer runs within whole passes on the real activations of the previous layer, after
+warm-up, and the median of several repeats is kept (robust to the odd slow run). CUDA timings
+use CUDA events with synchronisation; CPU timings use ``time.perf_counter``. Everything here
+is a measurement of time; what the layers occupy is :mod:`pipeoptim.runtime.layer_memory`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.plan.plan import OptimizerSpec
+from pipeoptim.plan.profile import LayerProfile
+from pipeoptim.runtime.layer_memory import optimizer_state_bytes
+
+__all__ = [
+    "check_output",
+    "leaf_input",
+    "streamed_steps",
+    "time_passes",
+    "time_step_and_prediction",
+    "timer_for",
+    "weight_grad_fractions",
+]
+
+
+def timer_for(device: torch.device) -> Callable[[Callable[[], Any]], float]:
+    """A function that runs a callable once and returns its duration in seconds."""
+    if device.type == "cuda":
+
+        def cuda_time(fn: Callable[[], Any]) -> float:
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            torch.cuda.synchronize(device)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            return float(start.elapsed_time(end)) / 1e3
+
+        return cuda_time
+
+    def wall_time(fn: Callable[[], Any]) -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    return wall_time
+
+
+def leaf_input(x: Tensor) -> Tensor:
+    leaf = x.detach()
+    if leaf.is_floating_point() or leaf.is_complex():
+        leaf.requires_grad_(True)
+    return leaf
+
+
+def _call_into(fn: Callable[[Tensor], Tensor], inp: Tensor, holder: list[Tensor]) -> None:
+    holder.append(fn(inp))
+
+
+def _fixed_part(sizes: Sequence[int], times: Sequence[float]) -> float:
+    """The intercept of a least-squares line through (batch size, time), kept within
+    [0, time at the largest size]: the per-call cost that does not shrink with the batch."""
+    if len(sizes) < 2:
+        return 0.0
+    mean_b, mean_t = statistics.fmean(sizes), statistics.fmean(times)
+    spread = sum((b - mean_b) ** 2 for b in sizes)
+    if spread == 0:
+        return 0.0
+    slope = sum((b - mean_b) * (t - mean_t) for b, t in zip(sizes, times, strict=True)) / spread
+    largest = times[sizes.index(max(sizes))]
+    return min(max(mean_t - slope * mean_b, 0.0), largest)
+
+
+def time_step_and_prediction(
+    params: list[nn.Parameter],
+    optimizer: OptimizerSpec,
+    *,
+    warmup: int,
+    repeats: int,
+    timer: Callable[[Callable[[], Any]], float],
+) -> tuple[float, float, int]:
+    """Median seconds of one optimizer step and of one prediction (Ŵ written into a
+    buffer, as a predicting stage does before its forward) for ``params``, and the
+    optimizer state bytes after the steps. The weights are restored afterwards."""
+    from pipeoptim.runtime.predict import predictor_for
+    from pipeoptim.runtime.update import make_optimizer
+
+    trainable = [p for p in params if p.requires_grad]
+    if not trainable:
+        return 0.0, 0.0, 0
+    saved = [p.detach().clone() for p in trainable]
+    opt = make_optimizer(optimizer, trainable)
+    predictor = predictor_for(opt, "optimizer")
+    buffer = [torch.empty_like(p) for p in trainable]
+
+    def predict() -> None:
+        predictor.predict_into(buffer, 1)
+
+    steps: list[float] = []
+    predictions: list[float] = []
+    try:
+        for p in trainable:
+            p.grad = torch.full_like(p, 1e-3)
+        for run in range(warmup + repeats):
+            step_s = timer(opt.step)
+            predict_s = timer(predict)
+            if run >= warmup:
+                steps.append(step_s)
+                predictions.append(predict_s)
+        state = optimizer_state_bytes(opt)
+    finally:
+        predictor.close()
+        with torch.no_grad():
+            for p, w in zip(trainable, saved, strict=True):
+                p.copy_(w)
+                p.grad = None
+    return statistics.median(steps), statistics.median(predictions), state
+
+
+def time_passes(
+    layers: list[LayerProfile],
+    named: Sequence[tuple[str, nn.Module]],
+    x: Tensor,
+    sizes: Sequence[int],
+    warmup: int,
+    repeats: int,
+    timer: Callable[[Callable[[], Any]], float],
+) -> list[LayerProfile]:
+    """``layers`` with their pass times at the batch of ``x`` and the fixed parts fitted
+    through the times at ``sizes`` too (sizes a layer cannot run, e.g. BatchNorm on one
+    sample, end the fit there)."""
+    forward, backward = _pass_times(named, x, warmup=warmup, repeats=repeats, timer=timer)
+    points = [(len(x) if x.dim() > 0 else 1, forward, backward)]
+    for b in sizes if x.dim() > 0 else ():
+        try:
+            points.append(
+                (b, *_pass_times(named, x[:b], warmup=warmup, repeats=repeats, timer=timer))
+            )
+        except (RuntimeError, ValueError):
+            for _, module in named:
+                for p in module.parameters():
+                    p.grad = None
+            break
+    batches = [b for b, _, _ in points]
+    out = []
+    for i, layer in enumerate(layers):
+        f = [times[i] for _, times, _ in points]
+        g = [times[i] for _, _, times in points]
+        out.append(
+            dataclasses.replace(
+                layer,
+                forward_s=forward[i],
+                backward_s=backward[i],
+                forward_fixed_s=_fixed_part(batches, f),
+                backward_fixed_s=_fixed_part(batches, g),
+            )
+        )
+    return out
+
+
+def streamed_steps(
+    layers: list[LayerProfile],
+    trainable: Sequence[int],
+    stream_bytes: int,
+    optimizer: OptimizerSpec,
+    device: torch.device,
+    timer: Callable[[Callable[[], Any]], float],
+    *,
+    warmup: int,
+    repeats: int,
+) -> list[LayerProfile]:
+    """``layers`` with update and prediction times from one step and one prediction over
+    ``stream_bytes`` of weights, per byte times each layer's trainable bytes."""
+    flat = nn.Parameter(torch.zeros(max(1, stream_bytes // 4), device=device))
+    step_s, predict_s, _ = time_step_and_prediction(
+        [flat], optimizer, warmup=max(warmup, 1), repeats=repeats, timer=timer
+    )
+    size = flat.numel() * flat.element_size()
+    return [
+        dataclasses.replace(x, update_s=step_s * b / size, predict_s=predict_s * b / size)
+        for x, b in zip(layers, trainable, strict=True)
+    ]
+
+
+def check_output(name: str, out: object) -> Tensor:
+    if not isinstance(out, Tensor):
+        raise RuntimeConfigError(
+            f"layer {name} returned a {type(out).__name__}; the profiler handles layers "
+            "that map one tensor to one tensor: wrap the layer so it returns a tensor"
+        )
+    return out
+
+
+def _pass_times(
+    named: Sequence[tuple[str, nn.Module]],
+    x: Tensor,
+    *,
+    warmup: int,
+    repeats: int,
+    timer: Callable[[Callable[[], Any]], float],
+) -> tuple[list[float], list[float]]:
+    """Median forward and backward seconds of every layer, timed within whole passes.
+
+    Each pass runs every layer's forward in order, then every backward in reverse, with
+    the real gradients: a layer meets its weights and inputs as cold as in training, not
+    warm from running alone again and again.
+    """
+    count = len(named)
+    forward_times: list[list[float]] = [[] for _ in range(count)]
+    backward_times: list[list[float]] = [[] for _ in range(count)]
+    params = [p for _, m in named for p in m.parameters()]
+    for run in range(warmup + repeats):
+        inputs: list[Tensor] = []
+        outputs: list[Tensor] = []
+        inp = leaf_input(x)
+        for i, (name, module) in enumerate(named):
+            holder: list[Tensor] = []
+            seconds = timer(partial(_call_into, module, inp, holder))
+            out = check_output(name, holder[0])
+            if run >= warmup:
+                forward_times[i].append(seconds)
+            inputs.append(inp)
+            outputs.append(out)
+            inp = leaf_input(out)
+        grad: Tensor | None = torch.ones_like(outputs[-1])
+        for i in reversed(range(count)):
+            seconds = 0.0
+            if outputs[i].requires_grad:
+                if grad is None or grad.shape != outputs[i].shape:
+                    grad = torch.ones_like(outputs[i])
+                seconds = timer(partial(torch.autograd.backward, outputs[i], grad))
+            if run >= warmup:
+                backward_times[i].append(seconds)
+            grad = inputs[i].grad if inputs[i].requires_grad else None
+        for p in params:
+            p.grad = None
+    return (
+        [statistics.median(t) for t in forward_times],
+        [statistics.median(t) for t in backward_times],
+    )
+
+
+def weight_grad_fractions(
+    named: Sequence[tuple[str, nn.Module]],
+    x: Tensor,
+    *,
+    warmup: int,
+    repeats: int,
+    timer: Callable[[Callable[[], Any]], float],
+) -> list[float]:
+    """Every layer's share of its backward that computes the weight gradient, timed within
+    whole passes as :func:`_pass_times` times the backward, but split the way a
+    zero-bubble schedule runs it: per layer (last first) the input gradient I alone
+    (``torch.autograd.grad`` for the input, keeping the graph), then the weight gradient W
+    alone (for the trainable parameters). The share is median W / (median I + median W);
+    0 for a layer without trainable parameters, 1 for one whose input takes no gradient
+    (e.g. an embedding of token ids)."""
+    count = len(named)
+    input_times: list[list[float]] = [[] for _ in range(count)]
+    weight_times: list[list[float]] = [[] for _ in range(count)]
+    trainable = [[p for p in m.parameters() if p.requires_grad] for _, m in named]
+    for run in range(warmup + repeats):
+        inputs: list[Tensor] = []
+        outputs: list[Tensor] = []
+        inp = leaf_input(x)
+        for name, module in named:
+            out = check_output(name, module(inp))
+            inputs.append(inp)
+            outputs.append(out)
+            inp = leaf_input(out)
+        grad: Tensor | None = None
+        for i in reversed(range(count)):
+            out, params = outputs[i], trainable[i]
+            wants_input = inputs[i].requires_grad
+            i_s = w_s = 0.0
+            next_grad: Tensor | None = None
+            if out.requires_grad:
+                if grad is None or grad.shape != out.shape:
+                    grad = torch.ones_like(out)
+                if wants_input:
+                    found: list[tuple[Tensor | None, ...]] = []
+                    i_s = timer(
+                        partial(
+                            _call_into_tuple,
+                            partial(
+                                torch.autograd.grad,
+                                out,
+                                [inputs[i]],
+                                grad,
+                                retain_graph=bool(params),
+                                allow_unused=True,
+                            ),
+                            found,
+                        )
+                    )
+                    next_grad = found[0][0]
+                if params:
+                    w_s = timer(partial(torch.autograd.grad, out, params, grad, allow_unused=True))
+            if run >= warmup:
+                input_times[i].append(i_s)
+                weight_times[i].append(w_s)
+            grad = next_grad
+    shares = []
+    for i in range(count):
+        if not trainable[i]:
+            shares.append(0.0)
+            continue
+        i_s, w_s = statistics.median(input_times[i]), statistics.median(weight_times[i])
+        shares.append(min(1.0, w_s / (i_s + w_s)) if i_s + w_s > 0 else 0.5)
+    return shares
+
+
+def _call_into_tuple(fn: Callable[[], tuple[Tensor | None, ...]], holder: list[Any]) -> None:
+    holder.append(fn())

@@ -1,0 +1,279 @@
+"""A stage's update: its optimizer and LR scheduler, gradient sync, unscaling, clipping, and
+the slot where a delay correction plugs in.
+
+Why apart from the stage: the update is the one place an asynchronous method's training rule
+differs beyond which weights a pass reads. A *delay correction* (DESIGN.md, "Delay
+corrections") changes how a stage updates as a function of its delay; it is one small object,
+named by the method registry (``Method.delay_correction``) and built here from
+:data:`CORRECTIONS`, so a correction is added without touching the stage's forward or
+backward. The update is always the user's ``torch.optim`` optimizer; a correction acts on it
+before and after its step.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+from torch.optim import SGD, Adam, AdamW, Optimizer, RMSprop
+from torch.optim.lr_scheduler import ReduceLROnPlateau
+
+from pipeoptim.errors import RuntimeConfigError, StageError
+from pipeoptim.plan.plan import OptimizerSpec
+from pipeoptim.runtime.predict import future_lrs
+
+__all__ = [
+    "CORRECTIONS",
+    "OPTIMIZERS",
+    "DelayCorrection",
+    "OptimizerFactory",
+    "SchedulerFactory",
+    "StageUpdate",
+    "build_optimizer",
+    "build_scheduler",
+    "make_optimizer",
+]
+
+OptimizerFactory = Callable[[list[Tensor]], Optimizer]
+"""Called with a stage's trainable parameters; returns the torch.optim optimizer over them."""
+SchedulerFactory = Callable[[Optimizer], Any]
+"""Called with a stage's optimizer; returns a torch.optim.lr_scheduler scheduler of it."""
+
+OPTIMIZERS: dict[str, type[Optimizer]] = {
+    "sgd": SGD,
+    "adam": Adam,
+    "adamw": AdamW,
+    "rmsprop": RMSprop,
+}
+_DEFAULT_OPTIONS: dict[str, dict[str, float | bool]] = {"sgd": {"momentum": 0.9}}
+
+
+def make_optimizer(spec: OptimizerSpec, params: Iterable[Tensor]) -> Optimizer:
+    """The torch.optim optimizer of ``spec`` (SGD defaults to momentum 0.9)."""
+    cls = OPTIMIZERS.get(spec.family)
+    if cls is None:
+        raise RuntimeConfigError(
+            f"unknown optimizer {spec.family!r}; choose one of: {', '.join(OPTIMIZERS)}"
+        )
+    options = {**_DEFAULT_OPTIONS.get(spec.family, {}), **spec.options}
+    try:
+        kwargs: dict[str, Any] = {"lr": spec.lr, **options}
+        return cls(list(params), **kwargs)
+    except (TypeError, ValueError) as err:
+        raise RuntimeConfigError(
+            f"cannot build {cls.__name__} with lr={spec.lr} and options {options}: {err}; "
+            f"fix the optimizer options in the plan"
+        ) from None
+
+
+def build_optimizer(
+    optimizer: OptimizerSpec | OptimizerFactory, params: Sequence[Tensor], stage: int
+) -> Optimizer:
+    """The stage's optimizer from a spec or a user factory, checked: it must be a
+    torch.optim.Optimizer over exactly the stage's trainable parameters."""
+    if isinstance(optimizer, OptimizerSpec):
+        return make_optimizer(optimizer, params)
+    try:
+        opt = optimizer(list(params))
+    except Exception as err:
+        raise StageError(
+            f"stage {stage}: the optimizer factory raised {type(err).__name__}: {err}; it is "
+            f"called with the list of the stage's trainable parameters, e.g. "
+            f"optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4)"
+        ) from err
+    if not isinstance(opt, Optimizer):
+        raise StageError(
+            f"stage {stage}: the optimizer factory returned {type(opt).__name__}, not a "
+            f"torch.optim.Optimizer; return e.g. torch.optim.SGD(params, lr=0.1)"
+        )
+    held = {id(p) for g in opt.param_groups for p in g["params"]}
+    if held != {id(p) for p in params}:
+        raise StageError(
+            f"stage {stage}: the optimizer factory built an optimizer over {len(held)} tensors "
+            f"that are not exactly the stage's {len(params)} trainable parameters; build it "
+            f"from the params argument it is given"
+        )
+    return opt
+
+
+def build_scheduler(factory: SchedulerFactory, opt: Optimizer, stage: int) -> Any:
+    """The stage's LR scheduler from the user's factory, checked: a step-indexed
+    torch.optim.lr_scheduler scheduler of ``opt``."""
+    try:
+        sched = factory(opt)
+    except Exception as err:
+        raise StageError(
+            f"stage {stage}: the scheduler factory raised {type(err).__name__}: {err}; it is "
+            f"called with the stage's optimizer, e.g. scheduler=lambda opt: "
+            f"torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000)"
+        ) from err
+    if isinstance(sched, ReduceLROnPlateau):
+        raise StageError(
+            "ReduceLROnPlateau steps on a validation metric, which the stages of an "
+            "asynchronous pipeline do not share at update time; use a step-indexed schedule "
+            "(cosine, step, LambdaLR...)"
+        )
+    if not callable(getattr(sched, "step", None)) or getattr(sched, "optimizer", opt) is not opt:
+        raise StageError(
+            f"stage {stage}: the scheduler factory returned {type(sched).__name__}, not a "
+            f"torch.optim.lr_scheduler scheduler of the optimizer it was given"
+        )
+    return sched
+
+
+class DelayCorrection(Protocol):
+    """What a delay correction does around each optimizer step of one stage.
+
+    ``delay`` is τ of the mini-batch whose gradient the step applies: the updates the stage
+    made between that mini-batch's forward and its backward, read from the schedule's version
+    analysis (``MicroBatchVersions.distance``), so it is right for any schedule, warm-up
+    included. ``before_step`` sees the final (synchronised, unscaled, clipped) gradients and
+    may change them or the optimizer's hyper-parameters; ``after_step`` may undo such a change
+    or move the weights (a look-ahead). Whatever it keeps between steps goes into its state
+    dict, which the stage checkpoints.
+    """
+
+    def before_step(self, optimizer: Optimizer, params: Sequence[Tensor], delay: int) -> None:
+        """Called after the gradient is final, before ``optimizer.step()``."""
+
+    def after_step(self, optimizer: Optimizer, params: Sequence[Tensor], delay: int) -> None:
+        """Called after ``optimizer.step()`` (and after a skipped fp16 step too)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the correction keeps between steps (checkpointed with the stage)."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+
+
+CORRECTIONS: dict[str, Callable[[], DelayCorrection]] = {}
+"""Delay corrections by the name a method names in ``Method.delay_correction``: a factory
+called once per stage."""
+
+
+def build_correction(name: str | None, method: str) -> DelayCorrection | None:
+    """The correction a method names, built for one stage (None: the plain update)."""
+    if name is None:
+        return None
+    factory = CORRECTIONS.get(name)
+    if factory is None:
+        known = ", ".join(sorted(CORRECTIONS)) or "none are registered"
+        raise RuntimeConfigError(
+            f"method {method!r} names the delay correction {name!r}, which the runtime does "
+            f"not know (known: {known}); register it in pipeoptim.runtime.update.CORRECTIONS"
+        )
+    return factory()
+
+
+class StageUpdate:
+    """One stage's optimizer step with everything around it, in this order: gradient sync
+    over the replicas, unscaling and clipping, the correction's ``before_step``, the step,
+    its ``after_step``, the scheduler step, ``zero_grad``."""
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        *,
+        stage: int,
+        scheduler: SchedulerFactory | None,
+        scaler: torch.amp.GradScaler | None,
+        grad_clip: float | None,
+        correction: DelayCorrection | None = None,
+        note: Callable[[str], None],
+    ) -> None:
+        self.optimizer = optimizer
+        self.stage = stage
+        self.scheduler = (
+            build_scheduler(scheduler, optimizer, stage) if scheduler is not None else None
+        )
+        self.scaler = scaler
+        self.grad_clip = grad_clip
+        self.correction = correction
+        self.grad_sync: Callable[[Sequence[Tensor]], None] | None = None
+        """Set under data parallelism: averages the gradients over the stage's replicas
+        before each update (``replicas.GradientAverager``)."""
+        self._note = note
+        # The run's own base rates: a resume with other rates rescales the loaded ones.
+        self._base_lrs = [float(g.get("initial_lr", g["lr"])) for g in optimizer.param_groups]
+        self._future_lrs: list[list[float]] | None = None  # cached until the next update
+        self._lrs_unknown = False  # the scheduler cannot be queried: lr·s it is
+
+    def step(self, params: Sequence[Tensor], delay: int) -> None:
+        """Apply the accumulated gradient of ``params`` (one update per mini-batch)."""
+        opt = self.optimizer
+        if self.grad_sync is not None:  # before unscaling, clipping: replicas stay equal
+            self.grad_sync(params)
+        scaler = self.scaler
+        if scaler is not None and (self.grad_clip is not None or self.correction is not None):
+            scaler.unscale_(opt)
+        if self.grad_clip is not None:
+            nn.utils.clip_grad_norm_(params, self.grad_clip)
+        if self.correction is not None:
+            self.correction.before_step(opt, params, delay)
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        if self.correction is not None:
+            self.correction.after_step(opt, params, delay)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        opt.zero_grad(set_to_none=True)
+        self._future_lrs = None
+
+    def future_lrs(self, s: int) -> list[list[float]] | None:
+        """Learning rates of the next s updates under the scheduler (None: use lr·s)."""
+        if self.scheduler is None or self._lrs_unknown:
+            return None
+        cached = self._future_lrs
+        if cached is None or any(len(row) < s for row in cached):
+            cached = future_lrs(self.scheduler, self.optimizer, s)
+            if cached is None:
+                self._lrs_unknown = True
+                self._note(
+                    f"stage {self.stage}: {type(self.scheduler).__name__} cannot be queried for "
+                    f"its future learning rates; prediction uses the current lr times s"
+                )
+            self._future_lrs = cached
+        return cached
+
+    def state_dict(self) -> dict[str, Any]:
+        """Optimizer, scheduler, loss scaler and correction state."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+            "scaler": None if self.scaler is None else self.scaler.state_dict(),
+            "correction": None if self.correction is None else self.correction.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> list[str]:
+        """Load :meth:`state_dict`. Where this stage was built with other base learning rates
+        than the saved run, the loaded (scheduled) rates are rescaled to them, so a resume can
+        change the lr and keep the schedule's progress; returns what changed."""
+        changes: list[str] = []
+        saved = state["optimizer"]["param_groups"]
+        # A copy: torch.optim keeps same-device tensors as given, which would alias a
+        # state dict that is still in use elsewhere.
+        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+        for i, (group, old) in enumerate(zip(self.optimizer.param_groups, saved, strict=True)):
+            old_base, new_base = float(old.get("initial_lr", old["lr"])), self._base_lrs[i]
+            if old_base != new_base and old_base > 0:
+                group["lr"] = float(group["lr"]) * new_base / old_base
+                if "initial_lr" in group:
+                    group["initial_lr"] = new_base
+                changes.append(f"stage {self.stage} lr {old_base:g} -> {new_base:g}")
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+            if changes:
+                self.scheduler.base_lrs = list(self._base_lrs)
+                self.scheduler._last_lr = [float(g["lr"]) for g in self.optimizer.param_groups]
+        if self.scaler is not None and state.get("scaler") is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        if self.correction is not None and state.get("correction") is not None:
+            self.correction.load_state_dict(state["correction"])
+        self._future_lrs = None
+        return changes

@@ -1,0 +1,164 @@
+"""A stage's weight versions: which storage each pass reads, and what is kept for later ones.
+
+Why aliases: the forward does not read the parameters themselves but *aliases* of their
+storage (:func:`alias`: a tensor on the same memory with its own version counter, whose
+gradient flows to the parameter). Two things follow:
+
+* an optimizer step between a forward and its backward is legal (it bumps the parameter's
+  version counter, not the alias's), and the backward reads whatever the aliased storage
+  holds when it runs;
+* a version is kept simply by keeping its storage: before an update, if some pass still
+  needs the current version (PipeDream's stash, 2BW's previous buffer), the parameter moves
+  to a fresh copy and the old storage stays frozen with the graphs that alias it.
+
+Per policy (DESIGN.md, "Weight-version semantics"): FLUSH runs everything on the live
+weights. STASH forwards on the live weights, which are frozen at the next update if the
+mini-batch is still in flight (one copy per version in flight). DOUBLE_BUFFER runs every
+micro-batch of mini-batch t on ``W^(t-1)`` (the live weights or the one frozen previous
+version). PREDICT keeps no old version: its forward runs on Ŵ written into the one
+prediction buffer held here (or, for a predicted backward, into a copy held by the graph).
+
+The versions every pass meets come from ``plan.versions.analyze_versions`` of the schedule the
+executor runs; the store checks them at every pass, so the runtime and the analysis cannot
+disagree.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from pipeoptim.plan.methods import WeightPolicy
+from pipeoptim.plan.versions import MicroBatchVersions
+
+__all__ = ["WeightVersions", "alias"]
+
+
+class _Alias(torch.autograd.Function):
+    """Forward: a fresh tensor on ``source``'s storage; backward: the gradient to ``param``."""
+
+    @staticmethod
+    def forward(ctx: Any, param: Tensor, source: Tensor) -> Tensor:
+        out = source.new_empty((0,))
+        return out.set_(
+            source.untyped_storage(), source.storage_offset(), source.size(), source.stride()
+        )
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
+def alias(param: Tensor, source: Tensor) -> Tensor:
+    """A tensor on ``source``'s storage whose gradient flows to ``param``."""
+    out: Tensor = _Alias.apply(param, source)  # type: ignore[no-untyped-call]
+    return out
+
+
+class WeightVersions:
+    """The versions of one stage's trainable weights within a never-flushed segment: the live
+    ones (version :attr:`current`), the frozen ones still needed, the prediction buffer, and
+    the count of weight copies held (for the memory report)."""
+
+    def __init__(self, policy: WeightPolicy, params: Sequence[Tensor], stage: int) -> None:
+        self.stage = stage
+        self.params = params
+        self.tracks = policy is not WeightPolicy.PREDICT
+        """Whether passes read kept versions (every policy but PREDICT)."""
+        self.passes: dict[int, MicroBatchVersions] = {}
+        self.current = 0
+        """Updates in this segment: the live weights are this version."""
+        self.stash: dict[int, list[Tensor]] = {}  # frozen versions still needed
+        self._pending_f: Counter[int] = Counter()  # forwards still to run, by version
+        self._inflight: Counter[int] = Counter()  # forwards awaiting backward, by version
+        self.predicted: list[Tensor] | None = None  # Ŵ of a predicted forward (reused)
+        self.held: set[int] = set()  # micro-batches whose graph holds their own Ŵ
+        self.peak_copies = 1
+
+    def begin_segment(self, passes: dict[int, MicroBatchVersions]) -> None:
+        """Start a segment; versions count from 0 within it."""
+        self.passes = passes
+        self.current = 0
+        self._inflight = Counter()
+        self._pending_f = Counter(p.forward_version for p in passes.values() if self.tracks)
+
+    def of(self, mb: int) -> MicroBatchVersions:
+        """The versions micro-batch ``mb`` of this segment meets on this stage."""
+        try:
+            return self.passes[mb]
+        except KeyError:
+            raise RuntimeError(
+                f"stage {self.stage}: micro-batch {mb} is not in this segment"
+            ) from None
+
+    def sources(self, version: int, mb: int) -> list[Tensor]:
+        """The storage of ``version`` for the forward of ``mb`` (counted as in flight)."""
+        if not self.tracks or version == self.current:
+            sources = [p.data for p in self.params]
+        elif version in self.stash:
+            sources = self.stash[version]
+        else:
+            raise RuntimeError(
+                f"stage {self.stage}: forward of micro-batch {mb} needs version {version}, "
+                f"which the stage does not hold (live {self.current}, kept {sorted(self.stash)})"
+            )
+        if self.tracks:
+            self._pending_f[version] -= 1
+            self._inflight[version] += 1
+        return sources
+
+    def check_backward(self, v: MicroBatchVersions, mb: int) -> None:
+        """Refuse a backward whose weights the stage no longer holds."""
+        if v.backward_version != self.current and v.backward_version not in self.stash:
+            raise RuntimeError(
+                f"stage {self.stage}: backward of micro-batch {mb} needs version "
+                f"{v.backward_version}, which the stage no longer holds (live {self.current})"
+            )
+
+    def before_update(self) -> None:
+        """Freeze the live version where a pass still needs it, so the step writes a copy."""
+        cur = self.current
+        if self.tracks and self._pending_f[cur] + self._inflight[cur] > 0:
+            # The live storage becomes the frozen version (graphs alias it); the parameter
+            # moves to a copy, which the optimizer updates.
+            self.stash[cur] = [p.data for p in self.params]
+            for p in self.params:
+                p.data = p.data.clone()
+            self.note_copies()
+
+    def after_update(self) -> None:
+        self.current += 1
+        self.note_copies()
+
+    def retire(self, v: MicroBatchVersions) -> None:
+        """A micro-batch's backward is complete: release the version its forward held."""
+        if self.tracks:
+            version = v.forward_version
+            self._inflight[version] -= 1
+            if version in self.stash and self._pending_f[version] + self._inflight[version] <= 0:
+                del self.stash[version]
+
+    def prediction_buffer(self) -> list[Tensor]:
+        """The stage's one buffer for Ŵ (the extra weight copy), made on first use."""
+        if self.predicted is None:
+            self.predicted = [torch.empty_like(p) for p in self.params]
+            self.note_copies()
+        return self.predicted
+
+    def held_copy(self) -> list[Tensor]:
+        """A fresh copy for a Ŵ the graph keeps for its backward (one per micro-batch)."""
+        copy = [torch.empty_like(p) for p in self.params]
+        self.peak_copies = max(self.peak_copies, self.copies() + 1)
+        return copy
+
+    def copies(self) -> int:
+        """Weight copies held now: live, frozen versions, the predicted-forward buffer."""
+        buffer = 1 if self.predicted is not None else 0
+        return 1 + len(self.stash) + buffer + len(self.held)
+
+    def note_copies(self) -> None:
+        self.peak_copies = max(self.peak_copies, self.copies())

@@ -1,0 +1,81 @@
+"""The study's run records grouped into cells, and the vocabulary every part of the report
+shares: which methods are rows, which learning rates were trained, which way a metric is
+better.
+
+A cell is every seed of one (method, optimizer, lr, stages); the tables
+(:mod:`pipeoptim.study.tables`), the time to target and risk fit
+(:mod:`pipeoptim.study.targets`) and the curves (:mod:`pipeoptim.study.plots`) all read
+cells, so they are defined once, here.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from pipeoptim.study.grid import StudyConfig
+from pipeoptim.study.runs import MODEL_METRIC, RunRecord
+
+__all__ = ["Cell", "aggregate", "higher_is_better", "method_labels", "rate_sets"]
+
+
+@dataclass(frozen=True)
+class Cell:
+    """Every seed of one (method, optimizer, lr, stages)."""
+
+    method: str
+    optimizer: str
+    lr: float
+    stages: int
+    records: tuple[RunRecord, ...]
+
+    @property
+    def finished(self) -> list[RunRecord]:
+        return [r for r in self.records if r.diverged_at is None and r.final is not None]
+
+    @property
+    def diverged(self) -> int:
+        return len(self.records) - len(self.finished)
+
+    def stat(self, pick: Callable[[RunRecord], float]) -> tuple[float, float]:
+        """Mean and (sample) standard deviation over the finished seeds."""
+        values = [pick(r) for r in self.finished]
+        values = [v for v in values if math.isfinite(v)]
+        if not values:
+            return math.nan, math.nan
+        return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else math.nan
+
+
+def aggregate(records: Iterable[RunRecord]) -> dict[tuple[str, str, float, int], Cell]:
+    groups: dict[tuple[str, str, float, int], list[RunRecord]] = defaultdict(list)
+    for r in records:
+        s = r.spec
+        groups[(s.label, s.optimizer, s.lr, s.stages)].append(r)
+    return {k: Cell(*k, tuple(sorted(v, key=lambda r: r.spec.seed))) for k, v in groups.items()}
+
+
+def higher_is_better(model: str) -> bool:
+    return MODEL_METRIC[model] == "accuracy"
+
+
+def rate_sets(
+    config: StudyConfig, rates: dict[str, tuple[float, float | None]]
+) -> list[tuple[str, dict[str, float]]]:
+    """The learning rates every method trained at, as (title, optimizer -> lr)."""
+    sets = [("chosen rate", {o: rates[o][0] for o in config.optimizers})]
+    if config.high_rate:
+        high = {o: h for o in config.optimizers if (h := rates[o][1]) is not None}
+        if high:
+            sets.append(("higher rate", high))
+    for opt, extra in config.extra_rates.items():
+        for lr in extra:
+            sets.append((f"{opt} lr={lr:g}", {opt: lr}))
+    return sets
+
+
+def method_labels(config: StudyConfig) -> list[str]:
+    """Table rows: every method, then the predicted-backward variants."""
+    return [*config.methods, *(f"{m}+Ŵbackward" for m in config.variants)]

@@ -1,0 +1,155 @@
+"""The study's markdown tables: final metric and loss, prediction closure, time to target.
+
+Each function returns the table's lines; :func:`pipeoptim.study.report.write_study_report`
+puts them under their headings. Numbers are formatted here only (accuracy in %, perplexity
+and loss to a few digits, ``—`` where nothing finite was measured).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from pipeoptim.study.cells import Cell, higher_is_better, method_labels
+from pipeoptim.study.grid import StudyConfig
+from pipeoptim.study.runs import RunRecord
+from pipeoptim.study.targets import TimeToTarget
+
+__all__ = ["closure_rows", "closure_table", "final_table", "time_table"]
+
+
+def _fmt_metric(model: str, mean: float, std: float) -> str:
+    """``97.1 ± 0.4`` (accuracy in %) or ``9.87 ± 0.12``; no ± for a single seed."""
+    if not math.isfinite(mean):
+        return "—"
+    scale, digits = (100, 1) if higher_is_better(model) else (1, 2)
+    spread = f" ± {scale * std:.{digits}f}" if math.isfinite(std) else ""
+    return f"{scale * mean:.{digits}f}{spread}"
+
+
+def _fmt_loss(mean: float, std: float) -> str:
+    if not math.isfinite(mean):
+        return "—"
+    return f"{mean:.3g}" + (f" ± {std:.2g}" if math.isfinite(std) else "")
+
+
+def _final_metric(r: RunRecord) -> float:
+    return r.final.test_metric if r.final else math.nan
+
+
+def _final_loss(r: RunRecord) -> float:
+    return r.final.train_loss if r.final else math.nan
+
+
+def final_table(
+    config: StudyConfig,
+    cells: dict[tuple[str, str, float, int], Cell],
+    lr_of: dict[str, float],
+) -> list[str]:
+    """Markdown rows: one per method, a column per (optimizer, depth)."""
+    metric = "test accuracy %" if higher_is_better(config.model) else "test perplexity"
+    columns = [
+        (opt, lr_of[opt], p) for opt in config.optimizers if opt in lr_of for p in config.stages
+    ]
+    if not columns:
+        return []
+    head = "| method | " + " | ".join(f"{o} lr={lr:g} P={p}" for o, lr, p in columns) + " |"
+    lines = [
+        f"{metric} / final training loss (mean ± std over seeds; ✗k: k seeds diverged)",
+        "",
+        head,
+        "|---|" + "---|" * len(columns),
+    ]
+    for method in method_labels(config):
+        row = []
+        for opt, lr, p in columns:
+            assert lr is not None
+            cell = cells.get((method, opt, lr, p))
+            if cell is None:
+                row.append("not run")
+                continue
+            text = (
+                f"{_fmt_metric(config.model, *cell.stat(_final_metric))} / "
+                f"{_fmt_loss(*cell.stat(_final_loss))}"
+            )
+            if cell.diverged:
+                text += f" ✗{cell.diverged}"
+            row.append(text)
+        lines.append(f"| {method} | " + " | ".join(row) + " |")
+    return lines
+
+
+def closure_rows(records: Iterable[RunRecord]) -> list[dict[str, Any]]:
+    """One row per (model, method, optimizer, lr, stages, stage) with closure samples."""
+    rows = []
+    for r in records:
+        for st in r.closure:
+            rows.append(
+                {
+                    "model": r.spec.model,
+                    "method": r.spec.label,
+                    "optimizer": r.spec.optimizer,
+                    "lr": r.spec.lr,
+                    "stages": r.spec.stages,
+                    "stage": st["stage"],
+                    "s": st["max_distance"],
+                    "closed": 1.0 - st["median_ratio"],
+                    "samples": st["samples"],
+                }
+            )
+    return rows
+
+
+def closure_table(rows: Sequence[dict[str, Any]], lr_of: dict[str, float]) -> list[str]:
+    """Markdown: share of the stale distance removed, per stage (s in brackets)."""
+    picked = [r for r in rows if r["lr"] == lr_of.get(r["optimizer"])]
+    if not picked:
+        return []
+    width = max(r["stages"] for r in picked)
+    lines = [
+        "| method | optimizer | P | " + " | ".join(f"stage {k}" for k in range(width)) + " |",
+        "|---|---|---|" + "---|" * width,
+    ]
+    keys = sorted({(r["method"], r["optimizer"], r["stages"]) for r in picked})
+    for method, opt, p in keys:
+        by_stage = {
+            r["stage"]: r
+            for r in picked
+            if (r["method"], r["optimizer"], r["stages"]) == (method, opt, p)
+        }
+        cells = [
+            f"{100 * by_stage[k]['closed']:.0f}% (s={by_stage[k]['s']})" if k in by_stage else ""
+            for k in range(width)
+        ]
+        lines.append(f"| {method} | {opt} | {p} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def time_table(config: StudyConfig, rows: Sequence[TimeToTarget], target: float) -> list[str]:
+    what = (
+        f"{100 * target:.0f}% test accuracy"
+        if higher_is_better(config.model)
+        else (f"test perplexity {target:g}")
+    )
+    lines = [
+        f"Target: {what}. Samples: median over the seeds that reached it (evaluated once "
+        f"per {config.eval_every} mini-batches). Time: samples x the simulated time per "
+        f"sample of the method, depth and even partition on the hardware below (no link "
+        f"cost; micro-batches cost 1/M of the mini-batch).",
+        "",
+        "| optimizer | P | method | reached | samples to target | simulated samples/s | "
+        "predicted time to target (ms) | vs gpipe |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    gpipe = {(r.optimizer, r.stages): r.seconds for r in rows if r.method == "gpipe"}
+    for r in rows:
+        samples = "never" if not math.isfinite(r.samples) else f"{r.samples:,.0f}"
+        ms = "—" if not math.isfinite(r.seconds) else f"{1e3 * r.seconds:.3g}"
+        base = gpipe.get((r.optimizer, r.stages), math.nan)
+        versus = f"{r.seconds / base:.2f}x" if math.isfinite(r.seconds / base) else "—"
+        lines.append(
+            f"| {r.optimizer} | {r.stages} | {r.method} | {r.reached}/{r.seeds} | {samples} | "
+            f"{1 / r.seconds_per_sample:,.0f} | {ms} | {versus} |"
+        )
+    return lines
