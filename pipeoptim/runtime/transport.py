@@ -225,8 +225,17 @@ class FailureBoard:
     def post(self, rank: int, kind: str, message: str, **extra: Any) -> None:
         """``kind``: error, nonfinite, peer (lost a peer: ``suspect``), died (launcher)."""
         record = {"rank": rank, "kind": kind, "message": message, **extra}
+        text = json.dumps(record)
         with contextlib.suppress(RuntimeError):
-            self.store.compare_set(self.KEY, "", json.dumps(record))
+            held = self.store.compare_set(self.KEY, "", text).decode()
+            # Two ranks can each find a non-finite value at their own step (the last stage's
+            # loss, stage 0's weights at the next checkpoint), in either order: the earliest
+            # step is the cause, the later one its consequence, so it replaces a later one.
+            while held != text and kind == "nonfinite":
+                first = json.loads(held)
+                if first.get("kind") != "nonfinite" or int(first["step"]) <= int(extra["step"]):
+                    break
+                held = self.store.compare_set(self.KEY, held, text).decode()
 
     def read(self) -> dict[str, Any] | None:
         try:
