@@ -6,6 +6,14 @@ the run's own method and shape on it; the two Traces go through the same metrics
 and the comparison lists predicted against measured with the relative error. This is the
 one place that reads runtime output and drives the simulator; it needs no torch (both sides
 speak the shared Trace).
+
+A data-parallel run (``meta["data_parallel"]`` = D replicas; the events are replica 0's)
+trains B/(D·M) samples per micro-batch, and every measured update includes the blocking
+all-reduce of the stage's gradients. The all-reduce is modelled as the simulator models it
+(:mod:`pipeoptim.sim.collectives`, a ring over the stage's D replicas, its gradient one
+parameter-sized copy) on :func:`run_cluster`; the rest of the measured update is the
+optimizer step, which does not depend on D. So the run's own prediction keeps its measured
+update time, and a prediction for another D (:func:`what_if`) swaps the all-reduce only.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ from pipeoptim.metrics import RunMetrics, compute_metrics
 from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.plan import Plan
 from pipeoptim.plan.profile import LayerProfile, Profile
+from pipeoptim.plan.replicas import check_batch_split, check_replicas
+from pipeoptim.sim.collectives import Cluster, allreduce_times
 from pipeoptim.sim.costs import CostModel
 from pipeoptim.sim.evaluate import evaluate_trace
 from pipeoptim.trace import Trace, TraceEvent
@@ -55,7 +65,75 @@ def _plan_of(trace: Trace) -> Plan:
     return Plan.from_dict(data, source="the trace's plan")
 
 
-def costs_from_trace(trace: Trace) -> CostModel:
+def run_replicas(trace: Trace) -> int:
+    """D: the replicas of the measured pipeline (``meta["data_parallel"]``, else the plan's;
+    1 for a trace from before replicas were recorded)."""
+    raw = trace.meta.get("data_parallel")
+    if raw is None:
+        return _plan_of(trace).data_parallel
+    return check_replicas(raw, "the trace's meta data_parallel", error=PipeoptimError)
+
+
+_CLUSTER_NOTES = ("bandwidth_bytes_per_s", "latency_s", "gpus_per_node")
+
+
+def cluster_recorded(trace: Trace) -> bool:
+    """Whether the run's plan records the cluster it was made for (in its notes)."""
+    return any(key in _plan_of(trace).notes for key in _CLUSTER_NOTES)
+
+
+def run_cluster(trace: Trace) -> Cluster:
+    """The links the run's all-reduce is modelled on: the cluster its plan records in its
+    notes (a plan from ``pipeoptim plan --devices``; None there is a free bandwidth), else
+    one tier at the run's median measured link latency with free bandwidth (the ranks of a
+    run on one machine talk over the same transport as its pipeline links)."""
+    plan = _plan_of(trace)
+    notes = plan.notes
+    latencies = link_latencies(trace, plan.shape(1).num_stages)
+    measured = statistics.median(latencies) if latencies else 0.0
+    if not cluster_recorded(trace):
+        return Cluster(math.inf, measured)
+
+    def number(key: str, default: float | None) -> float | None:
+        value = notes.get(key, default)
+        if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+            return None if value is None else float(value)
+        raise PipeoptimError(
+            f"the trace's plan notes {key} must be a number (got {value!r}); fix the plan's "
+            f"notes, or pass the cluster to `pipeoptim calibrate` (--bandwidth, --latency, "
+            f"--gpus-per-node, --inter-node-bandwidth, --inter-node-latency)"
+        )
+
+    bandwidth = number("bandwidth_bytes_per_s", None)
+    latency = number("latency_s", measured)
+    gpus = notes.get("gpus_per_node")
+    inter_bw = inter_lat = None
+    if gpus is not None and "inter_node_bandwidth_bytes_per_s" in notes:
+        value = number("inter_node_bandwidth_bytes_per_s", None)
+        inter_bw = math.inf if value is None else value
+    if gpus is not None:
+        inter_lat = number("inter_node_latency_s", None)
+    return Cluster(
+        math.inf if bandwidth is None else bandwidth,
+        measured if latency is None else latency,
+        gpus,
+        inter_bw,
+        inter_lat,
+    )
+
+
+def with_allreduce(costs: CostModel, replicas: int, cluster: Cluster, num_ranks: int) -> CostModel:
+    """``costs`` (one replica's, with optimizer-step update times) as ``replicas`` replicas
+    whose updates also all-reduce the stage's gradients on ``cluster`` (stage s on pipeline
+    rank ``s mod num_ranks``). The pipeline links keep their (measured) costs."""
+    return replace(
+        costs,
+        data_parallel=replicas,
+        allreduce_s=allreduce_times(costs.grad_bytes, replicas, cluster, num_ranks),
+    )
+
+
+def costs_from_trace(trace: Trace, cluster: Cluster | None = None) -> CostModel:
     """Per-stage medians of the measured actions, as simulator costs.
 
     A stage's forward and backward include the sender-side time of its transfers (the
@@ -63,10 +141,16 @@ def costs_from_trace(trace: Trace) -> CostModel:
     pipeline bubble, not cost, and is left out. Each link's latency is the median delay
     from a send's start to the end of its receive, counted from when the receiver was
     ready (:func:`link_latencies`).
+
+    Under data parallelism (:func:`run_replicas` D > 1) a micro-batch is B/(D·M) samples
+    of the global batch B, and each stage's measured update is split into its gradient
+    all-reduce, modelled on ``cluster`` (default :func:`run_cluster`), and the optimizer
+    step, the rest (never below 0): ``update_s + allreduce_s`` is the measured update.
     """
     plan = _plan_of(trace)
     shape = plan.shape(1)
     stages = shape.num_stages
+    replicas = run_replicas(trace)
     durations: dict[tuple[int, str], list[float]] = defaultdict(list)
     sizes: dict[tuple[int, str], list[int]] = defaultdict(list)
     gaps: dict[tuple[int, str], list[float]] = defaultdict(list)
@@ -123,7 +207,7 @@ def costs_from_trace(trace: Trace) -> CostModel:
         return most[(rank_of[k], key)] // per_rank[rank_of[k]]
 
     batch = trace.meta.get("batch_size") or 1
-    return CostModel(
+    costs = CostModel(
         forward_s=tuple(cost(k, "F") + cost(k, "SEND_F") for k in range(stages)),
         backward_s=tuple(cost(k, "B") + cost(k, "SEND_B") for k in range(stages)),
         update_s=tuple(cost(k, "U") for k in range(stages)),
@@ -135,9 +219,14 @@ def costs_from_trace(trace: Trace) -> CostModel:
         send_backward_bytes=tuple(size(k + 1, "SEND_B") for k in range(stages - 1)),
         latency_s=tuple(link_latencies(trace, stages)),
         bandwidth=(math.inf,) * (stages - 1),
-        samples_per_micro_batch=float(batch) / shape.micro_batches,
+        samples_per_micro_batch=float(batch) / (replicas * shape.micro_batches),
         optimizer=plan.optimizer.family,
     )
+    if replicas == 1:
+        return costs
+    costs = with_allreduce(costs, replicas, cluster or run_cluster(trace), plan.num_stages)
+    step = [max(u - a, 0.0) for u, a in zip(costs.update_s, costs.allreduce_s, strict=True)]
+    return replace(costs, update_s=tuple(step))
 
 
 def _stage_floats(data: object) -> dict[int, float]:
@@ -166,14 +255,15 @@ def link_latencies(trace: Trace, num_stages: int) -> list[float]:
     return [statistics.median(delays[k]) if delays[k] else 0.0 for k in range(num_stages - 1)]
 
 
-def predict_run(trace: Trace) -> Trace:
-    """The simulator's Trace of the measured run's method and shape on calibrated costs."""
+def predict_run(trace: Trace, cluster: Cluster | None = None) -> Trace:
+    """The simulator's Trace of the measured run's method and shape on calibrated costs
+    (its D replicas' all-reduce on ``cluster``, default :func:`run_cluster`)."""
     plan = _plan_of(trace)
     mini_batches = int(trace.meta.get("mini_batches") or 0)
     if mini_batches < 1:
         raise PipeoptimError("the trace records no mini-batches; was the run empty?")
     shape = plan.shape(mini_batches)
-    predicted = evaluate_trace(plan.method, shape, costs_from_trace(trace))
+    predicted = evaluate_trace(plan.method, shape, costs_from_trace(trace, cluster))
     predicted.meta["batch_size"] = trace.meta.get("batch_size")
     return predicted
 
@@ -203,9 +293,11 @@ def compare(measured: RunMetrics, predicted: RunMetrics, batch_size: float) -> l
     return rows
 
 
-def calibrate(trace: Trace) -> tuple[Trace, list[Comparison]]:
-    """Predict the measured run and compare; returns the predicted trace and the rows."""
-    predicted = predict_run(trace)
+def calibrate(trace: Trace, cluster: Cluster | None = None) -> tuple[Trace, list[Comparison]]:
+    """Predict the measured run and compare; returns the predicted trace and the rows
+    (``cluster``: the links of a data-parallel run's all-reduce, default
+    :func:`run_cluster`)."""
+    predicted = predict_run(trace, cluster)
     batch = float(trace.meta.get("batch_size") or 1)
     return predicted, compare(compute_metrics(trace), compute_metrics(predicted), batch)
 
@@ -260,8 +352,13 @@ def _split_int(total: int, weights: Sequence[float]) -> list[int]:
     return parts
 
 
-def calibrated_profile(trace: Trace, profile: Profile | None = None) -> Profile:
-    """The measured run's costs as a per-layer :class:`Profile` for its mini-batch size.
+def calibrated_profile(
+    trace: Trace, profile: Profile | None = None, cluster: Cluster | None = None
+) -> Profile:
+    """The measured run's costs as a per-layer :class:`Profile` for one replica's mini-batch
+    (B/D samples of the global batch B; all of it without replicas). Its update times are
+    the optimizer step alone: a data-parallel run's modelled all-reduce (on ``cluster``,
+    :func:`costs_from_trace`) is left out, for ``simulate --data-parallel D`` to add.
 
     Each stage's calibrated costs (:func:`costs_from_trace`) are shared among its layers:
     times in proportion to ``profile``'s layer times, bytes, update and prediction times in
@@ -276,7 +373,7 @@ def calibrated_profile(trace: Trace, profile: Profile | None = None) -> Profile:
     over its weights; ``meta["predict_estimated"]`` lists them.
     """
     plan = _plan_of(trace)
-    costs = costs_from_trace(trace)
+    costs = costs_from_trace(trace, cluster)
     bounds = run_boundaries(trace)
     num_layers = bounds[-1][1]
     if profile is not None and profile.num_layers != num_layers:
@@ -351,7 +448,12 @@ def calibrated_profile(trace: Trace, profile: Profile | None = None) -> Profile:
         meta={
             "source": "pipeoptim calibrate",
             "model": plan.model,
-            "calibrated_from": {"method": plan.method, "stages": len(bounds), "micro_batches": m},
+            "calibrated_from": {
+                "method": plan.method,
+                "stages": len(bounds),
+                "micro_batches": m,
+                "data_parallel": costs.data_parallel,
+            },
             "link_latency_s": statistics.median(latencies) if latencies else 0.0,
             "predict_estimated": estimated,
             **({"threads": trace.meta["threads"]} if "threads" in trace.meta else {}),
@@ -383,6 +485,8 @@ class WhatIf:
     """The simulator's trace of it."""
     metrics: RunMetrics
     notes: tuple[str, ...] = ()
+    data_parallel: int = 1
+    """Replicas D of the predicted pipeline, each training 1/D of the global batch."""
 
     @property
     def time_per_mini_batch(self) -> float:
@@ -398,13 +502,19 @@ def what_if(
     stages: int | None = None,
     micro_batches: int | None = None,
     profile: Profile | None = None,
+    data_parallel: int | None = None,
+    cluster: Cluster | None = None,
 ) -> WhatIf:
-    """Predict ``method`` (at ``stages`` and ``micro_batches``, default the run's stage count
-    and the method's default M) from the measured run's calibrated costs.
+    """Predict ``method`` (at ``stages``, ``micro_batches`` and ``data_parallel`` replicas,
+    default the run's stage count, the method's default M and the run's D) from the
+    measured run's calibrated costs.
 
     The run's own stages keep its boundaries and per-link latencies; another stage count
     re-partitions :func:`calibrated_profile` with the partitioner (the median latency on
-    every link). The simulated run has as many mini-batches as the measured one.
+    every link). The simulated run has as many mini-batches as the measured one, of the
+    run's global batch B: each of D replicas trains B/D of it, and its updates all-reduce
+    the stage's gradients on ``cluster`` (default :func:`run_cluster`) on top of the
+    measured optimizer step.
     """
     from pipeoptim.plan.memory_factors import method_memory_factors
     from pipeoptim.plan.partition import optimal_partition
@@ -414,7 +524,13 @@ def what_if(
     ranks = stages if stages is not None else plan.num_stages
     n = max(1, int(trace.meta.get("mini_batches") or 1))
     shape = spec.shape(ranks, micro_batches, n)
-    calibrated = calibrated_profile(trace, profile)
+    cluster = cluster or run_cluster(trace)
+    calibrated = calibrated_profile(trace, profile, cluster)
+    run_d = run_replicas(trace)
+    d = run_d if data_parallel is None else check_replicas(data_parallel, "--predict-data-parallel")
+    batch = float(trace.meta.get("batch_size") or calibrated.batch_size * run_d)
+    if d != run_d and batch.is_integer():  # the run's own split held; another one may not
+        check_batch_split(int(batch), d, shape.micro_batches)
     run_bounds = run_boundaries(trace)
     notes: list[str] = []
     if shape.num_stages == len(run_bounds):
@@ -429,19 +545,21 @@ def what_if(
         calibrated,
         bounds,
         shape.micro_batches,
-        batch_size=float(calibrated.batch_size),
+        batch_size=batch / d,  # one replica's share of the global batch
         latency_s=float(calibrated.meta.get("link_latency_s", 0.0)),
     )
     if bounds == run_bounds:
         latencies = link_latencies(trace, len(bounds))
         costs = replace(costs, latency_s=tuple(latencies))
+    if d > 1:
+        costs = with_allreduce(costs, d, cluster, shape.num_ranks)
     if spec.prediction_rule is not None and calibrated.meta.get("predict_estimated"):
         notes.append(
             "prediction time estimated (not measured in this run) for the layers of stages "
             f"{calibrated.meta['predict_estimated']} of the run"
         )
     predicted = evaluate_trace(spec, shape, costs)
-    predicted.meta["batch_size"] = calibrated.batch_size
+    predicted.meta["batch_size"] = batch  # global: what all D replicas train
     return WhatIf(
         spec.name,
         shape.num_stages,
@@ -449,4 +567,5 @@ def what_if(
         predicted,
         compute_metrics(predicted),
         tuple(notes),
+        d,
     )

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeoptim.commands.common import check_number
-from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.errors import OutputPathError, RuntimeConfigError
 from pipeoptim.study.grid import ALL_METHODS, DEFAULT_RATES, StudyConfig
 
 _EPILOG = """\
@@ -102,6 +102,29 @@ def _rates(entries: list[str]) -> dict[str, tuple[float, ...]]:
     return rates
 
 
+def check_out_folder(out: Path) -> None:
+    """Before any training: ``--out`` is, or can become, a writable folder (the study
+    writes its runs and report files into it)."""
+    try:
+        if out.exists() and not out.is_dir():
+            raise OutputPathError(
+                f"--out {str(out)!r} is a file, not a folder; compare writes a folder (the "
+                f"runs, README.md, curves.html, risk_fit.json): give a folder path, which is "
+                f"created if missing"
+            )
+        existing = next(p for p in (out, *out.absolute().parents) if p.exists())
+        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+            raise OutputPathError(
+                f"--out {str(out)!r}: cannot create or write it under {str(existing)!r}; give "
+                f"a folder you can write"
+            )
+    except OSError as err:
+        raise OutputPathError(
+            f"--out {str(out)!r} cannot be used as a folder ({err.strerror or err}); choose "
+            f"another path"
+        ) from None
+
+
 def config_from_args(args: argparse.Namespace) -> StudyConfig:
     from pipeoptim.workloads.loader import BUILTIN_MODELS, build_model
 
@@ -151,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
     from pipeoptim.study.grid import run_study
     from pipeoptim.study.report import write_study_report
 
+    check_out_folder(args.out)
     config = config_from_args(args)
     profiles = None
     if args.profile is not None:  # checked before any training, not after the study

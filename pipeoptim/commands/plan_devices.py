@@ -20,7 +20,7 @@ from pipeoptim.commands.plan_files import write_plan_files
 from pipeoptim.device_search import DeviceSearch, explain_devices, search_devices, shares
 from pipeoptim.errors import PlanError
 from pipeoptim.plan.graph import stage_graph_to_dict
-from pipeoptim.plan.methods import get_method
+from pipeoptim.plan.methods import METHODS, get_method
 from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.plan.profile import Profile
 from pipeoptim.plan.units import format_bytes
@@ -85,6 +85,8 @@ def run_device_plan(
     )
     files = write_plan_files(args, plan, best.partition, profile, cap, summary)
     written = args.out is not None and str(args.out) in files.written
+    searched = methods or [n for n, m in METHODS.items() if not m.interleaved]
+    dropped = dropped_notes(result, searched, args.micro_batches)
     if args.json:
         print_json(
             {
@@ -92,6 +94,7 @@ def run_device_plan(
                 "factorisations": _factorisation_dicts(result),
                 "ranking": [_candidate_dict(c, result.batch_size) for c in result.ranked],
                 "why": summary,
+                "dropped": dropped,
                 "out": str(args.out) if written else None,
             }
         )
@@ -101,11 +104,54 @@ def run_device_plan(
     print(format_table(_TABLE_HEADERS, _factorisation_rows(result)))
     print()
     print(summary)
+    for note in dropped:
+        print(f"note: {note}")
     if written:
         print(f"wrote plan to {args.out}")
     elif args.out is not None:  # the plan is not lost: print it, to be saved by hand
         print(json.dumps(plan.to_dict(), indent=2))
     return files.finish("plan")
+
+
+def dropped_notes(
+    result: DeviceSearch, searched: list[str], micro_batches: int | None
+) -> list[str]:
+    """Why each searched method is missing from a factorisation that has candidates, one
+    note per reason: the runtime splits every replica's batch evenly into M micro-batches
+    (``device_search._options``), and a method's own rule (e.g. M >= P) refuses others."""
+    notes: list[str] = []
+    batch = result.batch_size
+    for f in result.factorisations:
+        if f.excluded is not None and not f.candidates:
+            continue  # the table says why the whole factorisation cannot run
+        share = batch // f.replicas
+        present = {c.method for c in f.candidates}
+        missing = [n for n in searched if n not in present]
+        if missing:
+            need = (
+                f"do not split into {micro_batches} micro-batches"
+                if micro_batches is not None
+                else f"are fewer than the {f.stages} micro-batches they need at least"
+            )
+            fix = (
+                f"pass a --micro-batches that divides {share:,}, or a --global-batch "
+                f"divisible by {f.replicas} x {micro_batches} = {f.replicas * micro_batches:,}"
+                if micro_batches is not None
+                else f"pass a --global-batch of at least {f.stages * f.replicas}"
+            )
+            notes.append(
+                f"{f.label}: {_names(missing)} dropped: a replica's {share:,} samples {need} "
+                f"(the runtime splits each replica's batch evenly into the micro-batches); "
+                f"{fix}"
+            )
+        for c in f.candidates:
+            if c.infeasible is not None and not c.skipped and "memory" not in c.infeasible:
+                notes.append(f"{f.label}: {c.method} (M={c.micro_batches}) dropped: {c.infeasible}")
+    return notes
+
+
+def _names(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + f" and {names[-1]}"
 
 
 _STAGE_HEADERS = ["stage", "layers", "count", "ms per unit", "memory", "all-reduce s", "s"]

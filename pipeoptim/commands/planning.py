@@ -287,6 +287,13 @@ def run_plan(args: argparse.Namespace) -> int:
         "batch_size": batch,
     }
     if args.method == "auto":
+        if args.micro_batches is not None:  # the search over methods tries its own counts
+            print(
+                f"note: --micro-batches {args.micro_batches} is not searched with --method "
+                f"auto, which tries P, 2P and 4P micro-batches (those that divide the batch) "
+                f"for every micro-batching method; give --method METHOD to plan that count",
+                file=sys.stderr,
+            )
         ranked = search(
             profile,
             args.stages,

@@ -18,7 +18,7 @@ from pipeoptim.commands.common import add_json_flag, check_output_paths, print_j
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.methods import METHODS, get_method
 from pipeoptim.plan.plan import OptimizerSpec, Plan
-from pipeoptim.runtime.config import AMP_MODES, LR_SCHEDULES
+from pipeoptim.runtime.config import AMP_MODES, LR_SCHEDULES, check_offset
 
 GPT_DEFAULTS = {"lr": 5e-4}
 """What the gpt workload was tuned with (``workloads/gpt.py``); kept here so the command
@@ -93,8 +93,9 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--transport",
         choices=("local", "dist"),
-        default="local",
-        help="local: all stages in this process; dist: one process per stage",
+        default=None,
+        help="local: all stages in this process; dist: one process per stage (default: "
+        "local, or dist when the plan or --data-parallel asks for D > 1 replicas)",
     )
     p.add_argument(
         "--data-parallel",
@@ -183,6 +184,8 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     method = args.method or (base.method if base else "pipeoptim")
     spec = get_method(method)
     stages = args.stages if args.stages is not None else (base.num_stages if base else 4)
+    if args.prediction_offset is not None:
+        check_offset(args.prediction_offset, method, stages, given=True, flag="--prediction-offset")
     model = args.model or (base.model if base and base.model else "mlp")
     same_layout = base is not None and stages == base.num_stages and model == (base.model or model)
     if base is not None and base.boundaries and not same_layout:
@@ -228,11 +231,14 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         devices=base.devices if base else None,
         data_parallel=args.data_parallel or (base.data_parallel if base else 1),
     )
+    # D > 1 replicas are D x P processes: a plan (or --data-parallel) asking for them starts
+    # them, as `pipeoptim plan --devices` promises; an explicit --transport local is refused
+    transport = args.transport or ("dist" if plan.data_parallel > 1 else "local")
     return TrainConfig(
         plan,
         epochs=args.epochs,
         max_steps=args.max_steps,
-        transport=args.transport,
+        transport=transport,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,

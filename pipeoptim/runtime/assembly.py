@@ -24,7 +24,7 @@ from pipeoptim.plan.schedules import Shape
 from pipeoptim.runtime.executor import segment_plan
 from pipeoptim.runtime.loss import LossFn
 from pipeoptim.runtime.placement import join_group, local_device
-from pipeoptim.runtime.replicas import GradientAverager, ReplicaGroups
+from pipeoptim.runtime.replicas import BufferBroadcast, GradientAverager, ReplicaGroups
 from pipeoptim.runtime.stage import Stage
 from pipeoptim.runtime.transport import DistTransport, LocalTransport, Transport
 from pipeoptim.runtime.update import OptimizerFactory, SchedulerFactory
@@ -168,13 +168,17 @@ class Assembly:
         return device, [rank % p]
 
     def _join_replicas(self) -> None:
-        """Start every replica from replica 0's weights; average gradients before updates."""
+        """Start every replica from replica 0's weights; average gradients before updates,
+        and give every replica replica 0's buffers at each update (stages with floating
+        buffers only: nothing is sent for the others, nor for D = 1)."""
         group = self.replicas.data_group
         if group is None:
             return
         self.replicas.broadcast_weights([s.module for s in self.stages.values()])
         for stage in self.stages.values():
             stage.grad_sync = GradientAverager(group, self.replicas.replicas)
+            if BufferBroadcast.needed(stage.module):
+                stage.buffer_sync = BufferBroadcast(group, stage.module)
 
     def _record_optimizer(self) -> None:
         """The plan (and trace) name the optimizer the stages actually built."""
@@ -186,9 +190,15 @@ class Assembly:
         self.plan.optimizer = OptimizerSpec(family, lr if lr > 0 else self.plan.optimizer.lr)
 
     def identity(self) -> dict[str, Any]:
-        """What a checkpoint must agree on to be resumed (the same on every rank)."""
+        """What a checkpoint must agree on to be resumed: what fixes the state's shapes and
+        the data order. The optimizer class is the one the stages here built (a rank whose
+        stages have no weights leaves it out; it is compared only where both sides name it,
+        so checkpoints written before it resume). Precision is not in it: a resume may
+        change ``amp`` (a hyper-parameter). The batch size is known only once the first
+        batch is read, so the checkpoint folder checks it then, before loading anything."""
         p, shape = self.plan, self.shape
         units = [[type(u).__name__, [list(t.shape) for t in u.parameters()]] for u in self.units]
+        opt = next((s.optimizer for s in self.stages.values() if s.optimizer is not None), None)
         return {
             "method": p.method,
             "num_stages": p.num_stages,
@@ -198,7 +208,7 @@ class Assembly:
             "boundaries": [list(b) for b in self.bounds],
             "units": units,
             "seed": self.seed,
-            "amp": self.amp,
+            **({"optimizer_class": type(opt).__name__} if opt is not None else {}),
             # only when set, so checkpoints written before the option resume unchanged
             **({"predicted_backward": True} if self.predicted_backward else {}),
         }

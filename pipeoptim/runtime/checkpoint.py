@@ -10,7 +10,10 @@ exactly: weights, optimizer, scheduler and predictor state, its RNG stream and t
 (mini-batches done; the data position follows from it). Resuming from step n runs the same
 segments an uninterrupted run with the same settings runs from n, so it produces the same
 weights bit for bit (the segmentation is a function of the step and K, never of where a
-run was interrupted).
+run was interrupted) when n is on that grid. A fit that ends off it (``max_steps`` not a
+multiple of K) checkpoints where it ended, drained there, which an uninterrupted run is
+not: an asynchronous method resumed from it differs by that drain, and the resume says so
+in its notes (``checkpoint_folder.py``); a flushing method is exact from any step.
 
 Layout::
 
@@ -52,6 +55,7 @@ __all__ = [
     "CheckpointStore",
     "DirectoryLock",
     "Segment",
+    "identity_differences",
     "latest_step",
     "plan_segments",
 ]
@@ -101,6 +105,32 @@ def _atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)  # no half file left behind
         raise
+
+
+COMPARED_WHEN_BOTH_HAVE = frozenset({"optimizer_class"})
+"""Identity keys added after checkpoints were first written: a checkpoint (or state) written
+before them lacks them, and is compared without them, so it stays resumable."""
+
+NO_LONGER_IDENTITY = frozenset({"amp"})
+"""Keys older checkpoints hold in their identity that a resume may now change: precision
+(master weights, optimizer state and prediction are fp32 under every ``amp`` mode; an fp16
+loss scaler starts afresh where the checkpoint had none)."""
+
+
+def identity_differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """What differs between a checkpoint's identity and this run's, one ``"key: checkpoint
+    X, now Y"`` each (empty: the same run). A key only one side has is a difference (a
+    ``predicted_backward`` set on one side only), except the keys of
+    :data:`COMPARED_WHEN_BOTH_HAVE` and :data:`NO_LONGER_IDENTITY`."""
+    shown = []
+    for k in sorted(set(saved) | set(now)):
+        if k in NO_LONGER_IDENTITY:
+            continue
+        if k in COMPARED_WHEN_BOTH_HAVE and (k not in saved or k not in now):
+            continue
+        if saved.get(k) != now.get(k):
+            shown.append(f"{k}: checkpoint {saved.get(k)!r}, now {now.get(k)!r}")
+    return shown
 
 
 def latest_step(root: str | Path) -> dict[str, Any] | None:
@@ -243,7 +273,21 @@ class CheckpointStore:
     def _publish(self, step: int, extra: Mapping[str, Any]) -> None:
         record = {"step": step, "num_stages": self.num_stages, "config": self.config, **extra}
         text = (json.dumps(record, indent=2) + "\n").encode()
-        _atomic_write(self.root / _LATEST, lambda f: f.write(text))
+        pointer = self.root / _LATEST
+        try:
+            _atomic_write(pointer, lambda f: f.write(text))
+        except OSError as err:  # the old pointer is untouched (a temporary file, then rename)
+            previous = latest_step(self.root)
+            still = f"step {previous['step']}" if previous else "none"
+            if previous is None or int(previous["step"]) != step:
+                # unpublished: removed, so no resume takes it over the pointer's checkpoint
+                shutil.rmtree(_step_dir(self.root, step), ignore_errors=True)
+            raise RuntimeConfigError(
+                f"cannot write checkpoint pointer {pointer}: {err.strerror or err}; the stage "
+                f"files of step {step} were written but not published (they are removed), so "
+                f"the latest checkpoint stays the previous one ({still}). Free space, or point "
+                f"--checkpoint-dir elsewhere and resume from it"
+            ) from None
         kept = [s for s in self.steps() if s <= step][: self.keep]
         for old in self.steps():
             if old not in kept:
@@ -268,17 +312,12 @@ class CheckpointStore:
         return record
 
     def _check_identity(self, record: Mapping[str, Any]) -> None:
-        theirs: dict[str, Any] = record.get("config", {})
-        diff = sorted(
-            k for k in set(theirs) | set(self.config) if theirs.get(k) != self.config.get(k)
-        )
-        if diff:
-            shown = "; ".join(
-                f"{k}: checkpoint {theirs.get(k)!r}, now {self.config.get(k)!r}" for k in diff
-            )
+        shown = identity_differences(record.get("config", {}), self.config)
+        if shown:
             raise RuntimeConfigError(
-                f"the checkpoint in {self.root} is from a different run ({shown}); resume with "
-                f"the same settings, or use another --checkpoint-dir to start fresh"
+                f"the checkpoint in {self.root} is from a different run ({'; '.join(shown)}); "
+                f"resume with the same settings, or use another --checkpoint-dir "
+                f"(checkpoint_dir=) to start fresh; nothing was loaded"
             )
 
     def newest_readable(self) -> tuple[dict[str, Any] | None, str | None]:

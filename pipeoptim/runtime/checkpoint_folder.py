@@ -4,21 +4,56 @@ Why apart from the fit loop: what a run may resume from, and who writes, are rul
 folder (one writer: stage 0's rank of replica 0, under a lock; every rank reads; a fresh run
 never writes into another run's folder), not of training. The files themselves are
 :class:`~pipeoptim.runtime.checkpoint.CheckpointStore`'s.
+
+A resume checks everything before it loads anything: the identity when it chooses the
+checkpoint, every stage's state against the stage (names and shapes, optimizer class,
+prediction rule) on every rank, and, once the first batch is read and before any step runs,
+the batch size. A refused resume leaves the Pipeline as it was (weights, optimizer, step).
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
 
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.runtime.assembly import Assembly, RunState
 from pipeoptim.runtime.checkpoint import CheckpointStore, DirectoryLock
+from pipeoptim.runtime.state_check import refusal
 from pipeoptim.runtime.transport import FailureBoard
 
 __all__ = ["CheckpointFolder"]
+
+
+@dataclass
+class _Chosen:
+    """The checkpoint a resume takes, checked and read, not yet loaded."""
+
+    record: dict[str, Any]
+    step: int
+    states: dict[int, dict[str, Any]]
+    """This process's stage states, on the CPU."""
+    message: str | None
+    """Why it is not the newest (the newest was damaged), or None."""
+
+
+def _on_device(obj: Any, device: torch.device, key: str = "") -> Any:
+    """``obj`` with its tensors on ``device``, as ``torch.load(map_location=device)`` reads
+    them; RNG states stay CPU byte tensors whatever the device."""
+    if isinstance(obj, Tensor):
+        return obj if key == "rng" else obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _on_device(v, device, str(k)) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_on_device(v, device) for v in obj)
+    return obj
 
 
 class CheckpointFolder:
@@ -48,11 +83,14 @@ class CheckpointFolder:
             abort_check=FailureBoard(store).check if store is not None else lambda: None,
             keep=keep,
         )
+        self._chosen: _Chosen | None = None
+        """The checkpoint a resume chose and checked, until :meth:`restore` loads it."""
 
     @contextmanager
     def held(self, resume: bool) -> Iterator[None]:
-        """Hold the folder for a fit (one writer) and load from it, or refuse a fresh run
-        into a folder that holds another run's checkpoints."""
+        """Hold the folder for a fit (one writer) and choose and check the checkpoint to
+        resume from (:meth:`restore` loads it, once the fit knows the batch size), or refuse
+        a fresh run into a folder that holds another run's checkpoints."""
         parts = self.parts
         writer = min(parts.transports) == 0 and parts.replicas.replica == 0
         lock = DirectoryLock(self.store.root) if writer else None
@@ -60,7 +98,7 @@ class CheckpointFolder:
             lock.acquire()
         try:
             if resume:
-                self._restore()
+                self._choose()
             elif self.state.last_checkpoint is None and self.store.holds_checkpoints():
                 raise RuntimeConfigError(
                     f"{self.store.root} already holds checkpoints of a run; continue it with "
@@ -72,14 +110,69 @@ class CheckpointFolder:
             if lock is not None:
                 lock.release()
 
-    def _restore(self) -> None:
-        """Load the newest readable checkpoint (chosen on stage 0's rank, for every rank)."""
-        parts, state = self.parts, self.state
+    def _choose(self) -> None:
+        """Choose the newest readable checkpoint (on stage 0's rank, for every rank), read
+        this process's stage files and check them against its stages (identity, weights'
+        names and shapes, optimizer, predictor), on every rank before any rank goes on.
+        Nothing is loaded here, and the step is not moved: :meth:`restore` loads, once the
+        batch size is known."""
+        parts = self.parts
         record, message = parts.on_first_rank(self.store.newest_readable)
         if record is None:
             return
         step = int(record["step"])
-        notes = [message] if message else []
+        # On the CPU until loaded, one stage at a time: no second copy on the device.
+        states = {k: self.store.load(step, k, torch.device("cpu"))["state"] for k in parts.stages}
+        refused: list[tuple[int, str]] = []
+        for k, stage in sorted(parts.stages.items()):
+            try:
+                stage.check_state(states[k])
+            except RuntimeConfigError as err:
+                refused.append((k, str(err)))
+        self._refuse(refused, step)
+        self._chosen = _Chosen(record, step, states, message)
+
+    def _refuse(self, refused: list[tuple[int, str]], step: int) -> None:
+        """Raise the refusals of every rank of this pipeline, on every rank (under dist one
+        rank's stage may not fit where the others' do)."""
+        parts = self.parts
+        if parts.transport_name == "dist":
+            seen: list[Any] = [None] * parts.shape.num_ranks
+            dist.all_gather_object(seen, refused, group=parts.replicas.pipeline_group)
+            refused = [r for rank in seen for r in rank]
+        message = refusal(refused)
+        if message is not None:
+            raise RuntimeConfigError(
+                f"cannot resume from the checkpoint of step {step} in {self.store.root}: {message}"
+            )
+
+    @property
+    def start_step(self) -> int:
+        """The step the fit starts from: the chosen checkpoint's, else the current one."""
+        return self._chosen.step if self._chosen is not None else self.state.step
+
+    def restore(
+        self,
+        batch_size: int,
+        steps_per_epoch: int,
+        *,
+        checkpoint_every: int | None,
+        drains: Sequence[int | None],
+    ) -> None:
+        """Load the checkpoint :meth:`held` chose, once the first batch told the batch size
+        and before any step runs. A checkpoint written at another batch size is refused
+        with nothing loaded (the batch size fixes the data position and the micro-batch
+        size). ``drains``: the periods this run drains at (checkpoints, evaluations, the
+        segment limit); a checkpoint off them, of an asynchronous method, is said in the
+        notes: the fit that wrote it drained there and an uninterrupted run does not."""
+        chosen, self._chosen = self._chosen, None
+        if chosen is None:
+            return
+        parts, state, step, record = self.parts, self.state, chosen.step, chosen.record
+        saved_batch = record.get("batch_size")
+        if saved_batch is not None and int(saved_batch) != batch_size:
+            raise RuntimeConfigError(self._batch_refusal(record, int(saved_batch), batch_size))
+        notes = [chosen.message] if chosen.message else []
         theirs = record.get("hyperparameters") or {}
         changed = {
             k: [theirs[k], v]
@@ -89,13 +182,73 @@ class CheckpointFolder:
         if changed:
             shown = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
             notes.append(f"resumed from step {step} with changed hyper-parameters: {shown}")
-        for k, stage in sorted(parts.stages.items()):
-            stage.load_state_dict(self.store.load(step, k, parts.device)["state"])
+        notes += self._position_note(record, step, steps_per_epoch)
+        notes += self._off_grid_note(step, checkpoint_every, drains)
+        try:
+            for k, stage in sorted(parts.stages.items()):
+                stage.load_state_dict(_on_device(chosen.states.pop(k), parts.device))
+        except BaseException as err:  # checked, so unforeseen: the stages are half loaded
+            state.failed = f"resuming from step {step} failed part way: {type(err).__name__}: {err}"
+            raise
         for note in notes:
-            warnings.warn(note, stacklevel=5)  # the caller of Pipeline.fit
+            warnings.warn(note, stacklevel=4)  # restore, FitLoop.train, Pipeline.fit, its caller
         state.notes.extend(notes)
         state.resumed_with.update(changed)
         state.step = state.last_checkpoint = step
+
+    def _batch_refusal(self, record: dict[str, Any], saved: int, now: int) -> str:
+        step = int(record["step"])
+        position = record.get("data_position") or {}
+        at = (
+            f" (step {step} was epoch {position['epoch']}, batch {position['batch']} there)"
+            if {"epoch", "batch"} <= set(position)
+            else ""
+        )
+        return (
+            f"the checkpoint in {self.store.root} was written by a run whose batches held "
+            f"{saved} samples{at}, and this run's data yields batches of {now}: the batch "
+            f"size fixes the data position and each micro-batch's size, so the run would not "
+            f"continue; resume with batches of {saved} (the DataLoader's batch_size, "
+            f"--batch-size), or use another --checkpoint-dir (checkpoint_dir=) to start "
+            f"fresh; nothing was loaded"
+        )
+
+    @staticmethod
+    def _position_note(record: dict[str, Any], step: int, steps_per_epoch: int) -> list[str]:
+        """A note where the data has another epoch length than the run that wrote the
+        checkpoint (the same batch size): the data position moves."""
+        position = record.get("data_position") or {}
+        if not {"epoch", "batch"} <= set(position):
+            return []
+        epoch, batch = divmod(step, steps_per_epoch)
+        if (position["epoch"], position["batch"]) == (epoch, batch):
+            return []
+        return [
+            f"resumed from step {step}, which was epoch {position['epoch']}, batch "
+            f"{position['batch']} in the run that wrote the checkpoint; this data has "
+            f"{steps_per_epoch} batches per epoch, so the run continues at epoch {epoch}, "
+            f"batch {batch}: it is not the data the checkpoint was trained on"
+        ]
+
+    def _off_grid_note(
+        self, step: int, checkpoint_every: int | None, drains: Sequence[int | None]
+    ) -> list[str]:
+        """A note where the resumed step is not one this run drains at, for an asynchronous
+        method (whose trajectory depends on where it drains; a flushing one does not)."""
+        method = self.parts.method
+        if not method.asynchronous or any(k and step % k == 0 for k in drains):
+            return []
+        where = (
+            f"which is not a multiple of checkpoint_every={checkpoint_every}"
+            if checkpoint_every
+            else "where the fit that wrote the checkpoint ended (checkpoint_every is not set)"
+        )
+        return [
+            f"resumed from step {step}, {where}: the asynchronous pipeline ({method.name}) "
+            f"drained there when that fit ended, and an uninterrupted run does not, so this "
+            f"run differs from an uninterrupted one by that drain; end fits on a multiple of "
+            f"checkpoint_every (max_steps, or epochs x steps per epoch) for exact resumes"
+        ]
 
     def write(self, steps_per_epoch: int) -> None:
         """Checkpoint every stage of this process at the current step (replica 0 writes;
@@ -109,6 +262,8 @@ class CheckpointFolder:
         extra = {
             "epoch": epoch,
             "data_position": {"epoch": epoch, "batch": pos},
+            # known once the first batch is read; a resume checks it before loading
+            "batch_size": parts.plan.batch_size,
             "hyperparameters": self.hyperparameters,
         }
         self.store.save(state.step, states, extra)

@@ -11,6 +11,7 @@ line. The checks of ``Pipeline``'s own arguments live here too (:func:`resolve_p
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -24,8 +25,12 @@ __all__ = [
     "DEFAULT_EPOCHS",
     "LR_SCHEDULES",
     "TrainConfig",
+    "check_fit_arguments",
+    "check_fit_options",
+    "check_offset",
     "check_options",
     "check_replicas",
+    "check_whole",
     "resolve_plan",
     "run_length",
 ]
@@ -41,6 +46,10 @@ AMP_MODES = ("bf16", "fp16")
 
 MAX_SEED = 2**32 - 1
 """Seeds go up to this: per-stage and per-epoch seeds derived from it must fit in 64 bits."""
+
+MAX_TIMEOUT = 1e9
+"""Seconds a rank may wait for another at most (about 31 years): the process group holds
+its timeout as a ``timedelta``, which overflows past about 8.6e13 s (and at infinity)."""
 
 
 def _default_plan() -> Plan:
@@ -109,8 +118,11 @@ class TrainConfig:
             spec.shape(self.plan.num_stages, self.plan.micro_batches)  # the registry's error
         if self.transport not in ("local", "dist"):
             raise RuntimeConfigError(f"unknown transport {self.transport!r}; use local or dist")
-        if not self.timeout > 0:
-            raise RuntimeConfigError(f"--timeout must be positive (got {self.timeout})")
+        if not 0 < self.timeout <= MAX_TIMEOUT:
+            raise RuntimeConfigError(
+                f"--timeout must be a number of seconds in (0, {MAX_TIMEOUT:g}] (got "
+                f"{self.timeout})"
+            )
         if self.lr_schedule not in LR_SCHEDULES:
             raise RuntimeConfigError(
                 f"unknown --lr-schedule {self.lr_schedule!r}; choose one of: "
@@ -198,6 +210,11 @@ def resolve_plan(
             f"plan must be a pipeoptim Plan (got {type(base).__name__}); load one with "
             f"Plan.load('plan.json')"
         )
+    if method is not None and not isinstance(method, str):
+        raise RuntimeConfigError(
+            f"method must be a method's name, e.g. method='pipeoptim' (got "
+            f"{type(method).__name__}); see `pipeoptim methods`"
+        )
     name = method or (base.method if base else "pipeoptim")
     spec = get_method(name)
     p = stages if stages is not None else (base.num_stages if base else None)
@@ -207,12 +224,26 @@ def resolve_plan(
         )
     if not isinstance(p, int) or isinstance(p, bool) or p < 1:
         raise RuntimeConfigError(f"stages must be a positive integer (got {p!r})")
+    if micro is not None:
+        check_whole("micro_batches", micro, example="micro_batches=4 (it must divide the batch)")
+    if virtual is not None:
+        check_whole("virtual_stages", virtual, example="virtual_stages=2 (interleaved-1f1b)")
     same = base is not None and base.method == name
     if micro is None:
         micro = base.micro_batches if base and same else (p if spec.micro_batched else 1)
     if not spec.micro_batched and micro != 1:
         spec.shape(p, micro)  # the registry's error, which names the fix
-    v = virtual or (base.virtual_stages if base and same else 2 if spec.interleaved else 1)
+    if virtual is not None and not spec.interleaved and virtual != 1:
+        spec.shape(p, None, None, virtual)  # the registry's error: one stage per rank
+    v = (
+        virtual
+        if virtual is not None
+        else base.virtual_stages
+        if base and same
+        else 2
+        if spec.interleaved
+        else 1
+    )
     keep = base is not None and base.num_stages == p and base.virtual_stages == v
     return Plan(
         name,
@@ -250,12 +281,154 @@ def check_options(
         raise RuntimeConfigError(f"unknown transport {transport!r}; use local or dist")
     if amp is not None and amp not in AMP_MODES:
         raise RuntimeConfigError(f"unknown amp {amp!r}; use None, 'bf16' or 'fp16' (CUDA)")
-    if grad_clip is not None and not grad_clip > 0:
-        raise RuntimeConfigError(f"grad_clip must be positive (got {grad_clip})")
-    if not isinstance(log_every, int) or log_every < 1:
-        raise RuntimeConfigError(f"log_every must be at least 1 (got {log_every!r})")
-    if not timeout > 0:
-        raise RuntimeConfigError(f"timeout must be positive (got {timeout})")
+    if grad_clip is not None and (not _is_number(grad_clip) or not grad_clip > 0):
+        raise RuntimeConfigError(
+            f"grad_clip must be a positive number, the largest gradient norm of a stage "
+            f"(got {grad_clip!r}); e.g. grad_clip=1.0, or None for no clipping"
+        )
+    check_whole("log_every", log_every, example="log_every=50")
+    if not _is_number(timeout) or not 0 < timeout <= MAX_TIMEOUT:
+        raise RuntimeConfigError(
+            f"timeout must be a number of seconds in (0, {MAX_TIMEOUT:g}] (got {timeout!r}): "
+            f"how long a rank waits for another; e.g. timeout=300"
+        )
+
+
+def check_fit_options(
+    *,
+    scheduler: Any,
+    device: object,
+    seed: object,
+    memory_every: object,
+    keep_checkpoints: object,
+    checkpoint_dir: object,
+    predicted_backward: object,
+    run_identity: object,
+    hyperparameters: object,
+) -> None:
+    """The rest of ``Pipeline``'s arguments: types and ranges, before anything is built."""
+    if scheduler is not None and not callable(scheduler):
+        raise RuntimeConfigError(
+            f"scheduler must be a factory optimizer -> LR scheduler (got "
+            f"{type(scheduler).__name__}), e.g. lambda opt: "
+            f"torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000)"
+        )
+    if not isinstance(device, str):
+        raise RuntimeConfigError(
+            f"device must be a name: 'auto', 'cpu', 'cuda' or 'cuda:N' (got "
+            f"{type(device).__name__})"
+        )
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise RuntimeConfigError(f"seed must be an integer in 0..{MAX_SEED} (got {seed!r})")
+    check_whole("memory_every", memory_every, example="memory_every=4 (every 4th micro-batch)")
+    check_whole("keep_checkpoints", keep_checkpoints, example="keep_checkpoints=2")
+    if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
+        raise RuntimeConfigError(
+            f"checkpoint_dir must be a folder path (str or os.PathLike; got "
+            f"{type(checkpoint_dir).__name__}), e.g. checkpoint_dir='ckpt'"
+        )
+    if not isinstance(predicted_backward, bool):
+        raise RuntimeConfigError(
+            f"predicted_backward must be True or False (got {predicted_backward!r})"
+        )
+    for name, value in (("run_identity", run_identity), ("hyperparameters", hyperparameters)):
+        if value is not None and not isinstance(value, dict):
+            raise RuntimeConfigError(f"{name} must be a dict or None (got {type(value).__name__})")
+
+
+def check_fit_arguments(
+    data: object,
+    *,
+    epochs: object,
+    max_steps: object,
+    eval_data: object,
+    eval_every: object,
+    steps_per_epoch: object,
+    resume: object,
+    checkpoint_dir: object,
+) -> None:
+    """``Pipeline.fit``'s arguments: types, ranges and what each one needs."""
+    for name, value in (
+        ("epochs", epochs),
+        ("max_steps", max_steps),
+        ("eval_every", eval_every),
+        ("steps_per_epoch", steps_per_epoch),
+    ):
+        if value is not None:
+            check_whole(name, value)
+    for name, batches in (("data", data), ("eval_data", eval_data)):
+        if batches is not None and not _iterable(batches):
+            raise RuntimeConfigError(
+                f"fit's {name} must be an iterable of (input, target) batches, e.g. a "
+                f"DataLoader (got {type(batches).__name__})"
+            )
+    if data is None:
+        raise RuntimeConfigError(
+            "fit needs the training data: an iterable of (input, target) batches, e.g. a DataLoader"
+        )
+    if eval_every is not None and eval_data is None:
+        raise RuntimeConfigError(
+            f"eval_every={eval_every} evaluates on eval_data every {eval_every} mini-batches, "
+            f"and no eval_data was given; pass fit(..., eval_data=loader), or leave eval_every "
+            f"out"
+        )
+    if not isinstance(resume, bool):
+        raise RuntimeConfigError(f"resume must be True or False (got {resume!r})")
+    if resume and not checkpoint_dir:
+        raise RuntimeConfigError(
+            "fit(..., resume=True) continues from the latest checkpoint in checkpoint_dir, and "
+            "this Pipeline has none; build it with checkpoint_dir='the folder of the run to "
+            "continue' (pipeoptim train: --resume needs --checkpoint-dir D)"
+        )
+
+
+def _iterable(value: object) -> bool:
+    """Iterable as ``for`` sees it (``__iter__`` or the old ``__getitem__`` protocol),
+    without calling ``iter``: that would start a DataLoader's workers."""
+    kind = type(value)
+    return hasattr(kind, "__iter__") or hasattr(kind, "__getitem__")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_whole(name: str, value: object, *, minimum: int = 1, example: str = "") -> int:
+    """``value`` as a whole number >= ``minimum``, or the error naming ``name`` (a library
+    argument) and an ``example`` of a good value."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        fix = f"; e.g. {example}" if example else ""
+        raise RuntimeConfigError(f"{name} must be a whole number >= {minimum} (got {value!r}){fix}")
+    return value
+
+
+def check_offset(
+    offset: object, method: str, num_stages: int, *, given: bool, flag: str = "prediction_offset"
+) -> int:
+    """The prediction offset of a run: a whole number of updates added to the derived
+    prediction distance s (``plan.versions.prediction_distance``), in 0..P. Below 0 it
+    would cut s (down to 0, which is no prediction at all: that is a non-predicting method),
+    and past P it predicts further ahead than any stage of a P-stage schedule waits (s is at
+    most P-1) while the predictor steps a copy of the LR schedule s times per forward.
+    ``given``: passed as an argument (not a plan's value), so a method that does not predict
+    refuses it instead of ignoring it. ``flag``: the argument's name in the messages."""
+    spec = get_method(method)
+    rule = (
+        f"it adds updates to the derived prediction distance s (at most P-1 = "
+        f"{num_stages - 1} here): 0 is the paper's rule, 1 the reference code's (D - rank)"
+    )
+    if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset <= num_stages:
+        raise RuntimeConfigError(
+            f"{flag} must be a whole number in 0..{num_stages} (the stage count) "
+            f"(got {offset!r}); {rule}"
+        )
+    if given and offset and spec.prediction_rule is None:
+        raise RuntimeConfigError(
+            f"{flag} {offset} shifts the distance a predicting method predicts ahead, and "
+            f"{spec.name} does not predict; use pipeoptim, spectrain or xpipe, or leave "
+            f"{flag} out"
+        )
+    return offset
 
 
 def check_replicas(data_parallel: object, transport: str, flag: str = "data_parallel") -> int:

@@ -14,10 +14,16 @@ refused with the fix. Exact resume: before each epoch the order is re-seeded fro
 ``(seed, epoch)`` (``set_epoch`` where the data has it, the loader's and sampler's
 generators, and the global RNG a shuffling ``DataLoader`` draws its seed from), and a
 resumed run skips to its position by reading past the batches already trained on.
+
+Where more than one rank reads the data (the last stage's rank under ``targets="read"``, the
+stage-0 rank of each data-parallel replica), they must read the same batches. Once per fit
+they compare a :class:`DataFingerprint` of the first batch and the epoch's length, and refuse
+when those differ (a rank-dependent order; a ``DistributedSampler``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -25,16 +31,18 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.replicas import check_batch_split
 
 __all__ = [
     "BatchSpec",
+    "DataFingerprint",
     "EvalReader",
     "TrainFeed",
     "epoch_seed",
+    "readers_disagree",
     "steps_per_epoch",
 ]
 
@@ -82,6 +90,108 @@ class BatchSpec:
                     f"first batch had {b[0]} and {b[1]}: every batch must match (pad "
                     f"sequences to one length)"
                 )
+
+
+def _digest(t: Tensor) -> str:
+    flat = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.blake2b(flat.numpy().tobytes(), digest_size=12).hexdigest()
+
+
+@dataclass(frozen=True)
+class DataFingerprint:
+    """What two readers of the same data must agree on, cheaply: the epoch's length, the
+    first batch's shapes and dtypes, and a hash of its targets. Computed once per fit, from
+    the batch the run starts with. The inputs are not compared: a random augmentation may
+    draw them differently on two ranks, which is harmless (the last stage's rank uses only
+    the targets; each replica trains on its own share), while other samples or another order
+    shows in the targets."""
+
+    steps_per_epoch: int
+    skipped: int
+    shapes: str
+    targets: str
+    sampler: str | None = None
+    """The per-rank sampler the data draws from (``DistributedSampler``), named in the
+    refusal; not compared."""
+
+    @classmethod
+    def of(
+        cls, x: Tensor, y: Tensor, steps_per_epoch: int, skipped: int, data: Any = None
+    ) -> DataFingerprint:
+        shapes = f"inputs {tuple(x.shape)} {x.dtype}, targets {tuple(y.shape)} {y.dtype}"
+        return cls(steps_per_epoch, skipped, shapes, _digest(y), _rank_sampler(data))
+
+    def differences(self, other: DataFingerprint) -> list[str]:
+        """What differs from ``other``, in words (empty: they agree)."""
+        out = []
+        if self.steps_per_epoch != other.steps_per_epoch:
+            out.append(
+                f"epoch length {self.steps_per_epoch} against {other.steps_per_epoch} batches"
+            )
+        elif self.skipped != other.skipped:
+            out.append(f"{self.skipped} against {other.skipped} samples left out per epoch")
+        if self.shapes != other.shapes:
+            out.append(f"the first batch's shapes differ ({self.shapes} against {other.shapes})")
+        elif self.targets != other.targets:
+            out.append("the first batch's targets differ")
+        return out
+
+
+def _rank_sampler(data: Any) -> str | None:
+    if isinstance(data, DataLoader):
+        for sampler in (data.sampler, getattr(data.batch_sampler, "sampler", None)):
+            if isinstance(sampler, DistributedSampler):
+                return type(sampler).__name__
+    return None
+
+
+def readers_disagree(
+    seen: list[tuple[DataFingerprint, DataFingerprint | str | None]], ranks: tuple[int, int, int]
+) -> str | None:
+    """Why the readers of a run must not train (None: they agree). ``seen``: per replica,
+    the fingerprints of stage 0's rank and of the last stage's rank (None: it does not read;
+    a string: its reading failed so); ``ranks``: P and the pipeline ranks of stage 0 and of
+    the last stage."""
+    p, first, last = ranks
+    d = len(seen)
+    for replica, (ours, theirs) in enumerate(seen):
+        if isinstance(theirs, str):
+            where = f"global rank {replica * p + last}"
+            return f"the last stage's rank ({where}) failed reading the data: {theirs}"
+        if theirs is None or not (diff := ours.differences(theirs)):
+            continue
+        hint = (
+            f" (the data's {ours.sampler} gives every rank other samples)" if ours.sampler else ""
+        )
+        return (
+            f"targets='read' needs the last stage's rank to read the same batches as stage "
+            f"0's rank, but global ranks {replica * p + first} and {replica * p + last} read "
+            f"different data: {'; '.join(diff)}{hint}. The last stage would train on targets "
+            f"that do not belong to its inputs. Fix: make the data yield the same batches on "
+            f"every rank (a DataLoader, shuffled or not, does under pipeoptim's per-epoch "
+            f"seeding; no per-rank sampler, seed or stream), or use targets='send' (stage 0's "
+            f"rank sends the targets)"
+        )
+    ref = seen[0][0]
+    for replica, (ours, _) in enumerate(seen[1:], 1):
+        if not (diff := ref.differences(ours)):
+            continue
+        sampler = ref.sampler or ours.sampler
+        cause = (
+            f"the data's {sampler} does that"
+            if sampler
+            else "a DistributedSampler is the likely cause"
+        )
+        return (
+            f"each of the {d} data-parallel replicas must read the same data, whole, but "
+            f"replica {replica} read other data than replica 0 (global ranks "
+            f"{replica * p + first} and {first}): {'; '.join(diff)}. pipeoptim already gives "
+            f"each replica its own 1/{d} of every batch, so data sharded per rank is sharded "
+            f"twice and an epoch trains on part of it ({cause}). Fix: give every replica "
+            f"the same data (no DistributedSampler; the same seed and order on every rank); "
+            f"pipeoptim splits each batch itself"
+        )
+    return None
 
 
 def as_batch(item: Any, where: str) -> tuple[Tensor, Tensor]:

@@ -15,7 +15,7 @@ mini-batches (the only host syncs of training), and stops on a non-finite one.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -24,12 +24,13 @@ import torch.distributed as dist
 from torch import Tensor
 from tqdm import tqdm
 
-from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.errors import PipeoptimError, RuntimeConfigError
 from pipeoptim.plan.schedules import Shape
 from pipeoptim.runtime.assembly import Assembly, RunState
 from pipeoptim.runtime.checkpoint import Segment, plan_segments
 from pipeoptim.runtime.checkpoint_folder import CheckpointFolder
 from pipeoptim.runtime.config import run_length
+from pipeoptim.runtime.divergence import nonfinite_message
 from pipeoptim.runtime.executor import (
     Boundary,
     NonFiniteLossError,
@@ -40,9 +41,16 @@ from pipeoptim.runtime.executor import (
     eval_plan,
     segment_plan,
 )
-from pipeoptim.runtime.feed import BatchSpec, EvalReader, TrainFeed, steps_per_epoch
+from pipeoptim.runtime.feed import (
+    BatchSpec,
+    DataFingerprint,
+    EvalReader,
+    TrainFeed,
+    readers_disagree,
+    steps_per_epoch,
+)
 from pipeoptim.runtime.probe import probe_stages
-from pipeoptim.runtime.replicas import collective
+from pipeoptim.runtime.replicas import collective, gather_over_replicas
 from pipeoptim.runtime.result import EvalResult, FitResult, build_trace, merge
 from pipeoptim.trace import Trace
 
@@ -90,12 +98,18 @@ class FitLoop:
         self._bar: Any = None
         self.trace: Trace | None = None
         """The trace of the last completed fit (None: none yet)."""
+        self.probed_training = False
+        """The dry run checked that the loss trains (a fit's probe; evaluate's does not)."""
 
     # -- the dry run -----------------------------------------------------------------------
-    def _probe(self, x: Tensor, y: Tensor) -> dict[str, Any]:
-        """Two samples through every stage: receive shapes, and user errors found early."""
+    def _probe(self, x: Tensor, y: Tensor, training: bool = False) -> dict[str, Any]:
+        """Two samples through every stage: receive shapes, and user errors found early
+        (``training``: also a loss that no trainable parameter reaches, once per loop)."""
         p = self.parts
-        boundaries = probe_stages(p.units, p.bounds, x[:2], y[:2], p.loss_fn, p.amp, p.device)
+        boundaries = probe_stages(
+            p.units, p.bounds, x[:2], y[:2], p.loss_fn, p.amp, p.device, training=training
+        )
+        self.probed_training = self.probed_training or training
         return {"spec": BatchSpec.of(x, y), "boundaries": boundaries}
 
     def _adopt(self, info: dict[str, Any]) -> None:
@@ -142,7 +156,8 @@ class FitLoop:
         """Train from the current step to the run's end (see ``Pipeline.fit``)."""
         parts, state, options = self.parts, self.state, self.options
         shape, replicas = parts.shape, parts.replicas
-        start = state.step
+        # a resume's step: the checkpoint is loaded once the first batch is read (restore)
+        start = folder.start_step if folder is not None else state.step
         feed: TrainFeed | None = None
 
         def make_feed(spe: int) -> TrainFeed:
@@ -164,22 +179,39 @@ class FitLoop:
             x, y = feed.peek()
             if self.spec is not None:
                 self.spec.check(x, y, "the first batch", any_size=True)
+                if not self.probed_training:  # an evaluate() probed, without the loss check
+                    self._probe(x, y, training=True)
                 info = {"spec": BatchSpec.of(x, y), "boundaries": self.boundaries}
             else:
-                info = self._probe(x, y)
-            return {**info, "spe": spe, "skipped": skipped}
+                info = self._probe(x, y, training=True)
+            fingerprint = DataFingerprint.of(x, y, spe, skipped, data)
+            return {**info, "spe": spe, "skipped": skipped, "fingerprint": fingerprint}
+
+        def read_last() -> tuple[TrainFeed, DataFingerprint]:
+            spe, skipped = steps_per_epoch(data, given_spe)
+            x, y = (last_feed := make_feed(spe)).peek()
+            return last_feed, DataFingerprint.of(x, y, spe, skipped, data)
 
         info = parts.on_first_rank(read_first)
         self._adopt(info)
         assert self.spec is not None
         spe, batch = int(info["spe"]), self.spec.batch_size
+        self._check_end(start, epochs, max_steps, spe, folder)  # before a resume loads
+        if folder is not None:  # a resume loads now: the batch size is known, no step ran
+            drains = (options.checkpoint_every, eval_every if eval_data is not None else None)
+            folder.restore(
+                batch,
+                spe,
+                checkpoint_every=options.checkpoint_every,
+                drains=(*drains, options.segment_limit),
+            )
         parts.plan.batch_size = batch
         res = self.result
         res.steps_per_epoch, res.skipped_samples, res.batch_size = spe, info["skipped"], batch
         total = run_length(epochs, max_steps, spe)
         last = parts.last
         reads_targets = options.targets == "read" and last in parts.stages and 0 not in parts.stages
-        target_feed = make_feed(spe) if reads_targets else None
+        target_feed = self._readers_agree(info["fingerprint"], read_last if reads_targets else None)
         for ex in self._executors:
             ex.micro_size = batch // (shape.micro_batches * replicas.replicas)
             ex.feed = feed if 0 in ex.stages else None
@@ -217,6 +249,66 @@ class FitLoop:
         if eval_data is not None:
             self.evaluate(eval_data)
         return self.merged()
+
+    def _readers_agree(
+        self,
+        first: DataFingerprint,
+        read_last: Callable[[], tuple[TrainFeed, DataFingerprint]] | None,
+    ) -> TrainFeed | None:
+        """Once per fit, before any work: every rank that reads the data read the same first
+        batch and epoch length (the last stage's rank under targets="read", whose feed
+        ``read_last`` builds and which is returned; each replica's readers against replica
+        0's). Every rank sees every fingerprint, so all refuse alike."""
+        parts = self.parts
+        theirs: Any = None
+        error: BaseException | None = None
+        feed: TrainFeed | None = None
+        if self.options.targets == "read" and parts.rank_of[0] != parts.rank_of[parts.last]:
+            if read_last is not None:
+                try:
+                    feed, theirs = read_last()
+                except BaseException as err:  # said on every rank, raised here as it was
+                    error, theirs = err, str(err) if isinstance(err, PipeoptimError) else repr(err)
+            theirs = parts.share(theirs, parts.last)
+        seen = gather_over_replicas(parts.replicas, (first, theirs), "comparing the data read")
+        if error is not None:
+            raise error
+        ranks = (parts.shape.num_ranks, parts.rank_of[0], parts.rank_of[parts.last])
+        message = readers_disagree(seen, ranks)
+        if message is not None:
+            raise RuntimeConfigError(message)
+        return feed
+
+    def _check_end(
+        self,
+        start: int,
+        epochs: int | None,
+        max_steps: int | None,
+        spe: int,
+        folder: CheckpointFolder | None,
+    ) -> None:
+        """Refuse a run that would end before the step it starts from (a resume, or a
+        second fit, with a shorter epochs or max_steps): it would train nothing."""
+        total = run_length(epochs, max_steps, spe)
+        if total >= start:
+            return
+        resumed = folder is not None and start != self.state.step
+        where = (
+            f"the checkpoint in {self.options.checkpoint_dir} is at step {start}"
+            if resumed
+            else f"this Pipeline has trained to step {start}"
+        )
+        asked = (
+            f"max_steps={max_steps}"
+            if max_steps is not None and total == max_steps
+            else f"epochs={epochs} x {spe} steps per epoch"
+        )
+        raise RuntimeConfigError(
+            f"{where}, past the end of this run ({asked} ends at step {total}); epochs and "
+            f"max_steps count from step 0, not from where the run resumes, so nothing would "
+            f"train; ask for a run that ends after step {start} (e.g. max_steps={start + 1} "
+            f"or more)"
+        )
 
     def _run_segment(self, first_step: int, num_steps: int) -> None:
         s = self.parts.shape
@@ -291,8 +383,11 @@ class FitLoop:
     def _check_finite_weights(self) -> None:
         """Refuse to checkpoint weights that became non-finite (the last good one stays)."""
         for k, stage in self.parts.stages.items():
-            finite = torch.stack([torch.isfinite(p).all() for p in stage.module.parameters()])
-            if finite.numel() and not bool(finite.all()):
+            params = list(stage.module.parameters())
+            if not params:  # a stage of parameter-free units (a lone ReLU)
+                continue
+            finite = torch.stack([torch.isfinite(p).all() for p in params])
+            if not bool(finite.all()):
                 raise NonFiniteLossError(
                     self.nonfinite_message(float("nan"), self.state.step)
                     + f" (the weights of stage {k} became non-finite)",
@@ -301,37 +396,16 @@ class FitLoop:
 
     def nonfinite_message(self, value: float, step: int) -> str:
         """What stopped, what was kept, and the remedies for this method and depth."""
-        last, where = self.state.last_checkpoint, self.options.checkpoint_dir
-        if last is not None:
-            kept = f"the last good checkpoint (step {last}) in {where} was kept"
-        elif where:
-            kept = "no checkpoint had been written yet"
-        else:
-            kept = "nothing was checkpointed (set checkpoint_dir to keep one)"
-        resume = " and resume from it (--resume, fit(..., resume=True))" if last is not None else ""
-        return (
-            f"non-finite loss ({value}) at step {step} (mini-batches count from 0); training "
-            f"stopped and {kept}. Lower the learning rate{resume}" + self._divergence_advice()
+        p = self.parts
+        return nonfinite_message(
+            value,
+            step,
+            last_checkpoint=self.state.last_checkpoint,
+            checkpoint_dir=self.options.checkpoint_dir,
+            method=p.method,
+            num_stages=p.shape.num_stages,
+            predicted_backward=p.predicted_backward,
         )
-
-    def _divergence_advice(self) -> str:
-        """The remedies the convergence study measured, for this method and depth."""
-        method, p = self.parts.method, self.parts.shape.num_stages
-        if not method.asynchronous or method.micro_batched:
-            return "."
-        s = p - 1
-        text = (
-            f"; {method.name} runs stage 0's forward {s} update(s) ahead of its backward "
-            f"(s = P-1), and in the convergence study (examples/convergence/results) such "
-            f"pipelines at 8 stages lost accuracy or diverged under SGD-momentum where gpipe, "
-            f"2bw and xpipe (s <= 1) did not: use 2bw or xpipe, or fewer stages"
-        )
-        if method.prediction_rule is not None and not self.parts.predicted_backward:
-            text += (
-                ", or predicted_backward=True (input gradients through the predicted "
-                "weights too, one weight copy per mini-batch in flight)"
-            )
-        return text + "."
 
     def close_bar(self) -> None:
         if self._bar is not None:

@@ -34,7 +34,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -50,9 +49,15 @@ from pipeoptim.errors import PipeoptimError, RuntimeConfigError
 from pipeoptim.runtime.config import TrainConfig
 from pipeoptim.runtime.executor import NonFiniteLossError, RankResult
 from pipeoptim.runtime.pipeline import Pipeline
-from pipeoptim.runtime.placement import pick_device, rank_threads, world_error
+from pipeoptim.runtime.placement import (
+    check_device,
+    exit_with_parent,
+    pick_device,
+    rank_threads,
+    world_error,
+)
 from pipeoptim.runtime.result import FitResult, build_trace, merge
-from pipeoptim.runtime.transport import FailureBoard, PeerLostError
+from pipeoptim.runtime.transport import FailureBoard, lost_peer
 from pipeoptim.trace import Trace
 
 __all__ = [
@@ -165,6 +170,11 @@ def train(config: TrainConfig, runner: Runner) -> FitResult | None:
 def preflight(config: TrainConfig, runner: Runner) -> None:
     """The checks every rank would fail alike, made once before any process starts."""
     runner.check(config)
+    if config.device.startswith("cuda"):  # every rank would refuse it alike
+        pick_device(config.device)
+    if config.device == "auto":  # the plan's devices are used, unless --device is given
+        for name in config.plan.devices or []:
+            check_device(torch.device(name), " in the plan's devices")
     if config.device != "cpu" and torch.cuda.is_available():
         _check_gpus(config, _world(config))
 
@@ -210,7 +220,8 @@ def _device_of(config: TrainConfig, rank: int) -> torch.device:
             f"the plan lists {len(devices)} devices for {config.plan.num_stages} ranks; give "
             f"one device per rank"
         )
-    return torch.device(devices[rank % config.plan.num_stages])  # alike in every replica
+    mine = devices[rank % config.plan.num_stages]  # alike in every replica
+    return check_device(torch.device(mine), " in the plan's devices")
 
 
 def _check_gpus(config: TrainConfig, local_ranks: int) -> None:
@@ -230,17 +241,24 @@ def _run_rank(config: TrainConfig, runner: Runner, rank: int, store: Store) -> F
     try:
         return run_config(config, runner, store=store)
     except BaseException as err:
+        # A peer lost outside the transport (a barrier or collective while the run starts)
+        # is reported as one, in one line: the launcher names the rank that went.
+        lost = lost_peer(err)
         message = str(err) if isinstance(err, PipeoptimError) else f"{type(err).__name__}: {err}"
         if isinstance(err, NonFiniteLossError):
             board.post(rank, "nonfinite", message, step=err.step)
-        elif isinstance(err, PeerLostError):
-            board.post(rank, "peer", message, suspect=err.peer)
+        elif lost is not None and lost.peer >= 0:
+            board.post(rank, "peer", str(lost), suspect=lost.peer)
+        elif lost is not None:
+            board.post(rank, "peer", str(lost))
         else:
             board.post(rank, "error", message)
         key = f"pipeoptim/result/{rank}"
         with contextlib.suppress(RuntimeError):  # the store may be gone with the launcher
             if not store.check([key]):
                 store.set(key, RankResult([rank]).to_json())
+        if lost is not None and lost is not err:
+            raise lost from None
         raise
 
 
@@ -372,17 +390,8 @@ def _exit_with_parent(rank: int, parent: int, period: float = 0.5) -> None:
     (process ``parent``): a kill -9 leaves no one to stop it, and its peers would wait out
     their timeouts. The pid comes from the launcher, so a launcher that died while this
     process was still starting is noticed too."""
-
-    def watch() -> None:
-        while True:
-            if os.getppid() != parent:
-                # one write of the whole line: the other ranks print theirs at the same moment
-                line = f"pipeoptim train: rank {rank}: the launching process is gone; stopping\n"
-                os.write(sys.stderr.fileno(), line.encode())
-                os._exit(1)
-            time.sleep(period)
-
-    threading.Thread(target=watch, name="pipeoptim-parent-watch", daemon=True).start()
+    line = f"pipeoptim train: rank {rank}: the launching process is gone; stopping"
+    exit_with_parent(parent, line, period)
 
 
 def worker_main(runner: Runner) -> int:

@@ -35,13 +35,22 @@ from pipeoptim.runtime.assembly import Assembly, RunState, segment_limit
 from pipeoptim.runtime.checkpoint import DEFAULT_KEEP
 from pipeoptim.runtime.checkpoint_folder import CheckpointFolder
 from pipeoptim.runtime.closure import PredictionClosure
-from pipeoptim.runtime.config import MAX_SEED, check_options, check_replicas, resolve_plan
+from pipeoptim.runtime.config import (
+    check_fit_arguments,
+    check_fit_options,
+    check_offset,
+    check_options,
+    check_replicas,
+    check_whole,
+    resolve_plan,
+)
 from pipeoptim.runtime.executor import Boundary, NonFiniteLossError, RankResult, Recorder
 from pipeoptim.runtime.fit_loop import FitLoop, FitOptions
 from pipeoptim.runtime.layout import stage_boundaries
 from pipeoptim.runtime.loss import LossFn
 from pipeoptim.runtime.result import EvalResult, FitResult
 from pipeoptim.runtime.stage import Stage
+from pipeoptim.runtime.state_check import refusal
 from pipeoptim.runtime.update import OptimizerFactory, SchedulerFactory
 from pipeoptim.trace import Trace
 
@@ -130,10 +139,21 @@ class Pipeline:
         if prediction_offset is not None:
             run_plan.prediction_offset = prediction_offset
         check_options(optimizer, loss_fn, transport, amp, grad_clip, log_every, timeout)
-        if not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
-            raise RuntimeConfigError(f"seed must be an integer in 0..{MAX_SEED} (got {seed!r})")
+        check_fit_options(
+            scheduler=scheduler,
+            device=device,
+            seed=seed,
+            memory_every=memory_every,
+            keep_checkpoints=keep_checkpoints,
+            checkpoint_dir=checkpoint_dir,
+            predicted_backward=predicted_backward,
+            run_identity=run_identity,
+            hyperparameters=hyperparameters,
+        )
         if checkpoint_every is not None and (
-            not isinstance(checkpoint_every, int) or checkpoint_every < 1
+            isinstance(checkpoint_every, bool)
+            or not isinstance(checkpoint_every, int)
+            or checkpoint_every < 1
         ):
             raise RuntimeConfigError(
                 f"checkpoint_every must be a positive number of mini-batches (got "
@@ -153,6 +173,12 @@ class Pipeline:
         if targets not in ("send", "read"):
             raise RuntimeConfigError(f"unknown targets {targets!r}; use 'send' or 'read'")
         shape = run_plan.shape(1)
+        check_offset(
+            run_plan.prediction_offset,
+            run_plan.method,
+            shape.num_stages,
+            given=prediction_offset is not None,
+        )
         limit = segment_limit(method_, shape)
         bounds = stage_boundaries(
             len(units), shape.num_stages, run_plan.boundaries, run_plan.model or "the model"
@@ -176,7 +202,7 @@ class Pipeline:
         )
         self.identity = run_identity or self.parts.identity()
         self.keep_checkpoints = keep_checkpoints
-        self.hyperparameters = hyperparameters or {"lr": run_plan.optimizer.lr}
+        self.hyperparameters = hyperparameters or {"lr": run_plan.optimizer.lr, "amp": amp}
         """What a resume may change (recorded in checkpoints and the trace)."""
         self.options = FitOptions(
             checkpoint_dir=checkpoint_dir,
@@ -189,6 +215,8 @@ class Pipeline:
             segment_limit=limit,
         )
         self.state = RunState()
+        self.closed = False
+        """close() left the process group: a dist Pipeline cannot train or evaluate again."""
         if transport == "dist":
             dist.barrier()  # a shared time origin for the trace
         self.loop = FitLoop(self.parts, self.state, self.options, self.hyperparameters)
@@ -226,7 +254,7 @@ class Pipeline:
 
     @memory_every.setter
     def memory_every(self, every: int) -> None:
-        self.options.memory_every = every
+        self.options.memory_every = check_whole("memory_every", every, example="memory_every=4")
 
     @property
     def result(self) -> RankResult:
@@ -261,13 +289,17 @@ class Pipeline:
         ``eval_data`` every ``eval_every`` mini-batches (each one drains the pipeline) and
         at the end. Returns the merged result on every rank."""
         self._check_usable()
-        for name, value in (
-            ("epochs", epochs),
-            ("max_steps", max_steps),
-            ("eval_every", eval_every),
-        ):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise RuntimeConfigError(f"{name} must be a positive integer (got {value!r})")
+        self._check_open()
+        check_fit_arguments(
+            data,
+            epochs=epochs,
+            max_steps=max_steps,
+            eval_data=eval_data,
+            eval_every=eval_every,
+            steps_per_epoch=steps_per_epoch,
+            resume=resume,
+            checkpoint_dir=self.options.checkpoint_dir,
+        )
         if epochs is None and max_steps is None:
             epochs = 1
         try:
@@ -300,6 +332,19 @@ class Pipeline:
                 err.partial = self.loop.partial()
             raise
 
+    def _check_open(self) -> None:
+        """A dist Pipeline needs its process group: refuse once it is gone (close())."""
+        if self.parts.transport_name != "dist":
+            return
+        if self.closed or not dist.is_initialized():
+            how = "pipe.close() left it" if self.closed else "it was destroyed"
+            raise RuntimeConfigError(
+                f"this Pipeline's process group is closed ({how}), and a dist Pipeline "
+                f"trains and evaluates through it; call fit and evaluate before close(), or "
+                f"build a new Pipeline (it joins or starts a process group) and resume from "
+                f"its checkpoint"
+            )
+
     def _check_usable(self) -> None:
         if self.state.failed is None:
             return
@@ -320,6 +365,7 @@ class Pipeline:
         """Loss (and accuracy) of the live weights on ``data``: a forward-only schedule
         through the stages, any batch sizes. The same result on every rank."""
         self._check_usable()
+        self._check_open()
         try:
             return self.loop.evaluate(data)
         except BaseException as err:
@@ -364,25 +410,73 @@ class Pipeline:
         return {
             "format": "pipeoptim-pipeline",
             "step": self.state.step,
+            # what load_state_dict checks before it loads anything
+            "method": self.plan.method,
+            "num_stages": self.plan.num_stages,
             "stages": {k: s.state_dict() for k, s in self.stages.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` returned. Everything is checked before anything is
+        loaded: the method and the stage count (where the state names them), the stages
+        this process holds, and each stage's weights (names and shapes), optimizer class
+        and prediction rule; a state that does not fit is refused with one error naming
+        what differs, and this Pipeline stays as it was. To move only the weights into
+        another kind of Pipeline, load ``state["stages"][k]["module"]`` into
+        ``pipe.stages[k].module``."""
+        self._check_state(state)
+        try:
+            for k, s in sorted(self.stages.items()):
+                s.load_state_dict(state["stages"][k])
+        except BaseException as err:  # checked, so unforeseen: the stages are half loaded
+            self.state.failed = f"load_state_dict failed part way: {type(err).__name__}: {err}"
+            raise
+        self.state.step = int(state["step"])
+
+    def _check_state(self, state: Any) -> None:
+        """Refuse, before loading, a state :meth:`load_state_dict` cannot take."""
         if not isinstance(state, dict) or state.get("format") != "pipeoptim-pipeline":
             raise RuntimeConfigError(
                 "load_state_dict takes what Pipeline.state_dict() returned (no "
                 "'format': 'pipeoptim-pipeline' in it)"
             )
-        missing = sorted(set(self.stages) - set(state["stages"]))
+        held = state.get("stages")
+        step = state.get("step")
+        if not isinstance(held, dict) or not isinstance(step, int) or isinstance(step, bool):
+            raise RuntimeConfigError(
+                "load_state_dict takes what Pipeline.state_dict() returned ('stages' a dict "
+                f"and 'step' an integer; got {type(held).__name__} and {type(step).__name__})"
+            )
+        now = {"method": self.plan.method, "num_stages": self.plan.num_stages}
+        # a state saved before these were recorded lacks them: its stages are still checked
+        differ = [
+            f"{k}: saved {state[k]!r}, here {v!r}"
+            for k, v in now.items()
+            if k in state and state[k] != v
+        ]
+        if differ:
+            raise RuntimeConfigError(
+                f"the state was saved by another kind of Pipeline ({'; '.join(differ)}); "
+                f"build this Pipeline with the saved method and stages to load it, or load "
+                f"only the weights: pipe.stages[k].module.load_state_dict("
+                f"state['stages'][k]['module']); nothing was loaded"
+            )
+        missing = sorted(set(self.stages) - set(held))
         if missing:
             raise RuntimeConfigError(
-                f"the state holds stages {sorted(state['stages'])} but this process runs "
+                f"the state holds stages {sorted(held)} but this process runs "
                 f"{sorted(self.stages)} (missing {missing}); load the state saved by the same "
-                f"rank of a Pipeline of the same shape"
+                f"rank of a Pipeline of the same shape; nothing was loaded"
             )
-        for k, s in self.stages.items():
-            s.load_state_dict(state["stages"][k])
-        self.state.step = int(state["step"])
+        refused: list[tuple[int, str]] = []
+        for k, s in sorted(self.stages.items()):
+            try:
+                s.check_state(held[k])
+            except RuntimeConfigError as err:
+                refused.append((k, str(err)))
+        message = refusal(refused)
+        if message is not None:
+            raise RuntimeConfigError(f"load_state_dict: {message}")
 
     def close(self) -> None:
         """Leave the process group this Pipeline started (dist under torchrun)."""
@@ -392,6 +486,7 @@ class Pipeline:
                 dist.barrier()
             dist.destroy_process_group()
             self.parts.owns_group = False
+            self.closed = True
 
     def __enter__(self) -> Pipeline:
         return self

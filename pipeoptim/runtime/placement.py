@@ -5,12 +5,27 @@ One rank per stage (of each data-parallel replica): under ``torchrun`` (or any l
 that sets ``RANK``/``WORLD_SIZE``) the group is started here with NCCL on GPUs and gloo on
 CPU, unless the caller (the ``pipeoptim train`` launcher, a user's script) already started
 one.
+
+A rank whose launcher dies must not train on as an orphan: :func:`exit_with_parent` watches
+the launcher and ends this process within half a second of its death, with one line. The
+``pipeoptim train`` launcher's children install it at start; a library run under torchrun
+installs it here, as it joins the group (the torchrun agent is every rank's parent, and a
+``kill -9`` of it tells no one). Why polling ``os.getppid()`` and not
+``prctl(PR_SET_PDEATHSIG)``: the death signal follows the parent *thread* that forked (not
+the process), needs Linux and ctypes, and a SIGTERM handler in Python runs only on the main
+thread between bytecodes, so a rank blocked in a gloo or NCCL wait would not print or exit;
+the daemon thread wakes every half second, works wherever Python does, runs while the main
+thread waits in C++ (which releases the GIL), writes its line and ends the process.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import threading
+import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,18 +33,73 @@ import torch.distributed as dist
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.profile import threads_per_rank
 
-__all__ = ["join_group", "local_device", "pick_device", "world_error"]
+__all__ = [
+    "check_device",
+    "exit_with_parent",
+    "join_group",
+    "local_device",
+    "pick_device",
+    "stop_if_orphaned",
+    "under_torchrun",
+    "world_error",
+]
+
+_watched: dict[int, bytes] = {}
+"""Launcher pid -> the line to write when it is gone (a script may build several Pipelines)."""
+
+
+def _no_gpu(requested: str, where: str = "") -> RuntimeConfigError:
+    """Why ``requested`` (a cuda device) cannot be had here: no CUDA in this torch, or no
+    GPU that it sees."""
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:  # no GPU build
+        return RuntimeConfigError(
+            f"device {requested!r}{where}, but this torch build has no CUDA (torch "
+            f"{torch.__version__}, CPU only); use device 'cpu' (or 'auto'), or install a CUDA "
+            f"build of torch"
+        )
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    hidden = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+    return RuntimeConfigError(
+        f"device {requested!r}{where}, but torch sees no GPU{hidden}; use device 'cpu' (or "
+        f"'auto'), or run where a GPU and its driver are visible"
+    )
+
+
+def check_device(device: torch.device, where: str = "") -> torch.device:
+    """``device`` if this process can use it: a cuda device needs CUDA in this torch build,
+    a visible GPU, and an index below the GPU count (torch itself fails later with a bare
+    ``AssertionError`` or "invalid device ordinal"). ``where`` follows the device's name in
+    the error (" in the plan's devices")."""
+    if device.type != "cuda":
+        return device
+    name = str(device)
+    if not torch.cuda.is_available():
+        raise _no_gpu(name, where)
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise RuntimeConfigError(
+            f"device {name!r}{where} is out of range: this machine has {count} GPU(s) (cuda:0 to "
+            f"cuda:{count - 1}); use one of those, 'cuda' (each rank takes LOCAL_RANK mod "
+            f"{count}), or device 'cpu'"
+        )
+    return device
 
 
 def pick_device(requested: str, local_rank: int = 0) -> torch.device:
-    """``cuda:(local_rank % count)`` where GPUs exist and are allowed, else the CPU."""
+    """``cuda:(local_rank % count)`` where GPUs exist and are allowed, else the CPU; a given
+    ``cuda:N`` is checked (:func:`check_device`)."""
     if requested.startswith("cuda:"):
-        return torch.device(requested)
+        index = requested.removeprefix("cuda:")
+        if not index.isdigit():
+            raise RuntimeConfigError(
+                f"unknown device {requested!r}; use auto, cpu, cuda or cuda:N (N a GPU index)"
+            )
+        return check_device(torch.device("cuda", int(index)))
     if requested not in ("auto", "cpu", "cuda"):
         raise RuntimeConfigError(f"unknown device {requested!r}; use auto, cpu, cuda or cuda:N")
     if requested == "cpu" or not torch.cuda.is_available():
         if requested == "cuda":
-            raise RuntimeConfigError("device 'cuda', but torch sees no GPU; use device 'cpu'")
+            raise _no_gpu(requested)
         return torch.device("cpu")
     return torch.device("cuda", local_rank % torch.cuda.device_count())
 
@@ -42,7 +112,7 @@ def local_device(requested: str, devices: list[str] | None) -> torch.device:
                 f"the plan puts ranks on several devices ({', '.join(devices)}), but the local "
                 f"transport runs every stage on one; use transport 'dist'"
             )
-        return torch.device(devices[0])
+        return check_device(torch.device(devices[0]), " in the plan's devices")
     return pick_device(requested)
 
 
@@ -70,15 +140,70 @@ def join_group(
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
         started = True
     rank, world = dist.get_rank(), dist.get_world_size()
+    if under_torchrun():  # never for the local transport, which joins no group
+        agent = os.getppid()
+        exit_with_parent(
+            agent,
+            f"pipeoptim: rank {rank}: torchrun (pid {agent}), which started this process, is "
+            f"gone; stopping",
+        )
     if world != ranks * replicas:
         raise world_error(world, ranks, replicas)
     if requested == "auto" and devices and len(devices) == ranks:
-        device = torch.device(devices[rank % ranks])
+        mine = devices[rank % ranks]
+        device = check_device(torch.device(mine), " in the plan's devices")
     elif requested == "auto" and dist.get_backend() != "nccl":
         device = torch.device("cpu")
     else:
         device = pick_device(requested, int(os.environ.get("LOCAL_RANK", rank)))
     return device, rank, started
+
+
+def under_torchrun() -> bool:
+    """Whether a torchrun (torch.distributed.elastic) agent started this process."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def exit_with_parent(parent: int, line: str, period: float = 0.5) -> None:
+    """Stop this process within ``period`` seconds of the death of its launcher, process
+    ``parent``, after writing ``line`` to stderr; exit status 1, no traceback, no cleanup
+    (the peers see this rank's connections close, as for any dead rank). A launcher that
+    died before this call is noticed too, when ``parent`` is the pid it gave its children.
+    Installed once per launcher pid.
+
+    The first rank to notice ends, and its peers see it go (a lost peer) before their own
+    next poll: :func:`stop_if_orphaned`, which the transport calls on a lost peer and the
+    exception hook on an uncaught error, makes them end with the same line, not with an
+    error about the peer or a traceback."""
+    if parent in _watched:
+        return
+    first = not _watched
+    _watched[parent] = (line.rstrip("\n") + "\n").encode()
+
+    def watch() -> None:
+        while True:
+            stop_if_orphaned()
+            time.sleep(period)
+
+    threading.Thread(target=watch, name="pipeoptim-parent-watch", daemon=True).start()
+    if first:
+        previous = sys.excepthook
+
+        def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+            stop_if_orphaned()
+            previous(kind, value, tb)
+
+        sys.excepthook = hook
+
+
+def stop_if_orphaned() -> None:
+    """End this process now, with its watchdog's line and exit status 1, if a launcher it
+    watches (:func:`exit_with_parent`) is gone; else return."""
+    for parent, text in list(_watched.items()):
+        if os.getppid() != parent:
+            # one write of the whole line: the other ranks print theirs at the same moment
+            os.write(sys.stderr.fileno(), text)
+            os._exit(1)
 
 
 def world_error(world: int, ranks: int, replicas: int = 1) -> RuntimeConfigError:

@@ -12,6 +12,12 @@ needs no change.
 The all-reduce is blocking and sits inside the update action: every method's next forward on
 the stage reads the weights that update writes, so there is nothing to overlap it with. The
 simulator models it the same way (``pipeoptim.sim.collectives``).
+
+Buffers (BatchNorm's running statistics) are not gradients: each replica's forwards move
+them on its own shard, so they would drift apart. At each update replica 0's buffers are
+broadcast to the other replicas (:class:`BufferBroadcast`, one flat message per stage, only
+for stages that hold floating-point buffers), so they are equal after every update and every
+replica evaluates alike.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,7 +33,14 @@ from torch import Tensor, nn
 
 from pipeoptim.runtime.transport import PeerLostError
 
-__all__ = ["BUCKET_BYTES", "GradientAverager", "ReplicaGroups", "collective"]
+__all__ = [
+    "BUCKET_BYTES",
+    "BufferBroadcast",
+    "GradientAverager",
+    "ReplicaGroups",
+    "collective",
+    "gather_over_replicas",
+]
 
 BUCKET_BYTES = 25 * 2**20
 """Gradients are all-reduced in flat buckets of at most this many bytes (DDP's default):
@@ -127,6 +141,63 @@ class GradientAverager:
                     p.grad.copy_(piece)
                 elif bool(flat[-len(bucket) + i] > 0):
                     p.grad = piece.clone()
+
+
+class BufferBroadcast:
+    """Replica 0's buffers of one stage to its other replicas, called at each update.
+
+    Why a broadcast, not an average: it is DDP's rule (``broadcast_buffers``, there before
+    each forward), it is defined for every buffer (an average of an integer counter, a mask
+    or an RNG state is not), it keeps integer buffers such as ``num_batches_tracked`` exact,
+    and it leaves every replica with replica 0's bytes. Why at the update, not before each
+    forward: under the asynchronous methods a stage runs forwards of several mini-batches
+    between two updates, in an order every replica shares only at the update (the schedule's
+    ``U``); a training forward normalises with the batch's own statistics, so the running
+    ones matter only to evaluation, which follows a drain, after the stage's last update.
+    Cost: one broadcast of the stage's buffer bytes per update (BatchNorm: 2 floats and one
+    integer per feature), flattened into one message whatever their dtypes.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, module: nn.Module) -> None:
+        self.group = group
+        self.module = module
+        self.source = dist.get_global_rank(group, 0)
+
+    @staticmethod
+    def needed(module: nn.Module) -> bool:
+        """Whether ``module`` holds a floating-point buffer (statistics that move in the
+        forward); buffers that are all integer (position ids, masks) are constants."""
+        return any(b.is_floating_point() for b in module.buffers())
+
+    def __call__(self) -> None:
+        # Read the buffers at each call: a module may re-assign one (``.to()`` does).
+        # Widest elements first, so each one's bytes start aligned for its dtype's view.
+        buffers = sorted(self.module.buffers(), key=lambda b: -b.element_size())
+        if not buffers:
+            return
+        with torch.no_grad():
+            flat = torch.cat([b.detach().reshape(-1).view(torch.uint8) for b in buffers])
+            with collective(self.group, "copying replica 0's buffers"):
+                dist.broadcast(flat, src=self.source, group=self.group)
+            if dist.get_rank() == self.source:
+                return
+            offset = 0
+            for b in buffers:
+                n = b.numel() * b.element_size()
+                b.copy_(flat[offset : offset + n].view(b.dtype).view(b.shape))
+                offset += n
+
+
+def gather_over_replicas(groups: ReplicaGroups, obj: Any, what: str) -> list[Any]:
+    """``obj`` of every replica (in replica order), on every rank: gathered from this
+    pipeline rank's replicas. ``[obj]`` when there are no replicas."""
+    group = groups.data_group
+    if group is None:
+        return [obj]
+    out: list[Any] = [None] * groups.replicas
+    with collective(group, what):
+        dist.all_gather_object(out, obj, group=group)
+    return out
 
 
 def _buckets(params: Sequence[Tensor]) -> list[list[Tensor]]:

@@ -62,6 +62,11 @@ from pipeoptim.runtime.split_backward import (
     unit_params,
     weight_half,
 )
+from pipeoptim.runtime.state_check import (
+    check_module_state,
+    check_predictor_state,
+    check_stage_state,
+)
 from pipeoptim.runtime.update import (
     OPTIMIZERS,
     OptimizerFactory,
@@ -197,6 +202,9 @@ class Stage:
         self._weight_half: dict[int, WeightHalf] = {}
         """mb -> what its W runs (root, weights, gradient of the root), set by its I."""
         self.random = StageRandom(self.module, self.device, seed)
+        self.buffer_sync: Callable[[], None] | None = None
+        """Set under data parallelism where the stage has floating-point buffers: gives
+        every replica replica 0's buffers at each update (``replicas.BufferBroadcast``)."""
 
     def _note(self, text: str) -> None:
         if text not in self.notes:
@@ -479,7 +487,11 @@ class Stage:
     def update(self) -> None:
         """Apply the accumulated gradient with the optimizer (one update per mini-batch),
         then step the LR scheduler. The predictor records its state through the optimizer's
-        step hooks, so a step a GradScaler skips records nothing."""
+        step hooks, so a step a GradScaler skips records nothing. Under data parallelism
+        the buffers follow replica 0's here, where every replica has run the same passes
+        (a stage without weights updates nothing but its buffers)."""
+        if self.buffer_sync is not None:
+            self.buffer_sync()
         self.weights.before_update()
         if self.updater is not None:
             self.updater.step(self._params, self._delays.get(self.weights.current, 0))
@@ -536,12 +548,33 @@ class Stage:
             "rng": self.random.state,
         }
 
+    def check_state(self, state: Any) -> None:
+        """Refuse a :meth:`state_dict` that does not fit this stage, before anything is
+        loaded (``state_check.py``): other layers or split, another optimizer, another
+        prediction rule; the error names the stage and what differs."""
+        self._check_own_state(state, optimizer=True)
+
+    def _check_own_state(self, state: Any, *, optimizer: bool) -> None:
+        """:meth:`check_state`; the optimizer's part (``StageUpdate``'s) only with
+        ``optimizer`` (its own load checks it)."""
+        where = f"stage {self.index}"
+        check_stage_state(state, where)
+        check_module_state(self.module, state["module"], where)
+        if optimizer and self.updater is not None:
+            self.updater.check_state(state)
+        rule = self.predictor.name if self.predictor is not None else None
+        saved = state.get("predictor")
+        check_predictor_state(rule, saved, self.method.name, len(self._params), where)
+
     def load_state_dict(self, state: dict[str, Any]) -> list[str]:
-        """Load a :meth:`state_dict`. Where this stage was built with other base learning
-        rates than the saved run, the loaded (scheduled) rates are rescaled to them, so a
-        resume can change the lr and keep the schedule's progress; returns what changed."""
-        self.module.load_state_dict(state["module"])
+        """Load a :meth:`state_dict`; one that does not fit is refused with nothing loaded
+        (:meth:`check_state`). Where this stage was built with other base learning rates
+        than the saved run, the loaded (scheduled) rates are rescaled to them, so a resume
+        can change the lr and keep the schedule's progress; returns what changed."""
+        self._check_own_state(state, optimizer=False)
+        # The optimizer first: it checks its part before it takes anything.
         changes = self.updater.load_state_dict(state) if self.updater is not None else []
+        self.module.load_state_dict(state["module"])
         if self.predictor is not None and state.get("predictor") is not None:
             self.predictor.load_state_dict(state["predictor"])
         self.random.state = state["rng"].clone()

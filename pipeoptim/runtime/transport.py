@@ -32,6 +32,7 @@ from torch import Tensor
 from torch._C._distributed_c10d import Store
 
 from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.runtime.placement import stop_if_orphaned
 
 __all__ = [
     "DistTransport",
@@ -40,6 +41,7 @@ __all__ = [
     "MessageKey",
     "PeerLostError",
     "Transport",
+    "lost_peer",
 ]
 
 MessageKey = tuple[str, int, int]
@@ -184,10 +186,34 @@ class DistTransport(Transport):
         try:
             work.wait()
         except RuntimeError as err:  # gloo/NCCL report a dead peer or a timeout this way
+            stop_if_orphaned()  # the peer went because the launcher did: say that, and end
             lost = self._first + peer  # the process-group rank, as the launcher names ranks
             raise PeerLostError(
                 f"lost rank {lost} while waiting for {what}: {_cause(err)}", lost
             ) from None
+
+
+_LOST = re.compile(
+    r"connection (closed|reset) by peer|broken pipe|connection refused|"
+    r"remote process exited|communicator was aborted",
+    re.IGNORECASE,
+)
+
+
+def lost_peer(err: BaseException) -> PeerLostError | None:
+    """``err`` as a :class:`PeerLostError` when it is the backend's report of a peer that
+    went away outside the transport's waits (a collective while the run starts, a barrier),
+    else None. Which rank went is not in the message (gloo names a port): the peer is -1,
+    and the launcher, which sees its children exit, names it."""
+    stop_if_orphaned()  # the peer went because the launcher did: say that, and end
+    if isinstance(err, PeerLostError):
+        return err
+    network = getattr(dist, "DistNetworkError", None)
+    if (network is not None and isinstance(err, network)) or (
+        isinstance(err, RuntimeError) and _LOST.search(str(err))
+    ):
+        return PeerLostError(f"lost a peer rank (it stopped or died): {_cause(err)}", -1)
+    return None
 
 
 def _cause(err: BaseException) -> str:

@@ -13,6 +13,7 @@ before and after its step.
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
@@ -89,6 +90,14 @@ def build_optimizer(
             f"stage {stage}: the optimizer factory returned {type(opt).__name__}, not a "
             f"torch.optim.Optimizer; return e.g. torch.optim.SGD(params, lr=0.1)"
         )
+    if _needs_closure(opt):
+        raise StageError(
+            f"stage {stage}: {type(opt).__name__}.step needs a closure that re-evaluates the "
+            f"loss (several forwards and backwards of the whole model per update), which a "
+            f"pipeline stage cannot give: it updates from one backward, while the other "
+            f"stages hold mini-batches in flight; use a first-order optimizer (SGD, Adam, "
+            f"AdamW, RMSprop...)"
+        )
     held = {id(p) for g in opt.param_groups for p in g["params"]}
     if held != {id(p) for p in params}:
         raise StageError(
@@ -97,6 +106,17 @@ def build_optimizer(
             f"from the params argument it is given"
         )
     return opt
+
+
+def _needs_closure(opt: Optimizer) -> bool:
+    """Its ``step`` cannot be called without a closure (``torch.optim.LBFGS``)."""
+    if isinstance(opt, torch.optim.LBFGS):
+        return True
+    try:
+        closure = inspect.signature(opt.step).parameters.get("closure")
+    except (TypeError, ValueError):  # no signature to read: assume the usual closure=None
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
 
 
 def build_scheduler(factory: SchedulerFactory, opt: Optimizer, stage: int) -> Any:
@@ -245,15 +265,75 @@ class StageUpdate:
         """Optimizer, scheduler, loss scaler and correction state."""
         return {
             "optimizer": self.optimizer.state_dict(),
+            # what a resume checks before loading: another class's state does not fit
+            "optimizer_class": type(self.optimizer).__name__,
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
             "correction": None if self.correction is None else self.correction.state_dict(),
         }
 
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Refuse a :meth:`state_dict` this stage's optimizer cannot take, before anything is
+        loaded: another optimizer class, other parameter groups or counts. A state saved
+        before the class was recorded is tried on the optimizer and put back, so a foreign
+        one (SGD's into Adam) is refused here too instead of failing half loaded."""
+        saved = state.get("optimizer")
+        where, mine = f"stage {self.stage}", type(self.optimizer).__name__
+        if saved is None:
+            n = sum(len(g["params"]) for g in self.optimizer.param_groups)
+            raise RuntimeConfigError(
+                f"{where}: the state holds no optimizer state (it was saved from a stage "
+                f"without trainable weights), but this stage trains {n} tensors with {mine}; "
+                f"load a state saved from the same layers, with the same weights trainable; "
+                f"nothing was loaded"
+            )
+        theirs = state.get("optimizer_class")
+        if theirs is not None and theirs != mine:
+            raise RuntimeConfigError(
+                f"{where}: the saved optimizer state is {theirs}'s, but this stage's optimizer "
+                f"is {mine} (the optimizer family fixes the state's shape and meaning); "
+                f"build the Pipeline with an optimizer factory returning {theirs} (pipeoptim "
+                f"train: --optimizer {theirs.lower()}), or start fresh; nothing was loaded"
+            )
+        groups = saved.get("param_groups") if isinstance(saved, dict) else None
+        if not isinstance(groups, list) or not isinstance(saved.get("state"), dict):
+            raise RuntimeConfigError(
+                f"{where}: the saved optimizer state is not a torch.optim state dict (no "
+                f"param_groups and state); load what Pipeline.state_dict() or a pipeoptim "
+                f"checkpoint holds; nothing was loaded"
+            )
+        counts = [len(g["params"]) for g in groups]
+        ours = [len(g["params"]) for g in self.optimizer.param_groups]
+        if counts != ours:
+            raise RuntimeConfigError(
+                f"{where}: the saved optimizer has parameter groups of {counts} tensors, this "
+                f"stage's {mine} has {ours}; build the optimizer with the same parameter "
+                f"groups as the run that saved it; nothing was loaded"
+            )
+        if theirs is None:
+            self._try_load(saved, where, mine)
+
+    def _try_load(self, saved: dict[str, Any], where: str, mine: str) -> None:
+        """Load ``saved`` into the optimizer and put its own state back (a state saved
+        before the optimizer class was recorded): an error is the refusal."""
+        own = self.optimizer.state_dict()
+        try:
+            self.optimizer.load_state_dict(copy.deepcopy(saved))
+        except Exception as err:
+            raise RuntimeConfigError(
+                f"{where}: the saved optimizer state does not fit this stage's {mine} "
+                f"({type(err).__name__}: {err}); it was saved with another optimizer: build "
+                f"the Pipeline with that one, or start fresh; nothing was loaded"
+            ) from None
+        finally:
+            self.optimizer.load_state_dict(own)
+
     def load_state_dict(self, state: dict[str, Any]) -> list[str]:
-        """Load :meth:`state_dict`. Where this stage was built with other base learning rates
-        than the saved run, the loaded (scheduled) rates are rescaled to them, so a resume can
-        change the lr and keep the schedule's progress; returns what changed."""
+        """Load :meth:`state_dict`, after :meth:`check_state`. Where this stage was built
+        with other base learning rates than the saved run, the loaded (scheduled) rates are
+        rescaled to them, so a resume can change the lr and keep the schedule's progress;
+        returns what changed."""
+        self.check_state(state)
         changes: list[str] = []
         saved = state["optimizer"]["param_groups"]
         # A copy: torch.optim keeps same-device tensors as given, which would alias a

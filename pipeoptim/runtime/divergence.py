@@ -1,0 +1,57 @@
+"""What a run that diverged tells its user: the step, what was kept, and the remedies.
+
+Apart from the fit loop because the message is the toolkit's advice, not training: it names
+the last good checkpoint and, for the never-micro-batched asynchronous methods, the remedies
+the convergence study measured at their depth.
+"""
+
+from __future__ import annotations
+
+from pipeoptim.plan.methods import Method
+
+__all__ = ["nonfinite_message"]
+
+
+def nonfinite_message(
+    value: float,
+    step: int,
+    *,
+    last_checkpoint: int | None,
+    checkpoint_dir: str | None,
+    method: Method,
+    num_stages: int,
+    predicted_backward: bool,
+) -> str:
+    """The error of a non-finite loss ``value`` at ``step``."""
+    last, where = last_checkpoint, checkpoint_dir
+    if last is not None:
+        kept = f"the last good checkpoint (step {last}) in {where} was kept"
+    elif where:
+        kept = "no checkpoint had been written yet"
+    else:
+        kept = "nothing was checkpointed (set checkpoint_dir to keep one)"
+    resume = " and resume from it (--resume, fit(..., resume=True))" if last is not None else ""
+    return (
+        f"non-finite loss ({value}) at step {step} (mini-batches count from 0); training "
+        f"stopped and {kept}. Lower the learning rate{resume}"
+        + _divergence_advice(method, num_stages, predicted_backward)
+    )
+
+
+def _divergence_advice(method: Method, num_stages: int, predicted_backward: bool) -> str:
+    """The remedies the convergence study measured, for this method and depth."""
+    if not method.asynchronous or method.micro_batched:
+        return "."
+    s = num_stages - 1
+    text = (
+        f"; {method.name} runs stage 0's forward {s} update(s) ahead of its backward "
+        f"(s = P-1), and in the convergence study (examples/convergence/results) such "
+        f"pipelines at 8 stages lost accuracy or diverged under SGD-momentum where gpipe, "
+        f"2bw and xpipe (s <= 1) did not: use 2bw or xpipe, or fewer stages"
+    )
+    if method.prediction_rule is not None and not predicted_backward:
+        text += (
+            ", or predicted_backward=True (input gradients through the predicted "
+            "weights too, one weight copy per mini-batch in flight)"
+        )
+    return text + "."
