@@ -24,6 +24,7 @@ COMMAND_MODULES = (
     "pipeoptim.commands.planning",
     "pipeoptim.commands.calibrate",
     "pipeoptim.commands.compare",
+    "pipeoptim.commands.demo",
 )
 
 
