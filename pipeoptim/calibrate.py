@@ -53,6 +53,16 @@ class Comparison:
             return math.nan
         return (self.predicted - self.measured) / self.measured
 
+    def to_dict(self) -> dict[str, float | str]:
+        """The row as ``calibrate --json`` prints it."""
+        return {
+            "quantity": self.quantity,
+            "measured": self.measured,
+            "predicted": self.predicted,
+            "unit": self.unit,
+            "relative_error": self.relative_error,
+        }
+
 
 def _plan_of(trace: Trace) -> Plan:
     data = trace.meta.get("plan")

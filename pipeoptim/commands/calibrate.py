@@ -272,16 +272,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         print_json(
             {
                 "method": measured.meta.get("method"),
-                "rows": [
-                    {
-                        "quantity": r.quantity,
-                        "measured": r.measured,
-                        "predicted": r.predicted,
-                        "unit": r.unit,
-                        "relative_error": r.relative_error,
-                    }
-                    for r in rows
-                ],
+                "rows": [r.to_dict() for r in rows],
                 "transport": measured.meta.get("transport"),
                 "data_parallel": run_replicas(measured),
                 "allreduce_s": predicted.meta.get("allreduce_s", {}),

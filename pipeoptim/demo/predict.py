@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-from pipeoptim.calibrate import Comparison, calibrate, calibrated_profile, compare
+from pipeoptim.calibrate import calibrate, calibrated_profile, compare
 from pipeoptim.errors import PlanError
 from pipeoptim.metrics import COMPUTE_KINDS, RunMetrics, compute_metrics
 from pipeoptim.plan.methods import get_method
@@ -109,19 +109,6 @@ def time_per_mini_batch(metrics: RunMetrics, batch_size: float) -> float:
     return batch_size / rate if rate > 0 else math.nan
 
 
-def _rows(rows: Sequence[Comparison]) -> list[dict[str, Any]]:
-    return [
-        {
-            "quantity": r.quantity,
-            "measured": r.measured,
-            "predicted": r.predicted,
-            "unit": r.unit,
-            "relative_error": r.relative_error,
-        }
-        for r in rows
-    ]
-
-
 def _cross(source: Trace, target: Trace, profile: Profile) -> Trace:
     """``target``'s method, shape and partition simulated on the costs ``source`` measured
     (the offline ``profile`` gives each layer's share and the fixed part of its times)."""
@@ -154,7 +141,7 @@ def calibrate_runs(
         predicted[method] = sim
         batch = float(trace.meta.get("batch_size") or 1)
         runs[method] = {
-            "rows": _rows(rows),
+            "rows": [r.to_dict() for r in rows],
             "measured_s_per_mini_batch": time_per_mini_batch(compute_metrics(trace), batch),
             "predicted_s_per_mini_batch": time_per_mini_batch(compute_metrics(sim), batch),
             "measured_stage_memory_bytes": _stage_peaks(compute_metrics(trace)),
@@ -167,7 +154,7 @@ def calibrate_runs(
         sim = _cross(measured[source], measured[target], profile)
         batch = float(measured[target].meta.get("batch_size") or 1)
         rows = compare(compute_metrics(measured[target]), compute_metrics(sim), batch)
-        cross.append({"from": source, "method": target, "rows": _rows(rows[:1])})
+        cross.append({"from": source, "method": target, "rows": [r.to_dict() for r in rows[:1]]})
     return {"runs": runs, "cross": cross}, predicted
 
 

@@ -13,6 +13,8 @@ from collections.abc import Mapping, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from pipeoptim.viz.report import PALETTE
+
 __all__ = [
     "curves_figure",
     "errors_figure",
@@ -21,23 +23,10 @@ __all__ = [
     "stage_bars_figure",
 ]
 
-_PALETTE = (
-    "#4C78A8",
-    "#F58518",
-    "#54A24B",
-    "#E45756",
-    "#72B7B2",
-    "#EECA3B",
-    "#B279A2",
-    "#FF9DA6",
-    "#9D755D",
-    "#BAB0AC",
-)
-
 
 def method_colors(names: Sequence[str]) -> dict[str, str]:
     """One colour per name, in order (the palette repeats past ten)."""
-    return {n: _PALETTE[i % len(_PALETTE)] for i, n in enumerate(dict.fromkeys(names))}
+    return {n: PALETTE[i % len(PALETTE)] for i, n in enumerate(dict.fromkeys(names))}
 
 
 def methods_figure(
@@ -178,7 +167,7 @@ def errors_figure(
                 x=list(by_quantity),
                 y=[100 * v for v in by_quantity.values()],
                 name=run,
-                marker_color=_PALETTE[i % len(_PALETTE)],
+                marker_color=PALETTE[i % len(PALETTE)],
                 hovertemplate="%{x}: %{y:+.1f}%<extra>" + run + "</extra>",
             )
         )

@@ -22,7 +22,22 @@ from pipeoptim.plan.units import format_bytes
 from pipeoptim.trace import Trace
 from pipeoptim.viz.timeline import memory_figure, overlay_figure, timeline_figure
 
+PALETTE = (
+    "#4C78A8",
+    "#F58518",
+    "#54A24B",
+    "#E45756",
+    "#72B7B2",
+    "#EECA3B",
+    "#B279A2",
+    "#FF9DA6",
+    "#9D755D",
+    "#BAB0AC",
+)
+"""One colour per method, in the registry's order, shared by every figure that compares methods."""
+
 __all__ = [
+    "PALETTE",
     "comparison_figure",
     "html_table",
     "render_calibration",
@@ -69,18 +84,7 @@ def comparison_figure(runs: Mapping[str, RunMetrics], *, title: str | None = Non
         ("max weight copies", [runs[n].max_weight_copies or 0 for n in names]),
     ]
     fig = make_subplots(rows=1, cols=len(panels), subplot_titles=[p[0] for p in panels])
-    palette = [
-        "#4C78A8",
-        "#F58518",
-        "#54A24B",
-        "#E45756",
-        "#72B7B2",
-        "#EECA3B",
-        "#B279A2",
-        "#FF9DA6",
-        "#9D755D",
-    ]
-    colors = [palette[i % len(palette)] for i in range(len(names))]
+    colors = [PALETTE[i % len(PALETTE)] for i in range(len(names))]
     for col, (label, values) in enumerate(panels, start=1):
         fig.add_trace(
             go.Bar(

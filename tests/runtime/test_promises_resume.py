@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_checkpoint import assert_same
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -108,21 +109,6 @@ def _copy(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [_copy(v) for v in obj]
     return obj
-
-
-def assert_same(a: Any, b: Any) -> None:
-    if isinstance(a, Tensor):
-        assert isinstance(b, Tensor) and torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys()
-        for key in a:
-            assert_same(a[key], b[key])
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            assert_same(x, y)
-    else:
-        assert a == b
 
 
 def assert_untouched(p: Pipeline, before: dict[str, Any]) -> None:
