@@ -358,16 +358,28 @@ def skipped_candidate(
 
 def rank(candidates: Sequence[Candidate], tie_tolerance: float = 0.01) -> list[Candidate]:
     """Highest effective throughput first; near-ties (within ``tie_tolerance``) by
-    uncorrected distance, staleness, then memory."""
+    uncorrected distance, staleness, memory, then throughput; an exact tie last by the
+    prediction rule: the optimizer's own update rule (PipeOptim's) before a fixed one, since
+    two rules that predict alike for this optimizer (SpecTrain's momentum is SGD's Δ) part
+    ways for another (under Adam SpecTrain's removes about none of the stale distance)."""
     feasible = [c for c in candidates if c.infeasible is None]
     best = max((c.effective_throughput for c in feasible), default=0.0)
 
-    def key(c: Candidate) -> tuple[int, float, int, int, float]:
+    def key(c: Candidate) -> tuple[int, float, int, int, float, int]:
         # bucket throughput on a log scale so near-equal values compare equal
         rate = c.effective_throughput
         gap = math.log(best / rate) if rate > 0 and best > 0 else math.inf
         bucket = int(gap / math.log1p(tie_tolerance)) if math.isfinite(gap) else 2**31
-        return (bucket, c.uncorrected, c.max_staleness, c.peak_memory_bytes, -c.throughput)
+        method = METHODS.get(c.method)
+        general = 0 if method is not None and method.prediction_rule == "optimizer" else 1
+        return (
+            bucket,
+            c.uncorrected,
+            c.max_staleness,
+            c.peak_memory_bytes,
+            -c.throughput,
+            general,
+        )
 
     return sorted(feasible, key=key) + [c for c in candidates if c.infeasible is not None]
 

@@ -88,6 +88,19 @@ def test_rank_orders_by_speed_bucket_then_staleness_then_memory() -> None:
     assert [c.method for c in ranked] == ["c", "b", "a"]
 
 
+def test_an_exact_tie_goes_to_the_optimizers_own_prediction_rule() -> None:
+    """Under SGD SpecTrain's momentum is PipeOptim's Δ: the two tie in every column, and the
+    rule that follows any optimizer's update ranks first, whatever the input order."""
+    tied = [Candidate(m, 1, None, throughput=100.0) for m in ("spectrain", "pipeoptim")]
+    assert [c.method for c in rank(tied)] == ["pipeoptim", "spectrain"]
+    assert [c.method for c in rank(tied[::-1])] == ["pipeoptim", "spectrain"]
+    # in the same 1% bucket but faster: throughput decides before the rule
+    faster = [Candidate("spectrain", 1, None, throughput=100.5), tied[1]]
+    assert [c.method for c in rank(faster)] == ["spectrain", "pipeoptim"]
+    names = [c.method for c in search(uneven(), 4)]
+    assert names.index("pipeoptim") < names.index("spectrain")
+
+
 def test_plan_cli_writes_a_plan_that_simulate_reads(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
