@@ -10,9 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
-import struct
 import subprocess
 import sys
 import time
@@ -22,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from headless_chromium import Chromium, png_chunks
 
 from pipeoptim.cli import main
 from pipeoptim.demo.report import SECTIONS
@@ -196,43 +195,10 @@ def test_an_interrupted_demo_keeps_its_finished_steps_and_resumes(tmp_path: Path
 
 
 # --------------------------------------------------------------------------- screenshot
-_FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--window-size=1400,2200",
-    "--virtual-time-budget=8000",
-]
-
-
-def _browser() -> str | None:
-    for name in ("chromium", "chromium-browser", "google-chrome", "chrome"):
-        found = shutil.which(name)
-        if found:
-            return found
-    return None
-
-
 def _decode_png(path: Path) -> np.ndarray:
     """An 8-bit RGB/RGBA PNG as a (height, width, channels) array: inflate, then undo each
     scanline's filter (numpy for None/Sub/Up, Python for Average/Paeth)."""
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
-    pos, idat, header = 8, b"", None
-    while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos : pos + 4])
-        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
-        if kind == b"IHDR":
-            header = struct.unpack(">IIBBBBB", body)
-        elif kind == b"IDAT":
-            idat += body
-        pos += 12 + length
-    assert header is not None
+    header, idat = png_chunks(path)
     width, height, depth, color = header[:4]
     assert depth == 8 and color in (2, 6) and header[6] == 0  # 8-bit, not interlaced
     bpp = 3 if color == 2 else 4
@@ -271,21 +237,10 @@ def _count(pixels: np.ndarray, hex_color: str) -> int:
 
 @pytest.mark.slow
 def test_report_screenshot_shows_the_plots_drawn(quick: Run, tmp_path: Path) -> None:
-    browser = _browser()
-    if browser is None:
-        pytest.skip(
-            "NO BROWSER FOUND: the demo report screenshot test needs headless Chromium "
-            "(apt-get install -y chromium); the report itself was not rendered"
-        )
+    browser = Chromium(tmp_path / "profile", window=(1400, 2200), budget_ms=8000)
     png = tmp_path / "demo.png"
     url = (quick.out / "report.html").resolve().as_uri()
-    profile = f"--user-data-dir={tmp_path / 'profile'}"
-    subprocess.run(
-        [browser, *_FLAGS, profile, f"--screenshot={png}", url],
-        check=True,
-        capture_output=True,
-        timeout=180,
-    )
+    browser.screenshot(url, png, timeout=180)
     pixels = _decode_png(png)
     assert pixels.shape[:2] == (2200, 1400)
     flat = pixels.reshape(-1, 3)
@@ -297,13 +252,7 @@ def test_report_screenshot_shows_the_plots_drawn(quick: Run, tmp_path: Path) -> 
     assert _count(pixels, "#E5ECF6") > 100_000, "no plot area was drawn"
     for bar in ("#4C78A8", "#F58518", "#54A24B", "#E45756"):
         assert _count(pixels, bar) > 2_000, f"no bars of colour {bar}"
-    dom = subprocess.run(
-        [browser, *_FLAGS, profile, "--dump-dom", url],
-        check=True,
-        capture_output=True,
-        timeout=180,
-        text=True,
-    ).stdout
+    dom = browser.dom(url, timeout=180)
     figures = len(list((quick.out / "figures").glob("*.json")))
     assert dom.count('class="main-svg"') >= 2 * figures  # each figure: plot and hover layer
     assert "rank 0 measured" in dom and "rank 1 simulated" in dom

@@ -42,9 +42,12 @@ def launched(method: str, micro: int, data_parallel: int, steps: int) -> TrainCo
     return config(method, 2, micro, "dist", data_parallel, model, max_steps=steps)
 
 
-def torchrun(tmp_path: Path, *args: str, nproc: int = 4, nodes: int = 1) -> list[dict[str, Any]]:
-    """Run dp_worker.py on ``nproc`` processes; with ``nodes`` = 2, as two torchrun
-    invocations that meet over TCP, the way two machines do (static rendezvous)."""
+def torchrun(
+    tmp_path: Path, *args: str, nproc: int = 4, nodes: int = 1, worker: Path = WORKER
+) -> list[dict[str, Any]]:
+    """Run ``worker`` (dp_worker.py) on ``nproc`` processes, each writing its record to
+    ``--out``; with ``nodes`` = 2, as two torchrun invocations that meet over TCP, the way
+    two machines do (static rendezvous)."""
     out = tmp_path / "ranks"
     out.mkdir()
     per_node = nproc // nodes
@@ -61,7 +64,7 @@ def torchrun(tmp_path: Path, *args: str, nproc: int = 4, nodes: int = 1) -> list
                 *([*multi, "--node-rank", str(node)] if nodes > 1 else []),
                 "--nproc-per-node",
                 str(per_node),
-                str(WORKER),
+                str(worker),
                 "--out",
                 str(out),
                 *args,

@@ -11,15 +11,13 @@ The ranks run ``promises_worker.py`` under torchrun, as test_data_parallel.py ru
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import promises_worker  # tests/runtime is on sys.path (pytest's rootdir-relative import)
 import pytest
 import torch
+from test_data_parallel import torchrun as dp_torchrun
 
 from pipeoptim import Pipeline
 
@@ -30,32 +28,7 @@ ROOT = WORKER.parents[2]
 
 def torchrun(tmp_path: Path, *args: str, nproc: int = 4) -> list[dict[str, Any]]:
     """Run promises_worker.py on ``nproc`` processes; each rank's record."""
-    out = tmp_path / "ranks"
-    out.mkdir()
-    launch = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            str(nproc),
-            str(WORKER),
-            "--out",
-            str(out),
-            *args,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
-    )
-    try:
-        _, err = launch.communicate(timeout=180)
-        assert launch.returncode == 0, err[-3000:]
-    finally:
-        launch.kill()
-    return [torch.load(out / f"rank-{g}.pt", weights_only=False) for g in range(nproc)]
+    return dp_torchrun(tmp_path, *args, nproc=nproc, worker=WORKER)
 
 
 @pytest.mark.parametrize(("method", "micro"), [("pipeoptim", 1), ("gpipe", 2)])

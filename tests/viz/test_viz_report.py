@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import re
-import shutil
-import struct
-import subprocess
 import zlib
 from pathlib import Path
 
-import pytest
+from headless_chromium import Chromium, png_chunks
 
 from pipeoptim.metrics import compute_metrics
 from pipeoptim.plan.methods import get_method
@@ -71,43 +68,9 @@ def test_report_is_self_contained(tmp_path: Path) -> None:
     assert path.read_text(encoding="utf-8").count("Plotly.newPlot") == 1 + 3 * len(traces)
 
 
-def _browser() -> str | None:
-    for name in ("chromium", "chromium-browser", "google-chrome", "chrome"):
-        found = shutil.which(name)
-        if found:
-            return found
-    return None
-
-
-_FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--window-size=1400,1000",
-    "--virtual-time-budget=5000",
-]
-
-
 def _png_rows(path: Path) -> tuple[int, int, int]:
     """(width, height, distinct filtered scanlines) of an 8-bit RGB/RGBA PNG, pure Python."""
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
-    pos, idat, header = 8, b"", None
-    while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos : pos + 4])
-        kind = data[pos + 4 : pos + 8]
-        body = data[pos + 8 : pos + 8 + length]
-        if kind == b"IHDR":
-            header = struct.unpack(">IIBBBBB", body)
-        elif kind == b"IDAT":
-            idat += body
-        pos += 12 + length
-    assert header is not None
+    header, idat = png_chunks(path)
     width, height, depth, color = header[:4]
     assert depth == 8 and color in (2, 6)
     raw = zlib.decompress(idat)
@@ -117,35 +80,18 @@ def _png_rows(path: Path) -> tuple[int, int, int]:
 
 
 def test_report_screenshot_in_headless_chromium(tmp_path: Path) -> None:
-    browser = _browser()
-    if browser is None:
-        pytest.skip(
-            "NO BROWSER FOUND: the HTML report screenshot test needs headless Chromium "
-            "(apt-get install -y chromium); the report itself was not rendered"
-        )
+    browser = Chromium(tmp_path / "profile", window=(1400, 1000), budget_ms=5000)
     traces = {"pipeoptim": _trace(latency_s=0.1), "1f1b": _trace("1f1b", n=2)}
     report = write_report(tmp_path / "report.html", traces)
     png = tmp_path / "shot.png"
-    profile = tmp_path / "profile"
     url = report.resolve().as_uri()
-    subprocess.run(
-        [browser, *_FLAGS, f"--user-data-dir={profile}", f"--screenshot={png}", url],
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
+    browser.screenshot(url, png, timeout=120)
     assert png.exists()
     width, height, distinct = _png_rows(png)
     assert (width, height) == (1400, 1000)
     assert png.stat().st_size > 30_000  # a blank page is about 6 KB
     assert distinct > 100, "the screenshot is (nearly) blank"
-    dom = subprocess.run(
-        [browser, *_FLAGS, f"--user-data-dir={profile}", "--dump-dom", url],
-        check=True,
-        capture_output=True,
-        timeout=120,
-        text=True,
-    ).stdout
+    dom = browser.dom(url, timeout=120)
     # plotly drew every figure: 1 comparison + 3 per run, each with a main SVG
     assert dom.count('class="main-svg"') >= 2 * (1 + 3 * len(traces))
     assert "rank 0" in dom and "link 0→1" in dom
