@@ -43,13 +43,9 @@ def known_costs(stages: int, scale: float = 1.0) -> CostModel:
     )
 
 
-def as_measured(method: str, stages: int, m: int, n: int, costs: CostModel) -> Trace:
-    """The simulator's run dressed as the runtime's: its plan, boundaries (one layer per
-    stage) and the prediction time of the stages that predicted."""
-    plan = Plan(method, stages, micro_batches=m, optimizer=OptimizerSpec("sgd", 0.1))
-    shape = plan.shape(n)
-    trace = evaluate_trace(method, shape, costs)
-    # the runtime waits for an input inside a receive: its events fill the idle time
+def add_receive_waits(trace: Trace) -> None:
+    """The runtime waits for an input inside a receive: its events fill the idle time
+    before each F and B, as the simulator's trace leaves it empty."""
     waits = []
     for rank in {e.rank for e in trace.events}:
         mine = sorted((e for e in trace.events if e.rank == rank), key=lambda e: e.start)
@@ -60,6 +56,15 @@ def as_measured(method: str, stages: int, m: int, n: int, costs: CostModel) -> T
                 waits.append(TraceEvent(rank, e.stage, kind, e.mb, end, e.start))
             end = max(end, e.end)
     trace.events.extend(waits)
+
+
+def as_measured(method: str, stages: int, m: int, n: int, costs: CostModel) -> Trace:
+    """The simulator's run dressed as the runtime's: its plan, boundaries (one layer per
+    stage) and the prediction time of the stages that predicted."""
+    plan = Plan(method, stages, micro_batches=m, optimizer=OptimizerSpec("sgd", 0.1))
+    shape = plan.shape(n)
+    trace = evaluate_trace(method, shape, costs)
+    add_receive_waits(trace)
     predicting = compile_method(method, shape).versions().pass_arrays
     stages_predicting = sorted(set(predicting.stage[predicting.predicted].tolist()))
     trace.meta.update(
