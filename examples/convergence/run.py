@@ -55,12 +55,51 @@ STUDIES = {
         eval_samples=512,
         variants=("pipeoptim",),
     ),
+    # The language model at depth, with the recipe language models are trained with: AdamW
+    # (weight decay 0.01), 10 % linear warm-up, cosine decay to 0.1x, clipping 1.0, and long
+    # enough (2,000 updates) that gpipe's loss has flattened. 8 stages first (the depth
+    # where the asynchronous methods fail), then 16 and 4. The rate is the gpt's measured
+    # best (GPT_DEFAULTS); 1f1b and zb-h1 make gpipe's updates, so they are not trained.
+    "gpt-deep": StudyConfig(
+        "gpt-deep",
+        steps=2000,
+        eval_every=250,
+        methods=(
+            "gpipe",
+            "2bw",
+            "xpipe",
+            "pipedream",
+            "spectrain",
+            "pipeoptim",
+            "pipedream+pipemare",
+            "pipeoptim+pipemare",
+            "pipeoptim+shrink",
+        ),
+        optimizers=("adamw",),
+        stages=(8, 16, 4),
+        sweep_stages=8,
+        seeds=1,
+        rates={"adamw": (2e-3,)},
+        high_rate=False,
+        eval_samples=1024,
+        warmup=0.1,
+        final_lr=0.1,
+        grad_clip=1.0,
+        weight_decay=0.01,
+        pairs=(
+            ("pipeoptim", "nadam"),
+            ("pipedream+nesterov", "nadam"),
+            ("pipeoptim+nesterov", "nadam"),
+            ("pipeoptim", "muon"),
+        ),
+        twins=("1f1b", "zb-h1"),
+    ),
 }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="mlp,cnn,gpt", help="comma-separated")
+    parser.add_argument("--models", default="mlp,cnn,gpt,gpt-deep", help="comma-separated")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--threads", type=int, default=None, help="torch threads per run")
     parser.add_argument("--report-only", action="store_true")

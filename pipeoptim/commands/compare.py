@@ -17,7 +17,10 @@ from typing import Any
 
 from pipeoptim.commands.common import check_number
 from pipeoptim.errors import OutputPathError, RuntimeConfigError
+from pipeoptim.plan.methods import METHODS
 from pipeoptim.study.grid import ALL_METHODS, DEFAULT_RATES, StudyConfig
+
+STUDIED = tuple(DEFAULT_RATES)
 
 _EPILOG = """\
 examples:
@@ -39,9 +42,32 @@ def register(sub: Any) -> None:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", default="mlp", help="mlp, cnn, transformer or gpt (default mlp)")
-    p.add_argument("--methods", default=",".join(ALL_METHODS), help="comma-separated")
-    p.add_argument("--optimizers", default="sgd,adam,adamw", help="comma-separated")
+    p.add_argument(
+        "--model", default="mlp", help="mlp, cnn, transformer, gpt or gpt-deep (default mlp)"
+    )
+    p.add_argument(
+        "--methods",
+        default=",".join(ALL_METHODS),
+        help=f"comma-separated, any of {', '.join(METHODS)} (default {','.join(ALL_METHODS)})",
+    )
+    p.add_argument(
+        "--optimizers", default="sgd,adam,adamw", help="comma-separated, of " + ", ".join(STUDIED)
+    )
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=0.0,
+        help="share of each run in a linear lr warm-up, e.g. 0.1 (default 0: none)",
+    )
+    p.add_argument(
+        "--final-lr",
+        type=float,
+        default=1.0,
+        help="cosine-decay the rate after the warm-up to this share of it, e.g. 0.1 "
+        "(default 1: constant)",
+    )
+    p.add_argument("--grad-clip", type=float, default=None, help="clip each stage's grad norm")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="optimizer weight decay")
     p.add_argument("--stages", default="4,8", help="depths, comma-separated (default 4,8)")
     p.add_argument("--seeds", type=int, default=3, help="seeds per configuration (default 3)")
     p.add_argument("--epochs", type=int, default=15, help="epochs per run (default 15)")
@@ -159,14 +185,18 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
         args.model,
         steps=args.epochs * per_epoch,
         eval_every=args.eval_every or per_epoch,
-        methods=_names("--methods", args.methods, ALL_METHODS),
-        optimizers=_names("--optimizers", args.optimizers, ("sgd", "adam", "adamw")),
+        methods=_names("--methods", args.methods, tuple(METHODS)),
+        optimizers=_names("--optimizers", args.optimizers, STUDIED),
         stages=stages,
         seeds=args.seeds,
         batch_size=args.batch_size,
         rates=_rates(args.lr_candidates),
         high_rate=not args.no_high_rate,
         sweep_stages=min(stages),
+        warmup=args.warmup,
+        final_lr=args.final_lr,
+        grad_clip=args.grad_clip,
+        weight_decay=args.weight_decay,
     )
 
 

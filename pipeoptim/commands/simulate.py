@@ -47,6 +47,7 @@ from pipeoptim.plan.limits import (
     max_actions,
 )
 from pipeoptim.plan.methods import METHODS, Method, get_method
+from pipeoptim.plan.plan import OPTIMIZER_FAMILIES
 from pipeoptim.plan.risk import method_risk
 from pipeoptim.plan.schedules import Shape
 from pipeoptim.plan.units import format_bytes, format_distances
@@ -122,7 +123,7 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--optimizer",
-        choices=("sgd", "adam", "adamw", "rmsprop"),
+        choices=OPTIMIZER_FAMILIES,
         default=None,
         help="optimizer family, sets the optimizer state size (default sgd)",
     )

@@ -18,6 +18,7 @@ from pipeoptim.commands.common import add_json_flag, check_output_paths, print_j
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.methods import METHODS, get_method
 from pipeoptim.plan.plan import OptimizerSpec, Plan
+from pipeoptim.plan.risk import depth_advice
 from pipeoptim.runtime.config import AMP_MODES, LR_SCHEDULES, check_offset
 
 GPT_DEFAULTS = {"lr": 5e-4}
@@ -27,8 +28,18 @@ line does not import torch before it parses."""
 if TYPE_CHECKING:
     from pipeoptim.runtime.config import TrainConfig
 
-DEFAULT_LR = {"sgd": 0.02, "adam": 1e-3, "adamw": 1e-3, "rmsprop": 1e-3}
-MODEL_OPTIMIZER = {"gpt": ("adamw", GPT_DEFAULTS["lr"])}
+DEFAULT_LR = {
+    "sgd": 0.02,
+    "adam": 1e-3,
+    "adamw": 1e-3,
+    "rmsprop": 1e-3,
+    "nadam": 1e-3,
+    "muon": 1e-3,
+}
+MODEL_OPTIMIZER = {
+    "gpt": ("adamw", GPT_DEFAULTS["lr"]),
+    "gpt-deep": ("adamw", GPT_DEFAULTS["lr"]),
+}
 """Built-in models whose default optimizer (and its lr) is not SGD with momentum."""
 
 _EPILOG = """\
@@ -75,8 +86,14 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--method", help=f"one of {', '.join(METHODS)} (default pipeoptim)")
     p.add_argument("--stages", type=int, metavar="P", help="pipeline stages (default 4)")
-    p.add_argument("--model", help="mlp, cnn, transformer, gpt, or module:factory (default mlp)")
-    p.add_argument("--optimizer", help="sgd (momentum 0.9), adam, adamw or rmsprop (default sgd)")
+    p.add_argument(
+        "--model", help="mlp, cnn, transformer, gpt, gpt-deep, or module:factory (default mlp)"
+    )
+    p.add_argument(
+        "--optimizer",
+        help="sgd (momentum 0.9), adam, adamw, rmsprop, nadam, or muon (Muon on the weight "
+        "matrices, AdamW on the rest) (default sgd)",
+    )
     p.add_argument("--lr", type=float, help="learning rate (default 0.02 for sgd, else 1e-3)")
     p.add_argument(
         "--micro-batches",
@@ -279,6 +296,9 @@ def handler(args: argparse.Namespace) -> int:
     if args.checkpoint_dir:
         _check_checkpoint_dir(args.checkpoint_dir)
     config = build_config(args)
+    advice = depth_advice(config.plan.method, config.plan.num_stages, config.plan.optimizer.family)
+    if advice is not None and not args.json:  # before the hours, not after them
+        print(f"pipeoptim train: note: {advice}", file=sys.stderr)
     try:
         result = train(config)
     except NonFiniteLossError as err:
@@ -316,10 +336,11 @@ def handler(args: argparse.Namespace) -> int:
     if result.eval is not None:
         ev = result.eval
         acc = f"test accuracy {ev.accuracy:.1%}, " if ev.accuracy is not None else ""
-        ppl = f", perplexity {ev.perplexity:.2f}" if config.model == "gpt" else ""
+        ppl = f", perplexity {ev.perplexity:.2f}" if config.model in MODEL_OPTIMIZER else ""
         print(f"{acc}test loss {ev.loss:.4f}{ppl} ({ev.samples} samples)")
     for note in result.notes:
-        print(f"note: {note}")
+        if note != advice:  # said before training
+            print(f"note: {note}")
     copies = " ".join(str(result.weight_copies[k]) for k in sorted(result.weight_copies))
     print(f"weight copies per stage (peak): {copies}")
     if args.trace and not result.unwritten:

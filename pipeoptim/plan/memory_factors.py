@@ -65,6 +65,7 @@ def method_memory_factors(method: str, num_stages: int, micro_batches: int) -> M
     interleaved-1f1b    1 (treated as 1f1b)        min(P-k, M)
     pipedream           P-k (stashed versions)     P-k
     2bw                 2                          min(P-k, M)
+    base+correction     as base                    as base
     spectrain           2, last stage 1            P-k
     xpipe               2, last stage 1            P-k (async: no flush)
     pipeoptim           2, last stage 1            P-k
@@ -81,7 +82,9 @@ def method_memory_factors(method: str, num_stages: int, micro_batches: int) -> M
     for name, value in (("num_stages", num_stages), ("micro_batches", micro_batches)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise PlanError(f"{name} must be a whole number >= 1, got {value!r}")
-    rule = _factor_rule(key, micro_batches)
+    # a corrected method keeps its base's weights and activations (its corrections hold no
+    # weight-sized state)
+    rule = _factor_rule(METHODS[key].schedule_name, micro_batches)
 
     def factors(stage_index: int, num_stages: int) -> tuple[int, int]:
         if not 0 <= stage_index < num_stages:

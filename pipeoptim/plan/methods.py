@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pipeoptim.errors import PlanError
 from pipeoptim.plan import schedules, zero_bubble
@@ -65,6 +65,16 @@ class Method:
     """Delay correction the runtime's update applies (a key of
     ``pipeoptim.runtime.update.CORRECTIONS``), if any; it composes with the weight policy and
     the prediction rule (DESIGN.md, "Delay corrections")."""
+    corrects: str | None = None
+    """The registered method whose schedule, weight versions and memory this one keeps,
+    changing only its update (a delay correction) or its prediction's distance; None for a
+    method of its own."""
+
+    @property
+    def schedule_name(self) -> str:
+        """The method whose schedule, versions and memory this one has (itself, or the
+        method it corrects): what the simulator and the memory model look up."""
+        return self.corrects or self.name
 
     def shape(
         self,
@@ -246,7 +256,44 @@ _REGISTRY += [
     ),
 ]
 
+
+def _corrected(base: Method, correction: str, suffix: str, what: str) -> Method:
+    """``base`` with a delay correction: its schedule, weight policy and prediction, and the
+    correction's update (a prediction fixes the forward's weights, a correction the update)."""
+    return replace(
+        base,
+        name=f"{base.name}+{suffix}",
+        description=f"{base.name} with {what} (delay correction {correction!r})",
+        delay_correction=correction,
+        corrects=base.name,
+    )
+
+
+_BASES = {m.name: m for m in _REGISTRY}
+_PIPEMARE = "PipeMare's rescheduling: stage rate lr/τ^(1-min(t/T,1)), T = 1000 updates"
+_NESTEROV = (
+    "the Nesterov method's delay-dependent momentum β_k = β0 + τ_k(0.99-β0)/P; the paper "
+    "pairs it with --optimizer nadam"
+)
+_REGISTRY += [
+    replace(
+        _BASES["pipeoptim"],
+        name="pipeoptim+shrink",
+        description="pipeoptim with its prediction over the distance the optimizer's update "
+        "persists: Σ lr·(φ + (1-φ)β^i), φ from the measured correlation of successive updates "
+        "(φ = 1 is pipeoptim's Σ lr)",
+        prediction_rule="shrunk",
+        corrects="pipeoptim",
+    ),
+    _corrected(_BASES["pipedream"], "pipemare-lr", "pipemare", _PIPEMARE),
+    _corrected(_BASES["pipeoptim"], "pipemare-lr", "pipemare", _PIPEMARE),
+    _corrected(_BASES["pipedream"], "delay-momentum", "nesterov", _NESTEROV),
+    _corrected(_BASES["pipeoptim"], "delay-momentum", "nesterov", _NESTEROV),
+]
+
 METHODS: dict[str, Method] = {m.name: m for m in _REGISTRY}
+CORRECTED: frozenset[str] = frozenset(m.name for m in _REGISTRY if m.delay_correction)
+"""The registered methods with a delay correction."""
 
 
 def get_method(name: str) -> Method:

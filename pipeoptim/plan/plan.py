@@ -33,7 +33,7 @@ from pipeoptim.plan.schedules import Shape
 
 PLAN_FORMAT = "pipeoptim-plan"
 PLAN_VERSION = 1
-OPTIMIZER_FAMILIES = ("sgd", "adam", "adamw", "rmsprop")
+OPTIMIZER_FAMILIES = ("sgd", "adam", "adamw", "rmsprop", "nadam", "muon")
 _REMEDY = "make one with `pipeoptim plan ... --out FILE`"
 
 
@@ -85,7 +85,8 @@ class OptimizerSpec:
     """The optimizer every stage builds (the user's torch.optim class and settings)."""
 
     family: str = "sgd"
-    """One of sgd, adam, adamw, rmsprop."""
+    """One of sgd, adam, adamw, rmsprop, nadam, muon (Muon on the 2-D weight matrices, AdamW
+    on the rest)."""
     lr: float = 0.02
     """Learning rate (0.02 suits SGD with momentum 0.9; Adam-family runs want ~1e-3)."""
     options: dict[str, float | bool] = field(default_factory=dict)

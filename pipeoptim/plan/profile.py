@@ -51,10 +51,21 @@ OPTIMIZER_STATE_FACTORS: dict[str, tuple[int, int]] = {
     "adam": (2, 2),
     "adamw": (2, 2),
     "rmsprop": (1, 2),
+    "nadam": (2, 2),
+    # Muon keeps one momentum buffer per matrix (most of the bytes); AdamW's two moments
+    # for the rest are counted as one more.
+    "muon": (1, 1),
 }
 """Optimizer state size in multiples of the parameter bytes, without and with momentum."""
 
-_DEFAULT_MOMENTUM = {"sgd": True, "adam": True, "adamw": True, "rmsprop": False}
+_DEFAULT_MOMENTUM = {
+    "sgd": True,
+    "adam": True,
+    "adamw": True,
+    "rmsprop": False,
+    "nadam": True,
+    "muon": True,
+}
 
 
 def optimizer_state_factor(optimizer: str, *, momentum: bool | None = None) -> int:

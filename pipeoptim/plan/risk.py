@@ -37,12 +37,18 @@ from pipeoptim.plan.versions import analyze_versions
 
 __all__ = [
     "CLOSURE",
+    "CORRECTION_GAIN",
+    "DEPTH_COPIES",
+    "DEPTH_EXCESS",
     "KAPPA",
     "MethodRisk",
     "RiskFitPoint",
     "closure",
     "closure_from_rows",
+    "correction_gain",
+    "depth_advice",
     "fit_risk",
+    "gain_table",
     "method_risk",
     "schedule_versions",
     "uncorrected_distance",
@@ -69,6 +75,14 @@ KAPPA: dict[str, float] = {"adam": 0.0476, "adamw": 0.3124, "sgd": 0.3276}
 the origin over the digits MLP and CNN (3 seeds) and the GPT (AdamW, 1 seed) at the rates the
 gpipe sweep chose (``risk_fit.json``, ``kappa``). A seed that never reached the target counts
 as the whole run, so SGD's κ is a lower bound where deep pipelines failed outright."""
+
+CORRECTION_GAIN: dict[str, float] = {}
+"""``correction/optimizer`` -> the share of its base method's excess final test loss over
+gpipe's that the delay correction removed on the study's language model at depth
+(``gpt-deep``; 1: all of it, 0: none, < 0: worse), the mean over the depths measured
+(``risk_fit.json``, ``correction_gain``; a test keeps them equal). A corrected method's
+uncorrected distance is its base's times ``1 − gain``; an unmeasured pair gains nothing,
+so the planner ranks it level with its base, and the base, registered first, wins."""
 
 DEFAULT_KAPPA = max(KAPPA.values())
 """κ for an optimizer the study did not measure (RMSprop...): the largest measured one."""
@@ -102,18 +116,19 @@ def uncorrected_distance(
     measured closure of :data:`CLOSURE`."""
     spec = get_method(method)
     policy = spec.weight_policy
+    kept = 1.0 - correction_gain(spec.delay_correction, optimizer)
     if policy is WeightPolicy.FLUSH:
         return 0.0
     if policy is WeightPolicy.STASH:
-        return float(max(max_distance, max_staleness))
+        return max(0.0, kept * max(max_distance, max_staleness))
     if policy is WeightPolicy.DOUBLE_BUFFER:
-        return float(max_staleness)
+        return max(0.0, kept * max_staleness)
     c = (
         closed
         if closed is not None
         else closure(spec.prediction_rule or "optimizer", optimizer, max_distance)
     )
-    return max(0.0, max_distance * (1.0 - c))
+    return max(0.0, kept * max_distance * (1.0 - c))
 
 
 @dataclass(frozen=True)
@@ -196,15 +211,33 @@ def closure_from_rows(
     to two decimals."""
     sums: dict[tuple[str, str, int], list[float]] = {}
     for row in rows:
-        if str(row["method"]) not in METHODS:  # a study variant, not a planner method
-            continue
-        rule = get_method(str(row["method"])).prediction_rule or "optimizer"
+        name = str(row.get("rule_of", row["method"]))
+        if name not in METHODS or METHODS[name].delay_correction is not None:
+            continue  # a study variant or a corrected method: not the plain rule's closure
+        rule = get_method(name).prediction_rule or "optimizer"
         key = (rule, str(row["optimizer"]), int(row["s"]))
         sums.setdefault(key, []).append(float(row["closed"]))
     table: dict[tuple[str, str], dict[int, float]] = {}
     for (rule, opt, s), values in sorted(sums.items()):
         table.setdefault((rule, opt), {})[s] = round(sum(values) / len(values), 2)
     return table
+
+
+def gain_table(rows: Iterable[Mapping[str, Any]]) -> dict[str, float]:
+    """:data:`CORRECTION_GAIN` from the study's rows (``risk_fit.json``,
+    ``correction_gains``): per ``correction/optimizer``, the mean gain over the depths
+    measured, rounded to two decimals."""
+    sums: dict[str, list[float]] = {}
+    for row in rows:
+        sums.setdefault(f"{row['correction']}/{row['optimizer']}", []).append(float(row["gain"]))
+    return {key: round(sum(v) / len(v), 2) for key, v in sorted(sums.items())}
+
+
+def correction_gain(correction: str | None, optimizer: str) -> float:
+    """The measured gain of ``correction`` under ``optimizer`` (0 where unmeasured)."""
+    if correction is None:
+        return 0.0
+    return CORRECTION_GAIN.get(f"{correction}/{optimizer}", 0.0)
 
 
 def fit_risk(points: Iterable[RiskFitPoint]) -> dict[str, tuple[float, int]]:
@@ -219,3 +252,48 @@ def fit_risk(points: Iterable[RiskFitPoint]) -> dict[str, tuple[float, int]]:
         acc[1] += p.uncorrected**2
         acc[2] += 1
     return {opt: (max(0.0, xy / xx), int(n)) for opt, (xy, xx, n) in sums.items()}
+
+
+DEPTH_EXCESS: dict[int, dict[str, float]] = {}
+"""Stages -> row of the study's language-model table (a method, ``method (optimizer)`` for
+another optimizer) -> its final test loss over gpipe's at that depth, minus 1 (``gpt-deep``,
+AdamW's rate and recipe; ``risk_fit.json``, ``depth_excess``; a test keeps them equal)."""
+
+DEPTH_COPIES: dict[int, dict[str, int]] = {}
+"""The weight copies each row of :data:`DEPTH_EXCESS` keeps on its fullest stage."""
+
+WITHIN = 0.03
+"""A configuration within this share of gpipe's final loss counts as converging."""
+
+
+def depth_advice(method: str, stages: int, optimizer: str) -> str | None:
+    """A note for a user who picked ``method`` at ``stages`` stages, where the study measured
+    it on its language model at that depth (or the nearest measured depth below) more than
+    :data:`WITHIN` above gpipe's final loss: what it measured, and the configuration it
+    recommends instead (the closest to gpipe with at most 2 weight copies per stage, else
+    the closest of all). None where nothing was measured or the method converged."""
+    depths = [p for p in DEPTH_EXCESS if p <= stages]
+    if not depths or optimizer not in ("adam", "adamw", "nadam"):
+        return None
+    depth = max(depths)
+    table = DEPTH_EXCESS[depth]
+    excess = table.get(method)
+    if excess is None or excess <= WITHIN:
+        return None
+    copies = DEPTH_COPIES.get(depth, {})
+    lean = {row: e for row, e in table.items() if copies.get(row, 99) <= 2 and row != method}
+    pool = lean or {row: e for row, e in table.items() if row != method}
+    best = min(pool, key=lambda row: pool[row])
+    verdict = (
+        f"{best} came within {100 * pool[best]:.1f} % with {copies.get(best, '?')} weight "
+        f"copies per stage"
+        if pool[best] <= WITHIN
+        else f"the closest was {best} ({100 * pool[best]:+.1f} %, {copies.get(best, '?')} "
+        f"weight copies per stage)"
+    )
+    return (
+        f"{method} at {stages} stages: on the convergence study's language model at {depth} "
+        f"stages (gpt-deep, AdamW with warm-up, cosine decay and clipping) it ended "
+        f"{100 * excess:+.1f} % over gpipe's final test loss; {verdict}. See the README, "
+        f"'Choosing a method at depth'"
+    )

@@ -13,15 +13,15 @@ the same version as its W (in a synchronous schedule both run on the forward's `
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
 
 from pipeoptim.errors import ScheduleError
 from pipeoptim.plan.actions import Action
-from pipeoptim.plan.methods import WeightPolicy
+from pipeoptim.plan.methods import Method, WeightPolicy
 from pipeoptim.plan.orders import (
     KIND_B,
     KIND_F,
@@ -32,6 +32,7 @@ from pipeoptim.plan.orders import (
     KeyIndex,
     OrderArrays,
 )
+from pipeoptim.plan.schedules import Shape
 
 BoolArray = npt.NDArray[np.bool_]
 
@@ -416,3 +417,33 @@ def _distinct_alive(
     closes = pos[(prior > 0) & (after == 0)]
     count = np.bincount(opens, minlength=n + 1) - np.bincount(closes, minlength=n + 1)
     return np.cumsum(count)[:n]
+
+
+def gradient_delays(passes: Iterable[MicroBatchVersions], policy: WeightPolicy) -> dict[int, int]:
+    """τ of each update of one stage, by mini-batch t: ``t`` minus the oldest weight version
+    that was present at a forward of t (the stash or the buffer a forward reads; under
+    prediction the live weights Ŵ was extrapolated from, since the gradient still carries
+    that much delay: a prediction fixes the forward's weights, not the update's lag)."""
+    oldest: dict[int, int] = {}
+    for v in passes:
+        seen = v.forward_base if policy is WeightPolicy.PREDICT else v.forward_version
+        oldest[v.mini_batch] = min(oldest.get(v.mini_batch, seen), seen)
+    return {t: max(0, t - base) for t, base in oldest.items()}
+
+
+def steady_delays(method: Method, shape: Shape) -> dict[int, int]:
+    """τ_k per stage in the steady state (:func:`gradient_delays` of a late mini-batch):
+    ``P−1−k`` for PipeDream and PipeOptim, 1 for PipeDream-2BW and XPipe, 0 for a flush.
+
+    Read off the method's own schedule, long enough to reach its steady state (2P + 2
+    mini-batches), so it is right for any schedule; the warm-up's smaller delays are what a
+    delay correction sees step by step (``Stage.begin_segment``)."""
+    long = replace(shape, mini_batches=max(shape.mini_batches, 2 * shape.num_stages + 2))
+    report = analyze_order(method.order_arrays(long), method.weight_policy, long.micro_batches)
+    by_stage: dict[int, list[MicroBatchVersions]] = {}
+    for (stage, _), v in report.passes.items():
+        by_stage.setdefault(stage, []).append(v)
+    return {
+        k: max(gradient_delays(vs, method.weight_policy).values(), default=0)
+        for k, vs in sorted(by_stage.items())
+    }

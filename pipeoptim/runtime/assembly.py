@@ -21,13 +21,14 @@ from pipeoptim.plan.limits import estimate_work
 from pipeoptim.plan.methods import Method
 from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.plan.schedules import Shape
+from pipeoptim.plan.versions import steady_delays
 from pipeoptim.runtime.executor import segment_plan
 from pipeoptim.runtime.loss import LossFn
 from pipeoptim.runtime.placement import join_group, local_device
 from pipeoptim.runtime.replicas import BufferBroadcast, GradientAverager, ReplicaGroups
 from pipeoptim.runtime.stage import Stage
 from pipeoptim.runtime.transport import DistTransport, LocalTransport, Transport
-from pipeoptim.runtime.update import OptimizerFactory, SchedulerFactory
+from pipeoptim.runtime.update import FAMILY_OF_CLASS, OptimizerFactory, SchedulerFactory
 
 __all__ = ["SEGMENT_ACTIONS", "SEGMENT_PASSES", "Assembly", "RunState", "segment_limit"]
 
@@ -39,8 +40,6 @@ memory of a long run: at 4 stages a drain (P-1 idle steps) every 16,384 mini-bat
 SEGMENT_ACTIONS = 4_000_000
 """The most compute actions one segment may hold (about 140 B each in the executor); only
 absurd shapes reach it (a segment is at most SEGMENT_PASSES passes, or 4P mini-batches)."""
-
-_FAMILIES = {"SGD": "sgd", "Adam": "adam", "AdamW": "adamw", "RMSprop": "rmsprop"}
 
 
 def segment_limit(method: Method, shape: Shape) -> int:
@@ -128,6 +127,7 @@ class Assembly:
             }
         )
         spec = optimizer if optimizer is not None else plan.optimizer
+        delays = steady_delays(method, self.shape)
         self.stages: dict[int, Stage] = {}
         for k, r in sorted(self.rank_of.items()):
             if r not in ranks:
@@ -149,6 +149,7 @@ class Assembly:
                 grad_clip=grad_clip,
                 first_unit=a,
                 predicted_backward=predicted_backward,
+                delay=delays[k],
             )
         self._join_replicas()
         self._record_optimizer()
@@ -185,7 +186,7 @@ class Assembly:
         opt = next((s.optimizer for s in self.stages.values() if s.optimizer is not None), None)
         if opt is None:
             return
-        family = _FAMILIES.get(type(opt).__name__, self.plan.optimizer.family)
+        family = FAMILY_OF_CLASS.get(type(opt).__name__, self.plan.optimizer.family)
         lr = float(opt.param_groups[0]["lr"])
         self.plan.optimizer = OptimizerSpec(family, lr if lr > 0 else self.plan.optimizer.lr)
 

@@ -24,18 +24,20 @@ __all__ = ["WarmupCosine", "scheduler_factory"]
 
 @dataclass(frozen=True)
 class WarmupCosine:
-    """LambdaLR factor: linear warm-up over ``warmup`` updates, then cosine to 0 at
-    ``total``. A plain object (not a closure), so the scheduler's state dict keeps it."""
+    """LambdaLR factor: linear warm-up over ``warmup`` updates, then cosine to ``floor`` (a
+    share of the base rate) at ``total``. A plain object (not a closure), so the scheduler's
+    state dict keeps it."""
 
     warmup: int
     total: int
+    floor: float = 0.0
 
     def __call__(self, step: int) -> float:
         if step < self.warmup:
             return (step + 1) / self.warmup
         span = max(1, self.total - self.warmup)
         progress = min(1.0, (step - self.warmup) / span)
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.floor + (1.0 - self.floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def scheduler_factory(

@@ -31,6 +31,7 @@ from torch._C._distributed_c10d import Store
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.plan import OptimizerSpec, Plan
+from pipeoptim.plan.risk import depth_advice
 from pipeoptim.runtime.assembly import Assembly, RunState, segment_limit
 from pipeoptim.runtime.checkpoint import DEFAULT_KEEP
 from pipeoptim.runtime.checkpoint_folder import CheckpointFolder
@@ -215,6 +216,9 @@ class Pipeline:
             segment_limit=limit,
         )
         self.state = RunState()
+        advice = depth_advice(method_.name, shape.num_stages, self.plan.optimizer.family)
+        if advice is not None:  # the study found this method to stall at this depth
+            self.state.notes.append(advice)
         self.closed = False
         """close() left the process group: a dist Pipeline cannot train or evaluate again."""
         if transport == "dist":

@@ -4,7 +4,8 @@ Why: in asynchronous 1F1B (no flush) stage k runs mini-batch t's forward while s
 still to come before t's backward; PipeOptim runs that forward on ``Ŵ = W − lr·s·Δ`` so both
 passes see (nearly) one version. SpecTrain and XPipe differ only in Δ (DESIGN.md,
 "Weight-version semantics", "Δ per optimizer"). Δ is *read* from the user's ``torch.optim``
-state, never re-implemented. Where the state lacks the applied direction (SGD with μ = 0 or
+state (or computed by torch's own functions from it, as Muon's orthogonalisation), never
+re-implemented. Where the state lacks the applied direction (SGD with μ = 0 or
 Nesterov, RMSprop without momentum, other optimizers) the last applied displacement
 ``(W^(j-1) − W^(j)) / lr`` is recorded around ``step()``: exact, for one extra copy.
 Prediction uses ``torch._foreach_*`` ops, so it costs about one optimizer step.
@@ -19,13 +20,16 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
-from torch.optim import SGD, Adam, AdamW, NAdam, Optimizer, RAdam, RMSprop, lr_scheduler
+from torch.optim import SGD, Adam, AdamW, Muon, NAdam, Optimizer, RAdam, RMSprop, lr_scheduler
+from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 from torch.utils.hooks import RemovableHandle
 
 from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.runtime.optimizers import MuonWithAdamW
+from pipeoptim.runtime.persistence import UpdatePersistence
 
 #: Valid values of ``predictor_for(..., rule=...)``.
-RULES: tuple[str, ...] = ("optimizer", "spectrain", "xpipe", "displacement")
+RULES: tuple[str, ...] = ("optimizer", "spectrain", "xpipe", "displacement", "shrunk")
 
 Tensor = torch.Tensor
 Deltas = list[list[Tensor | None]]
@@ -77,6 +81,9 @@ class WeightPredictor:
         """How many times a Δ was computed and kept (a caller's memory count goes stale)."""
         # Hooks on the optimizer make the record impossible to forget and skip steps that
         # never happen (e.g. GradScaler skipping an inf step); explicit calls stay harmless.
+        self.persistence: UpdatePersistence | None = None
+        """Set by the ``shrunk`` rule: the next s updates are weighted by the measured
+        persistence of the optimizer's update (``runtime/persistence.py``) instead of 1."""
         self._hooks: list[RemovableHandle] = []
         if auto_hooks:
             self._hooks = [
@@ -125,8 +132,9 @@ class WeightPredictor:
 
     def _etas(self, s: int, lrs: Sequence[Sequence[float]] | None) -> list[float]:
         groups = self.optimizer.param_groups
+        weights = self.persistence.weights(s) if self.persistence is not None else [1.0] * s
         if lrs is None:
-            return [float(g["lr"]) * s for g in groups]
+            return [float(g["lr"]) * math.fsum(weights) for g in groups]
         if len(lrs) != len(groups) or any(len(row) < s for row in lrs):
             raise RuntimeConfigError(
                 f"lrs must hold, for each of the optimizer's {len(groups)} param groups, the "
@@ -134,7 +142,9 @@ class WeightPredictor:
                 f"{[len(row) for row in lrs]} rates); build it with future_lrs(scheduler, "
                 f"optimizer, s) or pass lrs=None to use the current lr"
             )
-        return [float(sum(float(x) for x in row[:s])) for row in lrs]
+        return [
+            math.fsum(float(x) * w for x, w in zip(row[:s], weights, strict=False)) for row in lrs
+        ]
 
     def predict_into(
         self, dest: list[Tensor], s: int, lrs: Sequence[Sequence[float]] | None = None
@@ -239,6 +249,8 @@ class WeightPredictor:
             h.remove()
         self._hooks = []
         self._kept.clear()
+        if self.persistence is not None:
+            self.persistence.close()
 
     def held_tensors(self) -> list[Tensor]:
         """Tensors this predictor keeps between steps (for memory accounting): recorded
@@ -254,7 +266,10 @@ class WeightPredictor:
         references, as in ``Optimizer.state_dict``)."""
         params = self._params()
         disp = {i: self._buf[p] for i, p in enumerate(params) if p in self._has_delta}
-        return {"rule": self.name, "displacement": disp}
+        state: dict[str, Any] = {"rule": self.name, "displacement": disp}
+        if self.persistence is not None:
+            state["persistence"] = self.persistence.state_dict()
+        return state
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         if d.get("rule") != self.name:
@@ -270,6 +285,8 @@ class WeightPredictor:
                 f"checkpoint has displacements for parameter indices {bad} but the optimizer "
                 f"has {len(params)} parameters; load it into the stage it was saved from"
             )
+        if self.persistence is not None and d.get("persistence") is not None:
+            self.persistence.load_state_dict(d["persistence"])
         self._buf, self._has_delta, self._pending = {}, set(), None
         self._kept.clear()
         for i, t in disp.items():
@@ -327,7 +344,8 @@ class AdamPredictor(WeightPredictor):
         self, group: dict[str, Any]
     ) -> tuple[list[int], list[Tensor], list[Tensor], list[float], list[float]]:
         """Of the group's trainable parameters with moments: their indices, m, v (or its
-        running max under amsgrad), and the bias corrections 1 − β1^t and √(1 − β2^t)."""
+        running max under amsgrad), the divisor of m (Adam: its bias correction 1 − β1^t)
+        and √(1 − β2^t)."""
         beta1, beta2 = (float(b) for b in group["betas"])
         amsgrad = bool(group.get("amsgrad", False))
         idx, ms, vs, bc1, bc2 = [], [], [], [], []
@@ -390,6 +408,37 @@ class AdamPredictor(WeightPredictor):
         return out
 
 
+class NAdamPredictor(AdamPredictor):
+    """NAdam: Δ = c·m / (√v̂ + ε), its next update with the future gradient taken to be m.
+
+    torch's step t+1, with μ_k = β1·(1 − ½·0.96^(k·ψ)) (ψ: momentum_decay) and the state's
+    Π_t = μ_1⋯μ_t (``mu_product``), is m' = β1·m + (1 − β1)·g and
+    ``W ← W − lr·[(1 − μ_{t+1})/(1 − Π_t·μ_{t+1})·g + μ_{t+2}/(1 − Π_t·μ_{t+1}·μ_{t+2})·m']
+    / (√v̂ + ε)``. With g = m (Adam's rule assumes the moments stay), m' = m and
+    ``c = (1 − μ_{t+1})/(1 − Π_t·μ_{t+1}) + μ_{t+2}/(1 − Π_t·μ_{t+1}·μ_{t+2})``; c → 1 as
+    Π_t → 0, Adam's direction. v̂ = v_t/(1 − β2^t) as for Adam (v stays too). One Δ serves
+    all s steps, with the next step's μ values (c moves by O(0.96^(t·ψ)) per step). L2 decay
+    is inside the moments; decoupled decay λ·W is added only with ``include_decoupled_decay``.
+    """
+
+    name = "nadam"
+
+    def _moments(
+        self, group: dict[str, Any]
+    ) -> tuple[list[int], list[Tensor], list[Tensor], list[float], list[float]]:
+        idx, ms, vs, _, bc2 = super()._moments(group)
+        beta1, psi = float(group["betas"][0]), float(group["momentum_decay"])
+        divisors = []
+        for i in idx:
+            st = _state(self.optimizer, group["params"][i])
+            t, prod = float(st["step"]), float(st.get("mu_product", 1.0))
+            mu1 = beta1 * (1.0 - 0.5 * 0.96 ** ((t + 1.0) * psi))
+            mu2 = beta1 * (1.0 - 0.5 * 0.96 ** ((t + 2.0) * psi))
+            c = (1.0 - mu1) / (1.0 - prod * mu1) + mu2 / (1.0 - prod * mu1 * mu2)
+            divisors.append(1.0 / c)
+        return idx, ms, vs, divisors, bc2
+
+
 class XPipePredictor(AdamPredictor):
     """XPipe: the Adam-form Δ, also applied to Adam-like optimizers (NAdam, RAdam).
 
@@ -428,12 +477,163 @@ class SpecTrainPredictor(WeightPredictor):
         return out
 
 
+class MuonPredictor(WeightPredictor):
+    """Muon: Δ = r·NS(buf) + λ·W, its next update with the future gradient taken to be buf.
+
+    torch's step is buf ← μ·buf + (1 − μ)·g (a lerp), u = (1 − μ)·g + μ·buf with Nesterov
+    (else u = buf), ``W ← W·(1 − lr·λ) − lr·r·NS(u)`` with r = adjust_lr(lr, shape)/lr (it is
+    linear in lr). With g = buf, buf stays and u = buf exactly, Nesterov or not (torch's
+    docstring writes buf ← μ·buf + g, so u = (1 + μ)·buf: NS divides by the Frobenius norm
+    first, so the same up to its bf16 rounding). Decay is known: for one step Δ is exact
+    given g = buf; over s steps (1 − lr·λ)^s is taken to first order, an error of
+    O((s·lr·λ)²·‖W‖). NS and r are torch's own functions. One NS per matrix per update: Δ is
+    computed once after each step and kept (one weight-sized buffer) for all predictions.
+    """
+
+    name = "muon"
+    keeps_deltas = True
+
+    def _state_deltas(self, group: dict[str, Any]) -> list[Tensor | None]:
+        wd = float(group["weight_decay"])
+        coefficients = tuple(float(x) for x in group["ns_coefficients"])
+        out: list[Tensor | None] = []
+        for p in group["params"]:
+            buf = _state(self.optimizer, p).get("momentum_buffer")
+            if buf is None or not p.requires_grad:
+                out.append(None)
+                continue
+            o = _zeropower_via_newtonschulz(
+                buf,
+                (coefficients[0], coefficients[1], coefficients[2]),
+                int(group["ns_steps"]),
+                float(group["eps"]),
+            )
+            d = o.to(p.dtype).mul_(_adjust_lr(1.0, group["adjust_lr_fn"], p.shape))
+            if wd != 0.0:
+                d.add_(p.detach(), alpha=wd)
+            out.append(d)
+        return out
+
+
+class MuonWithAdamWPredictor(WeightPredictor):
+    """:class:`~pipeoptim.runtime.optimizers.MuonWithAdamW`: the Muon rule on its Muon part,
+    the Adam rule on its AdamW part; each part's predictor hooks its own inner optimizer
+    (the composite's step runs both inner steps)."""
+
+    name = "muon+adamw"
+    options = frozenset({"auto_hooks", "include_decoupled_decay"})
+    keeps_deltas = True  # the Muon part's Δ
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        *,
+        include_decoupled_decay: bool = False,
+        auto_hooks: bool = True,
+    ) -> None:
+        if not isinstance(optimizer, MuonWithAdamW):
+            raise RuntimeConfigError(
+                f"the muon+adamw predictor reads a MuonWithAdamW's parts (got "
+                f"{type(optimizer).__name__}); use predictor_for(optimizer)"
+            )
+        super().__init__(optimizer, auto_hooks=False)
+        self.parts: list[WeightPredictor] = []
+        if optimizer.muon is not None:
+            self.parts.append(MuonPredictor(optimizer.muon, auto_hooks=auto_hooks))
+        if optimizer.adamw is not None:
+            self.parts.append(
+                AdamPredictor(
+                    optimizer.adamw,
+                    include_decoupled_decay=include_decoupled_decay,
+                    auto_hooks=auto_hooks,
+                )
+            )
+
+    def _count(self) -> None:
+        self.kept_computations = sum(p.kept_computations for p in self.parts)
+
+    def delta(self) -> Deltas:
+        out = [row for p in self.parts for row in p.delta()]
+        self._count()
+        return out
+
+    def predict_into(
+        self, dest: list[Tensor], s: int, lrs: Sequence[Sequence[float]] | None = None
+    ) -> None:
+        s = _check_s(s)
+        n = len(self._params())
+        if len(dest) != n:
+            raise RuntimeConfigError(
+                f"predict_into needs one destination tensor per optimizer parameter (got "
+                f"{len(dest)} for {n} parameters); allocate dest in the order "
+                f"'for group in param_groups for p in group[\"params\"]'"
+            )
+        self._etas(s, lrs)  # checks lrs against all groups
+        offset, row = 0, 0
+        for part in self.parts:
+            groups = part.optimizer.param_groups
+            k = sum(len(g["params"]) for g in groups)
+            rows = None if lrs is None else lrs[row : row + len(groups)]
+            part.predict_into(dest[offset : offset + k], s, rows)
+            offset, row = offset + k, row + len(groups)
+        self._count()
+
+    def before_step(self) -> None:
+        for p in self.parts:
+            p.before_step()
+
+    def after_step(self) -> None:
+        for p in self.parts:
+            p.after_step()
+
+    def close(self) -> None:
+        for p in self.parts:
+            p.close()
+
+    def held_tensors(self) -> list[Tensor]:
+        return [t for p in self.parts for t in p.held_tensors()]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Rule name and each part's state (displacement indices run on across parts, as
+        the composite's parameters do, so checkpoint checks read them alike)."""
+        disp: dict[int, Tensor] = {}
+        offset = 0
+        for p in self.parts:
+            disp.update({offset + int(i): t for i, t in p.state_dict()["displacement"].items()})
+            offset += len(p._params())
+        return {"rule": self.name, "displacement": disp}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        if d.get("rule") != self.name:
+            raise RuntimeConfigError(
+                f"checkpoint holds the state of a {d.get('rule')!r} weight predictor but this "
+                f"stage uses {self.name!r}; build the predictor with the same rule and optimizer"
+            )
+        disp: dict[int, Tensor] = d.get("displacement", {})
+        n = len(self._params())
+        bad = [i for i in disp if not 0 <= int(i) < n]
+        if bad:
+            raise RuntimeConfigError(
+                f"checkpoint has displacements for parameter indices {bad} but the optimizer "
+                f"has {n} parameters; load it into the stage it was saved from"
+            )
+        offset = 0
+        for p in self.parts:
+            k = len(p._params())
+            own = {int(i) - offset: t for i, t in disp.items() if offset <= int(i) < offset + k}
+            p.load_state_dict({"rule": p.name, "displacement": own})
+            offset += k
+
+
 # Exact types: a subclass may change the update rule, and then only displacement is exact.
 _FAMILY: dict[type[Optimizer], type[WeightPredictor]] = {
     SGD: SGDPredictor,
     Adam: AdamPredictor,
     AdamW: AdamPredictor,
+    NAdam: NAdamPredictor,
     RMSprop: RMSpropPredictor,
+    Muon: MuonPredictor,
+    MuonWithAdamW: MuonWithAdamWPredictor,
 }
 _ADAM_LIKE: tuple[type[Optimizer], ...] = (Adam, AdamW, NAdam, RAdam)
 
@@ -441,9 +641,12 @@ _ADAM_LIKE: tuple[type[Optimizer], ...] = (Adam, AdamW, NAdam, RAdam)
 def predictor_for(optimizer: Optimizer, rule: str = "optimizer", **options: Any) -> WeightPredictor:
     """The predictor of a method's prediction rule for this optimizer.
 
-    "optimizer": by ``type(optimizer)`` (SGD, Adam, AdamW, RMSprop, else displacement);
+    "optimizer": by ``type(optimizer)`` (SGD, Adam, AdamW, NAdam, RMSprop, Muon,
+    MuonWithAdamW, else displacement);
     "spectrain": smoothed gradient; "xpipe": Adam-form Δ for Adam-like optimizers, the
-    optimizer's own rule otherwise; "displacement": last applied displacement.
+    optimizer's own rule otherwise; "displacement": last applied displacement; "shrunk":
+    the optimizer's own rule with the next s updates weighted by how much of the update
+    persists (``runtime/persistence.py``).
     """
     if rule not in RULES:
         raise RuntimeConfigError(
@@ -464,7 +667,12 @@ def predictor_for(optimizer: Optimizer, rule: str = "optimizer", **options: Any)
             f"option(s) {unknown} do not apply to the {cls.name!r} predictor chosen for rule "
             f"{rule!r} and {type(optimizer).__name__}; valid options: {sorted(cls.options)}"
         )
-    return cls(optimizer, **options)
+    predictor = cls(optimizer, **options)
+    if rule == "shrunk":  # the optimizer's own rule, over the distance its updates persist
+        predictor.persistence = UpdatePersistence(optimizer)
+        for part in getattr(predictor, "parts", []):
+            part.persistence = predictor.persistence
+    return predictor
 
 
 class _LrOnlyOptimizer:

@@ -44,8 +44,9 @@ from torch.nn.utils import parametrize
 from pipeoptim.errors import StageError
 from pipeoptim.plan.methods import Method, WeightPolicy
 from pipeoptim.plan.plan import OptimizerSpec
-from pipeoptim.plan.versions import MicroBatchVersions, prediction_distance
+from pipeoptim.plan.versions import MicroBatchVersions, gradient_delays, prediction_distance
 from pipeoptim.runtime.closure import PredictionClosure
+from pipeoptim.runtime.corrections import build_correction
 from pipeoptim.runtime.diagnose import describe_failure
 from pipeoptim.runtime.loss import LossFn, checked_loss, count_correct
 from pipeoptim.runtime.memory import StageMemory
@@ -71,8 +72,8 @@ from pipeoptim.runtime.update import (
     OPTIMIZERS,
     OptimizerFactory,
     SchedulerFactory,
+    StageContext,
     StageUpdate,
-    build_correction,
     build_optimizer,
     make_optimizer,
 )
@@ -131,6 +132,7 @@ class Stage:
         grad_clip: float | None = None,
         first_unit: int = 0,
         predicted_backward: bool = False,
+        delay: int = 0,
     ) -> None:
         self.index = index
         self.is_last = index == num_stages - 1
@@ -152,8 +154,12 @@ class Stage:
         if method.split_backward and self.policy is not WeightPolicy.FLUSH:
             raise StageError(split_refusal(method.name, self.policy))
         self.amp_dtype = self.precision.dtype
+        self.context = StageContext(index, num_stages, method.name, delay, micro_batches)
+        """What the optimizer factory and the delay correction are told of this stage."""
         # A stage of parameter-free layers (a lone ReLU) has nothing to update.
-        self.optimizer = build_optimizer(optimizer, self._params, index) if self._params else None
+        self.optimizer = (
+            build_optimizer(optimizer, self._params, index, self.context) if self._params else None
+        )
         self.updater: StageUpdate | None = None
         if self.optimizer is not None:
             self.updater = StageUpdate(
@@ -162,7 +168,9 @@ class Stage:
                 scheduler=scheduler,
                 scaler=self.precision.scaler,
                 grad_clip=grad_clip,
-                correction=build_correction(method.delay_correction, method.name),
+                correction=build_correction(
+                    method.delay_correction, method.name, self.context, self.optimizer
+                ),
                 note=self._note,
             )
         self.predictor: WeightPredictor | None = None
@@ -264,11 +272,7 @@ class Stage:
         self.weights.begin_segment(passes)
         self._delays = {}
         if self.updater is not None and self.updater.correction is not None:
-            # τ of update t: updates between the oldest forward of mini-batch t and it.
-            first: dict[int, int] = {}
-            for v in passes.values():
-                first[v.mini_batch] = min(first.get(v.mini_batch, v.forward_base), v.forward_base)
-            self._delays = {t: t - base for t, base in first.items()}
+            self._delays = gradient_delays(passes.values(), self.policy)
 
     def versions(self, mb: int) -> MicroBatchVersions:
         """The versions micro-batch ``mb`` of this segment meets on this stage."""

@@ -15,15 +15,17 @@ from __future__ import annotations
 import copy
 import inspect
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
-from torch.optim import SGD, Adam, AdamW, Optimizer, RMSprop
+from torch.optim import SGD, Adam, AdamW, NAdam, Optimizer, RMSprop
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from pipeoptim.errors import RuntimeConfigError, StageError
 from pipeoptim.plan.plan import OptimizerSpec
+from pipeoptim.runtime.optimizers import MuonWithAdamW
 from pipeoptim.runtime.predict import future_lrs
 
 __all__ = [
@@ -32,14 +34,38 @@ __all__ = [
     "DelayCorrection",
     "OptimizerFactory",
     "SchedulerFactory",
+    "StageContext",
     "StageUpdate",
     "build_optimizer",
     "build_scheduler",
     "make_optimizer",
 ]
 
-OptimizerFactory = Callable[[list[Tensor]], Optimizer]
-"""Called with a stage's trainable parameters; returns the torch.optim optimizer over them."""
+
+@dataclass(frozen=True)
+class StageContext:
+    """What a stage's optimizer factory and delay correction may know of the stage."""
+
+    index: int
+    """The stage k, from 0 at the input."""
+    num_stages: int
+    """Stages P of the pipeline."""
+    method: str
+    """The method's registry name."""
+    delay: int
+    """τ_k: the steady-state delay of this stage's updates (updates between the weights a
+    mini-batch's gradient is computed on and the update that applies it; ``P−1−k`` under
+    PipeDream and PipeOptim, 1 under 2BW and XPipe, 0 under a flush), from the schedule
+    (``plan.versions.steady_delays``). Warm-up updates have smaller delays."""
+    micro_batches: int
+    """Micro-batches M per mini-batch."""
+
+
+OptimizerFactory = Callable[..., Optimizer]
+"""Called with a stage's trainable parameters, and with its :class:`StageContext` too where
+it takes a second argument (per-stage hyper-parameters from the stage's delay); returns the
+torch.optim optimizer over the parameters, e.g.
+``lambda params, stage: torch.optim.AdamW(params, lr=1e-3 / (1 + stage.delay) ** 0.5)``."""
 SchedulerFactory = Callable[[Optimizer], Any]
 """Called with a stage's optimizer; returns a torch.optim.lr_scheduler scheduler of it."""
 
@@ -48,12 +74,18 @@ OPTIMIZERS: dict[str, type[Optimizer]] = {
     "adam": Adam,
     "adamw": AdamW,
     "rmsprop": RMSprop,
+    "nadam": NAdam,
+    # torch.optim.Muon takes only 2-D tensors: Muon on the matrices, AdamW on the rest
+    "muon": MuonWithAdamW,
 }
+FAMILY_OF_CLASS: dict[str, str] = {cls.__name__: name for name, cls in OPTIMIZERS.items()}
+"""The family name (``--optimizer``) of each optimizer class name."""
 _DEFAULT_OPTIONS: dict[str, dict[str, float | bool]] = {"sgd": {"momentum": 0.9}}
 
 
 def make_optimizer(spec: OptimizerSpec, params: Iterable[Tensor]) -> Optimizer:
-    """The torch.optim optimizer of ``spec`` (SGD defaults to momentum 0.9)."""
+    """The torch.optim optimizer of ``spec`` (SGD defaults to momentum 0.9; "muon" is
+    :class:`MuonWithAdamW` with one lr for both parts)."""
     cls = OPTIMIZERS.get(spec.family)
     if cls is None:
         raise RuntimeConfigError(
@@ -70,15 +102,37 @@ def make_optimizer(spec: OptimizerSpec, params: Iterable[Tensor]) -> Optimizer:
         ) from None
 
 
+def takes_context(factory: Callable[..., Any]) -> bool:
+    """The factory takes a second positional argument (the :class:`StageContext`)."""
+    try:
+        parameters = list(inspect.signature(factory).parameters.values())
+    except (TypeError, ValueError):  # no signature to read: the one-argument form
+        return False
+    positional = [
+        p
+        for p in parameters
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    star = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters)
+    return len(positional) >= 2 or star
+
+
 def build_optimizer(
-    optimizer: OptimizerSpec | OptimizerFactory, params: Sequence[Tensor], stage: int
+    optimizer: OptimizerSpec | OptimizerFactory,
+    params: Sequence[Tensor],
+    stage: int,
+    context: StageContext | None = None,
 ) -> Optimizer:
     """The stage's optimizer from a spec or a user factory, checked: it must be a
-    torch.optim.Optimizer over exactly the stage's trainable parameters."""
+    torch.optim.Optimizer over exactly the stage's trainable parameters. A factory taking
+    two arguments is called with the stage's :class:`StageContext` as the second."""
     if isinstance(optimizer, OptimizerSpec):
         return make_optimizer(optimizer, params)
     try:
-        opt = optimizer(list(params))
+        if context is not None and takes_context(optimizer):
+            opt = optimizer(list(params), context)
+        else:
+            opt = optimizer(list(params))
     except Exception as err:
         raise StageError(
             f"stage {stage}: the optimizer factory raised {type(err).__name__}: {err}; it is "
@@ -169,23 +223,10 @@ class DelayCorrection(Protocol):
         """Restore :meth:`state_dict`."""
 
 
-CORRECTIONS: dict[str, Callable[[], DelayCorrection]] = {}
+CORRECTIONS: dict[str, Callable[[StageContext, Optimizer], DelayCorrection]] = {}
 """Delay corrections by the name a method names in ``Method.delay_correction``: a factory
-called once per stage."""
-
-
-def build_correction(name: str | None, method: str) -> DelayCorrection | None:
-    """The correction a method names, built for one stage (None: the plain update)."""
-    if name is None:
-        return None
-    factory = CORRECTIONS.get(name)
-    if factory is None:
-        known = ", ".join(sorted(CORRECTIONS)) or "none are registered"
-        raise RuntimeConfigError(
-            f"method {method!r} names the delay correction {name!r}, which the runtime does "
-            f"not know (known: {known}); register it in pipeoptim.runtime.update.CORRECTIONS"
-        )
-    return factory()
+called once per stage with the stage's :class:`StageContext` and optimizer
+(``runtime/corrections.py`` registers the published ones and builds them)."""
 
 
 class StageUpdate:
@@ -293,7 +334,8 @@ class StageUpdate:
                 f"{where}: the saved optimizer state is {theirs}'s, but this stage's optimizer "
                 f"is {mine} (the optimizer family fixes the state's shape and meaning); "
                 f"build the Pipeline with an optimizer factory returning {theirs} (pipeoptim "
-                f"train: --optimizer {theirs.lower()}), or start fresh; nothing was loaded"
+                f"train: --optimizer {FAMILY_OF_CLASS.get(theirs, theirs.lower())}), or start "
+                f"fresh; nothing was loaded"
             )
         groups = saved.get("param_groups") if isinstance(saved, dict) else None
         if not isinstance(groups, list) or not isinstance(saved.get("state"), dict):

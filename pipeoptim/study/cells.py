@@ -16,10 +16,11 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from pipeoptim.plan.methods import METHODS
 from pipeoptim.study.grid import StudyConfig
 from pipeoptim.study.runs import MODEL_METRIC, RunRecord
 
-__all__ = ["Cell", "aggregate", "higher_is_better", "method_labels", "rate_sets"]
+__all__ = ["Cell", "aggregate", "higher_is_better", "method_labels", "rate_sets", "schedule_of"]
 
 
 @dataclass(frozen=True)
@@ -77,5 +78,16 @@ def rate_sets(
 
 
 def method_labels(config: StudyConfig) -> list[str]:
-    """Table rows: every method, then the predicted-backward variants."""
-    return [*config.methods, *(f"{m}+Ŵbackward" for m in config.variants)]
+    """Table rows: every method, the predicted-backward variants, the other optimizers."""
+    return [
+        *config.methods,
+        *(f"{m}+Ŵbackward" for m in config.variants),
+        *(f"{m} ({o})" for m, o in config.pairs),
+    ]
+
+
+def schedule_of(label: str) -> str:
+    """The registered method a row label runs (``pipeoptim+Ŵbackward``, ``pipeoptim
+    (nadam)`` and ``pipeoptim+pipemare`` all follow a registered schedule)."""
+    name = label.split(" (")[0]
+    return name if name in METHODS else name.split("+")[0]

@@ -23,6 +23,7 @@ from multiprocessing import get_context
 from pathlib import Path
 
 from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.plan.methods import METHODS, WeightPolicy
 from pipeoptim.study.runs import MODEL_METRIC, RunRecord, RunSpec, run_one
 
 __all__ = [
@@ -40,11 +41,17 @@ __all__ = [
 ALL_METHODS = ("gpipe", "1f1b", "zb-h1", "pipedream", "2bw", "spectrain", "xpipe", "pipeoptim")
 """Every method with one stage per rank (interleaved-1f1b and zb-v have gpipe's numerics,
 as zb-h1 does; zb-h1 is in for its time to accuracy, the synchronous rival's)."""
-PREDICTING = frozenset({"spectrain", "xpipe", "pipeoptim"})
+PREDICTING = frozenset(
+    name for name, m in METHODS.items() if m.weight_policy is WeightPolicy.PREDICT
+)
+"""Methods whose forward runs on predicted weights (the closure is measured for them)."""
 DEFAULT_RATES: dict[str, tuple[float, ...]] = {
     "sgd": (0.01, 0.02, 0.04, 0.08),
     "adam": (5e-4, 1e-3, 2e-3, 4e-3),
     "adamw": (5e-4, 1e-3, 2e-3, 4e-3),
+    "nadam": (5e-4, 1e-3, 2e-3, 4e-3),
+    # MuonWithAdamW matches AdamW's update size (match_rms_adamw): AdamW's rates
+    "muon": (5e-4, 1e-3, 2e-3, 4e-3),
 }
 
 
@@ -80,6 +87,27 @@ class StudyConfig:
     steps_by_optimizer: dict[str, int] = field(default_factory=dict)
     """Longer (or shorter) runs for some optimizers, e.g. where gpipe needs more epochs to
     reach the target and the curves must run 3x that; still equal for every method."""
+    warmup: float = 0.0
+    """Share of every run in a linear learning-rate warm-up (0: none)."""
+    final_lr: float = 1.0
+    """Rate at the end of a cosine decay after the warm-up, as a share of the rate (1: a
+    constant rate after the warm-up)."""
+    grad_clip: float | None = None
+    """Gradient-norm clipping of every stage (None: none)."""
+    weight_decay: float = 0.0
+    """The optimizer's weight decay (decoupled for AdamW and NAdam)."""
+    pairs: tuple[tuple[str, str], ...] = ()
+    """(method, optimizer) also trained in the column of the first optimizer at its chosen
+    rate, as a row ``method (optimizer)``: NAdam and Muon, whose prediction rules are
+    PipeOptim's own, without every method trained under them."""
+    twins: tuple[str, ...] = ()
+    """Methods not trained because they make gpipe's updates exactly (a flush with the same
+    micro-batches: 1f1b, zb-h1); their time to target is gpipe's samples times their own
+    time per sample."""
+    repeat: tuple[str, ...] = ()
+    """Methods (or pair rows) trained with ``repeat_seeds`` seeds at ``repeat_stages``."""
+    repeat_stages: int = 8
+    repeat_seeds: int = 1
     variants: tuple[str, ...] = ()
     """Predicting methods also trained with ``predicted_backward`` (beyond the paper: input
     gradients through Ŵ as well), at every rate, depth and seed of the main runs."""
@@ -99,6 +127,26 @@ class StudyConfig:
         ):
             if value < 1:
                 raise RuntimeConfigError(f"{name} must be at least 1 (got {value})")
+        if not 0.0 <= self.warmup < 1.0:
+            raise RuntimeConfigError(
+                f"warmup is a share of the run in [0, 1) (got {self.warmup}); e.g. 0.1"
+            )
+        if not 0.0 < self.final_lr <= 1.0:
+            raise RuntimeConfigError(
+                f"final_lr is a share of the rate in (0, 1] (got {self.final_lr}); e.g. 0.1, "
+                f"or 1 for no decay"
+            )
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise RuntimeConfigError(
+                f"grad_clip must be positive (got {self.grad_clip}); e.g. 1.0, or leave it out"
+            )
+        unknown_methods = sorted(
+            {*self.methods, *self.twins, *(m for m, _ in self.pairs)} - set(METHODS)
+        )
+        if unknown_methods:
+            raise RuntimeConfigError(
+                f"unknown method(s) {unknown_methods}; choose from {', '.join(METHODS)}"
+            )
         bad = sorted(set(self.variants) - PREDICTING)
         if bad:
             raise RuntimeConfigError(
@@ -118,6 +166,7 @@ class StudyConfig:
         stages: int,
         seed: int,
         predicted_backward: bool = False,
+        trained_optimizer: str | None = None,
     ) -> RunSpec:
         return RunSpec(
             self.model,
@@ -131,7 +180,12 @@ class StudyConfig:
             self.batch_size,
             closure=seed == 0 and method in PREDICTING,
             eval_samples=self.eval_samples,
+            weight_decay=self.weight_decay,
             predicted_backward=predicted_backward,
+            warmup=self.warmup,
+            final_lr=self.final_lr,
+            grad_clip=self.grad_clip,
+            trained_optimizer=trained_optimizer,
         )
 
 
@@ -193,6 +247,22 @@ def main_specs(config: StudyConfig, rates: dict[str, tuple[float, float | None]]
                         config.spec(m, opt, lr, p, seed, predicted_backward=True)
                         for m in config.variants
                     )
+                    if opt == config.optimizers[0] and lr == best:
+                        specs.extend(
+                            config.spec(m, opt, lr, p, seed, trained_optimizer=o)
+                            for m, o in config.pairs
+                        )
+    first = config.optimizers[0]
+    best = rates[first][0]
+    for seed in range(1, config.repeat_seeds):
+        for label in config.repeat:
+            method, _, rest = label.partition(" (")
+            trained = rest.rstrip(")") or None
+            specs.append(
+                config.spec(
+                    method, first, best, config.repeat_stages, seed, trained_optimizer=trained
+                )
+            )
     return specs
 
 

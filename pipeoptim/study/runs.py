@@ -7,6 +7,7 @@ several depths affordable.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -21,6 +22,7 @@ MODEL_METRIC = {
     "cnn": "accuracy",
     "transformer": "accuracy",
     "gpt": "perplexity",
+    "gpt-deep": "perplexity",
 }
 """The test metric each built-in model is judged by (accuracy: higher is better)."""
 
@@ -49,11 +51,36 @@ class RunSpec:
     weight_decay: float = 0.0
     predicted_backward: bool = False
     """The variant beyond the paper: input gradients through Ŵ as well (``Pipeline``)."""
+    warmup: float = 0.0
+    """Share of the run spent in a linear learning-rate warm-up (0: a constant rate, unless
+    ``final_lr`` is below 1)."""
+    final_lr: float = 1.0
+    """The rate at the end of a cosine decay after the warm-up, as a share of ``lr`` (1: no
+    decay)."""
+    grad_clip: float | None = None
+    """Clip each stage's gradient norm to this (None: no clipping)."""
+    trained_optimizer: str | None = None
+    """The optimizer actually trained where it is not ``optimizer`` (the study's column):
+    the NAdam and Muon rows of the AdamW column, at its rate (None: ``optimizer``)."""
+
+    @property
+    def recipe(self) -> str:
+        """The schedule and clipping as the key names them ("" for the plain recipe)."""
+        if self.warmup == 0.0 and self.final_lr == 1.0 and self.grad_clip is None:
+            return ""
+        clip = "none" if self.grad_clip is None else f"{self.grad_clip:g}"
+        return f"/warmup={self.warmup:g}/final={self.final_lr:g}/clip={clip}"
 
     @property
     def label(self) -> str:
         """The method as the tables name it (``pipeoptim+Ŵbackward`` for the variant)."""
-        return f"{self.method}+Ŵbackward" if self.predicted_backward else self.method
+        name = f"{self.method}+Ŵbackward" if self.predicted_backward else self.method
+        return f"{name} ({self.trained_optimizer})" if self.trained_optimizer else name
+
+    @property
+    def schedule_method(self) -> str:
+        """The registered method whose schedule the run follows."""
+        return self.method
 
     @property
     def key(self) -> str:
@@ -61,6 +88,7 @@ class RunSpec:
         return (
             f"{self.model}/{self.label}/{self.optimizer}/lr={self.lr:g}/P={self.stages}/"
             f"seed={self.seed}/steps={self.steps}/B={self.batch_size}/eval={self.eval_every}"
+            f"{self.recipe}"
         )
 
     @property
@@ -119,9 +147,11 @@ def run_one(spec: RunSpec) -> RunRecord:
     """Train ``spec`` on the local transport and record the test metric and the training
     loss every ``eval_every`` mini-batches. A non-finite loss ends the run and is recorded."""
     import torch
+    from torch.optim.lr_scheduler import LambdaLR
 
     from pipeoptim.plan.plan import OptimizerSpec
     from pipeoptim.runtime.executor import NonFiniteLossError
+    from pipeoptim.runtime.lr import WarmupCosine
     from pipeoptim.runtime.pipeline import Pipeline
     from pipeoptim.workloads.data import DatasetLoader
     from pipeoptim.workloads.loader import build_model, model_loss
@@ -132,18 +162,28 @@ def run_one(spec: RunSpec) -> RunRecord:
             f"{spec.eval_every})"
         )
     layers, data = build_model(spec.model, spec.seed)
+    family = spec.trained_optimizer or spec.optimizer
     options: dict[str, float | bool] = {}
     if spec.weight_decay:
         options["weight_decay"] = spec.weight_decay
+        if family == "nadam":  # decoupled, as AdamW's and the Nesterov method's
+            options["decoupled_weight_decay"] = True
+    scheduler = None
+    if spec.recipe:
+        warmup = max(1, round(spec.warmup * spec.steps))
+        shape = WarmupCosine(warmup, spec.steps, spec.final_lr)
+        scheduler = functools.partial(LambdaLR, lr_lambda=shape)
     pipe = Pipeline(
         list(layers),
         method=spec.method,
         stages=spec.stages,
         micro_batches=spec.micro_batches,
-        optimizer=OptimizerSpec(spec.optimizer, spec.lr, options),
+        optimizer=OptimizerSpec(family, spec.lr, options),
         loss_fn=model_loss(spec.model),
         seed=spec.seed,
         predicted_backward=spec.predicted_backward,
+        scheduler=scheduler,
+        grad_clip=spec.grad_clip,
         progress=False,
         log_every=10**9,
     )

@@ -8,15 +8,20 @@ and loss to a few digits, ``—`` where nothing finite was measured).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from pipeoptim.study.cells import Cell, higher_is_better, method_labels
+from pipeoptim.plan.memory_factors import method_memory_factors
+from pipeoptim.plan.methods import get_method
+from pipeoptim.study.cells import Cell, higher_is_better, method_labels, schedule_of
 from pipeoptim.study.grid import StudyConfig
 from pipeoptim.study.runs import RunRecord
-from pipeoptim.study.targets import TimeToTarget
+from pipeoptim.study.targets import Target, TimeToTarget
 
-__all__ = ["closure_rows", "closure_table", "final_table", "time_table"]
+__all__ = ["closure_rows", "closure_table", "final_table", "gap_table", "peak_copies", "time_table"]
+
+WITHIN = 0.03
+"""The goal at depth: a final test loss at most this share above gpipe's."""
 
 
 def _fmt_metric(model: str, mean: float, std: float) -> str:
@@ -80,6 +85,57 @@ def final_table(
     return lines
 
 
+def peak_copies(label: str, stages: int) -> int:
+    """Weight copies the row's method keeps on its fullest stage (stage 0): the memory
+    model's count (``plan.memory_factors``); the predicted-backward variant keeps one Ŵ per
+    mini-batch in flight, as a stash does."""
+    method = get_method(schedule_of(label))
+    m = stages if method.micro_batched else 1
+    if "Ŵbackward" in label:
+        return stages  # current weights and a Ŵ per mini-batch in flight (P−1 at stage 0)
+    factors = method_memory_factors(method.schedule_name, stages, m)
+    return max(factors(k, stages)[0] for k in range(stages))
+
+
+def gap_table(
+    config: StudyConfig,
+    cells: dict[tuple[str, str, float, int], Cell],
+    rates: dict[str, tuple[float, float | None]],
+) -> list[str]:
+    """Markdown: each row's final test loss against gpipe's at the same depth (the goal:
+    within 3 %, ✓), and the weight copies it keeps on its fullest stage."""
+    opt = config.optimizers[0]
+    lr = rates[opt][0]
+    lines = [
+        f"Final test loss (mean over seeds) and its excess over gpipe's at the same depth "
+        f"({opt} lr={lr:g}); ✓: within {100 * WITHIN:.0f} %. Copies: weight copies on the "
+        f"fullest stage (stage 0), from the memory model.",
+        "",
+        "| method | " + " | ".join(f"P={p}" for p in config.stages) + " |",
+        "|---|" + "---|" * len(config.stages),
+    ]
+    for label in method_labels(config):
+        row = []
+        for p in config.stages:
+            cell, base = cells.get((label, opt, lr, p)), cells.get(("gpipe", opt, lr, p))
+            if cell is None or base is None:
+                row.append("not run")
+                continue
+            loss, _ = cell.stat(lambda r: r.final.test_loss if r.final else math.nan)
+            ref, _ = base.stat(lambda r: r.final.test_loss if r.final else math.nan)
+            if not math.isfinite(loss):
+                row.append(f"— ✗{cell.diverged}")
+                continue
+            excess = loss / ref - 1.0
+            mark = " ✓" if excess <= WITHIN else ""
+            seeds = f" ({len(cell.finished)} seeds)" if len(cell.finished) > 1 else ""
+            row.append(
+                f"{loss:.3f} ({100 * excess:+.1f} %){mark}{seeds}, {peak_copies(label, p)} copies"
+            )
+        lines.append(f"| {label} | " + " | ".join(row) + " |")
+    return lines
+
+
 def closure_rows(records: Iterable[RunRecord]) -> list[dict[str, Any]]:
     """One row per (model, method, optimizer, lr, stages, stage) with closure samples."""
     rows = []
@@ -89,7 +145,10 @@ def closure_rows(records: Iterable[RunRecord]) -> list[dict[str, Any]]:
                 {
                     "model": r.spec.model,
                     "method": r.spec.label,
-                    "optimizer": r.spec.optimizer,
+                    # the rule's own method and optimizer (a row "pipeoptim (nadam)" measures
+                    # PipeOptim's rule under NAdam; a Ŵbackward variant is no planner method)
+                    "rule_of": None if r.spec.predicted_backward else r.spec.method,
+                    "optimizer": r.spec.trained_optimizer or r.spec.optimizer,
                     "lr": r.spec.lr,
                     "stages": r.spec.stages,
                     "stage": st["stage"],
@@ -126,12 +185,17 @@ def closure_table(rows: Sequence[dict[str, Any]], lr_of: dict[str, float]) -> li
     return lines
 
 
-def time_table(config: StudyConfig, rows: Sequence[TimeToTarget], target: float) -> list[str]:
-    what = (
-        f"{100 * target:.0f}% test accuracy"
-        if higher_is_better(config.model)
-        else (f"test perplexity {target:g}")
-    )
+def time_table(config: StudyConfig, rows: Sequence[TimeToTarget], target: Target) -> list[str]:
+    if isinstance(target, Mapping):
+        what = (
+            "gpipe's final test perplexity at each depth ("
+            + ", ".join(f"P={p}: {v:.3g}" for p, v in sorted(target.items()))
+            + ")"
+        )
+    elif higher_is_better(config.model):
+        what = f"{100 * target:.0f}% test accuracy"
+    else:
+        what = f"test perplexity {target:g}"
     lines = [
         f"Target: {what}. Samples: median over the seeds that reached it (evaluated once "
         f"per {config.eval_every} mini-batches). Time: samples x the simulated time per "

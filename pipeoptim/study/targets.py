@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,19 +18,54 @@ from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.methods import WeightPolicy, get_method
 from pipeoptim.plan.profile import Profile
 from pipeoptim.plan.risk import RiskFitPoint, schedule_versions, uncorrected_distance
-from pipeoptim.study.cells import Cell, higher_is_better, method_labels
+from pipeoptim.study.cells import Cell, higher_is_better, method_labels, schedule_of
 from pipeoptim.study.grid import StudyConfig
 from pipeoptim.study.runs import RunRecord
 
 __all__ = [
+    "Target",
     "TimeToTarget",
     "check_profile",
+    "correction_gains",
+    "gpipe_equivalent_samples",
+    "gpipe_finals",
     "machine_profile",
     "risk_points",
     "samples_to_target",
     "simulated_seconds_per_sample",
+    "target_at",
     "time_to_target",
 ]
+
+
+Target = float | Mapping[int, float]
+"""A metric every run must reach, or one per depth (gpipe's final metric at each P)."""
+
+
+def target_at(target: Target, stages: int) -> float:
+    """The target of a run of ``stages`` stages."""
+    if isinstance(target, Mapping):
+        return float(target.get(stages, math.nan))
+    return float(target)
+
+
+def gpipe_finals(
+    config: StudyConfig,
+    cells: dict[tuple[str, str, float, int], Cell],
+    rates: dict[str, tuple[float, float | None]],
+) -> dict[int, float]:
+    """gpipe's final test metric (mean over seeds) at each depth, at the first optimizer's
+    chosen rate: the target of a study that asks "how soon does a method reach what
+    synchronous training reaches"."""
+    opt = config.optimizers[0]
+    out: dict[int, float] = {}
+    for p in config.stages:
+        cell = cells.get(("gpipe", opt, rates[opt][0], p))
+        if cell is not None:
+            mean, _ = cell.stat(lambda r: r.final.test_metric if r.final else math.nan)
+            if math.isfinite(mean):
+                out[p] = mean
+    return out
 
 
 def samples_to_target(record: RunRecord, target: float) -> int | None:
@@ -109,21 +144,25 @@ def time_to_target(
     config: StudyConfig,
     cells: dict[tuple[str, str, float, int], Cell],
     rates: dict[str, tuple[float, float | None]],
-    target: float,
+    target: Target,
     profile: Profile,
 ) -> list[TimeToTarget]:
+    """Per (optimizer, depth, row): samples to ``target`` (one metric, or one per depth)
+    times the row's simulated time per sample."""
     out = []
     per_sample: dict[tuple[str, int], float] = {}  # the same for every optimizer
     for opt in config.optimizers:
         lr = rates[opt][0]
         for p in config.stages:
-            for method in method_labels(config):
-                cell = cells.get((method, opt, lr, p))
+            for method in [*method_labels(config), *config.twins]:
+                # a twin makes gpipe's updates exactly: gpipe's samples, its own time
+                cell = cells.get(("gpipe" if method in config.twins else method, opt, lr, p))
                 if cell is None:
                     continue
-                hits = [samples_to_target(r, target) for r in cell.records]
+                goal = target_at(target, p)
+                hits = [samples_to_target(r, goal) for r in cell.records]
                 reached = [h for h in hits if h is not None]
-                base = method.split("+")[0]  # a variant runs its method's schedule
+                base = schedule_of(method)
                 if (base, p) not in per_sample:
                     per_sample[(base, p)] = simulated_seconds_per_sample(profile, base, p)
                 out.append(
@@ -144,10 +183,16 @@ def risk_points(
     config: StudyConfig,
     cells: dict[tuple[str, str, float, int], Cell],
     rates: dict[str, tuple[float, float | None]],
-    target: float,
+    target: Target,
     closure: Sequence[dict[str, Any]],
 ) -> list[RiskFitPoint]:
-    """(optimizer, uncorrected distance, extra samples to target over gpipe) per cell."""
+    """(optimizer, uncorrected distance, extra samples to target over gpipe) per cell.
+
+    Against a fixed target a seed that never reaches it counts as the whole run. Against
+    gpipe's own final (a per-depth target) that would make every stalled method look as
+    fast as gpipe, so there the extra is read off gpipe's curve instead
+    (:func:`gpipe_equivalent_samples`): samples gpipe needed for the loss the method ended
+    with, against the samples the method spent."""
     points = []
     for opt in config.optimizers:
         lr = rates[opt][0]
@@ -155,23 +200,34 @@ def risk_points(
             base = cells.get(("gpipe", opt, lr, p))
             if base is None:
                 continue
-            base_hits = [samples_to_target(r, target) for r in base.records]
+            goal = target_at(target, p)
+            base_hits = [samples_to_target(r, goal) for r in base.records]
             if any(h is None for h in base_hits):
                 continue
             reference = statistics.median([h for h in base_hits if h is not None])
             for method in config.methods:
                 cell = cells.get((method, opt, lr, p))
-                if cell is None:
-                    continue
+                if cell is None or get_method(method).delay_correction is not None:
+                    continue  # κ is the plain methods' (a correction has its own gain)
                 measured = {
                     r["stage"]: r["closed"]
                     for r in closure
                     if (r["method"], r["optimizer"], r["lr"], r["stages"]) == (method, opt, lr, p)
                 }
-                hits = [samples_to_target(r, target) for r in cell.records]
-                # a seed that never reached the target counts as the whole run
                 worst = cell.records[0].spec.steps * config.batch_size
-                samples = statistics.median([worst if h is None else h for h in hits])
+                if isinstance(target, Mapping):
+                    extra = (
+                        statistics.median(
+                            worst / gpipe_equivalent_samples(base, r) - 1.0 for r in cell.finished
+                        )
+                        if cell.finished
+                        else math.inf
+                    )
+                else:
+                    hits = [samples_to_target(r, goal) for r in cell.records]
+                    # a seed that never reached the target counts as the whole run
+                    samples = statistics.median([worst if h is None else h for h in hits])
+                    extra = samples / reference - 1.0
                 points.append(
                     RiskFitPoint(
                         config.model,
@@ -179,10 +235,32 @@ def risk_points(
                         opt,
                         p,
                         _measured_distance(method, opt, p, measured),
-                        samples / reference - 1.0,
+                        extra,
                     )
                 )
     return points
+
+
+def gpipe_equivalent_samples(gpipe: Cell, record: RunRecord) -> float:
+    """The samples gpipe's curve (its first seed) needed to reach the test loss ``record``
+    ended with, interpolated linearly between evaluations. A loss gpipe had by its first
+    evaluation counts that evaluation's samples, one below gpipe's final counts gpipe's
+    whole run: the extra is then a bound, not a measurement (both ends of the curve)."""
+    final = record.final
+    curve = gpipe.finished[0].curve if gpipe.finished else []
+    if final is None or not curve:
+        return math.nan
+    loss = final.test_loss
+    previous = (0, math.inf)
+    for point in curve:
+        if point.test_loss <= loss:
+            s0, l0 = previous
+            if not math.isfinite(l0):
+                return float(point.samples)
+            share = (l0 - loss) / (l0 - point.test_loss) if l0 > point.test_loss else 1.0
+            return s0 + share * (point.samples - s0)
+        previous = (point.samples, point.test_loss)
+    return float(curve[-1].samples)
 
 
 def _measured_distance(method: str, optimizer: str, stages: int, closed: dict[int, float]) -> float:
@@ -197,3 +275,49 @@ def _measured_distance(method: str, optimizer: str, stages: int, closed: dict[in
         if not predicting or k in closed
     ]
     return max(values, default=0.0)
+
+
+def correction_gains(
+    config: StudyConfig,
+    cells: dict[tuple[str, str, float, int], Cell],
+    rates: dict[str, tuple[float, float | None]],
+) -> list[dict[str, Any]]:
+    """Per corrected row and depth: the share of its base method's excess final test loss
+    over gpipe's that the correction removed, ``1 − (L − L_gpipe) / (L_base − L_gpipe)``
+    (1: all of it, 0: none, < 0: worse). The base is the method it corrects, under the first
+    optimizer (a row under another optimizer, ``pipedream+nesterov (nadam)``, counts the
+    change of optimizer with its correction, and is keyed by that optimizer). Depths where
+    the base is within 1 % of gpipe have nothing to remove and give no row."""
+    opt = config.optimizers[0]
+    lr = rates[opt][0]
+    out: list[dict[str, Any]] = []
+
+    def loss(cell: Cell | None) -> float:
+        if cell is None:
+            return math.nan
+        return cell.stat(lambda r: r.final.test_loss if r.final else math.nan)[0]
+
+    for label in method_labels(config):
+        method = get_method(schedule_of(label))
+        if method.delay_correction is None or method.corrects is None:
+            continue
+        trained = label.split(" (")[1].rstrip(")") if " (" in label else opt
+        for p in config.stages:
+            mine, base = (
+                loss(cells.get((label, opt, lr, p))),
+                loss(cells.get((method.corrects, opt, lr, p))),
+            )
+            sync = loss(cells.get(("gpipe", opt, lr, p)))
+            if not all(math.isfinite(v) for v in (mine, base, sync)) or base < 1.01 * sync:
+                continue
+            out.append(
+                {
+                    "model": config.model,
+                    "method": label,
+                    "correction": method.delay_correction,
+                    "optimizer": trained,
+                    "stages": p,
+                    "gain": 1.0 - (mine - sync) / (base - sync),
+                }
+            )
+    return out

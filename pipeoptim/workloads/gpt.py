@@ -36,12 +36,15 @@ __all__ = [
     "UNKNOWN",
     "VOCAB",
     "VOCAB_SIZE",
+    "AttentionHalf",
     "Block",
     "Embedding",
+    "MlpHalf",
     "corpus_files",
     "decode",
     "encode",
     "gpt",
+    "gpt_deep",
     "lm_loss",
     "python_corpus",
 ]
@@ -228,15 +231,46 @@ class Block(nn.Module):
             nn.init.zeros_(layer.bias)
 
     def forward(self, x: Tensor) -> Tensor:
+        return self.mlp(self.attend(x))
+
+    def attend(self, x: Tensor) -> Tensor:
+        """The attention half with its residual."""
         b, t, d = x.shape
         q, k, v = self.qkv(self.norm1(x)).split(d, dim=2)
         q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
         att = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )
-        x = x + self.drop(self.proj(att.transpose(1, 2).reshape(b, t, d)))
-        mlp: Tensor = self.drop(self.down(F.gelu(self.up(self.norm2(x)))))
-        return x + mlp
+        out: Tensor = x + self.drop(self.proj(att.transpose(1, 2).reshape(b, t, d)))
+        return out
+
+    def mlp(self, x: Tensor) -> Tensor:
+        """The MLP half with its residual."""
+        out: Tensor = x + self.drop(self.down(F.gelu(self.up(self.norm2(x)))))
+        return out
+
+
+class AttentionHalf(nn.Module):
+    """A :class:`Block`'s attention half as a unit of its own (its norm1, qkv and proj)."""
+
+    def __init__(self, block: Block) -> None:
+        super().__init__()
+        self.heads, self.dropout = block.heads, block.dropout
+        self.norm1, self.qkv, self.proj, self.drop = block.norm1, block.qkv, block.proj, block.drop
+
+    def forward(self, x: Tensor) -> Tensor:
+        return Block.attend(self, x)  # type: ignore[arg-type]  # the same fields
+
+
+class MlpHalf(nn.Module):
+    """A :class:`Block`'s MLP half as a unit of its own (its norm2, up and down)."""
+
+    def __init__(self, block: Block) -> None:
+        super().__init__()
+        self.norm2, self.up, self.down, self.drop = block.norm2, block.up, block.down, block.drop
+
+    def forward(self, x: Tensor) -> Tensor:
+        return Block.mlp(self, x)  # type: ignore[arg-type]  # the same fields
 
 
 def gpt(
@@ -246,19 +280,29 @@ def gpt(
     heads: int = 4,
     blocks: int = 6,
     dropout: float = 0.0,
+    split_blocks: bool = False,
 ) -> list[nn.Module]:
     """A decoder-only transformer as ``blocks + 3`` units: embedding, blocks, final
     LayerNorm, linear head ((B, T) int64 ids to (B, T, vocab_size) logits). The head is not
-    tied to the embedding because the two usually live on different pipeline stages."""
+    tied to the embedding because the two usually live on different pipeline stages.
+
+    ``split_blocks`` cuts every block into its attention and its MLP half (``2·blocks + 3``
+    units), so a deep pipeline has a unit per stage without a deeper model: the same
+    weights, drawn in the same order, and the same function."""
     head = nn.Linear(dim, vocab_size)
     nn.init.normal_(head.weight, std=0.02)
     nn.init.zeros_(head.bias)
-    return [
-        Embedding(vocab_size, context, dim),
-        *(Block(dim, heads, blocks, dropout) for _ in range(blocks)),
-        nn.LayerNorm(dim),
-        head,
-    ]
+    embedding = Embedding(vocab_size, context, dim)
+    body: list[nn.Module] = []
+    for block in [Block(dim, heads, blocks, dropout) for _ in range(blocks)]:
+        body += [AttentionHalf(block), MlpHalf(block)] if split_blocks else [block]
+    return [embedding, *body, nn.LayerNorm(dim), head]
+
+
+def gpt_deep() -> list[nn.Module]:
+    """The study's language model at depth: :func:`gpt` with 7 blocks, each cut into its
+    two halves (17 units: up to 16 stages with at least one unit each)."""
+    return gpt(blocks=7, split_blocks=True)
 
 
 def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:

@@ -88,6 +88,10 @@ def test_methods_json(capsys: pytest.CaptureFixture[str]) -> None:
         "pipeoptim",
         "zb-h1",
         "zb-v",
+        "pipedream+pipemare",
+        "pipeoptim+pipemare",
+        "pipedream+nesterov",
+        "pipeoptim+nesterov",
     ]
 
 

@@ -67,7 +67,9 @@ def test_optimizer_state_factor() -> None:
     assert optimizer_state_factor("adamw") == 2
     assert optimizer_state_factor("rmsprop") == 1
     assert optimizer_state_factor("rmsprop", momentum=True) == 2
-    with pytest.raises(PlanError, match=r"adagrad.*adam, adamw, rmsprop, sgd"):
+    assert optimizer_state_factor("nadam") == 2
+    assert optimizer_state_factor("muon") == 1
+    with pytest.raises(PlanError, match=r"adagrad.*adam, adamw, muon, nadam, rmsprop, sgd"):
         optimizer_state_factor("adagrad")
 
 

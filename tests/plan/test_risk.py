@@ -169,3 +169,44 @@ def test_plan_for_8_stages_of_the_digits_mlp(capsys: pytest.CaptureFixture[str])
         and r["effective_samples_per_s"] < 0.99 * winner["effective_samples_per_s"]
     ]
     assert ("not chosen" in data["why"]) == bool(passed_over)
+
+
+def test_a_corrections_gain_shrinks_its_bases_distance_and_ranks_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A measured gain g makes a corrected method's e its base's times 1 − g; unmeasured,
+    it is level with its base (and the base, registered first, ranks first)."""
+    base = risk.uncorrected_distance("pipedream", "adamw", 7, 7)
+    assert risk.uncorrected_distance("pipedream+pipemare", "sgd", 7, 7) == base
+    monkeypatch.setitem(risk.CORRECTION_GAIN, "pipemare-lr/adamw", 0.25)
+    assert risk.uncorrected_distance("pipedream+pipemare", "adamw", 7, 7) == 0.75 * base
+    monkeypatch.setitem(risk.CORRECTION_GAIN, "pipemare-lr/adamw", -0.5)
+    assert risk.uncorrected_distance("pipedream+pipemare", "adamw", 7, 7) == 1.5 * base
+    predicted = risk.uncorrected_distance("pipeoptim", "adamw", 7, 0, closed=0.4)
+    monkeypatch.setitem(risk.CORRECTION_GAIN, "pipemare-lr/adamw", 0.5)
+    assert risk.uncorrected_distance(
+        "pipeoptim+pipemare", "adamw", 7, 0, closed=0.4
+    ) == pytest.approx(0.5 * predicted)
+
+
+def test_gain_table_averages_the_depths() -> None:
+    rows = [
+        {"correction": "pipemare-lr", "optimizer": "adamw", "stages": 8, "gain": 0.2},
+        {"correction": "pipemare-lr", "optimizer": "adamw", "stages": 16, "gain": 0.4},
+        {"correction": "delay-momentum", "optimizer": "nadam", "stages": 8, "gain": -0.1},
+    ]
+    assert risk.gain_table(rows) == {"delay-momentum/nadam": -0.1, "pipemare-lr/adamw": 0.3}
+
+
+def test_depth_advice_names_what_converged_with_few_copies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(risk, "DEPTH_EXCESS", {8: {"pipeoptim": 0.4, "xpipe": 0.02, "gpipe": 0.0}})
+    monkeypatch.setattr(risk, "DEPTH_COPIES", {8: {"pipeoptim": 2, "xpipe": 2, "gpipe": 1}})
+    text = risk.depth_advice("pipeoptim", 12, "adamw")
+    assert text is not None
+    assert "pipeoptim at 12 stages" in text and "at 8 stages" in text and "+40.0 %" in text
+    assert "gpipe came within 0.0 % with 1 weight copies" in text
+    assert risk.depth_advice("xpipe", 8, "adamw") is None  # it converged
+    assert risk.depth_advice("pipeoptim", 4, "adamw") is None  # nothing measured that shallow
+    assert risk.depth_advice("pipeoptim", 8, "sgd") is None  # measured under AdamW only

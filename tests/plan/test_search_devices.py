@@ -141,6 +141,10 @@ def test_factorisations_that_cannot_run_say_why() -> None:
         "pipedream",
         "spectrain",
         "pipeoptim",
+        "pipedream+pipemare",
+        "pipeoptim+pipemare",
+        "pipedream+nesterov",
+        "pipeoptim+nesterov",
     }
 
 

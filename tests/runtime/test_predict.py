@@ -19,6 +19,7 @@ from pipeoptim.runtime.predict import (
     RULES,
     AdamPredictor,
     DisplacementPredictor,
+    NAdamPredictor,
     RMSpropPredictor,
     SGDPredictor,
     SpecTrainPredictor,
@@ -433,7 +434,8 @@ def test_family_by_exact_type() -> None:
     ps = list(_model().parameters())
     assert type(predictor_for(optim.AdamW(ps))) is AdamPredictor
     assert type(predictor_for(optim.RMSprop(ps))) is RMSpropPredictor
-    assert type(predictor_for(optim.NAdam(ps))) is DisplacementPredictor
+    assert type(predictor_for(optim.NAdam(ps))) is NAdamPredictor
+    assert type(predictor_for(optim.Adagrad(ps))) is DisplacementPredictor
 
     class MySGD(optim.SGD):
         pass

@@ -61,7 +61,7 @@ def built(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[DelayScaledLr]]:
     method ``<name>+dsl`` naming it; yields the corrections built, one per stage."""
     made: list[DelayScaledLr] = []
 
-    def factory() -> DelayScaledLr:
+    def factory(context: update.StageContext, optimizer: Optimizer) -> DelayScaledLr:
         made.append(DelayScaledLr())
         return made[-1]
 
@@ -154,8 +154,8 @@ def test_a_method_without_a_correction_checkpoints_none() -> None:
 def test_an_unknown_correction_is_refused_with_the_known_names(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setitem(update.CORRECTIONS, "known-one", DelayScaledLr)
+    monkeypatch.setitem(update.CORRECTIONS, "known-one", lambda context, optimizer: DelayScaledLr())
     method = replace(get_method("pipedream"), name="pipedream+x", delay_correction="no-such")
     monkeypatch.setitem(METHODS, method.name, method)
-    with pytest.raises(RuntimeConfigError, match=r"'no-such'.*known: known-one"):
+    with pytest.raises(RuntimeConfigError, match=r"'no-such'.*known: .*known-one"):
         stage_of("pipedream+x")

@@ -1,0 +1,155 @@
+"""Where the asynchronous language model loses its loss: PipeDream's delays on gpt-deep at 8
+stages, kept or removed by stage, by kind of weight and by phase of training.
+
+    python examples/convergence/ablate.py              # every ablation (about 25 min, 2 cores)
+    python examples/convergence/ablate.py --report-only
+
+Each run is the study's recipe (AdamW 2e-3, weight decay 0.01, 10 % warm-up, cosine to
+0.1x, clipping 1.0 per stage, 2,000 mini-batches of 32, a drain every 250) trained by
+:class:`pipeoptim.study.delays.DelayEmulator`, which gives the pipedream pipeline's weights
+(``tests/study/test_delays.py``) with the delay of every parameter chosen apart. Results go
+to ``results/gpt-deep/ablation.jsonl`` (resumable) and ``results/gpt-deep/ablation.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results" / "gpt-deep"
+STAGES, STEPS, EVAL_EVERY, BATCH, LR = 8, 2000, 250, 32, 2e-3
+ATTENTION = ("norm1", "qkv", "proj")
+MLP = ("norm2", "up", "down")
+
+
+def _kind(name: str) -> str:
+    leaf = name.split(".")[-2] if "." in name else name
+    if leaf in ATTENTION:
+        return "attention"
+    if leaf in MLP:
+        return "mlp"
+    return "ends"  # embedding, final norm, head
+
+
+ABLATIONS: dict[str, tuple[str, Callable[[str, int, int, int], bool]]] = {
+    # name: (what it keeps delayed, keep(name, stage, step, τ) -> delayed?)
+    "none": ("no delay anywhere (synchronous)", lambda n, k, t, tau: False),
+    "all": ("every stage's own delay (pipedream)", lambda n, k, t, tau: True),
+    "stage 0 only": ("only stage 0 (τ=7)", lambda n, k, t, tau: k == 0),
+    "stages 0-3": ("only stages 0-3 (τ=7..4)", lambda n, k, t, tau: k < 4),
+    "stages 4-7": ("only stages 4-7 (τ=3..0)", lambda n, k, t, tau: k >= 4),
+    "attention": ("only attention weights", lambda n, k, t, tau: _kind(n) == "attention"),
+    "mlp": ("only MLP weights", lambda n, k, t, tau: _kind(n) == "mlp"),
+    "ends": ("only embedding, final norm, head", lambda n, k, t, tau: _kind(n) == "ends"),
+    "early": ("every stage, first 500 updates", lambda n, k, t, tau: t < 500),
+    "late": ("every stage, after 500 updates", lambda n, k, t, tau: t >= 500),
+}
+
+
+def run(name: str) -> dict[str, object]:
+    import torch
+    from torch.optim.lr_scheduler import LambdaLR
+
+    from pipeoptim.plan.plan import even_boundaries
+    from pipeoptim.runtime.lr import WarmupCosine
+    from pipeoptim.study.delays import DelayEmulator
+    from pipeoptim.workloads.data import DatasetLoader
+    from pipeoptim.workloads.gpt import gpt_deep, lm_loss, python_corpus
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    units = gpt_deep()
+    data = python_corpus()
+    keep = ABLATIONS[name][1]
+
+    def delay(param: str, stage: int, step: int) -> int:
+        tau = STAGES - 1 - stage
+        return tau if keep(param, stage, step, tau) else 0
+
+    emulator = DelayEmulator(
+        units,
+        even_boundaries(len(units), STAGES),
+        optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=0.01),
+        loss_fn=lm_loss,
+        delay=delay,
+        max_delay=STAGES - 1,
+        scheduler=functools.partial(LambdaLR, lr_lambda=WarmupCosine(200, STEPS, 0.1)),
+        grad_clip=1.0,
+        drain_every=EVAL_EVERY,
+    )
+    train = DatasetLoader(data.train_x, data.train_y, BATCH, seed=0)
+    test_x, test_y = data.test_x[:1024], data.test_y[:1024]
+    start, curve, losses = time.perf_counter(), [], []
+    batches = iter(())  # type: ignore[var-annotated]
+    while emulator.steps < STEPS:
+        try:
+            x, y = next(batches)
+        except StopIteration:
+            batches = iter(train)
+            continue
+        losses.append(emulator.step(x, y))
+        if emulator.steps % EVAL_EVERY == 0:
+            emulator.model.eval()
+            with torch.no_grad():
+                test = float(lm_loss(emulator.model(test_x), test_y))
+            emulator.model.train()
+            curve.append((emulator.steps, test))
+    return {
+        "name": name,
+        "what": ABLATIONS[name][0],
+        "curve": curve,
+        "train_loss": math.fsum(losses[-EVAL_EVERY:]) / EVAL_EVERY,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def report(records: list[dict[str, object]]) -> str:
+    by = {str(r["name"]): r for r in records}
+    sync = by.get("none")
+    full = by.get("all")
+    base = float(sync["curve"][-1][1]) if sync else math.nan  # type: ignore[index]
+    gap = float(full["curve"][-1][1]) - base if full else math.nan  # type: ignore[index]
+    lines = [
+        "| delayed | test loss | over synchronous | share of pipedream's gap |",
+        "|---|---|---|---|",
+    ]
+    for name in ABLATIONS:
+        r = by.get(name)
+        if r is None:
+            continue
+        loss = float(r["curve"][-1][1])  # type: ignore[index]
+        share = (loss - base) / gap if gap and math.isfinite(gap) else math.nan
+        lines.append(f"| {r['what']} | {loss:.3f} | {loss - base:+.3f} | {share:.0%} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--report-only", action="store_true")
+    args = parser.parse_args()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / "ablation.jsonl"
+    done = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    todo = [n for n in ABLATIONS if n not in {d["name"] for d in done}]
+    if not args.report_only and todo:
+        with ProcessPoolExecutor(args.workers, mp_context=get_context("spawn")) as pool:
+            for record in pool.map(run, todo):
+                done.append(record)
+                with path.open("a") as f:
+                    f.write(json.dumps(record) + "\n")
+                print(f"{record['name']}: {record['curve'][-1]}", flush=True)
+    (RESULTS / "ablation.md").write_text(report(done))
+    print(report(done))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""The published delay corrections (``runtime/corrections.py``), each against its rule written
+out literally, through the registered methods that name them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.plan.methods import CORRECTED, METHODS, get_method
+from pipeoptim.plan.plan import OptimizerSpec
+from pipeoptim.plan.versions import steady_delays
+from pipeoptim.runtime.corrections import PipeMareLr, delay_momentum
+from pipeoptim.runtime.pipeline import Pipeline
+from pipeoptim.runtime.update import StageContext
+
+CONTEXT = StageContext(index=0, num_stages=8, method="pipedream+pipemare", delay=7, micro_batches=1)
+
+
+def test_every_corrected_method_names_its_base_and_correction() -> None:
+    assert {
+        "pipedream+pipemare",
+        "pipeoptim+pipemare",
+        "pipedream+nesterov",
+        "pipeoptim+nesterov",
+    } == CORRECTED
+    for name in CORRECTED:
+        method, base = METHODS[name], get_method(name.split("+")[0])
+        assert (method.weight_policy, method.prediction_rule) == (
+            base.weight_policy,
+            base.prediction_rule,
+        )
+        assert method.delay_correction in method.description
+        assert method.description.startswith(base.name)
+
+
+def test_pipemare_divides_the_rate_by_tau_to_the_annealed_power() -> None:
+    """PipeMare (arXiv 1910.05124), T1: lr / τ^(1 − min((t+1)/T, 1)), t from 0."""
+    rule = PipeMareLr(CONTEXT, anneal_updates=1000)
+    expected = {0: 7 ** (1 - 1 / 1000), 499: 7 ** (1 - 500 / 1000), 999: 1.0, 1500: 1.0}
+    for t, divisor in expected.items():
+        rule.updates = t
+        assert rule.factor(7) == pytest.approx(divisor, rel=1e-12)
+    rule.updates = 0
+    assert rule.factor(1) == 1.0 and rule.factor(0) == 1.0  # nothing to divide by
+
+
+def test_pipemare_applies_the_divided_rate_for_the_step_and_puts_it_back() -> None:
+    """Four stages of pipedream+pipemare under plain SGD: stage 0's updates have delays
+    0, 1, 2, 3, 3 (the warm-up, then P−1), so its steps are lr, lr, lr/2^p(2), lr/3^p(3)…"""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(3, 3) for _ in range(4)))
+    pipe = Pipeline(
+        model,
+        method="pipedream+pipemare",
+        stages=4,
+        optimizer=OptimizerSpec("sgd", 0.1, {"momentum": 0.0}),
+        loss_fn=F.mse_loss,
+        progress=False,
+    )
+    stage = pipe.stages[0]
+    assert stage.optimizer is not None and stage.updater is not None
+    weight = stage.module[0].weight
+    seen: list[float] = []
+    before: list[torch.Tensor] = []
+    grads: list[torch.Tensor] = []
+
+    def pre(opt: torch.optim.Optimizer, *_: object) -> None:
+        seen.append(float(opt.param_groups[0]["lr"]))
+        before.append(weight.detach().clone())
+        assert weight.grad is not None
+        grads.append(weight.grad.detach().clone())
+
+    stage.optimizer.register_step_pre_hook(pre)
+    data = [(torch.randn(4, 3), torch.randn(4, 3)) for _ in range(5)]
+    pipe.fit(data, epochs=1)
+    t_over_T = [(t + 1) / 1000 for t in range(5)]
+    expected = [0.1, 0.1, 0.1 / 2 ** (1 - t_over_T[2]), 0.1 / 3 ** (1 - t_over_T[3])]
+    expected.append(0.1 / 3 ** (1 - t_over_T[4]))
+    assert seen == pytest.approx(expected, rel=1e-12)
+    assert stage.optimizer.param_groups[0]["lr"] == 0.1  # the user's rate, put back
+    for lr, w, g, after in zip(seen[:-1], before[:-1], grads[:-1], before[1:], strict=True):
+        torch.testing.assert_close(after, w - lr * g, rtol=1e-6, atol=1e-6)
+    assert stage.state_dict()["correction"] == {"updates": 5, "anneal_updates": 1000}
+
+
+def test_delay_momentum_is_the_nesterov_methods_rule_on_every_stage() -> None:
+    """Ajanthan et al. (arXiv 2505.01099; AsyncPP's --adaptive_momentum): β_k = β0 +
+    τ_k(0.99 − β0)/P with τ_k = P−1−k, on NAdam's β1 (β0 = 0.9) at 8 stages."""
+    assert delay_momentum(0.9, 7, 8) == pytest.approx(0.9 + 7 * 0.09 / 8, rel=1e-12)
+    torch.manual_seed(0)
+    pipe = Pipeline(
+        nn.Sequential(*(nn.Linear(2, 2) for _ in range(8))),
+        method="pipedream+nesterov",
+        stages=8,
+        optimizer=OptimizerSpec("nadam", 1e-3, {}),
+        loss_fn=F.mse_loss,
+        progress=False,
+    )
+    betas = [pipe.stages[k].optimizer.param_groups[0]["betas"] for k in range(8)]  # type: ignore[union-attr]
+    literal = [0.97875, 0.9675, 0.95625, 0.945, 0.93375, 0.9225, 0.91125, 0.9]
+    assert [b[0] for b in betas] == pytest.approx(literal, rel=1e-12)
+    assert {b[1] for b in betas} == {0.999}
+    assert all(type(pipe.stages[k].optimizer).__name__ == "NAdam" for k in range(8))
+
+
+def test_delay_momentum_sets_sgds_momentum_and_refuses_an_optimizer_without_one() -> None:
+    torch.manual_seed(0)
+    pipe = Pipeline(
+        nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)),
+        method="pipeoptim+nesterov",
+        stages=2,
+        optimizer=OptimizerSpec("sgd", 0.1, {"momentum": 0.5}),
+        loss_fn=F.mse_loss,
+        progress=False,
+    )
+    moments = [pipe.stages[k].optimizer.param_groups[0]["momentum"] for k in range(2)]  # type: ignore[union-attr]
+    assert moments == pytest.approx([0.5 + 1 * 0.49 / 2, 0.5], rel=1e-12)
+    with pytest.raises(RuntimeConfigError, match=r"RMSprop has no momentum.*nadam"):
+        Pipeline(
+            nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)),
+            method="pipedream+nesterov",
+            stages=2,
+            optimizer=OptimizerSpec("rmsprop", 0.1, {}),
+            loss_fn=F.mse_loss,
+        )
+
+
+def test_optimizer_factories_see_the_stage_and_its_delay() -> None:
+    seen: list[StageContext] = []
+
+    def factory(params: list[torch.Tensor], stage: StageContext) -> torch.optim.Optimizer:
+        seen.append(stage)
+        return torch.optim.SGD(params, lr=0.1 / (1 + stage.delay))
+
+    pipe = Pipeline(
+        nn.Sequential(*(nn.Linear(2, 2) for _ in range(4))),
+        method="pipedream",
+        stages=4,
+        optimizer=factory,
+        loss_fn=F.mse_loss,
+    )
+    assert [(c.index, c.num_stages, c.method, c.delay) for c in seen] == [
+        (k, 4, "pipedream", 3 - k) for k in range(4)
+    ]
+    assert pipe.stages[0].optimizer.param_groups[0]["lr"] == pytest.approx(0.025)  # type: ignore[union-attr]
+    # a one-argument factory is called as before
+    one = Pipeline([nn.Linear(2, 2)], stages=1, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    assert one.stages[0].optimizer is not None
+
+
+@pytest.mark.parametrize(
+    ("method", "stages", "expected"),
+    [
+        ("pipedream", 8, [7, 6, 5, 4, 3, 2, 1, 0]),
+        ("pipeoptim", 4, [3, 2, 1, 0]),
+        ("2bw", 4, [1, 1, 1, 1]),
+        ("gpipe", 4, [0, 0, 0, 0]),
+        ("zb-h1", 4, [0, 0, 0, 0]),
+    ],
+)
+def test_steady_delays_read_off_the_schedule(method: str, stages: int, expected: list[int]) -> None:
+    spec = get_method(method)
+    assert list(steady_delays(spec, spec.shape(stages)).values()) == expected
+
+
+def test_pipemare_brings_pipedream_closer_to_synchronous_training() -> None:
+    """The direction on a tiny configuration: 8 stages of a deep linear-tanh regression
+    under SGD-momentum at a rate where pipedream's delay of 7 hurts; PipeMare's smaller
+    early rates leave it nearer gpipe's loss."""
+    final = {m: _final_loss(m) for m in ("gpipe", "pipedream", "pipedream+pipemare")}
+    gap = {m: final[m] - final["gpipe"] for m in ("pipedream", "pipedream+pipemare")}
+    assert gap["pipedream"] > 0
+    assert gap["pipedream+pipemare"] < gap["pipedream"], final
+
+
+def test_delay_momentum_brings_pipedream_closer_to_synchronous_training() -> None:
+    """The same configuration under NAdam (the paper's optimizer) at a rate where the delay
+    hurts: the delay-dependent momentum leaves pipedream nearer gpipe's loss (0.27 against
+    0.30, gpipe 0.17)."""
+    spec = OptimizerSpec("nadam", 3e-2, {})
+    final = {m: _final_loss(m, spec) for m in ("gpipe", "pipedream", "pipedream+nesterov")}
+    gap = {m: final[m] - final["gpipe"] for m in ("pipedream", "pipedream+nesterov")}
+    assert gap["pipedream"] > 0
+    assert gap["pipedream+nesterov"] < gap["pipedream"], final
+
+
+def _final_loss(method: str, optimizer: OptimizerSpec | None = None) -> float:
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(8)]
+    generator = torch.Generator().manual_seed(1)
+    target = nn.Linear(8, 8)
+    xs = torch.randn(40 * 16, 8, generator=generator)
+    with torch.no_grad():
+        ys = target(xs)
+    data = [(xs[i : i + 16], ys[i : i + 16]) for i in range(0, len(xs), 16)]
+    pipe = Pipeline(
+        nn.Sequential(*layers),
+        method=method,
+        stages=8,
+        micro_batches=1,
+        optimizer=optimizer or OptimizerSpec("sgd", 0.3, {"momentum": 0.9}),
+        loss_fn=F.mse_loss,
+        progress=False,
+    )
+    result = pipe.fit(data, epochs=3)
+    tail = result.losses[-20:]
+    return math.fsum(tail) / len(tail)

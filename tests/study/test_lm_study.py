@@ -1,0 +1,139 @@
+"""The language-model study at depth: the recipe in every run, the rows beyond the methods
+(other optimizers, flush twins, repeated seeds), gpipe's final as the target, and the gap
+table the README's advice is read from."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.runtime.lr import WarmupCosine
+from pipeoptim.study.cells import aggregate, method_labels, schedule_of
+from pipeoptim.study.grid import StudyConfig, main_specs
+from pipeoptim.study.runs import CurvePoint, RunRecord, RunSpec
+from pipeoptim.study.tables import gap_table, peak_copies
+from pipeoptim.study.targets import gpipe_finals, target_at
+from pipeoptim.workloads.gpt import gpt
+
+LM = StudyConfig(
+    "gpt-deep",
+    steps=8,
+    eval_every=4,
+    methods=("gpipe", "pipedream", "pipedream+pipemare"),
+    optimizers=("adamw",),
+    stages=(4, 8),
+    seeds=1,
+    rates={"adamw": (2e-3,)},
+    high_rate=False,
+    warmup=0.1,
+    final_lr=0.1,
+    grad_clip=1.0,
+    weight_decay=0.01,
+    pairs=(("pipeoptim", "nadam"),),
+    twins=("zb-h1",),
+    repeat=("gpipe", "pipeoptim (nadam)"),
+    repeat_seeds=3,
+)
+
+
+def test_every_run_carries_the_recipe_and_the_key_names_it() -> None:
+    specs = main_specs(LM, {"adamw": (2e-3, None)})
+    labels = [(s.label, s.stages, s.seed) for s in specs]
+    assert labels == [
+        ("gpipe", 4, 0),
+        ("pipedream", 4, 0),
+        ("pipedream+pipemare", 4, 0),
+        ("pipeoptim (nadam)", 4, 0),
+        ("gpipe", 8, 0),
+        ("pipedream", 8, 0),
+        ("pipedream+pipemare", 8, 0),
+        ("pipeoptim (nadam)", 8, 0),
+        ("gpipe", 8, 1),
+        ("pipeoptim (nadam)", 8, 1),
+        ("gpipe", 8, 2),
+        ("pipeoptim (nadam)", 8, 2),
+    ]
+    spec = specs[3]
+    assert (spec.warmup, spec.final_lr, spec.grad_clip, spec.weight_decay) == (
+        0.1,
+        0.1,
+        1.0,
+        0.01,
+    )
+    assert spec.optimizer == "adamw" and spec.trained_optimizer == "nadam"
+    assert spec.key.endswith("/warmup=0.1/final=0.1/clip=1")
+    assert "pipeoptim (nadam)" in spec.key and spec.closure  # a predicting row, seed 0
+    plain = RunSpec("mlp", "gpipe", "sgd", 0.1, 2, 0, 4, 2)
+    assert plain.key == "mlp/gpipe/sgd/lr=0.1/P=2/seed=0/steps=4/B=32/eval=2"  # as before
+
+
+def test_rows_and_their_schedules() -> None:
+    assert method_labels(LM) == ["gpipe", "pipedream", "pipedream+pipemare", "pipeoptim (nadam)"]
+    assert schedule_of("pipeoptim (nadam)") == "pipeoptim"
+    assert schedule_of("pipedream+pipemare") == "pipedream+pipemare"
+    assert schedule_of("pipeoptim+Ŵbackward") == "pipeoptim"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("warmup", 1.0, r"warmup is a share of the run in \[0, 1\)"),
+        ("final_lr", 0.0, r"final_lr is a share of the rate in \(0, 1\]"),
+        ("grad_clip", 0.0, r"grad_clip must be positive"),
+        ("twins", ("no-such",), r"unknown method\(s\) \['no-such'\]"),
+    ],
+)
+def test_a_bad_recipe_is_refused(field: str, value: object, message: str) -> None:
+    with pytest.raises(RuntimeConfigError, match=message):
+        StudyConfig("gpt-deep", steps=8, eval_every=4, **{field: value})  # type: ignore[arg-type]
+
+
+def test_warmup_then_cosine_to_a_floor() -> None:
+    shape = WarmupCosine(warmup=10, total=110, floor=0.1)
+    assert shape(0) == pytest.approx(0.1) and shape(9) == pytest.approx(1.0)
+    assert shape(10) == pytest.approx(1.0)
+    assert shape(60) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 2)))
+    assert shape(110) == pytest.approx(0.1) and shape(500) == pytest.approx(0.1)
+
+
+def _record(spec: RunSpec, loss: float) -> RunRecord:
+    return RunRecord(spec, [CurvePoint(spec.steps, 256, loss, math.exp(loss), loss)], None, 1.0)
+
+
+def test_the_target_is_gpipes_final_and_the_gap_table_marks_the_goal() -> None:
+    specs = main_specs(LM, {"adamw": (2e-3, None)})
+    losses = {"gpipe": 1.50, "pipedream": 1.80, "pipedream+pipemare": 1.54}
+    records = [
+        _record(s, losses.get(s.label, 1.52 + 0.01 * s.seed)) for s in specs if s.stages == 8
+    ]
+    cells = aggregate(records)
+    rates = {"adamw": (2e-3, None)}
+    finals = gpipe_finals(LM, cells, rates)
+    assert finals == {8: pytest.approx(math.exp(1.5))}
+    assert target_at(finals, 8) == finals[8] and math.isnan(target_at(finals, 4))
+    table = gap_table(LM, cells, rates)
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in table if line.startswith("| ")}
+    assert "1.800 (+20.0 %), 8 copies" in rows["pipedream"]
+    assert "1.540 (+2.7 %) ✓, 8 copies" in rows["pipedream+pipemare"]
+    # three seeds of the nadam row: 1.52, 1.53, 1.54 -> mean 1.53, +2.0 %
+    assert "1.530 (+2.0 %) ✓ (3 seeds), 2 copies" in rows["pipeoptim (nadam)"]
+    assert "not run" in rows["gpipe"]  # P=4 had no records
+    assert peak_copies("gpipe", 8) == 1 and peak_copies("pipeoptim+Ŵbackward", 8) == 8
+
+
+def test_split_blocks_are_the_same_model_cut_finer() -> None:
+    torch.manual_seed(0)
+    whole = gpt(blocks=3, dim=32, heads=2)
+    torch.manual_seed(0)
+    split = gpt(blocks=3, dim=32, heads=2, split_blocks=True)
+    assert (len(whole), len(split)) == (6, 9)
+    ids = torch.randint(0, 97, (2, 16))
+    a, b = ids, ids
+    for unit in whole:
+        a = unit(a)
+    for unit in split:
+        b = unit(b)
+    assert torch.equal(a, b)  # the same weights, the same kernels in the same order
