@@ -44,13 +44,22 @@ ABLATIONS: dict[str, tuple[str, Callable[[str, int, int, int], bool]]] = {
     "none": ("no delay anywhere (synchronous)", lambda n, k, t, tau: False),
     "all": ("every stage's own delay (pipedream)", lambda n, k, t, tau: True),
     "stage 0 only": ("only stage 0 (τ=7)", lambda n, k, t, tau: k == 0),
-    "stages 0-3": ("only stages 0-3 (τ=7..4)", lambda n, k, t, tau: k < 4),
-    "stages 4-7": ("only stages 4-7 (τ=3..0)", lambda n, k, t, tau: k >= 4),
+    # the embedding (stage 0, τ=7); the final norm and head sit on the last stage (τ=0)
+    "ends": ("only the embedding", lambda n, k, t, tau: _kind(n) == "ends"),
     "attention": ("only attention weights", lambda n, k, t, tau: _kind(n) == "attention"),
     "mlp": ("only MLP weights", lambda n, k, t, tau: _kind(n) == "mlp"),
-    "ends": ("only embedding, final norm, head", lambda n, k, t, tau: _kind(n) == "ends"),
     "early": ("every stage, first 500 updates", lambda n, k, t, tau: t < 500),
     "late": ("every stage, after 500 updates", lambda n, k, t, tau: t >= 500),
+    "stages 0-3": ("only stages 0-3 (τ=7..4)", lambda n, k, t, tau: k < 4),
+    "stages 4-7": ("only stages 4-7 (τ=3..0)", lambda n, k, t, tau: k >= 4),
+}
+
+SCREENS: dict[str, tuple[str, Callable[[int], tuple[float, float]]]] = {
+    # Corrections screened under pipedream's delays, each a rule of the stage's τ alone:
+    # name: (what, tau -> (lr factor, β1))
+    "lr/(1+τ)": ("every stage's rate divided by 1+τ", lambda tau: (1 / (1 + tau), 0.9)),
+    "lr/√(1+τ)": ("every stage's rate divided by √(1+τ)", lambda tau: ((1 + tau) ** -0.5, 0.9)),
+    "β1=0.9^(1+τ)": ("momentum 0.9^(1+τ): less at depth", lambda tau: (1.0, 0.9 ** (1 + tau))),
 }
 
 
@@ -68,16 +77,25 @@ def run(name: str) -> dict[str, object]:
     torch.manual_seed(0)
     units = gpt_deep()
     data = python_corpus()
-    keep = ABLATIONS[name][1]
+    keep = ABLATIONS[name][1] if name in ABLATIONS else (lambda n, k, t, tau: True)
+    tune = SCREENS[name][1] if name in SCREENS else (lambda tau: (1.0, 0.9))
+    bounds = even_boundaries(len(units), STAGES)
+    stage_of = {
+        id(p): k for k, (a, b) in enumerate(bounds) for u in units[a:b] for p in u.parameters()
+    }
 
     def delay(param: str, stage: int, step: int) -> int:
         tau = STAGES - 1 - stage
         return tau if keep(param, stage, step, tau) else 0
 
+    def optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        factor, beta1 = tune(STAGES - 1 - stage_of[id(params[0])])
+        return torch.optim.AdamW(params, lr=LR * factor, betas=(beta1, 0.999), weight_decay=0.01)
+
     emulator = DelayEmulator(
         units,
-        even_boundaries(len(units), STAGES),
-        optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=0.01),
+        bounds,
+        optimizer=optimizer,
         loss_fn=lm_loss,
         delay=delay,
         max_delay=STAGES - 1,
@@ -104,7 +122,7 @@ def run(name: str) -> dict[str, object]:
             curve.append((emulator.steps, test))
     return {
         "name": name,
-        "what": ABLATIONS[name][0],
+        "what": (ABLATIONS.get(name) or SCREENS[name])[0],
         "curve": curve,
         "train_loss": math.fsum(losses[-EVAL_EVERY:]) / EVAL_EVERY,
         "seconds": time.perf_counter() - start,
@@ -121,13 +139,17 @@ def report(records: list[dict[str, object]]) -> str:
         "| delayed | test loss | over synchronous | share of pipedream's gap |",
         "|---|---|---|---|",
     ]
-    for name in ABLATIONS:
-        r = by.get(name)
-        if r is None:
-            continue
-        loss = float(r["curve"][-1][1])  # type: ignore[index]
-        share = (loss - base) / gap if gap and math.isfinite(gap) else math.nan
-        lines.append(f"| {r['what']} | {loss:.3f} | {loss - base:+.3f} | {share:.0%} |")
+    for names, title in ((ABLATIONS, None), (SCREENS, "correction (all stages delayed)")):
+        if title is not None:
+            lines += ["", f"| {title} | test loss | over synchronous | share of pipedream's gap |"]
+            lines.append("|---|---|---|---|")
+        for name in names:
+            r = by.get(name)
+            if r is None:
+                continue
+            loss = float(r["curve"][-1][1])  # type: ignore[index]
+            share = (loss - base) / gap if gap and math.isfinite(gap) else math.nan
+            lines.append(f"| {r['what']} | {loss:.3f} | {loss - base:+.3f} | {share:.0%} |")
     return "\n".join(lines) + "\n"
 
 
@@ -135,11 +157,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--only", default=None, help="comma-separated names to run")
     args = parser.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / "ablation.jsonl"
     done = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    todo = [n for n in ABLATIONS if n not in {d["name"] for d in done}]
+    names = [*ABLATIONS, *SCREENS] if args.only is None else args.only.split(",")
+    todo = [n for n in names if n not in {d["name"] for d in done}]
     if not args.report_only and todo:
         with ProcessPoolExecutor(args.workers, mp_context=get_context("spawn")) as pool:
             for record in pool.map(run, todo):

@@ -185,6 +185,7 @@ class Stage:
                 )
         self.weights = WeightVersions(self.policy, self._params, index)
         self._saved: dict[int, tuple[Tensor, Tensor]] = {}  # mb -> (input, output or loss)
+        self._group_order: list[int] | None = None  # the stage's param index, group order
         self._delays: dict[int, int] = {}  # local mini-batch -> its delay (with a correction)
         self.prediction_seconds: deque[float] = deque(maxlen=1024)
         """Seconds of the latest timed predictions (CPU), for calibration; bounded, so a
@@ -514,7 +515,7 @@ class Stage:
         started = time.perf_counter() if timed else 0.0
         buffer = self.weights.prediction_buffer()
         kept = self.predictor.kept_computations
-        self.predictor.predict_into(buffer, s, self._lrs(s))
+        self.predictor.predict_into(self._in_group_order(buffer), s, self._lrs(s))
         if self.predictor.kept_computations != kept:
             self.memory_count.stale()  # a newly kept Δ counts in the predictor's bytes
         if timed:
@@ -524,8 +525,20 @@ class Stage:
     def _held_prediction(self, s: int) -> list[Tensor]:
         assert self.predictor is not None
         predicted = self.weights.held_copy()
-        self.predictor.predict_into(predicted, s, self._lrs(s))
+        self.predictor.predict_into(self._in_group_order(predicted), s, self._lrs(s))
         return predicted
+
+    def _in_group_order(self, tensors: list[Tensor]) -> list[Tensor]:
+        """``tensors`` (one per parameter, in the stage's order) in the order of the
+        optimizer's param groups, which a predictor writes in: a factory may group the
+        parameters in any order (decay and no-decay groups, Muon's matrices first)."""
+        if self._group_order is None:
+            assert self.optimizer is not None
+            position = {id(p): i for i, p in enumerate(self._params)}
+            self._group_order = [
+                position[id(p)] for g in self.optimizer.param_groups for p in g["params"]
+            ]
+        return [tensors[i] for i in self._group_order]
 
     @property
     def prediction_s(self) -> float | None:

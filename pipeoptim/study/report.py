@@ -43,6 +43,8 @@ from pipeoptim.study.tables import (
     closure_table,
     final_table,
     gap_table,
+    gaps,
+    peak_copies,
     time_table,
 )
 from pipeoptim.study.targets import (
@@ -98,6 +100,8 @@ def write_study_report(
     points: list[RiskFitPoint] = []
     closure_all: list[dict[str, Any]] = []
     gains: list[dict[str, Any]] = []
+    depth_excess: dict[int, dict[str, float]] = {}
+    depth_copies: dict[int, dict[str, int]] = {}
     for config in configs:
         records = load_records(out / config.model / "runs.jsonl")
         if not records:
@@ -129,6 +133,9 @@ def write_study_report(
             md += [f"### Final, {title}", "", *final_table(config, cells, lr_of), ""]
         if fixed is None:
             md += ["### Against gpipe (chosen rate)", "", *gap_table(config, cells, rates), ""]
+            for p, rows in gaps(config, cells, rates).items():
+                depth_excess.setdefault(p, {}).update({k: round(v, 4) for k, v in rows.items()})
+                depth_copies.setdefault(p, {}).update({k: peak_copies(k, p) for k in rows})
         closure = closure_rows(mine)
         # the rows of other optimizers (NAdam, Muon) train at the first optimizer's rate
         rate_of = {o: r[0] for o, r in rates.items()}
@@ -200,6 +207,8 @@ def write_study_report(
                 "closure": closure_all,
                 "correction_gain": gain_table(gains),
                 "correction_gains": gains,
+                "depth_excess": {str(p): rows for p, rows in sorted(depth_excess.items())},
+                "depth_copies": {str(p): rows for p, rows in sorted(depth_copies.items())},
                 "points": [p.to_dict() for p in points],
             },
             indent=1,

@@ -97,6 +97,31 @@ def peak_copies(label: str, stages: int) -> int:
     return max(factors(k, stages)[0] for k in range(stages))
 
 
+def gaps(
+    config: StudyConfig,
+    cells: dict[tuple[str, str, float, int], Cell],
+    rates: dict[str, tuple[float, float | None]],
+) -> dict[int, dict[str, float]]:
+    """Stages -> row -> final test loss over gpipe's at that depth, minus 1 (the rows that
+    finished; the first optimizer's chosen rate)."""
+    opt = config.optimizers[0]
+    lr = rates[opt][0]
+    out: dict[int, dict[str, float]] = {}
+    for p in config.stages:
+        base = cells.get(("gpipe", opt, lr, p))
+        if base is None:
+            continue
+        ref, _ = base.stat(lambda r: r.final.test_loss if r.final else math.nan)
+        for label in method_labels(config):
+            cell = cells.get((label, opt, lr, p))
+            if cell is None:
+                continue
+            loss, _ = cell.stat(lambda r: r.final.test_loss if r.final else math.nan)
+            if math.isfinite(loss) and math.isfinite(ref):
+                out.setdefault(p, {})[label] = loss / ref - 1.0
+    return out
+
+
 def gap_table(
     config: StudyConfig,
     cells: dict[tuple[str, str, float, int], Cell],

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.optim import Muon, NAdam, Optimizer
 from torch.optim._muon import _zeropower_via_newtonschulz
@@ -346,3 +347,39 @@ def test_pipeoptim_trains_with_the_new_optimizers(
     assert len(result.losses) == 12 and all(math.isfinite(v) for v in result.losses)
     assert all(isinstance(s.predictor, predictor) for s in pipe.stages.values())
     pipe.close()
+
+
+def test_param_groups_in_any_order_predict_each_parameters_own_weights() -> None:
+    """A factory that groups the parameters out of module order (no-decay first, as LM
+    scripts do; Muon's matrices first) predicts the same Ŵ per parameter as one in module
+    order: the same run, bit for bit."""
+
+    def grouped(reverse: bool) -> object:
+        def factory(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+            decay = [p for p in params if p.dim() > 1]
+            rest = [p for p in params if p.dim() <= 1]
+            groups = [
+                {"params": decay, "weight_decay": 0.1},
+                {"params": rest, "weight_decay": 0.0},
+            ]
+            return torch.optim.AdamW(groups[::-1] if reverse else groups, lr=1e-2)
+
+        return factory
+
+    def run(reverse: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        layers = [nn.Sequential(nn.Linear(6, 6), nn.LayerNorm(6)) for _ in range(3)]
+        pipe = Pipeline(
+            layers,
+            method="pipeoptim",
+            stages=3,
+            optimizer=grouped(reverse),  # type: ignore[arg-type]
+            loss_fn=F.mse_loss,
+        )
+        g = torch.Generator().manual_seed(2)
+        data = [(torch.randn(8, 6, generator=g), torch.randn(8, 6, generator=g)) for _ in range(9)]
+        pipe.fit(data, epochs=1)
+        return [p.detach().clone() for u in layers for p in u.parameters()]
+
+    for a, b in zip(run(False), run(True), strict=True):
+        assert torch.equal(a, b)
