@@ -299,9 +299,14 @@ def search(
     sizes = [_actions(name, num_stages, m, mini_batches) for name, m in pairs]
     keep = fit_budget(sizes)
     found: list[Candidate] = []
+    simulated: dict[tuple[str, int], Candidate] = {}
     for (name, m), size, kept in zip(pairs, sizes, keep, strict=True):
         if not kept:
             found.append(skipped_candidate(name, m, size, num_stages))
+            continue
+        twin = simulated.get((get_method(name).schedule_name, m))
+        if twin is not None:  # a corrected method: its base's timeline, its own risk
+            found.append(_corrected_candidate(twin, name, optimizer))
             continue
         if progress is not None:
             progress(f"{name} M={m}")
@@ -320,7 +325,17 @@ def search(
                 batch_size=batch_size,
             )
         )
+        simulated[(name, m)] = found[-1]
     return rank(found, tie_tolerance)
+
+
+def _corrected_candidate(base: Candidate, method: str, optimizer: str) -> Candidate:
+    """``method`` keeps ``base``'s schedule, versions and memory (a delay correction or a
+    prediction's distance): the same simulated run, its own convergence risk."""
+    if base.risk is None:
+        return replace(base, method=method)
+    risk = method_risk(method, optimizer, base.risk.distances, base.risk.staleness)
+    return replace(base, method=method, risk=risk)
 
 
 def _actions(method: str, num_stages: int, micro_batches: int, mini_batches: int | None) -> int:

@@ -88,6 +88,7 @@ def test_methods_json(capsys: pytest.CaptureFixture[str]) -> None:
         "pipeoptim",
         "zb-h1",
         "zb-v",
+        "pipeoptim+shrink",
         "pipedream+pipemare",
         "pipeoptim+pipemare",
         "pipedream+nesterov",

@@ -216,3 +216,22 @@ def test_depth_advice_names_what_converged_with_few_copies(
     assert risk.depth_advice("xpipe", 8, "adamw") is None  # it converged
     assert risk.depth_advice("pipeoptim", 4, "adamw") is None  # nothing measured that shallow
     assert risk.depth_advice("pipeoptim", 8, "sgd") is None  # measured under AdamW only
+
+
+def test_plan_recommends_a_correction_by_name_when_its_measured_gain_wins(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The corrected methods share their base's simulated run (one simulation); with no
+    measured gain the base ranks first, with a gain that closes the risk the correction is
+    the recommendation, named."""
+    methods = ["gpipe", "pipedream", "pipedream+pipemare"]
+    plain = search(uniform_profile(), 8, methods=methods, optimizer="adamw")
+    ranks = [c.method for c in plain]
+    assert ranks.index("pipedream") < ranks.index("pipedream+pipemare")
+    twin = {c.method: c for c in plain}
+    assert twin["pipedream"].throughput == twin["pipedream+pipemare"].throughput
+    monkeypatch.setitem(risk.CORRECTION_GAIN, "pipemare-lr/adamw", 1.0)
+    ranked = search(uniform_profile(), 8, methods=methods, optimizer="adamw")
+    assert ranked[0].method == "pipedream+pipemare"
+    assert ranked[0].risk is not None and ranked[0].risk.risk == 0.0
+    assert explain(ranked).startswith("Run pipedream+pipemare with 1 micro-batch")

@@ -141,6 +141,7 @@ def test_factorisations_that_cannot_run_say_why() -> None:
         "pipedream",
         "spectrain",
         "pipeoptim",
+        "pipeoptim+shrink",
         "pipedream+pipemare",
         "pipeoptim+pipemare",
         "pipedream+nesterov",
