@@ -273,16 +273,18 @@ def depth_advice(method: str, stages: int, optimizer: str) -> str | None:
     recommends instead (the closest to gpipe with at most 2 weight copies per stage, else
     the closest of all). None where nothing was measured or the method converged."""
     depths = [p for p in DEPTH_EXCESS if p <= stages]
-    if not depths or optimizer not in ("adam", "adamw", "nadam"):
+    if not depths or optimizer not in ("adam", "adamw", "nadam", "muon"):
         return None
     depth = max(depths)
     table = DEPTH_EXCESS[depth]
-    excess = table.get(method)
+    # the study's rows: AdamW's (Adam's alike) by method, the others as "method (optimizer)"
+    mine = method if optimizer in ("adam", "adamw") else f"{method} ({optimizer})"
+    excess = table.get(mine)
     if excess is None or excess <= WITHIN:
         return None
     copies = DEPTH_COPIES.get(depth, {})
-    lean = {row: e for row, e in table.items() if copies.get(row, 99) <= 2 and row != method}
-    pool = lean or {row: e for row, e in table.items() if row != method}
+    lean = {row: e for row, e in table.items() if copies.get(row, 99) <= 2 and row != mine}
+    pool = lean or {row: e for row, e in table.items() if row != mine}
     best = min(pool, key=lambda row: pool[row])
     verdict = (
         f"{best} came within {100 * pool[best]:.1f} % with {copies.get(best, '?')} weight "
@@ -292,8 +294,8 @@ def depth_advice(method: str, stages: int, optimizer: str) -> str | None:
         f"weight copies per stage)"
     )
     return (
-        f"{method} at {stages} stages: on the convergence study's language model at {depth} "
-        f"stages (gpt-deep, AdamW with warm-up, cosine decay and clipping) it ended "
+        f"{mine} at {stages} stages: on the convergence study's language model at {depth} "
+        f"stages (gpt-deep, with warm-up, cosine decay and clipping) it ended "
         f"{100 * excess:+.1f} % over gpipe's final test loss; {verdict}. See the README, "
         f"'Choosing a method at depth'"
     )

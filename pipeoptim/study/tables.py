@@ -213,7 +213,7 @@ def closure_table(rows: Sequence[dict[str, Any]], lr_of: dict[str, float]) -> li
 def time_table(config: StudyConfig, rows: Sequence[TimeToTarget], target: Target) -> list[str]:
     if isinstance(target, Mapping):
         what = (
-            "gpipe's final test perplexity at each depth ("
+            f"gpipe's final test loss at each depth plus {100 * WITHIN:.0f} %, as perplexity ("
             + ", ".join(f"P={p}: {v:.3g}" for p, v in sorted(target.items()))
             + ")"
         )

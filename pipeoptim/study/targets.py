@@ -53,18 +53,28 @@ def gpipe_finals(
     config: StudyConfig,
     cells: dict[tuple[str, str, float, int], Cell],
     rates: dict[str, tuple[float, float | None]],
+    within: float = 0.0,
 ) -> dict[int, float]:
     """gpipe's final test metric (mean over seeds) at each depth, at the first optimizer's
-    chosen rate: the target of a study that asks "how soon does a method reach what
-    synchronous training reaches"."""
+    chosen rate, with its test loss raised by ``within`` (a share: 0.03 is the goal at depth,
+    3 % over gpipe's final loss): the target of a study that asks "how soon does a method
+    get where synchronous training gets". Perplexity targets are ``exp((1 + within)·L)``;
+    accuracy targets are gpipe's accuracy less ``within`` of it."""
     opt = config.optimizers[0]
     out: dict[int, float] = {}
+    perplexity = not higher_is_better(config.model)
     for p in config.stages:
         cell = cells.get(("gpipe", opt, rates[opt][0], p))
-        if cell is not None:
+        if cell is None:
+            continue
+        if perplexity:
+            loss, _ = cell.stat(lambda r: r.final.test_loss if r.final else math.nan)
+            value = math.exp((1.0 + within) * loss)
+        else:
             mean, _ = cell.stat(lambda r: r.final.test_metric if r.final else math.nan)
-            if math.isfinite(mean):
-                out[p] = mean
+            value = (1.0 - within) * mean
+        if math.isfinite(value):
+            out[p] = value
     return out
 
 
@@ -192,27 +202,30 @@ def risk_points(
     gpipe's own final (a per-depth target) that would make every stalled method look as
     fast as gpipe, so there the extra is read off gpipe's curve instead
     (:func:`gpipe_equivalent_samples`): samples gpipe needed for the loss the method ended
-    with, against the samples the method spent."""
+    with, against the samples the method spent. A row under another optimizer (``pipeoptim
+    (muon)``) is a point of that optimizer, against gpipe under it (``gpipe (muon)``)."""
     points = []
     for opt in config.optimizers:
         lr = rates[opt][0]
+        rows = [(m, m, opt, "gpipe") for m in config.methods]
+        if opt == config.optimizers[0]:
+            rows += [(f"{m} ({o})", m, o, f"gpipe ({o})") for m, o in config.pairs]
         for p in config.stages:
-            base = cells.get(("gpipe", opt, lr, p))
-            if base is None:
-                continue
-            goal = target_at(target, p)
-            base_hits = [samples_to_target(r, goal) for r in base.records]
-            if any(h is None for h in base_hits):
-                continue
-            reference = statistics.median([h for h in base_hits if h is not None])
-            for method in config.methods:
-                cell = cells.get((method, opt, lr, p))
-                if cell is None or get_method(method).delay_correction is not None:
+            for label, method, trained, sync in rows:
+                base = cells.get((sync, opt, lr, p))
+                cell = cells.get((label, opt, lr, p))
+                if base is None or cell is None or get_method(method).delay_correction:
                     continue  # κ is the plain methods' (a correction has its own gain)
+                goal = target_at(target, p)
+                base_hits = [samples_to_target(r, goal) for r in base.records]
+                if any(h is None for h in base_hits):
+                    continue
+                reference = statistics.median([h for h in base_hits if h is not None])
                 measured = {
                     r["stage"]: r["closed"]
                     for r in closure
-                    if (r["method"], r["optimizer"], r["lr"], r["stages"]) == (method, opt, lr, p)
+                    if (r["method"], r["optimizer"], r["lr"], r["stages"])
+                    == (label, trained, lr, p)
                 }
                 worst = cell.records[0].spec.steps * config.batch_size
                 if isinstance(target, Mapping):
@@ -232,9 +245,9 @@ def risk_points(
                     RiskFitPoint(
                         config.model,
                         method,
-                        opt,
+                        trained,
                         p,
-                        _measured_distance(method, opt, p, measured),
+                        _measured_distance(method, trained, p, measured),
                         extra,
                     )
                 )

@@ -417,7 +417,7 @@ def test_errors_are_clear() -> None:
     with pytest.raises(RuntimeConfigError, match="optimizer, spectrain, xpipe, displacement") as e:
         predictor_for(opt, "pipedream")
     assert isinstance(e.value, ValueError) and "'pipedream'" in str(e.value)
-    assert set(RULES) == {"optimizer", "spectrain", "xpipe", "displacement"}
+    assert set(RULES) == {"optimizer", "spectrain", "xpipe", "displacement", "shrunk"}
     pred = predictor_for(opt)
     for bad in (-1, 1.5, True):
         with pytest.raises(RuntimeConfigError, match="integer >= 0"):
