@@ -96,6 +96,10 @@ STUDIES = {
             ("pipeoptim+shrink", "muon"),
         ),
         twins=("1f1b", "zb-h1"),
+        # the asynchronous rows nearest gpipe at 8 stages, on two more seeds
+        repeat=("xpipe", "pipeoptim (muon)"),
+        repeat_seeds=3,
+        repeat_stages=8,
     ),
 }
 

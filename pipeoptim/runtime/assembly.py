@@ -28,7 +28,12 @@ from pipeoptim.runtime.placement import join_group, local_device
 from pipeoptim.runtime.replicas import BufferBroadcast, GradientAverager, ReplicaGroups
 from pipeoptim.runtime.stage import Stage
 from pipeoptim.runtime.transport import DistTransport, LocalTransport, Transport
-from pipeoptim.runtime.update import FAMILY_OF_CLASS, OptimizerFactory, SchedulerFactory
+from pipeoptim.runtime.update import (
+    FAMILY_OF_CLASS,
+    OptimizerFactory,
+    SchedulerFactory,
+    takes_context,
+)
 
 __all__ = ["SEGMENT_ACTIONS", "SEGMENT_PASSES", "Assembly", "RunState", "segment_limit"]
 
@@ -127,7 +132,11 @@ class Assembly:
             }
         )
         spec = optimizer if optimizer is not None else plan.optimizer
-        delays = steady_delays(method, self.shape)
+        # τ_k is read off a long schedule: only where a correction or a factory asks for it
+        wanted = method.delay_correction is not None or (
+            not isinstance(spec, OptimizerSpec) and takes_context(spec)
+        )
+        delays = steady_delays(method, self.shape) if wanted else {}
         self.stages: dict[int, Stage] = {}
         for k, r in sorted(self.rank_of.items()):
             if r not in ranks:
@@ -149,7 +158,7 @@ class Assembly:
                 grad_clip=grad_clip,
                 first_unit=a,
                 predicted_backward=predicted_backward,
-                delay=delays[k],
+                delay=delays.get(k, 0),
             )
         self._join_replicas()
         self._record_optimizer()

@@ -39,6 +39,7 @@ __all__ = [
     "build_optimizer",
     "build_scheduler",
     "make_optimizer",
+    "takes_context",
 ]
 
 

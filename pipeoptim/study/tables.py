@@ -154,9 +154,9 @@ def gap_table(
             excess = loss / ref - 1.0
             mark = " ✓" if excess <= WITHIN else ""
             seeds = f" ({len(cell.finished)} seeds)" if len(cell.finished) > 1 else ""
-            row.append(
-                f"{loss:.3f} ({100 * excess:+.1f} %){mark}{seeds}, {peak_copies(label, p)} copies"
-            )
+            n = peak_copies(label, p)
+            copies = "1 copy" if n == 1 else f"{n} copies"
+            row.append(f"{loss:.3f} ({100 * excess:+.1f} %){mark}{seeds}, {copies}")
         lines.append(f"| {label} | " + " | ".join(row) + " |")
     return lines
 

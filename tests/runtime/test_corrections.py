@@ -210,3 +210,26 @@ def _final_loss(method: str, optimizer: OptimizerSpec | None = None) -> float:
     result = pipe.fit(data, epochs=3)
     tail = result.losses[-20:]
     return math.fsum(tail) / len(tail)
+
+
+def test_a_pipeline_at_a_depth_where_the_study_saw_its_method_stall_says_so() -> None:
+    """The committed study measured pipeoptim under AdamW at 8 stages far above gpipe's
+    loss: a Pipeline built so carries the note (what was measured, what to use instead);
+    gpipe, which converges, carries none."""
+    from pipeoptim.plan import risk
+
+    assert risk.DEPTH_EXCESS[8]["pipeoptim"] > risk.WITHIN  # the committed measurement
+
+    def notes(method: str) -> list[str]:
+        pipe = Pipeline(
+            nn.Sequential(*(nn.Linear(2, 2) for _ in range(8))),
+            method=method,
+            stages=8,
+            optimizer=OptimizerSpec("adamw", 1e-3, {}),
+            loss_fn=F.mse_loss,
+        )
+        return pipe.state.notes
+
+    advice = [n for n in notes("pipeoptim") if "Choosing a method at depth" in n]
+    assert len(advice) == 1 and "pipeoptim at 8 stages" in advice[0]
+    assert not [n for n in notes("gpipe") if "Choosing a method at depth" in n]

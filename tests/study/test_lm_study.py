@@ -120,6 +120,7 @@ def test_the_target_is_gpipes_final_and_the_gap_table_marks_the_goal() -> None:
     assert "1.540 (+2.7 %) ✓, 8 copies" in rows["pipedream+pipemare"]
     # three seeds of the nadam row: 1.52, 1.53, 1.54 -> mean 1.53, +2.0 %
     assert "1.530 (+2.0 %) ✓ (3 seeds), 2 copies" in rows["pipeoptim (nadam)"]
+    assert "1.500 (+0.0 %) ✓ (3 seeds), 1 copy" in rows["gpipe"]
     assert "not run" in rows["gpipe"]  # P=4 had no records
     assert peak_copies("gpipe", 8) == 1 and peak_copies("pipeoptim+Ŵbackward", 8) == 8
 
