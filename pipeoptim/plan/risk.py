@@ -56,13 +56,49 @@ __all__ = [
 
 CLOSURE: dict[tuple[str, str], dict[int, float]] = {
     ("optimizer", "adam"): {1: 0.69, 2: 0.6, 3: 0.57, 4: 0.48, 6: 0.38, 7: 0.38},
-    ("optimizer", "adamw"): {1: 0.65, 2: 0.59, 3: 0.51, 4: 0.43, 5: 0.05, 6: 0.24, 7: 0.32},
+    ("optimizer", "adamw"): {
+        1: 0.68,
+        2: 0.61,
+        3: 0.53,
+        4: 0.48,
+        5: 0.34,
+        6: 0.3,
+        7: 0.34,
+        8: 0.39,
+        9: 0.36,
+        10: 0.24,
+        11: 0.23,
+        12: 0.12,
+        13: 0.17,
+        14: 0.0,
+        15: 0.07,
+    },
+    ("optimizer", "muon"): {
+        1: 0.51,
+        2: 0.41,
+        3: 0.38,
+        4: 0.39,
+        5: 0.36,
+        6: 0.32,
+        7: 0.28,
+        8: 0.32,
+        9: 0.29,
+        10: 0.26,
+        11: 0.23,
+        12: 0.19,
+        13: 0.16,
+        14: 0.14,
+        15: 0.04,
+    },
+    ("optimizer", "nadam"): {1: 0.04, 2: 0.02, 3: -0.02, 4: -0.11, 5: -0.17, 6: -0.26, 7: -0.21},
     ("optimizer", "sgd"): {1: 0.75, 2: 0.67, 3: 0.58, 4: 0.59, 6: 0.57, 7: 0.51},
+    ("shrunk", "adamw"): {1: 0.73, 2: 0.66, 3: 0.6, 4: 0.53, 5: 0.45, 6: 0.37, 7: 0.33},
+    ("shrunk", "muon"): {1: 0.41, 2: 0.43, 3: 0.41, 4: 0.39, 5: 0.36, 6: 0.34, 7: 0.29},
     ("spectrain", "adam"): {1: 0.0, 2: 0.0, 3: 0.01, 4: 0.0, 6: 0.0, 7: 0.01},
-    ("spectrain", "adamw"): {1: 0.0, 2: 0.0, 3: 0.01, 4: 0.0, 5: 0.0, 6: 0.0, 7: 0.01},
+    ("spectrain", "adamw"): {1: 0.0, 2: 0.0, 3: 0.0, 4: 0.0, 5: 0.0, 6: 0.0, 7: 0.01},
     ("spectrain", "sgd"): {1: 0.75, 2: 0.67, 3: 0.58, 4: 0.59, 6: 0.57, 7: 0.51},
     ("xpipe", "adam"): {1: 0.7},
-    ("xpipe", "adamw"): {1: 0.63},
+    ("xpipe", "adamw"): {1: 0.59},
     ("xpipe", "sgd"): {1: 0.77},
 }
 """(prediction rule, optimizer) -> {s: share of the stale distance removed}: per stage, the
@@ -70,13 +106,16 @@ median over its predicted forwards, averaged over the study's models and depths
 (``examples/convergence/results/risk_fit.json``, ``closure_table``; a test keeps them equal).
 Not monotone in s everywhere: stages with the same s sit at different depths and models."""
 
-KAPPA: dict[str, float] = {"adam": 0.0476, "adamw": 0.3124, "sgd": 0.3276}
+KAPPA: dict[str, float] = {"adam": 0.0476, "adamw": 0.5279, "muon": 0.2594, "sgd": 0.3276}
 """Optimizer -> extra samples to target per update of uncorrected distance, fitted through
-the origin over the digits MLP and CNN (3 seeds) and the GPT (AdamW, 1 seed) at the rates the
-gpipe sweep chose (``risk_fit.json``, ``kappa``). A seed that never reached the target counts
-as the whole run, so SGD's κ is a lower bound where deep pipelines failed outright."""
+the origin over the digits MLP and CNN (3 seeds), the GPT (AdamW, 1 seed) and the language
+model at depth (gpt-deep at 4, 8 and 16 stages: AdamW, and Muon's rows against gpipe under
+Muon) at the rates the gpipe sweep chose (``risk_fit.json``, ``kappa``). A seed that never
+reached a fixed target counts as the whole run, so SGD's κ is a lower bound where deep
+pipelines failed outright; gpt-deep's extra is read off gpipe's curve (the samples gpipe
+needed for the loss the method ended with)."""
 
-CORRECTION_GAIN: dict[str, float] = {}
+CORRECTION_GAIN: dict[str, float] = {"delay-momentum/nadam": 0.19, "pipemare-lr/adamw": -0.01}
 """``correction/optimizer`` -> the share of its base method's excess final test loss over
 gpipe's that the delay correction removed on the study's language model at depth
 (``gpt-deep``; 1: all of it, 0: none, < 0: worse), the mean over the depths measured
@@ -254,24 +293,85 @@ def fit_risk(points: Iterable[RiskFitPoint]) -> dict[str, tuple[float, int]]:
     return {opt: (max(0.0, xy / xx), int(n)) for opt, (xy, xx, n) in sums.items()}
 
 
-DEPTH_EXCESS: dict[int, dict[str, float]] = {}
+DEPTH_EXCESS: dict[int, dict[str, float]] = {
+    4: {
+        "gpipe": 0.0,
+        "xpipe": 0.0279,
+        "pipedream": 0.4387,
+        "pipeoptim": 0.3949,
+        "pipeoptim (muon)": -0.0297,
+    },
+    8: {
+        "gpipe": 0.0,
+        "2bw": 0.0992,
+        "xpipe": 0.0183,
+        "pipedream": 0.5406,
+        "spectrain": 0.5601,
+        "pipeoptim": 0.5242,
+        "pipedream+pipemare": 0.5292,
+        "pipeoptim+pipemare": 0.5508,
+        "pipeoptim+shrink": 0.5197,
+        "pipeoptim (nadam)": 0.551,
+        "pipedream+nesterov (nadam)": 0.3791,
+        "pipeoptim+nesterov (nadam)": 0.4851,
+        "pipeoptim (muon)": 0.0345,
+        "gpipe (muon)": -0.0738,
+        "pipedream (muon)": 0.0987,
+        "pipeoptim+shrink (muon)": 0.0369,
+    },
+    16: {
+        "gpipe": 0.0,
+        "xpipe": 0.0428,
+        "pipedream": 0.6838,
+        "pipeoptim": 0.6854,
+        "pipeoptim (muon)": 0.2399,
+    },
+}
 """Stages -> row of the study's language-model table (a method, ``method (optimizer)`` for
 another optimizer) -> its final test loss over gpipe's at that depth, minus 1 (``gpt-deep``,
 AdamW's rate and recipe; ``risk_fit.json``, ``depth_excess``; a test keeps them equal)."""
 
-DEPTH_COPIES: dict[int, dict[str, int]] = {}
+DEPTH_COPIES: dict[int, dict[str, int]] = {
+    4: {"gpipe": 1, "xpipe": 2, "pipedream": 4, "pipeoptim": 2, "pipeoptim (muon)": 2},
+    8: {
+        "gpipe": 1,
+        "2bw": 2,
+        "xpipe": 2,
+        "pipedream": 8,
+        "spectrain": 2,
+        "pipeoptim": 2,
+        "pipedream+pipemare": 8,
+        "pipeoptim+pipemare": 2,
+        "pipeoptim+shrink": 2,
+        "pipeoptim (nadam)": 2,
+        "pipedream+nesterov (nadam)": 8,
+        "pipeoptim+nesterov (nadam)": 2,
+        "pipeoptim (muon)": 2,
+        "gpipe (muon)": 1,
+        "pipedream (muon)": 8,
+        "pipeoptim+shrink (muon)": 2,
+    },
+    16: {"gpipe": 1, "xpipe": 2, "pipedream": 16, "pipeoptim": 2, "pipeoptim (muon)": 2},
+}
 """The weight copies each row of :data:`DEPTH_EXCESS` keeps on its fullest stage."""
 
 WITHIN = 0.03
 """A configuration within this share of gpipe's final loss counts as converging."""
 
 
+def _asynchronous(row: str) -> bool:
+    """The study row's method never flushes (``xpipe``, ``pipeoptim (muon)``...)."""
+    name = row.split(" (")[0]
+    return name in METHODS and METHODS[name].asynchronous
+
+
 def depth_advice(method: str, stages: int, optimizer: str) -> str | None:
     """A note for a user who picked ``method`` at ``stages`` stages, where the study measured
     it on its language model at that depth (or the nearest measured depth below) more than
     :data:`WITHIN` above gpipe's final loss: what it measured, and the configuration it
-    recommends instead (the closest to gpipe with at most 2 weight copies per stage, else
-    the closest of all). None where nothing was measured or the method converged."""
+    recommends instead: of the rows with at most 2 weight copies per stage that came within
+    :data:`WITHIN`, an asynchronous one first (the closest), else the closest row. None
+    where nothing was measured or the method converged."""
     depths = [p for p in DEPTH_EXCESS if p <= stages]
     if not depths or optimizer not in ("adam", "adamw", "nadam", "muon"):
         return None
@@ -284,7 +384,11 @@ def depth_advice(method: str, stages: int, optimizer: str) -> str | None:
         return None
     copies = DEPTH_COPIES.get(depth, {})
     lean = {row: e for row, e in table.items() if copies.get(row, 99) <= 2 and row != mine}
-    pool = lean or {row: e for row, e in table.items() if row != mine}
+    # a user who picked an asynchronous method wants its throughput: an asynchronous row
+    # that converged first, then any that converged, then the closest
+    converged = {row: e for row, e in lean.items() if e <= WITHIN}
+    asynchronous = {row: e for row, e in converged.items() if _asynchronous(row)}
+    pool = asynchronous or converged or lean or {r: e for r, e in table.items() if r != mine}
     best = min(pool, key=lambda row: pool[row])
     verdict = (
         f"{best} came within {100 * pool[best]:.1f} % with {copies.get(best, '?')} weight "

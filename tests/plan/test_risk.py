@@ -207,15 +207,21 @@ def test_gain_table_averages_the_depths() -> None:
 def test_depth_advice_names_what_converged_with_few_copies(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(risk, "DEPTH_EXCESS", {8: {"pipeoptim": 0.4, "xpipe": 0.02, "gpipe": 0.0}})
-    monkeypatch.setattr(risk, "DEPTH_COPIES", {8: {"pipeoptim": 2, "xpipe": 2, "gpipe": 1}})
+    excess = {"pipeoptim": 0.4, "xpipe": 0.02, "gpipe": 0.0, "pipedream (muon)": 0.01}
+    monkeypatch.setattr(risk, "DEPTH_EXCESS", {8: excess})
+    copies = {"pipeoptim": 2, "xpipe": 2, "gpipe": 1, "pipedream (muon)": 8}
+    monkeypatch.setattr(risk, "DEPTH_COPIES", {8: copies})
     text = risk.depth_advice("pipeoptim", 12, "adamw")
     assert text is not None
     assert "pipeoptim at 12 stages" in text and "at 8 stages" in text and "+40.0 %" in text
-    assert "gpipe came within 0.0 % with 1 weight copies" in text
+    # the asynchronous row that converged with at most 2 copies, not gpipe nor the stash
+    assert "xpipe came within 2.0 % with 2 weight copies" in text
+    assert risk.depth_advice("pipeoptim", 8, "muon") is None  # no "pipeoptim (muon)" row
     assert risk.depth_advice("xpipe", 8, "adamw") is None  # it converged
     assert risk.depth_advice("pipeoptim", 4, "adamw") is None  # nothing measured that shallow
     assert risk.depth_advice("pipeoptim", 8, "sgd") is None  # measured under AdamW only
+    excess["xpipe"] = 0.2  # no asynchronous row converged: the closest that did
+    assert "gpipe came within 0.0 %" in str(risk.depth_advice("pipeoptim", 8, "adamw"))
 
 
 def test_plan_recommends_a_correction_by_name_when_its_measured_gain_wins(
