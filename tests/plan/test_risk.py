@@ -104,12 +104,12 @@ def test_constants_are_the_committed_study_fit() -> None:
     assert set(risk.CLOSURE) == set(table)
     for key, by_s in table.items():
         assert risk.CLOSURE[key] == pytest.approx(by_s, abs=0.005), key
-    assert risk.CORRECTION_GAIN == pytest.approx(fit["correction_gain"], abs=0.005)
+    assert pytest.approx(fit["correction_gain"], abs=0.005) == risk.CORRECTION_GAIN
     excess = {int(p): rows for p, rows in fit["depth_excess"].items()}
     assert set(risk.DEPTH_EXCESS) == set(excess)
     for p, rows in excess.items():
         assert risk.DEPTH_EXCESS[p] == pytest.approx(rows, abs=5e-4), p
-    assert risk.DEPTH_COPIES == {int(p): rows for p, rows in fit["depth_copies"].items()}
+    assert {int(p): rows for p, rows in fit["depth_copies"].items()} == risk.DEPTH_COPIES
 
 
 def test_plan_command_prints_s_per_stage_and_why(
