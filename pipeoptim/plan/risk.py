@@ -390,13 +390,18 @@ def depth_advice(method: str, stages: int, optimizer: str) -> str | None:
     asynchronous = {row: e for row, e in converged.items() if _asynchronous(row)}
     pool = asynchronous or converged or lean or {r: e for r, e in table.items() if r != mine}
     best = min(pool, key=lambda row: pool[row])
-    verdict = (
-        f"{best} came within {100 * pool[best]:.1f} % with {copies.get(best, '?')} weight "
-        f"copies per stage"
-        if pool[best] <= WITHIN
-        else f"the closest was {best} ({100 * pool[best]:+.1f} %, {copies.get(best, '?')} "
-        f"weight copies per stage)"
-    )
+    n = copies.get(best)
+    held = "? weight copies" if n is None else "1 weight copy" if n == 1 else f"{n} weight copies"
+    if best == "gpipe":  # the reference itself: nothing asynchronous converged
+        verdict = (
+            "nothing asynchronous with at most 2 weight copies per stage came within "
+            f"{100 * WITHIN:.0f} %: use a synchronous method (zb-h1 is gpipe's updates with "
+            f"the smallest bubble)"
+        )
+    elif pool[best] <= WITHIN:
+        verdict = f"{best} came within {100 * pool[best]:.1f} % with {held} per stage"
+    else:
+        verdict = f"the closest was {best} ({100 * pool[best]:+.1f} %, {held} per stage)"
     return (
         f"{mine} at {stages} stages: on the convergence study's language model at {depth} "
         f"stages (gpt-deep, with warm-up, cosine decay and clipping) it ended "
