@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from pipeoptim.plan.methods import METHODS
 from pipeoptim.study.grid import StudyConfig
-from pipeoptim.study.runs import MODEL_METRIC, RunRecord
+from pipeoptim.study.runs import MODEL_METRIC, RunRecord, split_label
 
 __all__ = ["Cell", "aggregate", "higher_is_better", "method_labels", "rate_sets", "schedule_of"]
 
@@ -48,6 +48,11 @@ class Cell:
         if not values:
             return math.nan, math.nan
         return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else math.nan
+
+    @property
+    def final_test_loss(self) -> float:
+        """Mean final test loss over the finished seeds (nan: none finished)."""
+        return self.stat(lambda r: r.final.test_loss if r.final else math.nan)[0]
 
 
 def aggregate(records: Iterable[RunRecord]) -> dict[tuple[str, str, float, int], Cell]:
@@ -89,5 +94,5 @@ def method_labels(config: StudyConfig) -> list[str]:
 def schedule_of(label: str) -> str:
     """The registered method a row label runs (``pipeoptim+Ŵbackward``, ``pipeoptim
     (nadam)`` and ``pipeoptim+pipemare`` all follow a registered schedule)."""
-    name = label.split(" (")[0]
+    name, _ = split_label(label)
     return name if name in METHODS else name.split("+")[0]

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.methods import METHODS, WeightPolicy
-from pipeoptim.study.runs import MODEL_METRIC, RunRecord, RunSpec, run_one
+from pipeoptim.study.runs import MODEL_METRIC, RunRecord, RunSpec, run_one, split_label
 
 __all__ = [
     "ALL_METHODS",
@@ -256,8 +256,7 @@ def main_specs(config: StudyConfig, rates: dict[str, tuple[float, float | None]]
     best = rates[first][0]
     for seed in range(1, config.repeat_seeds):
         for label in config.repeat:
-            method, _, rest = label.partition(" (")
-            trained = rest.rstrip(")") or None
+            method, trained = split_label(label)
             specs.append(
                 config.spec(
                     method, first, best, config.repeat_stages, seed, trained_optimizer=trained

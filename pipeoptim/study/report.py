@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeoptim.plan.profile import Profile
-from pipeoptim.plan.risk import RiskFitPoint, closure_from_rows, fit_risk, gain_table
+from pipeoptim.plan.risk import WITHIN, RiskFitPoint, closure_from_rows, fit_risk, gain_table
 from pipeoptim.study.cells import aggregate, rate_sets
 from pipeoptim.study.grid import (
     StudyConfig,
@@ -39,7 +39,6 @@ from pipeoptim.study.grid import (
 )
 from pipeoptim.study.plots import curves_figures, time_figure
 from pipeoptim.study.tables import (
-    WITHIN,
     closure_rows,
     closure_table,
     final_table,

@@ -15,7 +15,7 @@ from typing import Any
 
 from pipeoptim.errors import RuntimeConfigError
 
-__all__ = ["CurvePoint", "RunRecord", "RunSpec", "run_one"]
+__all__ = ["CurvePoint", "RunRecord", "RunSpec", "run_one", "split_label"]
 
 MODEL_METRIC = {
     "mlp": "accuracy",
@@ -78,11 +78,6 @@ class RunSpec:
         return f"{name} ({self.trained_optimizer})" if self.trained_optimizer else name
 
     @property
-    def schedule_method(self) -> str:
-        """The registered method whose schedule the run follows."""
-        return self.method
-
-    @property
     def key(self) -> str:
         """Unique name of the configuration (the resume key of ``runs.jsonl``)."""
         return (
@@ -135,6 +130,14 @@ class RunRecord:
             float(d["seconds"]),
             list(d.get("closure", [])),
         )
+
+
+def split_label(label: str) -> tuple[str, str | None]:
+    """A row label's name and the optimizer it trained where it names one:
+    ``"pipeoptim (muon)"`` -> ``("pipeoptim", "muon")`` (the inverse of
+    :attr:`RunSpec.label`'s suffix)."""
+    name, _, rest = label.partition(" (")
+    return name, rest.removesuffix(")") or None
 
 
 def _metric(model: str, loss: float, accuracy: float | None) -> float:

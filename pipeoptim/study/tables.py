@@ -13,15 +13,13 @@ from typing import Any
 
 from pipeoptim.plan.memory_factors import method_memory_factors
 from pipeoptim.plan.methods import get_method
+from pipeoptim.plan.risk import WITHIN
 from pipeoptim.study.cells import Cell, higher_is_better, method_labels, schedule_of
 from pipeoptim.study.grid import StudyConfig
 from pipeoptim.study.runs import RunRecord
 from pipeoptim.study.targets import Target, TimeToTarget
 
 __all__ = ["closure_rows", "closure_table", "final_table", "gap_table", "peak_copies", "time_table"]
-
-WITHIN = 0.03
-"""The goal at depth: a final test loss at most this share above gpipe's."""
 
 
 def _fmt_metric(model: str, mean: float, std: float) -> str:
@@ -111,12 +109,12 @@ def gaps(
         base = cells.get(("gpipe", opt, lr, p))
         if base is None:
             continue
-        ref, _ = base.stat(lambda r: r.final.test_loss if r.final else math.nan)
+        ref = base.final_test_loss
         for label in method_labels(config):
             cell = cells.get((label, opt, lr, p))
             if cell is None:
                 continue
-            loss, _ = cell.stat(lambda r: r.final.test_loss if r.final else math.nan)
+            loss = cell.final_test_loss
             if math.isfinite(loss) and math.isfinite(ref):
                 out.setdefault(p, {})[label] = loss / ref - 1.0
     return out
@@ -139,6 +137,7 @@ def gap_table(
         "| method | " + " | ".join(f"P={p}" for p in config.stages) + " |",
         "|---|" + "---|" * len(config.stages),
     ]
+    excesses = gaps(config, cells, rates)
     for label in method_labels(config):
         row = []
         for p in config.stages:
@@ -146,12 +145,11 @@ def gap_table(
             if cell is None or base is None:
                 row.append("not run")
                 continue
-            loss, _ = cell.stat(lambda r: r.final.test_loss if r.final else math.nan)
-            ref, _ = base.stat(lambda r: r.final.test_loss if r.final else math.nan)
+            loss = cell.final_test_loss
             if not math.isfinite(loss):
                 row.append(f"— ✗{cell.diverged}")
                 continue
-            excess = loss / ref - 1.0
+            excess = excesses.get(p, {}).get(label, math.nan)  # nan: gpipe did not finish
             mark = " ✓" if excess <= WITHIN else ""
             seeds = f" ({len(cell.finished)} seeds)" if len(cell.finished) > 1 else ""
             n = peak_copies(label, p)

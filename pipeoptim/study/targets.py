@@ -20,7 +20,7 @@ from pipeoptim.plan.profile import Profile
 from pipeoptim.plan.risk import RiskFitPoint, schedule_versions, uncorrected_distance
 from pipeoptim.study.cells import Cell, higher_is_better, method_labels, schedule_of
 from pipeoptim.study.grid import StudyConfig
-from pipeoptim.study.runs import RunRecord
+from pipeoptim.study.runs import RunRecord, split_label
 
 __all__ = [
     "Target",
@@ -68,8 +68,7 @@ def gpipe_finals(
         if cell is None:
             continue
         if perplexity:
-            loss, _ = cell.stat(lambda r: r.final.test_loss if r.final else math.nan)
-            value = math.exp((1.0 + within) * loss)
+            value = math.exp((1.0 + within) * cell.final_test_loss)
         else:
             mean, _ = cell.stat(lambda r: r.final.test_metric if r.final else math.nan)
             value = (1.0 - within) * mean
@@ -306,15 +305,13 @@ def correction_gains(
     out: list[dict[str, Any]] = []
 
     def loss(cell: Cell | None) -> float:
-        if cell is None:
-            return math.nan
-        return cell.stat(lambda r: r.final.test_loss if r.final else math.nan)[0]
+        return math.nan if cell is None else cell.final_test_loss
 
     for label in method_labels(config):
         method = get_method(schedule_of(label))
         if method.delay_correction is None or method.corrects is None:
             continue
-        trained = label.split(" (")[1].rstrip(")") if " (" in label else opt
+        trained = split_label(label)[1] or opt
         for p in config.stages:
             mine, base = (
                 loss(cells.get((label, opt, lr, p))),
