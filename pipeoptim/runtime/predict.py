@@ -155,13 +155,7 @@ class WeightPredictor:
         the first s are used): Σ lr replaces lr·s under a schedule.
         """
         s = _check_s(s)
-        params = self._params()
-        if len(dest) != len(params):
-            raise RuntimeConfigError(
-                f"predict_into needs one destination tensor per optimizer parameter (got "
-                f"{len(dest)} for {len(params)} parameters); allocate dest in the order "
-                f"'for group in param_groups for p in group[\"params\"]'"
-            )
+        self._check_dest(dest)
         etas = self._etas(s, lrs)
         with torch.no_grad():
             # Ŵ = W − η·Δ written once per element where dest is not W itself and Δ exists
@@ -193,6 +187,15 @@ class WeightPredictor:
                 torch._foreach_copy_([d for d, _ in copies], [p for _, p in copies])
             for out, d, eta in in_place:
                 out.add_(d, alpha=-eta)
+
+    def _check_dest(self, dest: list[Tensor]) -> None:
+        n = len(self._params())
+        if len(dest) != n:
+            raise RuntimeConfigError(
+                f"predict_into needs one destination tensor per optimizer parameter (got "
+                f"{len(dest)} for {n} parameters); allocate dest in the order "
+                f"'for group in param_groups for p in group[\"params\"]'"
+            )
 
     def _write_fused(self, group: dict[str, Any], eta: float, dest: list[Tensor]) -> bool:
         """Write the group's Ŵ into ``dest`` without forming Δ, where the rule can; False
@@ -264,9 +267,7 @@ class WeightPredictor:
     def state_dict(self) -> dict[str, Any]:
         """Rule name and the recorded displacements (by flat parameter index; tensors are
         references, as in ``Optimizer.state_dict``)."""
-        params = self._params()
-        disp = {i: self._buf[p] for i, p in enumerate(params) if p in self._has_delta}
-        state: dict[str, Any] = {"rule": self.name, "displacement": disp}
+        state: dict[str, Any] = {"rule": self.name, "displacement": self._displacements()}
         if self.persistence is not None:
             state["persistence"] = self.persistence.state_dict()
         return state
@@ -277,20 +278,29 @@ class WeightPredictor:
                 f"checkpoint holds the state of a {d.get('rule')!r} weight predictor but this "
                 f"stage uses {self.name!r}; build the predictor with the same rule and optimizer"
             )
-        params = self._params()
+        n = len(self._params())
         disp: dict[int, Tensor] = d.get("displacement", {})
-        bad = [i for i in disp if not 0 <= int(i) < len(params)]
+        bad = [i for i in disp if not 0 <= int(i) < n]
         if bad:
             raise RuntimeConfigError(
                 f"checkpoint has displacements for parameter indices {bad} but the optimizer "
-                f"has {len(params)} parameters; load it into the stage it was saved from"
+                f"has {n} parameters; load it into the stage it was saved from"
             )
         if self.persistence is not None and d.get("persistence") is not None:
             self.persistence.load_state_dict(d["persistence"])
+        self._load_displacements({int(i): t for i, t in disp.items()})
+
+    def _displacements(self) -> dict[int, Tensor]:
+        """The recorded displacements by flat parameter index."""
+        params = self._params()
+        return {i: self._buf[p] for i, p in enumerate(params) if p in self._has_delta}
+
+    def _load_displacements(self, disp: dict[int, Tensor]) -> None:
+        params = self._params()
         self._buf, self._has_delta, self._pending = {}, set(), None
         self._kept.clear()
         for i, t in disp.items():
-            p = params[int(i)]
+            p = params[i]
             self._buf[p] = t.detach().to(device=p.device, dtype=p.dtype, copy=True)
             self._has_delta.add(p)
 
@@ -561,13 +571,7 @@ class MuonWithAdamWPredictor(WeightPredictor):
         self, dest: list[Tensor], s: int, lrs: Sequence[Sequence[float]] | None = None
     ) -> None:
         s = _check_s(s)
-        n = len(self._params())
-        if len(dest) != n:
-            raise RuntimeConfigError(
-                f"predict_into needs one destination tensor per optimizer parameter (got "
-                f"{len(dest)} for {n} parameters); allocate dest in the order "
-                f"'for group in param_groups for p in group[\"params\"]'"
-            )
+        self._check_dest(dest)
         self._etas(s, lrs)  # checks lrs against all groups
         offset, row = 0, 0
         for part in self.parts:
@@ -593,35 +597,23 @@ class MuonWithAdamWPredictor(WeightPredictor):
     def held_tensors(self) -> list[Tensor]:
         return [t for p in self.parts for t in p.held_tensors()]
 
-    def state_dict(self) -> dict[str, Any]:
-        """Rule name and each part's state (displacement indices run on across parts, as
-        the composite's parameters do, so checkpoint checks read them alike)."""
+    def _displacements(self) -> dict[int, Tensor]:
+        """Each part's displacements, indices running on across parts as the composite's
+        parameters do (so checkpoint checks read them alike)."""
         disp: dict[int, Tensor] = {}
         offset = 0
         for p in self.parts:
-            disp.update({offset + int(i): t for i, t in p.state_dict()["displacement"].items()})
+            disp.update({offset + i: t for i, t in p._displacements().items()})
             offset += len(p._params())
-        return {"rule": self.name, "displacement": disp}
+        return disp
 
-    def load_state_dict(self, d: dict[str, Any]) -> None:
-        if d.get("rule") != self.name:
-            raise RuntimeConfigError(
-                f"checkpoint holds the state of a {d.get('rule')!r} weight predictor but this "
-                f"stage uses {self.name!r}; build the predictor with the same rule and optimizer"
-            )
-        disp: dict[int, Tensor] = d.get("displacement", {})
-        n = len(self._params())
-        bad = [i for i in disp if not 0 <= int(i) < n]
-        if bad:
-            raise RuntimeConfigError(
-                f"checkpoint has displacements for parameter indices {bad} but the optimizer "
-                f"has {n} parameters; load it into the stage it was saved from"
-            )
+    def _load_displacements(self, disp: dict[int, Tensor]) -> None:
         offset = 0
         for p in self.parts:
             k = len(p._params())
-            own = {int(i) - offset: t for i, t in disp.items() if offset <= int(i) < offset + k}
-            p.load_state_dict({"rule": p.name, "displacement": own})
+            p._load_displacements(
+                {i - offset: t for i, t in disp.items() if offset <= i < offset + k}
+            )
             offset += k
 
 

@@ -92,3 +92,32 @@ def _closure_at_stage_0(method: str) -> float:
     probe = pipe.measure_prediction_closure()
     pipe.fit([(xs[i : i + 2], ys[i : i + 2]) for i in range(0, len(xs), 2)], epochs=1)
     return next(s.closed for s in probe.summary() if s.stage == 0)
+
+
+def test_the_measured_persistence_is_checkpointed_with_muons_two_part_predictor() -> None:
+    """The muon family's predictor is composed of two parts; its checkpoint keeps the shared
+    φ statistic too, so a resume predicts over the same distance."""
+    from pipeoptim.runtime.optimizers import MuonWithAdamW
+
+    def built() -> tuple[nn.Linear, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3)
+        return model, MuonWithAdamW(model.parameters(), lr=1e-2)
+
+    model, opt = built()
+    predictor = predictor_for(opt, "shrunk")
+    x, y = torch.randn(8, 4), torch.randn(8, 3)
+    for _ in range(4):
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    state = predictor.state_dict()
+    assert predictor.persistence is not None and predictor.persistence.norm > 0
+    _, fresh_opt = built()
+    fresh = predictor_for(fresh_opt, "shrunk")
+    fresh.load_state_dict(state)
+    assert fresh.persistence is not None
+    assert (fresh.persistence.cross, fresh.persistence.norm) == (
+        predictor.persistence.cross,
+        predictor.persistence.norm,
+    )
