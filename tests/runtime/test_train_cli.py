@@ -137,6 +137,10 @@ def test_user_model_example(capsys: pytest.CaptureFixture[str]) -> None:
         (["--amp", "fp16", "--device", "cpu"], "amp='fp16' needs a CUDA device"),
         (["--lr-schedule", "warmup-cosine", "--warmup", "5"], "--warmup 5 is not shorter"),
         (["--grad-clip", "0"], "--grad-clip must be positive"),
+        (
+            ["--method", "pipedream+nesterov", "--optimizer", "rmsprop"],
+            "RMSprop has no momentum to set (no betas, momentum 0); use NAdam",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_a_message(

@@ -163,6 +163,10 @@ def test_compare_command_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixtur
         ("--methods", "gpipe,nope", "unknown nope"),
         ("--stages", "4,x", "depths >= 1"),
         ("--model", "resnet", "built-in model"),
+        ("--warmup", "1.5", "warmup is a share of the run in [0, 1) (got 1.5)"),
+        ("--final-lr", "0", "final_lr is a share of the rate in (0, 1] (got 0.0)"),
+        ("--grad-clip", "-1", "grad_clip must be positive (got -1.0)"),
+        ("--optimizers", "adagrad", "unknown adagrad; choose from sgd, adam, adamw, nadam, muon"),
     ],
 )
 def test_compare_refuses_bad_input(
