@@ -25,6 +25,7 @@ COMMAND_MODULES = (
     "pipeoptim.commands.calibrate",
     "pipeoptim.commands.compare",
     "pipeoptim.commands.demo",
+    "pipeoptim.commands.export",
 )
 
 

@@ -24,9 +24,12 @@ from pipeoptim.plan.schedules import Shape
 from pipeoptim.plan.versions import steady_delays
 from pipeoptim.runtime.executor import segment_plan
 from pipeoptim.runtime.loss import LossFn
+from pipeoptim.runtime.materialize import materialize_units, meta_units
+from pipeoptim.runtime.model_units import InitWeights
 from pipeoptim.runtime.placement import join_group, local_device
 from pipeoptim.runtime.replicas import BufferBroadcast, GradientAverager, ReplicaGroups
 from pipeoptim.runtime.stage import Stage
+from pipeoptim.runtime.ties import TieExchange, find_ties, refuse_for, untie_copies
 from pipeoptim.runtime.transport import DistTransport, LocalTransport, Transport
 from pipeoptim.runtime.update import (
     FAMILY_OF_CLASS,
@@ -104,6 +107,7 @@ class Assembly:
         timeout: float,
         store: Store | None,
         predicted_backward: bool,
+        init_weights: InitWeights | None = None,
     ) -> None:
         self.units, self.plan, self.method, self.bounds = units, plan, method, bounds
         self.shape = plan.shape(1)
@@ -131,6 +135,21 @@ class Assembly:
                 )
             }
         )
+        self.chained_probe = transport == "dist" and bool(meta_units(units))
+        """No rank holds the whole model (built on the meta device): the dry run goes stage
+        by stage, each on its own rank (``FitLoop._probe_chain``)."""
+        # Ties are found by identity before anything is materialised (which makes new tensors)
+        self.ties = find_ties(units, bounds)
+        refuse_for(method, self.ties, amp)
+        held = [k for k, r in self.rank_of.items() if r in ranks]
+        materialize_units(
+            units,
+            [u for k in sorted(held) for u in range(*bounds[k])],
+            self.device,
+            init_weights,
+            seed,
+        )
+        tied = untie_copies(units, self.ties, set(held))
         spec = optimizer if optimizer is not None else plan.optimizer
         # τ_k is read off a long schedule: only where a correction or a factory asks for it
         wanted = method.delay_correction is not None or (
@@ -160,6 +179,20 @@ class Assembly:
                 predicted_backward=predicted_backward,
                 delay=delays.get(k, 0),
             )
+        self.model_record: dict[str, Any] = {}
+        """The model's own tensor names and source (``ModelUnits``), written into
+        checkpoints for ``pipeoptim export`` (empty: plain units)."""
+        self.tie_exchange: TieExchange | None = None
+        """Sums the gradients of weights shared across stages at each update (``ties.py``)."""
+        if tied:
+            for k, entries in tied.items():
+                updater = self.stages[k].updater
+                if updater is not None:
+                    updater.tied = [p for _, p in entries if p.requires_grad]
+            self.tie_exchange = TieExchange(
+                tied, n_stages, self.rank_of, next(iter(self.transports.values()))
+            )
+            self.tie_exchange.align()
         self._join_replicas()
         self._record_optimizer()
 
@@ -241,17 +274,22 @@ class Assembly:
     def on_first_rank(self, work: Any) -> Any:
         """Run ``work`` on stage 0's rank and share its result; an error there is raised on
         every rank (the original on stage 0's, its message elsewhere)."""
+        return self.on_stage(0, work)
+
+    def on_stage(self, stage: int, work: Any) -> Any:
+        """Run ``work`` on the rank of ``stage`` and share its result, as
+        :meth:`on_first_rank` does for stage 0."""
         out: Any = None
         error: BaseException | None = None
-        if 0 in self.stages:
+        if stage in self.stages:
             try:
                 out = work()
             except BaseException as err:
                 error = err
                 out = ("error", str(err) if isinstance(err, PipeoptimError) else repr(err))
-        out = self.share(out, 0)
+        out = self.share(out, stage)
         if error is not None:
             raise error
         if isinstance(out, tuple) and len(out) == 2 and out[0] == "error":
-            raise RuntimeConfigError(f"stage 0's rank failed: {out[1]}")
+            raise RuntimeConfigError(f"stage {stage}'s rank failed: {out[1]}")
         return out

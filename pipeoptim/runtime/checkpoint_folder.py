@@ -265,6 +265,8 @@ class CheckpointFolder:
             # known once the first batch is read; a resume checks it before loading
             "batch_size": parts.plan.batch_size,
             "hyperparameters": self.hyperparameters,
+            # the model's own names and source, for pipeoptim export (only when known)
+            **({"model": parts.model_record} if parts.model_record else {}),
         }
         self.store.save(state.step, states, extra)
         state.last_checkpoint = state.step

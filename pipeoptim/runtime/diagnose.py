@@ -2,16 +2,21 @@
 
 A stage runs its units as one call, and a torch error from deep inside it names neither the
 stage nor the unit. On the error path (never on the hot path) the units are run again one
-by one to find the one that fails, and the message names the stage, the unit, the input
-shape and what a common layer expects.
+by one, as the stage chains them (a tuple a unit returns is the next unit's positional
+arguments), to find the one that fails, and the message names the stage, the unit, the
+input's shapes and what a common layer expects, or how many arguments the unit takes where
+a tuple met a unit of one argument (or one tensor a unit of several).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
+
+from pipeoptim.runtime.payload import Payload, describe, output_problem
 
 __all__ = ["describe_failure"]
 
@@ -30,32 +35,69 @@ def _expects(unit: nn.Module) -> str:
 
 
 def _shape(x: object) -> str:
-    return f"{tuple(x.shape)} {x.dtype}" if isinstance(x, Tensor) else type(x).__name__
+    if isinstance(x, tuple):
+        return f"({describe(x)})"
+    return f"of shape {describe(x)}" if isinstance(x, Tensor) else type(x).__name__
+
+
+def _arguments(unit: nn.Module) -> tuple[int, float] | None:
+    """The fewest and most positional arguments ``unit``'s forward takes (None: unknown)."""
+    try:
+        params = inspect.signature(unit.forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    least = sum(1 for p in positional if p.default is p.empty)
+    most = float("inf") if any(p.kind is p.VAR_POSITIONAL for p in params) else len(positional)
+    return least, most
+
+
+def _arity(unit: nn.Module, h: object, index: int) -> str:
+    """Why unit ``index`` refused its arguments, where their count does not fit its forward."""
+    given = len(h) if isinstance(h, tuple) else 1
+    takes = _arguments(unit)
+    if takes is None or takes[0] <= given <= takes[1]:
+        return ""
+    least, most = takes
+    count = str(least) if least == most else f"{least} to {most}"
+    what = f"a tuple of {given} tensors" if isinstance(h, tuple) else "one tensor"
+    source = f"unit {index - 1} returned" if index else "the data's input is"
+    if isinstance(h, tuple):
+        before = f"return one tensor from unit {index - 1}, or " if index else ""
+        fix = f"{before}make unit {index} take {given} arguments"
+    else:
+        source_ = f"unit {index - 1}" if index else "the data"
+        fix = f"make {source_} give a tuple of {count} tensors, or unit {index} take one tensor"
+    return (
+        f"; unit {index} takes {count} positional argument{'' if most == 1 else 's'} but "
+        f"{source} {what} (a tuple a unit returns is the next unit's positional arguments): "
+        f"{fix}"
+    )
 
 
 def describe_failure(
-    units: Sequence[nn.Module], x: Tensor, *, stage: int, first_unit: int, error: BaseException
+    units: Sequence[nn.Module], x: Payload, *, stage: int, first_unit: int, error: BaseException
 ) -> str:
     """Which unit of a stage fails on ``x`` and why: runs the units one by one (no autograd)
     to find it, since a whole-stage call only says that something failed."""
     h: object = x
     with torch.no_grad():
         for i, unit in enumerate(units):
-            if not isinstance(h, Tensor):
+            if output_problem(h) is not None:
                 break
             name = f"stage {stage}, unit {first_unit + i} ({type(unit).__name__}"
             try:
-                h = unit(h)
+                h = unit(*h) if isinstance(h, tuple) else unit(h)
             except Exception as err:
                 cause = str(err).strip().splitlines()[0] if str(err).strip() else ""
                 after = f" (it follows unit {first_unit + i - 1})" if i else ""
+                arity = _arity(unit, h, first_unit + i) if isinstance(err, TypeError) else ""
+                hint = arity or "; check the data's shape and the layer sizes"
                 return (
-                    f"{name}{_expects(unit)}) rejected its input of shape {_shape(h)}{after}: "
-                    f"{type(err).__name__}: {cause}; check the data's shape and the layer sizes"
+                    f"{name}{_expects(unit)}) rejected its input {_shape(h)}{after}: "
+                    f"{type(err).__name__}: {cause}{hint}"
                 )
-            if not isinstance(h, Tensor):
-                return (
-                    f"{name}) returned {type(h).__name__}; every unit of a pipelined model must "
-                    f"take one tensor and return one tensor (wrap units that return tuples)"
-                )
-    return f"stage {stage} failed on an input of shape {_shape(x)}: {type(error).__name__}: {error}"
+            problem = output_problem(h)
+            if problem is not None:
+                return f"{name}) {problem}"
+    return f"stage {stage} failed on an input {_shape(x)}: {type(error).__name__}: {error}"

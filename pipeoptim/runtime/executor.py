@@ -13,6 +13,9 @@ a multi-process run computes bit for bit what the single-process one does.
 
 Data enters at stage 0 from a :class:`~pipeoptim.runtime.feed.TrainFeed`; the targets of
 each micro-batch travel from stage 0's rank to the last stage's as a ``target`` message.
+What crosses a stage boundary is one tensor or a tuple of them (:data:`Boundary`); a tuple
+travels as one message of several tensors, and its gradient as the tensors of its
+floating-point ones (integer masks take no gradient).
 Evaluation is the same interpreter on a forward-only schedule
 (``plan.schedules.forward_only``). The executor interprets actions and nothing else: the
 model, checkpoints, progress and metrics belong to :mod:`pipeoptim.runtime.pipeline`.
@@ -26,7 +29,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from torch import Tensor
@@ -39,8 +42,10 @@ from pipeoptim.plan.schedules import Shape, forward_only, stage_ranks
 from pipeoptim.plan.versions import MicroBatchVersions, VersionReport, analyze_versions
 from pipeoptim.runtime.checkpoint import Segment
 from pipeoptim.runtime.feed import TrainFeed
+from pipeoptim.runtime.payload import Gradients, Payload, payload_bytes, to_device
 from pipeoptim.runtime.stage import Stage
-from pipeoptim.runtime.transport import MessageKey, Transport
+from pipeoptim.runtime.ties import TieExchange
+from pipeoptim.runtime.transport import MessageKey, Parts, Transport
 from pipeoptim.trace import MemorySample, TraceEvent
 
 __all__ = [
@@ -51,6 +56,7 @@ __all__ = [
     "RankResult",
     "Recorder",
     "SegmentPlan",
+    "TensorSpec",
     "drive_local",
     "eval_plan",
     "segment_plan",
@@ -71,8 +77,9 @@ class NonFiniteLossError(RuntimeConfigError):
 
 
 @dataclass(frozen=True)
-class Boundary:
-    """One sample of a stage's output (or of the targets): what a receiving rank allocates."""
+class TensorSpec:
+    """One sample of a tensor a stage hands on (or of the targets): what a receiving rank
+    allocates."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -80,6 +87,22 @@ class Boundary:
     @property
     def grad_dtype(self) -> torch.dtype:
         return self.dtype if self.dtype.is_floating_point else torch.float32
+
+
+Boundary: TypeAlias = TensorSpec | tuple[TensorSpec, ...]
+"""What crosses a stage boundary, per sample: one tensor, or a tuple of them (the next
+stage's first unit takes them as its positional arguments). The gradient sent back carries
+the floating-point tensors of a tuple only."""
+
+RecvSpec: TypeAlias = (
+    tuple[MessageKey, int, tuple[int, ...], torch.dtype] | tuple[MessageKey, int, Parts]
+)
+"""A receive: (key, peer, shape, dtype) of one tensor, or (key, peer, parts) of a tuple."""
+
+
+def _parts(b: tuple[TensorSpec, ...], n: int, grad: bool) -> Parts:
+    """A tuple boundary's tensors for ``n`` samples; ``grad``: the floating-point ones."""
+    return tuple(((n, *p.shape), p.dtype) for p in b if not grad or p.dtype.is_floating_point)
 
 
 @dataclass(frozen=True)
@@ -238,7 +261,7 @@ class RankExecutor:
         transport: Transport,
         *,
         boundaries: Sequence[Boundary],
-        target: Boundary,
+        target: TensorSpec,
         micro_size: int,
         rank_of: Mapping[int, int],
         recorder: Recorder,
@@ -268,14 +291,16 @@ class RankExecutor:
         self._pos = 0
         self._first = 0  # global step of the segment's first mini-batch
         self._m = 1
-        self._inputs: dict[tuple[int, int], Tensor] = {}  # (consuming stage, mb) -> tensor
-        self._grads: dict[tuple[int, int], Tensor] = {}  # (consuming stage, mb) -> tensor
+        self._inputs: dict[tuple[int, int], Payload] = {}  # (consuming stage, mb) -> input
+        self._grads: dict[tuple[int, int], Gradients] = {}  # (consuming stage, mb) -> gradient
         self._targets: dict[int, Tensor] = {}  # mb -> targets, first and last stage local
         self._loss: dict[int, list[Any]] = {}  # step -> [loss, correct, parts, targets]
-        self._eval: list[tuple[Tensor, Tensor]] | None = None  # the chunk, on stage 0's rank
+        self._eval: list[tuple[Payload, Tensor]] | None = None  # the chunk, on stage 0's rank
         self._eval_sizes: list[int] = []
         self._eval_first = 0  # evaluation batches before this chunk (message names)
         self.eval_sums: EvalSums | None = None
+        self.ties: TieExchange | None = None
+        """Sums the gradients of weights shared across stages before their updates."""
 
     def begin(self, segment: Segment, plan: SegmentPlan) -> None:
         self._first, self._m = segment.first_step, plan.shape.micro_batches
@@ -290,7 +315,7 @@ class RankExecutor:
         plan: SegmentPlan,
         sizes: Sequence[int],
         first: int,
-        batches: list[tuple[Tensor, Tensor]] | None,
+        batches: list[tuple[Payload, Tensor]] | None,
     ) -> None:
         """Evaluate one chunk: ``sizes[i]`` samples in batch i, ``batches`` on stage 0's rank."""
         self._actions, self._pos = plan.actions.get(self.rank, []), 0
@@ -324,6 +349,8 @@ class RankExecutor:
             return self.transport.ready(self._recv_spec(a)[0])
         if self._needs_target_message(a):
             return self.transport.ready(self._target_spec(a.mb)[0])
+        if a.kind is Kind.UPDATE and self.ties is not None and self.ties.holds(a.stage):
+            return self.ties.ready(a.stage, self._first + a.mb)
         return True
 
     def run(self) -> None:
@@ -385,6 +412,7 @@ class RankExecutor:
             y = self._take_target(mb) if stage.is_last else None
             out = stage.forward(mb, x, y)
             if y is not None:
+                assert isinstance(out, Tensor)  # the last stage returns its loss
                 self._record_loss(g, out, stage.correct, y.numel())  # numel: a shape, no sync
             else:
                 self._inputs[(k + 1, mb)] = out
@@ -392,27 +420,40 @@ class RankExecutor:
             return self._first + v.forward_version, stage.activation_bytes(mb), stage.distance(mb)
         if a.kind is Kind.BACKWARD_WEIGHT:  # local: the weight half sends nothing
             stage.backward_weight(mb)
+            self._gradient_done(k, mb)
             return self._first + stage.versions(mb).backward_version, 0, 0
         if a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
             run = stage.backward if a.kind is Kind.BACKWARD else stage.backward_input
             g_in = run(mb, None if stage.is_last else self._grads.pop((k, mb)))
+            if a.kind is Kind.BACKWARD:
+                self._gradient_done(k, mb)
             if k > 0:
                 if g_in is None:  # the input took no gradient; the sender still expects one
                     b = self.boundaries[k - 1]
+                    assert isinstance(b, TensorSpec)  # a tuple input's gradient is a tuple
                     shape = (self.micro_size, *b.shape)
                     g_in = torch.zeros(shape, dtype=b.grad_dtype, device=stage.device)
                 self._grads[(k - 1, mb)] = g_in
             return self._first + stage.versions(mb).backward_version, 0, 0
         version = self._first + stage.version
+        if self.ties is not None and self.ties.holds(k):
+            self.ties.exchange(k, self._first + mb)
         stage.update()
         return version, 0, 0
+
+    def _gradient_done(self, k: int, mb: int) -> None:
+        """A micro-batch's weight gradients are in: a stage sharing weights with other
+        stages sends its share once the step's last one is (``ties.py``)."""
+        if self.ties is not None and self.ties.holds(k):
+            step, _ = divmod(mb, self._m)
+            self.ties.gradient_done(k, self._first + step, self._m)
 
     def _feed(self) -> TrainFeed:
         if self.feed is None:
             raise RuntimeError(f"rank {self.rank} holds stage 0 but was given no data")
         return self.feed
 
-    def _stage_input(self, k: int, mb: int, read: Callable[[], tuple[Tensor, Tensor]]) -> Tensor:
+    def _stage_input(self, k: int, mb: int, read: Callable[[], tuple[Payload, Tensor]]) -> Payload:
         """Stage 0 reads the data (and passes the targets on); other stages their input."""
         if k > 0:
             return self._inputs.pop((k, mb))
@@ -469,12 +510,12 @@ class RankExecutor:
         sums.samples += n
         sums.targets += y.numel()
 
-    def _eval_batch(self, mb: int) -> tuple[Tensor, Tensor]:
+    def _eval_batch(self, mb: int) -> tuple[Payload, Tensor]:
         if self._eval is None:
             raise RuntimeError(f"rank {self.rank} holds stage 0 but was given no batches")
         x, y = self._eval[mb]
         device = self.stages[0].device
-        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        return to_device(x, device), y.to(device, non_blocking=True)
 
     def _size(self, mb: int) -> int:
         return self._eval_sizes[mb] if self.evaluating else self.micro_size
@@ -482,27 +523,34 @@ class RankExecutor:
     def _communicate(self, a: Action) -> tuple[int, int, int]:
         k, mb = a.stage, a.mb
         act, grad = ("eval", "eval") if self.evaluating else ("act", "grad")
+        t: Payload
         if a.kind is Kind.SEND_F:
             t = self._inputs.pop((k + 1, mb))
             self.transport.send(t, self.rank_of[k + 1], (act, k + 1, self._message_mb(mb)))
         elif a.kind is Kind.SEND_B:
-            t = self._grads.pop((k - 1, mb))
+            g = self._grads.pop((k - 1, mb))
+            # a tuple's gradient travels for its floating-point tensors only
+            t = g if isinstance(g, Tensor) else tuple(p for p in g if p is not None)
             self.transport.send(t, self.rank_of[k - 1], (grad, k - 1, self._message_mb(mb)))
         elif a.kind in (Kind.RECV_F, Kind.RECV_B):
-            key, peer, shape, dtype = self._recv_spec(a)
-            t = self.transport.recv(key, peer, shape, dtype)
+            spec = self._recv_spec(a)
+            t = self.transport.recv(*spec) if len(spec) == 4 else self.transport.recv_parts(*spec)
             (self._inputs if a.kind is Kind.RECV_F else self._grads)[(k, mb)] = t
         else:
             raise RuntimeError(f"rank {self.rank}: action {a} is for a stage it does not hold")
-        return 0, t.numel() * t.element_size(), 0
+        return 0, t.numel() * t.element_size() if isinstance(t, Tensor) else payload_bytes(t), 0
 
-    def _recv_spec(self, a: Action) -> tuple[MessageKey, int, tuple[int, ...], torch.dtype]:
+    def _recv_spec(self, a: Action) -> RecvSpec:
         n, k, mb = self._size(a.mb), a.stage, self._message_mb(a.mb)
         if a.kind is Kind.RECV_F:
             b = self.boundaries[k - 1]
             kind = "eval" if self.evaluating else "act"
+            if isinstance(b, tuple):
+                return (kind, k, mb), self.rank_of[k - 1], _parts(b, n, grad=False)
             return (kind, k, mb), self.rank_of[k - 1], (n, *b.shape), b.dtype
         b = self.boundaries[k]
+        if isinstance(b, tuple):
+            return ("grad", k, mb), self.rank_of[k + 1], _parts(b, n, grad=True)
         return ("grad", k, mb), self.rank_of[k + 1], (n, *b.shape), b.grad_dtype
 
     def _global(self, mb: int) -> int:
@@ -515,7 +563,11 @@ class RankExecutor:
     def _post_ahead(self) -> None:
         for a in self._actions[self._pos : self._pos + LOOKAHEAD]:
             if a.kind in (Kind.RECV_F, Kind.RECV_B):
-                self.transport.post_recv(*self._recv_spec(a))
+                spec = self._recv_spec(a)
+                if len(spec) == 4:
+                    self.transport.post_recv(*spec)
+                else:
+                    self.transport.post_recv_parts(*spec)
             elif self._needs_target_message(a):
                 self.transport.post_recv(*self._target_spec(a.mb))
 

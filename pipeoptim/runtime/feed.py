@@ -7,7 +7,9 @@ B/M x T of them, both tiny next to the activations). No other rank touches the d
 ``DataLoader`` with workers runs once, not once per rank, and the ranks cannot disagree about
 what a batch holds.
 
-Any iterable of ``(input, target)`` tensor pairs works. Every training batch must have the
+Any iterable of ``(input, target)`` tensor pairs works; the input may be a tuple (or list) of
+tensors of one batch length, ``((ids, mask), target)``, which stage 0's first unit takes as
+its positional arguments. Every training batch must have the
 same shape (receiving ranks allocate fixed buffers): the partial last batch a ``DataLoader``
 yields without ``drop_last`` is left out of the epoch and counted, other odd batches are
 refused with the fix. Exact resume: before each epoch the order is re-seeded from
@@ -35,6 +37,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.replicas import check_batch_split
+from pipeoptim.runtime.payload import Payload, batch_len, describe, split, to_device
 
 __all__ = [
     "BatchSpec",
@@ -57,16 +60,21 @@ class BatchSpec:
     """What every batch of a run looks like: samples, and per-sample shapes and dtypes."""
 
     batch_size: int
-    input_shape: tuple[int, ...]
-    input_dtype: torch.dtype
+    input_shape: tuple[int, ...] | tuple[tuple[int, ...], ...]
+    """Per sample; for a tuple input, per tensor."""
+    input_dtype: torch.dtype | tuple[torch.dtype, ...]
     target_shape: tuple[int, ...]
     target_dtype: torch.dtype
 
     @classmethod
-    def of(cls, x: Tensor, y: Tensor) -> BatchSpec:
-        return cls(len(x), tuple(x.shape[1:]), x.dtype, tuple(y.shape[1:]), y.dtype)
+    def of(cls, x: Payload, y: Tensor) -> BatchSpec:
+        if isinstance(x, Tensor):
+            return cls(len(x), tuple(x.shape[1:]), x.dtype, tuple(y.shape[1:]), y.dtype)
+        shapes = tuple(tuple(t.shape[1:]) for t in x)
+        dtypes = tuple(t.dtype for t in x)
+        return cls(batch_len(x), shapes, dtypes, tuple(y.shape[1:]), y.dtype)
 
-    def check(self, x: Tensor, y: Tensor, where: str, *, any_size: bool = False) -> None:
+    def check(self, x: Payload, y: Tensor, where: str, *, any_size: bool = False) -> None:
         """Refuse a batch that differs from this spec in anything but (with ``any_size``)
         its sample count."""
         got = BatchSpec.of(x, y)
@@ -116,9 +124,9 @@ class DataFingerprint:
 
     @classmethod
     def of(
-        cls, x: Tensor, y: Tensor, steps_per_epoch: int, skipped: int, data: Any = None
+        cls, x: Payload, y: Tensor, steps_per_epoch: int, skipped: int, data: Any = None
     ) -> DataFingerprint:
-        shapes = f"inputs {tuple(x.shape)} {x.dtype}, targets {tuple(y.shape)} {y.dtype}"
+        shapes = f"inputs {describe(x)}, targets {tuple(y.shape)} {y.dtype}"
         return cls(steps_per_epoch, skipped, shapes, _digest(y), _rank_sampler(data))
 
     def differences(self, other: DataFingerprint) -> list[str]:
@@ -194,8 +202,9 @@ def readers_disagree(
     return None
 
 
-def as_batch(item: Any, where: str) -> tuple[Tensor, Tensor]:
-    """``item`` as an ``(input, target)`` pair of tensors with one batch dimension."""
+def as_batch(item: Any, where: str) -> tuple[Payload, Tensor]:
+    """``item`` as an ``(input, target)`` pair of tensors with one batch dimension; the
+    input may be a tuple or list of such tensors (returned as a tuple)."""
     if not isinstance(item, (tuple, list)) or len(item) != 2:
         kind = f"a {type(item).__name__}" + (
             f" of length {len(item)}" if isinstance(item, (tuple, list)) else ""
@@ -205,6 +214,8 @@ def as_batch(item: Any, where: str) -> tuple[Tensor, Tensor]:
             f"DataLoader over a TensorDataset(inputs, targets)"
         )
     x, y = item
+    if isinstance(x, (tuple, list)):
+        return _tuple_input(x, y, where), y
     for name, t in (("input", x), ("target", y)):
         if not isinstance(t, Tensor):
             raise RuntimeConfigError(
@@ -220,6 +231,36 @@ def as_batch(item: Any, where: str) -> tuple[Tensor, Tensor]:
             f"{where}: {len(x)} inputs but {len(y)} targets; give one target per sample"
         )
     return x, y
+
+
+def _tuple_input(x: tuple[Any, ...] | list[Any], y: Any, where: str) -> tuple[Tensor, ...]:
+    """A tuple (or a collated list) of input tensors, checked as :func:`as_batch` checks one."""
+    if not x:
+        raise RuntimeConfigError(f"{where}: the input is an empty {type(x).__name__}")
+    for i, t in enumerate(x):
+        if not isinstance(t, Tensor):
+            raise RuntimeConfigError(
+                f"{where}: input {i} of the input tuple is a {type(t).__name__}, not a "
+                f"torch.Tensor; every tensor of a tuple input must be a tensor (convert it "
+                f"with torch.as_tensor in the dataset or a collate_fn)"
+            )
+        if t.dim() == 0:
+            raise RuntimeConfigError(
+                f"{where}: input {i} of the input tuple is a scalar tensor; batches need a "
+                f"leading batch dimension"
+            )
+    if not isinstance(y, Tensor) or y.dim() == 0:
+        what = "a scalar tensor" if isinstance(y, Tensor) else f"a {type(y).__name__}"
+        raise RuntimeConfigError(
+            f"{where}: the target is {what}; give a tensor with a leading batch dimension"
+        )
+    lengths = [len(t) for t in x]
+    if any(n != len(y) for n in lengths):
+        raise RuntimeConfigError(
+            f"{where}: the input tensors have {lengths} samples and the targets {len(y)}; "
+            f"every tensor of a tuple input has the batch dimension first, one sample per target"
+        )
+    return tuple(x)
 
 
 def steps_per_epoch(data: Iterable[Any], given: int | None) -> tuple[int, int]:
@@ -312,19 +353,19 @@ class TrainFeed:
         self._it = iterate_epoch(data, seed, self._epoch)
         self._pos = 0
         self._next = start_step  # the step the next batch read belongs to
-        self._peeked: tuple[Tensor, Tensor] | None = None
+        self._peeked: tuple[Payload, Tensor] | None = None
         for _ in range(start_step % steps_per_epoch):  # resume: skip what was trained on
             self._read()
         self._step = -1
-        self._parts: tuple[tuple[Tensor, ...], tuple[Tensor, ...]] = ((), ())
+        self._parts: tuple[list[Payload], tuple[Tensor, ...]] = ([], ())
 
-    def peek(self) -> tuple[Tensor, Tensor]:
+    def peek(self) -> tuple[Payload, Tensor]:
         """The next batch, not consumed (the run's first batch fixes the BatchSpec)."""
         if self._peeked is None:
             self._peeked = self._read()
         return self._peeked
 
-    def _read(self) -> tuple[Tensor, Tensor]:
+    def _read(self) -> tuple[Payload, Tensor]:
         if self._peeked is not None:
             batch, self._peeked = self._peeked, None
             return batch
@@ -349,7 +390,7 @@ class TrainFeed:
         self._pos += 1
         return x, y
 
-    def micro_batch(self, step: int, j: int) -> tuple[Tensor, Tensor]:
+    def micro_batch(self, step: int, j: int) -> tuple[Payload, Tensor]:
         """Inputs and targets of micro-batch ``j`` of global step ``step``, on the device."""
         if step != self._step:
             if step != self._next:
@@ -358,12 +399,12 @@ class TrainFeed:
             m = self.micro_batches
             if self.replicas > 1:  # this replica's shard, before it moves to the device
                 x, y = (
-                    x.tensor_split(self.replicas)[self.replica],
+                    split(x, self.replicas)[self.replica],
                     y.tensor_split(self.replicas)[self.replica],
                 )
-            x = x.to(self.device, non_blocking=True)
+            x = to_device(x, self.device)
             y = y.to(self.device, non_blocking=True)
-            self._parts = (x.tensor_split(m), y.tensor_split(m))
+            self._parts = (split(x, m), y.tensor_split(m))
             self._step, self._next = step, step + 1
         return self._parts[0][j], self._parts[1][j]
 
@@ -378,8 +419,8 @@ class EvalReader:
         self.chunk = chunk
         self._index = 0
 
-    def next_chunk(self) -> list[tuple[Tensor, Tensor]]:
-        out: list[tuple[Tensor, Tensor]] = []
+    def next_chunk(self) -> list[tuple[Payload, Tensor]]:
+        out: list[tuple[Payload, Tensor]] = []
         for item in itertools.islice(self._it, self.chunk):
             x, y = as_batch(item, f"evaluation batch {self._index}")
             if self.spec is None:

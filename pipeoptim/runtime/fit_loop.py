@@ -37,6 +37,7 @@ from pipeoptim.runtime.executor import (
     RankExecutor,
     RankResult,
     Recorder,
+    TensorSpec,
     drive_local,
     eval_plan,
     segment_plan,
@@ -49,7 +50,8 @@ from pipeoptim.runtime.feed import (
     readers_disagree,
     steps_per_epoch,
 )
-from pipeoptim.runtime.probe import probe_stages
+from pipeoptim.runtime.payload import Payload, batch_len, head
+from pipeoptim.runtime.probe import probe_stage, probe_stages, stand_in
 from pipeoptim.runtime.replicas import collective, gather_over_replicas
 from pipeoptim.runtime.result import EvalResult, FitResult, build_trace, merge
 from pipeoptim.trace import Trace
@@ -92,7 +94,7 @@ class FitLoop:
         self.result = RankResult(parts.ranks)
         self.spec: BatchSpec | None = None
         self.boundaries: list[Boundary] | None = None
-        self._target: Boundary | None = None
+        self._target: TensorSpec | None = None
         self._executors: list[RankExecutor] = []
         self._pending: list[tuple[int, Tensor, Tensor | None, int]] = []
         self._bar: Any = None
@@ -102,22 +104,60 @@ class FitLoop:
         """The dry run checked that the loss trains (a fit's probe; evaluate's does not)."""
 
     # -- the dry run -----------------------------------------------------------------------
-    def _probe(self, x: Tensor, y: Tensor, training: bool = False) -> dict[str, Any]:
+    def _probe(self, x: Payload, y: Tensor, training: bool = False) -> dict[str, Any]:
         """Two samples through every stage: receive shapes, and user errors found early
         (``training``: also a loss that no trainable parameter reaches, once per loop)."""
         p = self.parts
+        if p.chained_probe:  # stage by stage on every rank, once the sample is shared
+            sample = (head(x, 2), y[:2])
+            return {
+                "spec": BatchSpec.of(x, y),
+                "boundaries": None,
+                "sample": sample,
+                "training": training,
+            }
         boundaries = probe_stages(
-            p.units, p.bounds, x[:2], y[:2], p.loss_fn, p.amp, p.device, training=training
+            p.units, p.bounds, head(x, 2), y[:2], p.loss_fn, p.amp, p.device, training=training
         )
         self.probed_training = self.probed_training or training
         return {"spec": BatchSpec.of(x, y), "boundaries": boundaries}
 
+    def _probe_chain(self, x: Payload, y: Tensor, training: bool) -> list[Boundary]:
+        """The dry run of a model no rank holds whole: each rank runs its own stages, on the
+        data (stage 0), on the output of its stage before, or on zeros of the shapes the
+        previous stage's rank shared; an error is raised on every rank."""
+        p = self.parts
+        n = batch_len(x)
+        specs: list[Boundary] = []
+        h: Payload = x
+        for k in range(len(p.bounds)):
+            kept: list[Payload] = []  # this rank's output of stage k, for its stage k + 1
+
+            def run(k: int = k, h: Payload = h, kept: list[Payload] = kept) -> Boundary:
+                given = h if k == 0 or k - 1 in p.stages else stand_in(specs[k - 1], n, p.device)
+                spec, out = probe_stage(
+                    p.units, p.bounds, k, given, n, y, p.loss_fn, p.amp, p.device,
+                    training=training,
+                )  # fmt: skip
+                kept.append(out)
+                return spec
+
+            specs.append(p.on_stage(k, run))
+            if kept:
+                h = kept[0]
+        self.probed_training = self.probed_training or training
+        return specs
+
     def _adopt(self, info: dict[str, Any]) -> None:
         """Take the run's shapes (from the probe) and build the executors once."""
         spec: BatchSpec = info["spec"]
+        if "sample" in info:  # a model no rank holds whole: every rank runs its stages
+            sample_x, sample_y = info["sample"]
+            chained = self._probe_chain(sample_x, sample_y, bool(info["training"]))
+            info = {**info, "boundaries": info["boundaries"] or chained}
         if self.spec is None:
             self.boundaries = info["boundaries"]
-            self._target = Boundary(spec.target_shape, spec.target_dtype)
+            self._target = TensorSpec(spec.target_shape, spec.target_dtype)
             self.spec = spec
             self._build_executors()
         self.spec = replace(self.spec, batch_size=spec.batch_size)
@@ -141,6 +181,7 @@ class FitLoop:
                     memory_every=self.options.memory_every,
                 )
             )
+            self._executors[-1].ties = p.tie_exchange
 
     # -- training --------------------------------------------------------------------------
     def train(
@@ -179,9 +220,11 @@ class FitLoop:
             x, y = feed.peek()
             if self.spec is not None:
                 self.spec.check(x, y, "the first batch", any_size=True)
-                if not self.probed_training:  # an evaluate() probed, without the loss check
-                    self._probe(x, y, training=True)
                 info = {"spec": BatchSpec.of(x, y), "boundaries": self.boundaries}
+                if not self.probed_training:  # an evaluate() probed, without the loss check
+                    probed = self._probe(x, y, training=True)
+                    if "sample" in probed:  # stage by stage, on every rank (_adopt)
+                        info = {**probed, "boundaries": self.boundaries}
             else:
                 info = self._probe(x, y, training=True)
             fingerprint = DataFingerprint.of(x, y, spe, skipped, data)
@@ -423,10 +466,10 @@ class FitLoop:
         first = 0
         try:
             while True:
-                chunk: list[tuple[Tensor, Tensor]] = []
+                chunk: list[tuple[Payload, Tensor]] = []
 
                 def read(
-                    first: int = first, chunk: list[tuple[Tensor, Tensor]] = chunk
+                    first: int = first, chunk: list[tuple[Payload, Tensor]] = chunk
                 ) -> dict[str, Any]:
                     chunk[:] = reader.next_chunk() if reader is not None else []
                     if not chunk and first == 0:
@@ -434,7 +477,7 @@ class FitLoop:
                             "the evaluation data is empty; give it at least one batch"
                         )
                     probe = self._probe(*chunk[0]) if chunk and self.spec is None else None
-                    return {"sizes": [len(x) for x, _ in chunk], "probe": probe}
+                    return {"sizes": [batch_len(x) for x, _ in chunk], "probe": probe}
 
                 info = parts.on_first_rank(read)
                 if info["probe"] is not None:

@@ -21,6 +21,7 @@ refuses further work, with the way to resume.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -33,7 +34,7 @@ from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.plan.risk import depth_advice
 from pipeoptim.runtime.assembly import Assembly, RunState, segment_limit
-from pipeoptim.runtime.checkpoint import DEFAULT_KEEP
+from pipeoptim.runtime.checkpoint import DEFAULT_KEEP, latest_step
 from pipeoptim.runtime.checkpoint_folder import CheckpointFolder
 from pipeoptim.runtime.closure import PredictionClosure
 from pipeoptim.runtime.config import (
@@ -46,9 +47,11 @@ from pipeoptim.runtime.config import (
     resolve_plan,
 )
 from pipeoptim.runtime.executor import Boundary, NonFiniteLossError, RankResult, Recorder
+from pipeoptim.runtime.export import export_checkpoint, merge_stages, write_export
 from pipeoptim.runtime.fit_loop import FitLoop, FitOptions
 from pipeoptim.runtime.layout import stage_boundaries
 from pipeoptim.runtime.loss import LossFn
+from pipeoptim.runtime.model_units import InitWeights, ModelUnits
 from pipeoptim.runtime.result import EvalResult, FitResult
 from pipeoptim.runtime.stage import Stage
 from pipeoptim.runtime.state_check import refusal
@@ -58,20 +61,29 @@ from pipeoptim.trace import Trace
 __all__ = ["Pipeline"]
 
 
-def _units(layers: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
+def _units(layers: nn.Module | Sequence[nn.Module] | ModelUnits) -> ModelUnits:
+    if isinstance(layers, ModelUnits):
+        return layers
     units = list(layers) if isinstance(layers, (nn.Sequential, list, tuple)) else None
     if not units or not all(isinstance(u, nn.Module) for u in units):
         raise RuntimeConfigError(
-            f"Pipeline takes an nn.Sequential or a non-empty list of nn.Module units (got "
-            f"{type(layers).__name__}); each unit takes one tensor and returns one tensor"
+            f"Pipeline takes an nn.Sequential, a non-empty list of nn.Module units or a "
+            f"ModelUnits (got {type(layers).__name__}); a unit takes the previous unit's "
+            f"output (a tensor, or a tuple of tensors as its arguments)"
         )
-    return units
+    return ModelUnits(units)
 
 
 class Pipeline:
     """A model split into pipeline stages, trained with one of pipeoptim's methods.
 
-    ``layers``: an ``nn.Sequential`` or list of units (a stage holds consecutive units).
+    ``layers``: an ``nn.Sequential`` or list of units (a stage holds consecutive units), or a
+    :class:`~pipeoptim.runtime.model_units.ModelUnits` (units with their names in the user's
+    model, for :meth:`export`, and a loss and initialiser: ``pipeoptim.hf.cut_causal_lm``
+    makes one). Units built on the meta device are materialised stage by stage on the
+    process that trains them and initialised by ``init_weights(index, unit)``. A Parameter
+    used by units on two stages is kept one weight under synchronous methods and refused
+    by asynchronous ones (``ties.py``).
     ``method``/``stages`` or ``plan`` (a Plan from ``pipeoptim plan``: its method, sizes and
     boundaries; explicit arguments override it). ``optimizer(params)`` and
     ``scheduler(optimizer)`` are called once per stage. ``loss_fn(output, target)`` returns
@@ -102,14 +114,14 @@ class Pipeline:
 
     def __init__(
         self,
-        layers: nn.Module | Sequence[nn.Module],
+        layers: nn.Module | Sequence[nn.Module] | ModelUnits,
         method: str | None = None,
         *,
         stages: int | None = None,
         plan: Plan | None = None,
         optimizer: OptimizerFactory | OptimizerSpec | None = None,
         scheduler: SchedulerFactory | None = None,
-        loss_fn: LossFn = F.cross_entropy,
+        loss_fn: LossFn | None = None,
         micro_batches: int | None = None,
         virtual_stages: int | None = None,
         prediction_offset: int | None = None,
@@ -131,8 +143,20 @@ class Pipeline:
         hyperparameters: dict[str, Any] | None = None,
         predicted_backward: bool = False,
         data_parallel: int | None = None,
+        init_weights: InitWeights | None = None,
     ) -> None:
-        units = _units(layers)
+        self.model_units = _units(layers)
+        """The units and what the model says of them (names for export, initialiser)."""
+        units = self.model_units.units
+        if loss_fn is None:
+            loss_fn = self.model_units.loss_fn or F.cross_entropy
+        if init_weights is None:
+            init_weights = self.model_units.init_weights
+        elif not callable(init_weights):
+            raise RuntimeConfigError(
+                f"init_weights must be a callable (index, unit) -> None that fills a unit's "
+                f"tensors in place (got {type(init_weights).__name__})"
+            )
         run_plan = resolve_plan(plan, method, stages, micro_batches, virtual_stages)
         if data_parallel is None:
             data_parallel = plan.data_parallel if isinstance(plan, Plan) else 1
@@ -200,7 +224,11 @@ class Pipeline:
             timeout=timeout,
             store=store,
             predicted_backward=predicted_backward,
+            init_weights=init_weights,
         )
+        cut = self.model_units
+        if cut.names is not None or cut.source:
+            self.parts.model_record = {"names": cut.names, "source": cut.source}
         self.identity = run_identity or self.parts.identity()
         self.keep_checkpoints = keep_checkpoints
         self.hyperparameters = hyperparameters or {"lr": run_plan.optimizer.lr, "amp": amp}
@@ -481,6 +509,34 @@ class Pipeline:
         message = refusal(refused)
         if message is not None:
             raise RuntimeConfigError(f"load_state_dict: {message}")
+
+    def export(self, out: str | Path, fmt: str | None = None) -> Path:
+        """Write the trained model as one state dict in the model's own names (``.pt``,
+        ``.safetensors``, or ``fmt="hf"``: a folder ``from_pretrained`` loads), see
+        :mod:`~pipeoptim.runtime.export`. In one process, from the live stages; under
+        ``dist``, every rank calls it and stage 0's rank writes from the latest checkpoint,
+        which must be of this step (set ``checkpoint_dir``: a fit writes one at its end)."""
+        self._check_usable()
+        if self.parts.transport_name == "local":
+            states = {k: s.module.state_dict() for k, s in self.stages.items()}
+            bounds = [list(b) for b in self.parts.bounds]
+            merged = merge_stages(states, bounds, self.model_units.names)
+            return write_export(merged, out, fmt, self.model_units.source)
+        root = self.options.checkpoint_dir
+        record = latest_step(root) if root else None
+        if record is None or int(record["step"]) != self.state.step:
+            have = f"its latest is step {record['step']}" if record else "there is none"
+            raise RuntimeConfigError(
+                f"under dist, export writes the latest checkpoint, which must be of this "
+                f"Pipeline's step {self.state.step} ({have}); set checkpoint_dir (a fit writes "
+                f"a checkpoint at its end) or export with transport='local'"
+            )
+        written: Path | None = None
+        if 0 in self.stages and self.replica == 0:
+            assert root is not None  # a record was found in it
+            written = export_checkpoint(root, out, fmt=fmt, step=self.state.step)
+        dist.barrier()
+        return written or Path(out)
 
     def close(self) -> None:
         """Leave the process group this Pipeline started (dist under torchrun)."""

@@ -1,10 +1,13 @@
 """The dry run: two samples through every stage before any work.
 
 It gives the receiving ranks the shape and dtype of each stage's output (under mixed
-precision too), and it turns the commonest user errors into one message naming the stage,
-the unit and the shapes, instead of a torch traceback deep inside a pipelined run: layers
-that do not chain, a data set with the wrong feature count, targets the loss rejects, a
-loss that is not a scalar. Before training it also refuses what cannot train: a model with
+precision too; for a stage that hands on a tuple, of each of its tensors), and it turns the
+commonest user errors into one message naming the stage, the unit and the shapes, instead
+of a torch traceback deep inside a pipelined run: layers that do not chain, a data set with
+the wrong feature count, a unit that returns a tuple to a unit of one argument (or one
+tensor to a unit of several), a tuple holding something else than tensors, a tensor crossing
+a stage boundary without the batch dimension first, targets the loss rejects, a loss that is
+not a scalar. Before training it also refuses what cannot train: a model with
 no trainable parameter at all, and a loss that gives the model's output no gradient
 (detached, a constant, computed through argmax, or an integer output). The pipeline would
 run to the end with every weight unchanged (a stage's backward skips an output that does
@@ -26,11 +29,20 @@ from torch import Tensor, nn
 
 from pipeoptim.errors import StageError
 from pipeoptim.runtime.diagnose import describe_failure
-from pipeoptim.runtime.executor import Boundary
-from pipeoptim.runtime.loss import LossFn, checked_loss
+from pipeoptim.runtime.executor import Boundary, TensorSpec
+from pipeoptim.runtime.loss import LossFn
+from pipeoptim.runtime.payload import (
+    MAX_PARTS,
+    Payload,
+    batch_len,
+    checked_payload_loss,
+    describe,
+    output_problem,
+    to_device,
+)
 from pipeoptim.runtime.precision import AMP_DTYPES
 
-__all__ = ["probe_stages"]
+__all__ = ["probe_stage", "probe_stages", "stand_in"]
 
 
 def _device(units: Sequence[nn.Module], default: torch.device) -> torch.device:
@@ -43,7 +55,7 @@ def _device(units: Sequence[nn.Module], default: torch.device) -> torch.device:
 def probe_stages(
     units: Sequence[nn.Module],
     bounds: Sequence[tuple[int, int]],
-    x: Tensor,
+    x: Payload,
     y: Tensor,
     loss_fn: LossFn,
     amp: str | None,
@@ -52,46 +64,112 @@ def probe_stages(
     training: bool = False,
 ) -> list[Boundary]:
     """Run ``x`` through the stages (units ``bounds[k]``, each on the device its weights
-    are on) and the loss on ``y``; returns each stage's per-sample output shape and dtype.
+    are on) and the loss on ``y``; returns each stage's per-sample output shape and dtype
+    (per tensor, where a stage hands on a tuple).
     Units are in eval mode meanwhile, so batch-norm statistics do not move. ``training``:
     the run will train, so what cannot train is refused (:func:`_check_trains`)."""
-    modes = [u.training for u in units]
-    for u in units:
-        u.eval()
-    dtype = AMP_DTYPES[amp] if amp else None
     out: list[Boundary] = []
-    h = x
-    try:
-        with torch.no_grad():
-            for k, (a, b) in enumerate(bounds):
-                stage_units = units[a:b]
-                dev = _device(stage_units, device)
-                h_in = h = h.to(dev)
-                with torch.autocast(dev.type, dtype=dtype, enabled=dtype is not None):
-                    try:
-                        for unit in stage_units:
-                            h = unit(h)
-                            if not isinstance(h, Tensor):
-                                raise TypeError("a unit returned a non-tensor")
-                    except Exception as err:
-                        message = describe_failure(
-                            stage_units, h_in, stage=k, first_unit=a, error=err
-                        )
-                        raise StageError(message) from err
-                    out.append(Boundary(tuple(h.shape[1:]), h.dtype))
-                    if k == len(bounds) - 1:
-                        if training:
-                            _check_trains(units, k, loss_fn, h, y.to(dev))
-                        else:
-                            checked_loss(loss_fn, h, y.to(dev), "the first batch", k)
-    finally:
-        for u, mode in zip(units, modes, strict=True):
-            u.train(mode)
+    h: Payload = x
+    n = batch_len(x)
+    for k in range(len(bounds)):
+        spec, h = probe_stage(units, bounds, k, h, n, y, loss_fn, amp, device, training=training)
+        out.append(spec)
     return out
 
 
+def probe_stage(
+    units: Sequence[nn.Module],
+    bounds: Sequence[tuple[int, int]],
+    k: int,
+    x: Payload,
+    n: int,
+    y: Tensor,
+    loss_fn: LossFn,
+    amp: str | None,
+    device: torch.device,
+    *,
+    training: bool = False,
+) -> tuple[Boundary, Payload]:
+    """Stage ``k``'s part of :func:`probe_stages`: its output spec and its output (on the
+    last stage, with the loss checked on ``y``)."""
+    a, b = bounds[k]
+    stage_units = units[a:b]
+    modes = [u.training for u in stage_units]
+    for u in stage_units:
+        u.eval()
+    dtype = AMP_DTYPES[amp] if amp else None
+    dev = _device(stage_units, device)
+    try:
+        with torch.no_grad():
+            h_in = h = to_device(x, dev)
+            with torch.autocast(dev.type, dtype=dtype, enabled=dtype is not None):
+                try:
+                    for unit in stage_units:
+                        h = unit(*h) if isinstance(h, tuple) else unit(h)
+                        problem = output_problem(h)
+                        if problem is not None:
+                            raise TypeError(problem)
+                except Exception as err:
+                    message = describe_failure(stage_units, h_in, stage=k, first_unit=a, error=err)
+                    raise StageError(message) from err
+                last = k == len(bounds) - 1
+                spec = _boundary(h, n, k, b - 1, stage_units[-1], check=not last)
+                if last:
+                    if training:
+                        _check_trains(units, k, loss_fn, h, y.to(dev))
+                    else:
+                        checked_payload_loss(loss_fn, h, y.to(dev), "the first batch", k)
+    finally:
+        for u, mode in zip(stage_units, modes, strict=True):
+            u.train(mode)
+    return spec, h
+
+
+def stand_in(spec: Boundary, n: int, device: torch.device) -> Payload:
+    """Zeros of ``spec``'s shapes for ``n`` samples: a stage's input for a dry run on a rank
+    that does not hold the stage before it (a model built on the meta device). Zeros are a
+    valid index for an id input too."""
+    if isinstance(spec, TensorSpec):
+        return torch.zeros((n, *spec.shape), dtype=spec.dtype, device=device)
+    return tuple(torch.zeros((n, *t.shape), dtype=t.dtype, device=device) for t in spec)
+
+
+def _boundary(
+    h: Payload, n: int, stage: int, unit: int, module: nn.Module, *, check: bool
+) -> Boundary:
+    """What stage ``stage`` hands on, per sample; ``check``: refuse a tensor that does not
+    have the batch dimension first (the receiving ranks allocate micro-batch x per sample)."""
+    if isinstance(h, Tensor) and not check:
+        return TensorSpec(tuple(h.shape[1:]), h.dtype)
+    parts = (h,) if isinstance(h, Tensor) else h
+    if check and len(parts) > MAX_PARTS:
+        raise StageError(
+            f"stage {stage}, unit {unit} ({type(module).__name__}) hands the next stage a tuple "
+            f"of {len(parts)} tensors, over the {MAX_PARTS} a stage boundary carries; stack "
+            f"tensors of one shape into one"
+        )
+    for i, t in enumerate(parts):
+        if check and (t.dim() == 0 or t.shape[0] != n):
+            which = (
+                f"{describe(h)}; its tensor {i}, of shape {tuple(t.shape)},"
+                if isinstance(h, tuple)
+                else f"a tensor of shape {tuple(t.shape)}, which"
+            )
+            raise StageError(
+                f"stage {stage}, unit {unit} ({type(module).__name__}) hands the next stage "
+                f"{which} does not have the batch dimension first (the dry run's {n} "
+                f"samples); every tensor that crosses a stage boundary has the batch first, "
+                f"with the micro-batch's size, since the receiving rank allocates micro-batch "
+                f"x per-sample shape: expand a tensor all samples share (a mask) to the "
+                f"batch, e.g. mask.expand(batch, *mask.shape)"
+            )
+    if isinstance(h, Tensor):
+        return TensorSpec(tuple(h.shape[1:]), h.dtype)
+    return tuple(TensorSpec(tuple(t.shape[1:]), t.dtype) for t in h)
+
+
 def _check_trains(
-    units: Sequence[nn.Module], last: int, loss_fn: LossFn, out: Tensor, target: Tensor
+    units: Sequence[nn.Module], last: int, loss_fn: LossFn, out: Payload, target: Tensor
 ) -> None:
     """Refuse a run that cannot train: no trainable parameter in the whole model, or a loss
     that gives the model's output no gradient (computed here with grad on a copy of the
@@ -106,17 +184,26 @@ def _check_trains(
             f"({what}), so training would change no weight; unfreeze some "
             f"(requires_grad=True), or use evaluate() alone"
         )
-    if not (out.is_floating_point() or out.is_complex()):
-        checked_loss(loss_fn, out, target, "the first batch", last)  # its own errors first
+    parts = (out,) if isinstance(out, Tensor) else out
+    if not any(t.is_floating_point() or t.is_complex() for t in parts):
+        checked_payload_loss(loss_fn, out, target, "the first batch", last)  # its errors first
+        what = str(out.dtype) if isinstance(out, Tensor) else f"{describe(out)}, no float in it"
         raise StageError(
-            f"{where} gets no gradient: the model's output is {out.dtype}, which cannot carry "
+            f"{where} gets no gradient: the model's output is {what}, which cannot carry "
             f"one (an argmax or rounding in the last unit?), so training would change no "
             f"weight; end the model with the scores (e.g. the logits) and compute the "
             f"prediction from them outside the model"
         )
     with torch.enable_grad():
-        leaf = out.detach().requires_grad_(True)
-        loss = checked_loss(loss_fn, leaf, target, "the first batch", last)
+        leaf: Payload
+        if isinstance(out, Tensor):
+            leaf = out.detach().requires_grad_(True)
+        else:
+            leaf = tuple(
+                t.detach().requires_grad_(True) if t.is_floating_point() or t.is_complex() else t
+                for t in out
+            )
+        loss = checked_payload_loss(loss_fn, leaf, target, "the first batch", last)
     if not loss.requires_grad:
         raise StageError(
             f"{where} returned a tensor that does not require grad, so no trainable parameter "

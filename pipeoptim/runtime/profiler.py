@@ -42,6 +42,8 @@ from pipeoptim.runtime.layer_timing import (
     timer_for,
     weight_grad_fractions,
 )
+from pipeoptim.runtime.materialize import is_meta, materialize_units
+from pipeoptim.runtime.model_units import InitWeights
 
 __all__ = ["profile_model"]
 
@@ -175,8 +177,13 @@ def profile_model(
     steps: bool = True,
     neighbours: int = 0,
     stream_bytes: int | None = None,
+    init_weights: InitWeights | None = None,
 ) -> Profile:
     """Measure each layer of ``layers`` (in order) on ``sample_input`` and return a Profile.
+
+    Layers built on the meta device are profiled one at a time: each is copied, materialised
+    on ``device`` with ``init_weights(index, layer)``, measured alone and dropped, so no more
+    than one layer's weights are ever held (``neighbours`` is not available then).
 
     ``sample_input`` is one batch (its first dimension is the batch size recorded in the
     profile; use the mini-batch size the pipeline will run). Per layer: the forward (with
@@ -207,6 +214,19 @@ def profile_model(
     parameter, else of ``sample_input``. ``progress`` shows a tqdm bar.
     """
     named = _named_layers(layers)
+    if any(is_meta(m) for _, m in named):
+        return _profile_one_at_a_time(
+            named,
+            sample_input,
+            init_weights,
+            device,
+            progress,
+            stream_bytes,
+            dict(
+                optimizer=optimizer, momentum=momentum, warmup=warmup, repeats=repeats,
+                threads=threads, batch_sizes=batch_sizes, steps=steps,
+            ),
+        )  # fmt: skip
     if optimizer.lower() not in OPTIMIZER_STATE_FACTORS:
         raise RuntimeConfigError(
             f"unknown optimizer {optimizer!r}; the profiler knows the state size of "
@@ -358,3 +378,50 @@ def profile_model(
         dtype_bytes=dtype_bytes,
         meta=meta,
     )
+
+
+def _profile_one_at_a_time(
+    named: list[tuple[str, nn.Module]],
+    sample_input: Tensor,
+    init_weights: InitWeights | None,
+    device: str | torch.device | None,
+    progress: bool,
+    stream_bytes: int | None,
+    options: dict[str, Any],
+) -> Profile:
+    """:func:`profile_model` of meta-device layers: each materialised alone, from shapes."""
+    if init_weights is None:
+        raise RuntimeConfigError(
+            "the layers are on the meta device (shapes, no values): pass "
+            "init_weights=lambda index, layer: ... so each can be materialised to be timed"
+        )
+    target = torch.device(device) if device is not None else sample_input.device
+    modules = [m for _, m in named]
+    # a step is timed streaming the largest layer's weights (never more than one layer held)
+    largest = max(sum(p.numel() * p.element_size() for p in m.parameters()) for m in modules)
+    iterator: Any = enumerate(named)
+    if progress:
+        from tqdm.auto import tqdm
+
+        iterator = tqdm(iterator, total=len(named), desc="profiling layers", unit="layer")
+    x = sample_input.to(target)
+    layers: list[LayerProfile] = []
+    alone: Profile | None = None
+    for i, (name, module) in iterator:
+        held = list(modules)
+        held[i] = copy.deepcopy(module)
+        materialize_units(held, [i], target, init_weights, seed=0)
+        alone = profile_model(
+            [held[i]], x, device=target, stream_bytes=stream_bytes or largest or None, **options
+        )
+        layers.append(dataclasses.replace(alone.layers[0], name=f"{name}:{type(module).__name__}"))
+        with torch.no_grad():
+            x = check_output(name, held[i](x)).detach()
+        del held
+    assert alone is not None
+    meta = {
+        **alone.meta,
+        "input_shape": list(sample_input.shape),
+        "materialised": "one layer at a time",
+    }
+    return dataclasses.replace(alone, layers=tuple(layers), meta=meta)

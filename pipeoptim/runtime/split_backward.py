@@ -17,15 +17,19 @@ its ``W``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from pipeoptim.errors import StageError
 from pipeoptim.plan.methods import WeightPolicy
+from pipeoptim.runtime.chain import UnitChain
+from pipeoptim.runtime.payload import Payload, output_problem
 
 __all__ = [
     "KeptUnits",
+    "Root",
     "WeightHalf",
     "input_half",
     "run_units_kept",
@@ -34,10 +38,13 @@ __all__ = [
     "weight_half",
 ]
 
-KeptUnits = list[tuple[Tensor, list[Tensor]]]
-"""(unit output, its trainable weights) of each weighted unit, kept by a split forward."""
-WeightHalf = list[tuple[Tensor, Sequence[Tensor], Tensor]]
-"""What a W runs: (root, weights, gradient of the root) per unit, found by its I."""
+KeptUnits = list[tuple[Tensor | tuple[Tensor, ...], list[Tensor]]]
+"""(unit output, its trainable weights) of each weighted unit, kept by a split forward; for a
+unit that returns a tuple, the tensors of it that the unit computed and that need a gradient."""
+Root = Tensor | Sequence[Tensor]
+WeightHalf = list[tuple[Root, Sequence[Tensor], Root]]
+"""What a W runs: (root, weights, gradient of the root) per unit, found by its I; a root of a
+tuple is its tensors, with one gradient each."""
 
 
 def split_refusal(name: str, policy: WeightPolicy, half: str | None = None) -> str:
@@ -53,9 +60,10 @@ def split_refusal(name: str, policy: WeightPolicy, half: str | None = None) -> s
 
 def unit_params(module: nn.Module, params: Sequence[Tensor]) -> list[list[Tensor]] | None:
     """The trainable weights of each unit of ``module``, where a forward may run its units
-    one by one with each unit's weights its own: a plain ``nn.Sequential`` without hooks,
-    whose every weight belongs to exactly one unit. None otherwise."""
-    if type(module).forward is not nn.Sequential.forward:
+    one by one with each unit's weights its own: a plain ``nn.Sequential`` (or the stage's
+    :class:`~pipeoptim.runtime.chain.UnitChain`) without hooks, whose every weight belongs
+    to exactly one unit. None otherwise."""
+    if type(module).forward not in (nn.Sequential.forward, UnitChain.forward):
         return None
     if module._forward_hooks or module._forward_pre_hooks:
         return None
@@ -76,59 +84,105 @@ def unit_params(module: nn.Module, params: Sequence[Tensor]) -> list[list[Tensor
 
 def run_units_kept(
     module: nn.Sequential,
-    x: Tensor,
+    x: Payload,
     units: list[list[Tensor]],
     *,
     stage: int,
-    failure: Callable[[Tensor, Exception], str],
-) -> tuple[Tensor, KeptUnits | None]:
-    """The units of ``module`` on ``x`` one by one (what ``nn.Sequential`` does), keeping the
+    failure: Callable[[Payload, Exception], str],
+) -> tuple[Payload, KeptUnits | None]:
+    """The units of ``module`` on ``x`` one by one (what the stage's chain does), keeping the
     output of each unit with weights; None in place of the kept outputs where two units hand
-    on the same tensor (an in-place unit with weights). ``failure`` words a unit's error."""
+    on the same tensor (an in-place unit with weights). A tuple's tensors are kept where the
+    unit computed them; one it hands on unchanged is not its output. ``failure`` words a
+    unit's error."""
     kept: KeptUnits | None = []
-    seen = {id(x)}
-    h = x
+    seen = {id(t): t.grad_fn for t in x} if isinstance(x, tuple) else {id(x): x.grad_fn}
+    h: Any = x
     try:
         for unit, params in zip(module, units, strict=True):
-            h = unit(h)
-            if not params or not isinstance(h, Tensor) or not h.requires_grad:
+            h = unit(*h) if isinstance(h, tuple) else unit(h)
+            if not params:
+                continue
+            if isinstance(h, tuple):
+                kept = _keep_parts(h, params, kept, seen)
+                continue
+            if not isinstance(h, Tensor) or not h.requires_grad:
                 continue
             if kept is not None and id(h) not in seen:
-                seen.add(id(h))
+                seen[id(h)] = h.grad_fn
                 kept.append((h, params))
             else:
                 kept = None
     except Exception as err:
         raise StageError(failure(x, err)) from err
-    if not isinstance(h, Tensor):
-        raise StageError(f"stage {stage}: the last unit returned {type(h).__name__}, not a tensor")
-    return h, kept
+    problem = output_problem(h)
+    if problem is not None:
+        raise StageError(f"stage {stage}: the last unit {problem}")
+    out: Payload = h
+    return out, kept
+
+
+def _keep_parts(
+    h: tuple[Any, ...], params: list[Tensor], kept: KeptUnits | None, seen: dict[int, Any]
+) -> KeptUnits | None:
+    """Keep the tensors of a unit's tuple output that it computed (see run_units_kept)."""
+    mine: list[Tensor] = []
+    for t in h:
+        if kept is None or not isinstance(t, Tensor) or not t.requires_grad:
+            continue
+        if id(t) not in seen:
+            seen[id(t)] = t.grad_fn
+            mine.append(t)
+        elif seen[id(t)] is not t.grad_fn:  # rewritten in place: whose output it is is lost
+            return None
+    if kept is not None and mine:
+        kept.append((tuple(mine), params))
+    return kept
 
 
 def input_half(
-    root: Tensor,
-    root_grad: Tensor | None,
-    x_in: Tensor,
+    root: Root,
+    root_grad: Root | None,
+    x_in: Payload,
     units: KeptUnits | None,
     params: Sequence[Tensor],
-) -> tuple[Tensor | None, WeightHalf]:
+) -> tuple[Tensor | tuple[Tensor | None, ...] | None, WeightHalf]:
     """The I of one micro-batch: the gradient of its input (None where the input needs
-    none) and what its W is to run. The caller runs it under the stage's RNG stream."""
+    none; for a tuple input, per tensor, None where one needs none) and what its W is to
+    run. ``root`` and ``root_grad``: the output and its gradient, for a tuple the tensors of
+    it that need one. The caller runs it under the stage's RNG stream."""
     half: WeightHalf = []
-    g_in: Tensor | None = None
-    wants_input = x_in.requires_grad
-    targets = [x_in] if wants_input else []
+    g_in: Tensor | tuple[Tensor | None, ...] | None = None
+    inputs = [t for t in x_in if t.requires_grad] if isinstance(x_in, tuple) else []
+    wants_input = x_in.requires_grad if isinstance(x_in, Tensor) else bool(inputs)
+    targets = [x_in] if isinstance(x_in, Tensor) and wants_input else inputs
+    n_in = len(targets)
     if units is not None:
-        targets += [t for t, _ in units]
+        for t, _ in units:
+            targets += [t] if isinstance(t, Tensor) else list(t)
     elif params:  # one unit: W walks the whole graph for the weights only
-        half.append((root, params, torch.ones_like(root) if root_grad is None else root_grad))
+        if isinstance(root, Tensor) and root_grad is None:
+            root_grad = torch.ones_like(root)
+        assert root_grad is not None
+        half.append((root, params, root_grad))
     if targets:
         found = torch.autograd.grad(root, targets, root_grad, retain_graph=True, allow_unused=True)
-        if wants_input:
-            g_in, found = found[0], found[1:]
-        for (t, weights), g in zip(units or [], found, strict=True):
-            if g is not None:
-                half.append((t, weights, g))
+        if isinstance(x_in, Tensor):
+            g_in = found[0] if wants_input else None
+        elif wants_input:
+            given = iter(found[:n_in])
+            g_in = tuple(next(given) if t.requires_grad else None for t in x_in)
+        found = found[n_in:]
+        for t, weights in units or []:
+            if isinstance(t, Tensor):
+                g, found = found[0], found[1:]
+                if g is not None:
+                    half.append((t, weights, g))
+                continue
+            grads, found = found[: len(t)], found[len(t) :]
+            pairs = [(p, g) for p, g in zip(t, grads, strict=True) if g is not None]
+            if pairs:
+                half.append(([p for p, _ in pairs], weights, [g for _, g in pairs]))
     return g_in, half
 
 

@@ -23,6 +23,12 @@ predicting methods, the stashed version for PipeDream). Weights derived by other
 (``torch.nn.utils.parametrize``, weight norm) cannot be re-derived generically: for predicting
 methods their backward uses the value computed from Ŵ, and the stage says so once
 (``Stage.notes``).
+
+A unit may return a tuple of tensors, which the next unit takes as its positional arguments
+(:mod:`~pipeoptim.runtime.chain`), and a stage's input and output may be such tuples
+(:mod:`~pipeoptim.runtime.payload`): the floating-point tensors of an input take gradients,
+the backward returns one per floating-point tensor (None for the others), and a last stage's
+tuple output goes to the loss as it is. A single tensor keeps its own code path.
 """
 
 from __future__ import annotations
@@ -45,17 +51,28 @@ from pipeoptim.errors import StageError
 from pipeoptim.plan.methods import Method, WeightPolicy
 from pipeoptim.plan.plan import OptimizerSpec
 from pipeoptim.plan.versions import MicroBatchVersions, gradient_delays, prediction_distance
+from pipeoptim.runtime.chain import UnitChain, as_chain
 from pipeoptim.runtime.closure import PredictionClosure
 from pipeoptim.runtime.corrections import build_correction
 from pipeoptim.runtime.diagnose import describe_failure
 from pipeoptim.runtime.loss import LossFn, checked_loss, count_correct
 from pipeoptim.runtime.memory import StageMemory
+from pipeoptim.runtime.payload import (
+    Gradients,
+    Payload,
+    checked_payload_loss,
+    checked_tuple,
+    input_gradients,
+    output_roots,
+    payload_bytes,
+)
 from pipeoptim.runtime.precision import AMP_DTYPES, Precision, unpack
 from pipeoptim.runtime.predict import WeightPredictor, predictor_for
 from pipeoptim.runtime.rng import StageRandom
 from pipeoptim.runtime.saved import ForwardSaves
 from pipeoptim.runtime.split_backward import (
     KeptUnits,
+    Root,
     WeightHalf,
     input_half,
     run_units_kept,
@@ -137,7 +154,8 @@ class Stage:
         self.index = index
         self.is_last = index == num_stages - 1
         self.device = torch.device(device)
-        self.module = layers.to(self.device)
+        # units may hand on tuples (unit(*h)); the same object, so state_dict keys stay
+        self.module = as_chain(layers).to(self.device)
         self.method = method
         self.policy = method.weight_policy
         self.micro_batches = micro_batches
@@ -184,7 +202,7 @@ class Stage:
                     f"from the predicted weights, not from the current ones"
                 )
         self.weights = WeightVersions(self.policy, self._params, index)
-        self._saved: dict[int, tuple[Tensor, Tensor]] = {}  # mb -> (input, output or loss)
+        self._saved: dict[int, tuple[Payload, Payload]] = {}  # mb -> (input, output or loss)
         self._group_order: list[int] | None = None  # the stage's param index, group order
         self._delays: dict[int, int] = {}  # local mini-batch -> its delay (with a correction)
         self.prediction_seconds: deque[float] = deque(maxlen=1024)
@@ -210,7 +228,11 @@ class Stage:
         """mb -> (unit output, its weights) of each weighted unit, kept by a split forward."""
         self._weight_half: dict[int, WeightHalf] = {}
         """mb -> what its W runs (root, weights, gradient of the root), set by its I."""
-        self.random = StageRandom(self.module, self.device, seed)
+        # the chain is pipeoptim's class, not torch.nn's, which rng would take for user code
+        # that draws random numbers: its units decide
+        chained = isinstance(self.module, UnitChain)
+        units = nn.ModuleList(self.module) if chained else self.module
+        self.random = StageRandom(units, self.device, seed)
         self.buffer_sync: Callable[[], None] | None = None
         """Set under data parallelism where the stage has floating-point buffers: gives
         every replica replica 0's buffers at each update (``replicas.BufferBroadcast``)."""
@@ -291,33 +313,59 @@ class Stage:
         return prediction_distance(self.versions(mb).distance, self.prediction_offset)
 
     # -- passes ----------------------------------------------------------------------------
-    def _run_units(self, weights: dict[str, Tensor] | None, x: Tensor) -> Tensor:
-        """The stage's units on ``x``, with ``weights`` swapped in (None: its parameters)."""
+    def _run_units(self, weights: dict[str, Tensor] | None, x: Payload) -> Payload:
+        """The stage's units on ``x``, with ``weights`` swapped in (None: its parameters); a
+        tuple ``x`` is the first unit's positional arguments."""
         try:
-            out: Tensor = (
-                self.module(x) if weights is None else functional_call(self.module, weights, (x,))
-            )
+            if isinstance(x, Tensor):
+                out: Payload = (
+                    self.module(x)
+                    if weights is None
+                    else functional_call(self.module, weights, (x,))
+                )
+            else:
+                out = (
+                    self.module(*x) if weights is None else functional_call(self.module, weights, x)
+                )
         except Exception as err:
             raise StageError(self._failure(x, err)) from err
         return out
 
-    def _failure(self, x: Tensor, err: Exception) -> str:
+    def _failure(self, x: Payload, err: Exception) -> str:
         with self.precision.autocast():
             return describe_failure(
                 list(self.module), x, stage=self.index, first_unit=self.first_unit, error=err
             )
 
-    def loss(self, out: Tensor, target: Tensor, where: str) -> Tensor:
-        """``loss_fn(out, target)``, checked to be a scalar; errors name the values."""
-        return checked_loss(self.loss_fn, out, target, where, self.index)
+    def loss(self, out: Payload, target: Tensor, where: str) -> Tensor:
+        """``loss_fn(out, target)``, checked to be a scalar; errors name the values. A tuple
+        output (the last unit returned one) is given to the loss as it is."""
+        if isinstance(out, Tensor):
+            return checked_loss(self.loss_fn, out, target, where, self.index)
+        return checked_payload_loss(self.loss_fn, out, target, where, self.index)
 
-    def count_correct(self, out: Tensor, target: Tensor) -> Tensor | None:
-        """Correct argmax predictions, where the output is a score per class of each target."""
-        return count_correct(out, target)
+    def count_correct(self, out: Payload, target: Tensor) -> Tensor | None:
+        """Correct argmax predictions, where the output is a score per class of each target
+        (None for a tuple output: which of its tensors holds the scores is the loss's)."""
+        return count_correct(out, target) if isinstance(out, Tensor) else None
 
-    def forward(self, mb: int, x: Tensor, target: Tensor | None = None) -> Tensor:
+    def _tuple_out(self, out: tuple[Any, ...]) -> tuple[Tensor, ...]:
+        """A tuple a non-last stage hands on, refused where it holds a non-tensor."""
+        last = self.first_unit + len(self.module) - 1
+        return checked_tuple(out, self.index, last, type(self.module[-1]).__name__)
+
+    def _input_gradients(
+        self, x_in: tuple[Tensor, ...], found: Sequence[Tensor | None]
+    ) -> tuple[Tensor | None, ...] | None:
+        """A tuple input's gradients as sent upstream (None on the first stage)."""
+        if self.index == 0:
+            return None
+        return input_gradients(x_in, found, self.precision.true_gradient)
+
+    def forward(self, mb: int, x: Payload, target: Tensor | None = None) -> Payload:
         """Run micro-batch ``mb``; returns the (detached) output, or on the last stage the
-        loss already divided by M."""
+        loss already divided by M. ``x`` and the output may be tuples of tensors (a unit's
+        positional arguments); the floating-point ones take gradients."""
         v = self.versions(mb)
         store = self.weights
         if v.forward_base != store.current:
@@ -325,7 +373,18 @@ class Stage:
                 f"stage {self.index}: forward of micro-batch {mb} after {store.current} "
                 f"updates, the schedule analysis says {v.forward_base}"
             )
-        x_in = x.detach().requires_grad_(True) if x.is_floating_point() and self.index > 0 else x
+        x_in: Payload
+        if isinstance(x, Tensor):
+            x_in = (
+                x.detach().requires_grad_(True) if x.is_floating_point() and self.index > 0 else x
+            )
+            shape_key: tuple[Any, ...] = (tuple(x.shape), x.dtype)
+        else:
+            x_in = tuple(
+                t.detach().requires_grad_(True) if t.is_floating_point() and self.index > 0 else t
+                for t in x
+            )
+            shape_key = tuple((tuple(t.shape), t.dtype) for t in x)
         s = self.distance(mb)
         sources = store.sources(v.forward_version, mb)
         # Flush methods never update between a forward and its backward: the module runs on
@@ -340,7 +399,6 @@ class Stage:
         # Activation bytes are counted by a saved-tensor hook on the first forward of each
         # input shape, then reused (the hook runs on every pass only to re-cast under amp
         # and to re-point a predicted forward's saved weights).
-        shape_key = (tuple(x.shape), x.dtype)
         by_shape = self.memory_count.by_shape
         hooked = recast or predicted or shape_key not in by_shape
         saves = ForwardSaves(sources, amp_dtype if recast else None) if hooked else None
@@ -372,6 +430,7 @@ class Stage:
                         # a saved cast is re-cast at backward from the weights it is to read
                         saves.aliases[w.grad_fn] = src if held else now
             units: KeptUnits | None = None
+            out: Payload
             if self._split and weights is None and self._unit_params is not None:
                 out, units = run_units_kept(
                     self.module, x_in, self._unit_params, stage=self.index, failure=self._failure
@@ -381,10 +440,16 @@ class Stage:
             if self.is_last:
                 if target is None:
                     raise RuntimeError(f"stage {self.index}: the last stage needs targets")
-                self.correct = count_correct(out, target)
+                self.correct = self.count_correct(out, target)
                 out = self.loss(out, target, f"micro-batch {mb}") / self.micro_batches
+            elif not isinstance(out, Tensor):
+                out = self._tuple_out(out)
         if saves is not None:
-            saves.pack(out)
+            if isinstance(out, Tensor):
+                saves.pack(out)
+            else:
+                for t in out:
+                    saves.pack(t)
             by_shape.setdefault(shape_key, saves.activation_bytes)
         if held:
             self.weights.held.add(mb)
@@ -393,21 +458,26 @@ class Stage:
         self._saved[mb] = (x_in, out)
         act = saves.activation_bytes if saves is not None else by_shape[shape_key]
         self.memory_count.add_activations(mb, act)
-        return out.detach()
+        return out.detach() if isinstance(out, Tensor) else tuple(t.detach() for t in out)
 
-    def forward_eval(self, x: Tensor) -> Tensor:
+    def forward_eval(self, x: Payload) -> Payload:
         """Forward on the live weights without autograd (evaluation); the caller puts the
         module in eval mode."""
         with torch.no_grad(), self.precision.autocast():
             try:
-                out: Tensor = self.module(x)
+                out: Payload = self.module(x) if isinstance(x, Tensor) else self.module(*x)
             except Exception as err:
                 raise StageError(self._failure(x, err)) from err
+        if isinstance(out, tuple) and not self.is_last:
+            out = self._tuple_out(out)
         return out
 
-    def backward(self, mb: int, grad: Tensor | None = None) -> Tensor | None:
+    def backward(self, mb: int, grad: Gradients | None = None) -> Gradients | None:
         """Backward of micro-batch ``mb``; returns the gradient of its input (None on the
-        first stage). Gradients accumulate until :meth:`update`."""
+        first stage); for a tuple input a tuple, with a gradient per floating-point tensor
+        (zeros where it took none) and None for the others. ``grad``: the output's, for a
+        tuple output one per floating-point tensor. Gradients accumulate until
+        :meth:`update`."""
         v = self.versions(mb)
         self.weights.check_backward(v, mb)
         x_in, out = self._saved.pop(mb)
@@ -416,14 +486,23 @@ class Stage:
         if self.closure is not None:
             self.closure.backward(self.index, mb, self._params)
         self.weights.held.discard(mb)
-        if out.requires_grad:
-            with self.random.stream():
-                if self.is_last:
-                    torch.autograd.backward(self.precision.scaled(out))
-                elif grad is not None:
-                    torch.autograd.backward(out, self.precision.scaled(grad))
+        if isinstance(out, Tensor):
+            if out.requires_grad:
+                with self.random.stream():
+                    if self.is_last:
+                        torch.autograd.backward(self.precision.scaled(out))
+                    elif grad is not None:
+                        assert isinstance(grad, Tensor)
+                        torch.autograd.backward(out, self.precision.scaled(grad))
+        else:
+            roots, grads = output_roots(out, grad, self.precision.scaled, self.index)
+            if roots:
+                with self.random.stream():
+                    torch.autograd.backward(roots, grads)
         self._retire(v)
-        return self.precision.true_gradient(x_in.grad if x_in.requires_grad else None)
+        if isinstance(x_in, Tensor):
+            return self.precision.true_gradient(x_in.grad if x_in.requires_grad else None)
+        return self._input_gradients(x_in, [t.grad if t.requires_grad else None for t in x_in])
 
     def _retire(self, v: MicroBatchVersions) -> None:
         """A micro-batch's backward is complete (its B, or the W of a split one): release
@@ -431,7 +510,7 @@ class Stage:
         self.weights.retire(v)
         self.memory_count.count_gradients(self._params)
 
-    def backward_input(self, mb: int, grad: Tensor | None = None) -> Tensor | None:
+    def backward_input(self, mb: int, grad: Gradients | None = None) -> Gradients | None:
         """The input half I of micro-batch ``mb``'s split backward: returns the gradient of
         its input (None on the first stage), as :meth:`backward` does, and keeps the graph
         and the gradient of each weighted unit's output for :meth:`backward_weight`; no
@@ -448,23 +527,32 @@ class Stage:
         x_in, out = self._saved[mb]
         if self.closure is not None:
             self.closure.backward(self.index, mb, self._params)
-        root: Tensor | None = None
-        root_grad: Tensor | None = None
-        if out.requires_grad:
+        root: Root | None = None
+        root_grad: Root | None = None
+        if not isinstance(out, Tensor):
+            roots, grads = output_roots(out, grad, self.precision.scaled, self.index)
+            if roots:
+                root, root_grad = roots, grads
+        elif out.requires_grad:
             if self.is_last:
                 root = self.precision.scaled(out)
             elif grad is not None:
+                assert isinstance(grad, Tensor)
                 root, root_grad = out, self.precision.scaled(grad)
         units = self._units_out.pop(mb, None)
         half: WeightHalf = []
-        g_in: Tensor | None = None
+        g_in: Gradients | None = None
         if root is not None:
             with self.random.stream():
                 g_in, half = input_half(root, root_grad, x_in, units, self._params)
         self._weight_half[mb] = half
         # held until W, with the activations
-        self.memory_count.add_activations(mb, sum(g.numel() * g.element_size() for *_, g in half))
-        return self.precision.true_gradient(g_in)
+        self.memory_count.add_activations(mb, sum(payload_bytes(g) for *_, g in half))
+        if isinstance(x_in, Tensor):
+            assert g_in is None or isinstance(g_in, Tensor)
+            return self.precision.true_gradient(g_in)
+        found = g_in if isinstance(g_in, tuple) else (None,) * len(x_in)
+        return self._input_gradients(x_in, found)
 
     def backward_weight(self, mb: int) -> None:
         """The weight half W of micro-batch ``mb``'s split backward, after its I: the weight

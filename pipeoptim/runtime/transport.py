@@ -12,9 +12,13 @@ drift apart:
   reaped later, so communication overlaps compute.
 
 A message is named by ``(kind, receiving stage, micro-batch)``; on gloo the name becomes the
-message tag, so out-of-order posting is safe. NCCL ignores tags and matches messages per
-pair of ranks in posting order, which holds for every non-interleaved schedule (each
-directed pair carries one kind of message in micro-batch order).
+message tag, so out-of-order posting is safe. A message may be a tuple of tensors (a stage
+that hands on hidden states and a mask): the local mailbox stores the tuple, the distributed
+transport sends each tensor as its own message, part ``i`` under the message's tag plus ``i``
+times a stride that keeps every part's tags apart (:data:`MAX_PARTS` parts at most). NCCL
+ignores tags and matches messages per pair of ranks in posting order, which holds for every
+non-interleaved schedule (each directed pair carries one kind of message in micro-batch
+order; the parts of a tuple are posted in order on both sides).
 """
 
 from __future__ import annotations
@@ -32,13 +36,16 @@ from torch import Tensor
 from torch._C._distributed_c10d import Store
 
 from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.runtime.payload import MAX_PARTS, Payload
 from pipeoptim.runtime.placement import stop_if_orphaned
 
 __all__ = [
+    "MAX_PARTS",
     "DistTransport",
     "FailureBoard",
     "LocalTransport",
     "MessageKey",
+    "Parts",
     "PeerLostError",
     "Transport",
     "lost_peer",
@@ -46,10 +53,15 @@ __all__ = [
 
 MessageKey = tuple[str, int, int]
 """``(kind, receiving stage, micro-batch)``: kind ``act``, ``grad``, ``target`` (stage 0's rank
-to the last stage's), or ``eval`` / ``eval_target`` for evaluation batches."""
+to the last stage's), ``eval`` / ``eval_target`` for evaluation batches, or ``tie`` (a weight
+shared across stages: ``ties.py``)."""
 
-_KINDS = {"act": 0, "grad": 1, "eval": 2, "target": 3, "eval_target": 4}
+_KINDS = {"act": 0, "grad": 1, "eval": 2, "target": 3, "eval_target": 4, "tie": 5}
 _TAG_LIMIT = 2**30
+_PART_STRIDE = _TAG_LIMIT // MAX_PARTS  # part i of a tuple: its message's tag + i x stride
+
+Parts = tuple[tuple[tuple[int, ...], torch.dtype], ...]
+"""The (shape, dtype) of each tensor of a tuple message, in order."""
 
 
 class PeerLostError(RuntimeConfigError):
@@ -66,12 +78,23 @@ class Transport(ABC):
     rank: int
 
     @abstractmethod
-    def send(self, tensor: Tensor, peer: int, key: MessageKey) -> None:
-        """Send ``tensor`` to rank ``peer``; returns without waiting for delivery."""
+    def send(self, tensor: Payload, peer: int, key: MessageKey) -> None:
+        """Send ``tensor`` (or a tuple of tensors) to rank ``peer``; returns without waiting
+        for delivery."""
 
     @abstractmethod
     def recv(self, key: MessageKey, peer: int, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
         """The tensor named ``key`` from rank ``peer`` (blocks until it is there)."""
+
+    @abstractmethod
+    def recv_parts(self, key: MessageKey, peer: int, parts: Parts) -> tuple[Tensor, ...]:
+        """The tuple of tensors named ``key`` from rank ``peer``, each of its ``parts``'
+        shape and dtype (blocks until they are there)."""
+
+    def post_recv_parts(  # noqa: B027 - optional hook, a no-op where receives are instant
+        self, key: MessageKey, peer: int, parts: Parts
+    ) -> None:
+        """:meth:`post_recv` for a tuple message."""
 
     def post_recv(  # noqa: B027 - optional hook, a no-op where receives are instant
         self, key: MessageKey, peer: int, shape: Sequence[int], dtype: torch.dtype
@@ -90,34 +113,49 @@ class LocalTransport(Transport):
     """All ranks in one process: a shared mailbox. Messages are copies, as over a wire, so a
     receiving stage can never write into a tensor the sending stage saved for backward."""
 
-    def __init__(self, rank: int, mailbox: dict[MessageKey, Tensor]) -> None:
+    def __init__(self, rank: int, mailbox: dict[MessageKey, Payload]) -> None:
         self.rank = rank
         self._mailbox = mailbox
 
     @classmethod
     def group(cls, world_size: int) -> list[LocalTransport]:
         """One endpoint per rank, sharing a mailbox."""
-        mailbox: dict[MessageKey, Tensor] = {}
+        mailbox: dict[MessageKey, Payload] = {}
         return [cls(r, mailbox) for r in range(world_size)]
 
-    def send(self, tensor: Tensor, peer: int, key: MessageKey) -> None:
+    def send(self, tensor: Payload, peer: int, key: MessageKey) -> None:
         if key in self._mailbox:
             raise RuntimeError(f"rank {self.rank}: message {key} sent twice")
         # No copy: what is sent is a stage's detached output or an input gradient, which
         # the sender never writes again; the receiving stage makes an input a leaf that
         # requires grad, so an in-place op on it raises instead of changing the sender's.
-        self._mailbox[key] = tensor.detach()
+        if isinstance(tensor, Tensor):
+            self._mailbox[key] = tensor.detach()
+        else:
+            self._mailbox[key] = tuple(t.detach() for t in tensor)
 
     def ready(self, key: MessageKey) -> bool:
         return key in self._mailbox
 
     def recv(self, key: MessageKey, peer: int, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
         try:
-            return self._mailbox.pop(key)
+            t = self._mailbox.pop(key)
         except KeyError:
             raise RuntimeError(
                 f"rank {self.rank}: message {key} from rank {peer} was never sent"
             ) from None
+        assert isinstance(t, Tensor), f"message {key} is a tuple"
+        return t
+
+    def recv_parts(self, key: MessageKey, peer: int, parts: Parts) -> tuple[Tensor, ...]:
+        try:
+            t = self._mailbox.pop(key)
+        except KeyError:
+            raise RuntimeError(
+                f"rank {self.rank}: message {key} from rank {peer} was never sent"
+            ) from None
+        assert isinstance(t, tuple), f"message {key} is one tensor, not a tuple"
+        return t
 
 
 class DistTransport(Transport):
@@ -137,6 +175,7 @@ class DistTransport(Transport):
         """Process-group rank of this pipeline's rank 0 (replica x P under data parallelism):
         peers are named by pipeline rank, addressed by process-group rank."""
         self._recvs: dict[MessageKey, tuple[dist.Work, Tensor, int]] = {}
+        self._part_recvs: dict[MessageKey, list[tuple[dist.Work, Tensor]]] = {}
         self._sends: list[tuple[dist.Work, Tensor, int, MessageKey]] = []
 
     def _tag(self, key: MessageKey) -> int:
@@ -144,7 +183,10 @@ class DistTransport(Transport):
         kind, stage, mb = key
         return ((mb * self._num_stages + stage) * len(_KINDS) + _KINDS[kind]) % _TAG_LIMIT
 
-    def send(self, tensor: Tensor, peer: int, key: MessageKey) -> None:
+    def send(self, tensor: Payload, peer: int, key: MessageKey) -> None:
+        if not isinstance(tensor, Tensor):
+            self._send_parts(tensor, peer, key)
+            return
         buf = tensor.detach().contiguous()
         work = dist.isend(buf, self._first + peer, tag=self._tag(key))
         if work is None:  # pragma: no cover - only when this rank is not in the group
@@ -156,6 +198,44 @@ class DistTransport(Transport):
             # this rank has yet to send.
             self._wait_sends(self._sends[:32])
             del self._sends[:32]
+
+    def _part_tags(self, key: MessageKey, n: int) -> list[int]:
+        if n > MAX_PARTS:
+            raise RuntimeError(f"{_describe(key)} has {n} tensors, over {MAX_PARTS}")
+        tag = self._tag(key)
+        return [(tag + i * _PART_STRIDE) % _TAG_LIMIT for i in range(n)]
+
+    def _send_parts(self, tensors: tuple[Tensor, ...], peer: int, key: MessageKey) -> None:
+        for t, tag in zip(tensors, self._part_tags(key, len(tensors)), strict=True):
+            buf = t.detach().contiguous()
+            work = dist.isend(buf, self._first + peer, tag=tag)
+            if work is None:  # pragma: no cover
+                raise RuntimeError(f"rank {self.rank}: isend to rank {peer} returned no work")
+            self._sends.append((work, buf, peer, key))
+        if len(self._sends) > 64:
+            self._wait_sends(self._sends[:32])
+            del self._sends[:32]
+
+    def post_recv_parts(self, key: MessageKey, peer: int, parts: Parts) -> None:
+        if key in self._part_recvs:
+            return
+        posted = []
+        for (shape, dtype), tag in zip(parts, self._part_tags(key, len(parts)), strict=True):
+            buf = torch.empty(shape, dtype=dtype, device=self.device)
+            work = dist.irecv(buf, self._first + peer, tag=tag)
+            if work is None:  # pragma: no cover
+                raise RuntimeError(f"rank {self.rank}: irecv from rank {peer} returned no work")
+            posted.append((work, buf))
+        self._part_recvs[key] = posted
+
+    def recv_parts(self, key: MessageKey, peer: int, parts: Parts) -> tuple[Tensor, ...]:
+        self.post_recv_parts(key, peer, parts)
+        what = f"{_describe(key)} from rank {self._first + peer}"
+        out = []
+        for i, (work, buf) in enumerate(self._part_recvs.pop(key)):
+            self._wait(work, peer, f"tensor {i} of {what}")
+            out.append(buf)
+        return tuple(out)
 
     def post_recv(
         self, key: MessageKey, peer: int, shape: Sequence[int], dtype: torch.dtype
@@ -231,6 +311,7 @@ def _describe(key: MessageKey) -> str:
         "target": "the targets",
         "eval": "the evaluation batch",
         "eval_target": "the evaluation targets",
+        "tie": "the shared-weight gradients",
     }[kind]
     return f"{name} of micro-batch {mb} for stage {stage}"
 

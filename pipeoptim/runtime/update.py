@@ -257,6 +257,9 @@ class StageUpdate:
         self.grad_sync: Callable[[Sequence[Tensor]], None] | None = None
         """Set under data parallelism: averages the gradients over the stage's replicas
         before each update (``replicas.GradientAverager``)."""
+        self.tied: list[Tensor] = []
+        """Weights this stage shares with other stages (``ties.py``): each is clipped on its
+        own norm, which is the same on every member stage, so their copies stay equal."""
         self._note = note
         # The run's own base rates: a resume with other rates rescales the loaded ones.
         self._base_lrs = [float(g.get("initial_lr", g["lr"])) for g in optimizer.param_groups]
@@ -272,7 +275,13 @@ class StageUpdate:
         if scaler is not None and (self.grad_clip is not None or self.correction is not None):
             scaler.unscale_(opt)
         if self.grad_clip is not None:
-            nn.utils.clip_grad_norm_(params, self.grad_clip)
+            if self.tied:
+                shared = {id(t) for t in self.tied}
+                nn.utils.clip_grad_norm_([p for p in params if id(p) not in shared], self.grad_clip)
+                for t in self.tied:
+                    nn.utils.clip_grad_norm_([t], self.grad_clip)
+            else:
+                nn.utils.clip_grad_norm_(params, self.grad_clip)
         if self.correction is not None:
             self.correction.before_step(opt, params, delay)
         if scaler is not None:

@@ -564,6 +564,11 @@ def _plateau(opt: torch.optim.Optimizer) -> Any:
     return torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
 
 
+def _init_weights(index: int, unit: nn.Module) -> None:
+    for p in unit.parameters():
+        nn.init.normal_(p, std=0.1)
+
+
 def _per_sample(out: Tensor, target: Tensor) -> Tensor:
     return F.cross_entropy(out, target, reduction="none")
 
@@ -580,7 +585,7 @@ CONSTRUCTOR = {
         [None, _sgd, _adam, OptimizerSpec("adam", 1e-3)], (_lbfgs, _not_an_optimizer)
     ),
     "scheduler": _mix([None, _cosine], (_plateau,)),
-    "loss_fn": _mix([F.cross_entropy], (_detached, _constant, _per_sample)),
+    "loss_fn": _mix([F.cross_entropy, None], (_detached, _constant, _per_sample)),
     "amp": _mix([None, None, "bf16"], ("fp16", "fp8")),
     "grad_clip": _mix([None, 1.0, 0.5]),
     "timeout": _mix([300.0, 30]),
@@ -596,6 +601,7 @@ CONSTRUCTOR = {
     "targets": _mix(["send", "read"], ("both",)),
     "data_parallel": _mix([None, 1], (2,)),
     "predicted_backward": _mix([False, True]),
+    "init_weights": _mix([None, _init_weights], (3, "normal")),
     "plan": _mix([None, Plan("1f1b", 2, micro_batches=2), Plan("pipeoptim", 3)]),
 }
 """Every argument but ``store``, ``progress`` and the run identity (internal to the CLI).

@@ -1,0 +1,144 @@
+"""One checkpoint out: a pipeline's per-stage checkpoint as one state dict in the model's names.
+
+A run's checkpoint is one file per stage, keyed the way a stage holds its units
+(``"0.weight"`` of the stage's first unit). Someone who trained a model wants it back as the
+model: one ``state_dict`` whose keys are the model's own (``transformer.h.0.attn.c_attn.weight``),
+loadable into the model they built, or for a Hugging Face model a folder that
+``from_pretrained`` loads. The names come from the run (``ModelUnits.names``, recorded in every
+checkpoint); a model given as plain units is named as an ``nn.Sequential`` of them names it.
+
+A weight shared across stages has one copy per member stage (``ties.py``); they are equal, and
+the export writes it under each of its names once, after checking the copies agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.runtime.checkpoint import CheckpointStore, latest_step
+
+__all__ = ["EXPORT_FORMATS", "export_checkpoint", "merge_stages", "write_export"]
+
+EXPORT_FORMATS = ("pt", "safetensors", "hf")
+"""``.pt`` (torch.save of the state dict), ``.safetensors`` (needs the safetensors package), or
+``hf``: a folder ``from_pretrained`` loads (a Hugging Face model; needs transformers)."""
+
+
+def merge_stages(
+    stage_states: Mapping[int, Mapping[str, Tensor]],
+    bounds: Sequence[Sequence[int]],
+    names: Sequence[Mapping[str, Sequence[str]]] | None,
+) -> dict[str, Tensor]:
+    """Every stage's module state (keys ``"{unit in stage}.{key}"``) as one state dict in the
+    model's names. A name two stages give (a tied weight) must hold equal values."""
+    merged: dict[str, Tensor] = {}
+    where: dict[str, int] = {}
+    for k in sorted(stage_states):
+        first = int(bounds[k][0])
+        for key, value in stage_states[k].items():
+            local, _, rest = key.partition(".")
+            unit = first + int(local)
+            targets = names[unit].get(rest, [f"{unit}.{rest}"]) if names else [f"{unit}.{rest}"]
+            for name in targets:
+                held = merged.get(name)
+                if held is None:
+                    merged[name], where[name] = value, k
+                elif not torch.equal(held, value):
+                    raise RuntimeConfigError(
+                        f"{name!r} is shared by stages {where[name]} and {k}, whose copies "
+                        f"differ (largest difference {(held - value).abs().max().item():.3g}); "
+                        f"the checkpoint was not written by one run of a synchronous method"
+                    )
+    return merged
+
+
+def _format_of(out: Path, requested: str | None) -> str:
+    if requested is not None:
+        if requested not in EXPORT_FORMATS:
+            raise RuntimeConfigError(
+                f"unknown export format {requested!r}; use one of {', '.join(EXPORT_FORMATS)}"
+            )
+        return requested
+    if out.suffix == ".safetensors":
+        return "safetensors"
+    if out.suffix in (".pt", ".pth", ".bin"):
+        return "pt"
+    raise RuntimeConfigError(
+        f"cannot tell the export format from {str(out)!r}; name the file *.pt or "
+        f"*.safetensors, or pass the format ({', '.join(EXPORT_FORMATS)}; hf writes a folder)"
+    )
+
+
+def write_export(
+    state: dict[str, Tensor], out: str | Path, fmt: str | None, source: Mapping[str, Any]
+) -> Path:
+    """Write ``state`` to ``out`` as ``fmt`` (None: from the suffix)."""
+    path = Path(out)
+    kind = _format_of(path, fmt)
+    if kind == "hf":
+        if source.get("library") != "transformers":
+            raise RuntimeConfigError(
+                "the hf format needs a Hugging Face model cut with pipeoptim.hf.cut_causal_lm "
+                "(this run's units came from elsewhere, so there is no config to write); "
+                "export to a .pt or .safetensors file instead"
+            )
+        from pipeoptim.hf import save_pretrained_folder
+
+        return save_pretrained_folder(dict(source), state, path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
+    if kind == "safetensors":
+        try:
+            from safetensors.torch import save_file
+        except ImportError:
+            raise RuntimeConfigError(
+                "writing .safetensors needs the safetensors package: pip install "
+                "'pipeoptim[hf]' (or safetensors), or export to a .pt file"
+            ) from None
+        # safetensors refuses two names over one storage: give each name its own tensor
+        seen: set[int] = set()
+        for k, v in tensors.items():
+            if v.untyped_storage().data_ptr() in seen:
+                tensors[k] = v.clone()
+            seen.add(tensors[k].untyped_storage().data_ptr())
+        save_file(tensors, str(path))
+    else:
+        torch.save(tensors, path)
+    return path
+
+
+def export_checkpoint(
+    checkpoint_dir: str | Path,
+    out: str | Path,
+    *,
+    fmt: str | None = None,
+    step: int | None = None,
+) -> Path:
+    """The checkpoint of ``step`` (default: the latest) in ``checkpoint_dir`` as one file (or
+    an ``hf`` folder) at ``out``; returns the path written."""
+    root = Path(checkpoint_dir)
+    record = latest_step(root)
+    if record is None:
+        raise RuntimeConfigError(
+            f"no checkpoint in {str(root)!r} (no latest.json); point --checkpoint-dir at the "
+            f"folder a run with checkpoint_dir wrote"
+        )
+    chosen = int(record["step"]) if step is None else step
+    config = record.get("config", {})
+    num_stages = int(record["num_stages"])
+    store = CheckpointStore(root, config, num_stages=num_stages)
+    if chosen not in store.steps():
+        raise RuntimeConfigError(
+            f"{root} has no checkpoint of step {chosen}; it has steps {sorted(store.steps())}"
+        )
+    payloads = [store.load(chosen, k, torch.device("cpu")) for k in range(num_stages)]
+    states = {k: payload["state"]["module"] for k, payload in enumerate(payloads)}
+    model = payloads[0].get("model") or {}
+    merged = merge_stages(states, config["boundaries"], model.get("names"))
+    return write_export(merged, out, fmt, model.get("source") or {})

@@ -1,0 +1,96 @@
+"""One checkpoint out: ``Pipeline.export`` and ``pipeoptim export`` write the trained model as
+one state dict in the model's own names, which the user's model loads strictly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import tied_worker as tw
+import torch
+from torch import Tensor, nn
+
+from pipeoptim import Pipeline
+from pipeoptim.cli import main
+from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.runtime.export import export_checkpoint
+from pipeoptim.runtime.model_units import ModelUnits
+
+
+class TinyLM(nn.Module):
+    """The user's own model, with its own names; the pipeline gets its parts as units."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        table = nn.Embedding(tw.VOCAB, tw.DIM)
+        self.embed = tw.Embed(table)
+        self.body = nn.ModuleList([tw.Mix(), tw.Mix()])
+        self.head = tw.TiedHead(table)
+
+    def units(self) -> list[nn.Module]:
+        return [self.embed, *self.body, self.head]
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = self.embed(ids)
+        for block in self.body:
+            h = block(h)
+        out: Tensor = self.head(h)
+        return out
+
+
+def train(units: list[nn.Module] | ModelUnits, folder: Path | None = None) -> Pipeline:
+    pipe = Pipeline(
+        units,
+        method="1f1b",
+        stages=2,
+        micro_batches=2,
+        optimizer=tw.adamw,
+        loss_fn=tw.token_loss,
+        device="cpu",
+        checkpoint_dir=str(folder) if folder else None,
+    )
+    pipe.fit(tw.batches(3), max_steps=3)
+    return pipe
+
+
+def test_plain_units_export_as_an_nn_sequential_of_them(tmp_path: Path) -> None:
+    pipe = train(tw.tied_units())
+    path = pipe.export(tmp_path / "model.pt")
+    state = torch.load(path, weights_only=True)
+    model = nn.Sequential(*tw.tied_units(seed=1))
+    model.load_state_dict(state, strict=True)
+    assert torch.equal(state["0.table.weight"], state["3.weight"])  # the tie, under both names
+    assert torch.equal(state["1.proj.weight"], pipe.stages[0].module.get_parameter("1.proj.weight"))
+
+
+def test_the_cli_exports_a_checkpoint_in_the_models_own_names(tmp_path: Path) -> None:
+    model = TinyLM()
+    pipe = train(ModelUnits.from_model(model, model.units()), tmp_path / "ckpt")
+    out = tmp_path / "model.safetensors"
+    assert main(["export", "--checkpoint-dir", str(tmp_path / "ckpt"), "--out", str(out)]) == 0
+    from safetensors.torch import load_file
+
+    state = load_file(str(out))
+    assert set(state) == set(TinyLM().state_dict())
+    fresh = TinyLM()
+    fresh.load_state_dict(state, strict=True)
+    ids = tw.batches(1)[0][0]
+    live = pipe.stages[1].module(pipe.stages[0].module(ids))
+    torch.testing.assert_close(fresh(ids), live, rtol=0, atol=0)
+    # the same run exported from the live stages
+    direct = torch.load(pipe.export(tmp_path / "direct.pt"), weights_only=True)
+    assert all(torch.equal(direct[k], state[k]) for k in state)
+
+
+def test_export_errors_name_the_fix(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeConfigError, match="no checkpoint"):
+        export_checkpoint(tmp_path, tmp_path / "m.pt")
+    pipe = train(tw.tied_units(), tmp_path / "ckpt")
+    with pytest.raises(RuntimeConfigError, match=r"\*\.pt or \*\.safetensors"):
+        pipe.export(tmp_path / "model.bin2")
+    with pytest.raises(RuntimeConfigError, match="no checkpoint of step 99"):
+        export_checkpoint(tmp_path / "ckpt", tmp_path / "m.pt", step=99)
+    with pytest.raises(RuntimeConfigError, match=r"cut with pipeoptim\.hf\.cut_causal_lm"):
+        pipe.export(tmp_path / "folder", fmt="hf")
+    assert main(["export", "--checkpoint-dir", str(tmp_path / "none"), "--out", "x.pt"]) == 2
