@@ -184,17 +184,30 @@ class Assembly:
         checkpoints for ``pipeoptim export`` (empty: plain units)."""
         self.tie_exchange: TieExchange | None = None
         """Sums the gradients of weights shared across stages at each update (``ties.py``)."""
+        # every rank makes the group (a collective), whether or not it holds a member
+        tie_transport = self._tie_transport() if self.ties else None
         if tied:
             for k, entries in tied.items():
                 updater = self.stages[k].updater
                 if updater is not None:
                     updater.tied = [p for _, p in entries if p.requires_grad]
-            self.tie_exchange = TieExchange(
-                tied, n_stages, self.rank_of, next(iter(self.transports.values()))
-            )
+            self.tie_exchange = TieExchange(tied, n_stages, self.rank_of, tie_transport, set(ranks))
             self.tie_exchange.align()
         self._join_replicas()
         self._record_optimizer()
+
+    def _tie_transport(self) -> DistTransport | None:
+        """The messages of weights shared across stages, over a process group of their own
+        (NCCL matches a pair's messages in posting order); None in one process."""
+        if self.transport_name == "local":
+            return None
+        return DistTransport(
+            self.ranks[0],
+            self.shape.num_stages,  # tags from stage numbers, which exceed ranks when V > 1
+            self.device,
+            first_rank=self.replicas.global_rank(0),
+            group=dist.new_group(),
+        )
 
     def _place(self, requested: str) -> tuple[torch.device, list[int]]:
         """This process's device and ranks; joins (or starts) the process group for dist."""

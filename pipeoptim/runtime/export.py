@@ -129,8 +129,22 @@ def export_checkpoint(
             f"no checkpoint in {str(root)!r} (no latest.json); point --checkpoint-dir at the "
             f"folder a run with checkpoint_dir wrote"
         )
+    config = record.get("config") if isinstance(record, dict) else None
+    fields_ok = (
+        isinstance(config, dict)
+        and isinstance(record.get("step"), int)
+        and isinstance(record.get("num_stages"), int)
+        and isinstance(config.get("boundaries"), list)
+        and len(config["boundaries"]) == record["num_stages"]
+    )
+    if not fields_ok:
+        raise RuntimeConfigError(
+            f"{root / 'latest.json'} is damaged (it needs the step, the stage count and the "
+            f"run's boundaries); point --checkpoint-dir at a folder a run wrote, or pass "
+            f"--step of a checkpoint whose files are whole"
+        )
+    assert isinstance(config, dict)
     chosen = int(record["step"]) if step is None else step
-    config = record.get("config", {})
     num_stages = int(record["num_stages"])
     store = CheckpointStore(root, config, num_stages=num_stages)
     if chosen not in store.steps():
@@ -138,7 +152,15 @@ def export_checkpoint(
             f"{root} has no checkpoint of step {chosen}; it has steps {sorted(store.steps())}"
         )
     payloads = [store.load(chosen, k, torch.device("cpu")) for k in range(num_stages)]
-    states = {k: payload["state"]["module"] for k, payload in enumerate(payloads)}
+    states: dict[int, Mapping[str, Tensor]] = {}
+    for k, payload in enumerate(payloads):
+        module = payload.get("state", {}).get("module") if isinstance(payload, dict) else None
+        if not isinstance(module, dict):
+            raise RuntimeConfigError(
+                f"the stage {k} file of step {chosen} in {root} holds no module weights; the "
+                f"folder is damaged, export another --step"
+            )
+        states[k] = module
     model = payloads[0].get("model") or {}
     merged = merge_stages(states, config["boundaries"], model.get("names"))
     return write_export(merged, out, fmt, model.get("source") or {})

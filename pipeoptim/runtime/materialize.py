@@ -55,7 +55,7 @@ def materialize_units(
 
     Only meta tensors are touched; units that are already real are left as they are (a model
     partly built on meta). Refuses meta units without ``init_weights``: their storage would be
-    uninitialised memory."""
+    uninitialised memory (as it stays wherever ``init_weights`` writes nothing)."""
     wanted = [i for i in indices if is_meta(units[i])]
     if not wanted:
         return
@@ -76,7 +76,14 @@ def materialize_units(
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(unit_seed(seed, i))
             with torch.no_grad():
-                init_weights(i, units[i])
+                try:
+                    init_weights(i, units[i])
+                except Exception as err:
+                    raise RuntimeConfigError(
+                        f"init_weights failed on unit {i} ({type(units[i]).__name__}): "
+                        f"{type(err).__name__}: {err}; it is called as init_weights(index, "
+                        f"unit) with the unit on {device}, to fill its tensors in place"
+                    ) from err
         left = [n for n, t in units[i].state_dict(keep_vars=True).items() if t.is_meta]
         if left:
             raise RuntimeConfigError(

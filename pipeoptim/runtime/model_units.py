@@ -85,11 +85,28 @@ class ModelUnits:
                 "ModelUnits takes a non-empty list of nn.Module units "
                 f"(got {[type(u).__name__ for u in self.units]})"
             )
-        if self.names is not None and len(self.names) != len(self.units):
+        if self.names is None:
+            return
+        fix = "source_names(model, units) builds them"
+        if not isinstance(self.names, list) or len(self.names) != len(self.units):
+            count = len(self.names) if isinstance(self.names, list) else type(self.names).__name__
             raise RuntimeConfigError(
-                f"ModelUnits has {len(self.units)} units but names for {len(self.names)}; "
-                f"give one name map per unit (source_names(model, units) builds them)"
+                f"ModelUnits has {len(self.units)} units but names {count}; give a list of "
+                f"one name map per unit ({fix})"
             )
+        for i, (unit, names) in enumerate(zip(self.units, self.names, strict=True)):
+            keys = set(unit.state_dict())
+            bad = not isinstance(names, dict) or any(
+                not isinstance(v, list) or not v or not all(isinstance(n, str) for n in v)
+                for v in names.values()
+            )
+            if bad or set(names) != keys:
+                missing = sorted(keys - set(names)) if isinstance(names, dict) else []
+                raise RuntimeConfigError(
+                    f"the names of unit {i} ({type(unit).__name__}) must map each of its "
+                    f"state_dict keys to a non-empty list of the model's names (missing "
+                    f"{missing[:4]}, got {type(names).__name__}); {fix}"
+                )
 
     @classmethod
     def from_model(

@@ -215,6 +215,12 @@ def profile_model(
     """
     named = _named_layers(layers)
     if any(is_meta(m) for _, m in named):
+        if neighbours:
+            raise RuntimeConfigError(
+                f"neighbours={neighbours} trains copies of the whole model beside the "
+                f"profile, and these layers are on the meta device (no rank holds them all); "
+                f"profile them with neighbours=0"
+            )
         return _profile_one_at_a_time(
             named,
             sample_input,
@@ -419,9 +425,12 @@ def _profile_one_at_a_time(
             x = check_output(name, held[i](x)).detach()
         del held
     assert alone is not None
+    floats = [p for m in modules for p in m.parameters() if p.is_floating_point()]
+    width = floats[0].element_size() if floats else alone.dtype_bytes
     meta = {
         **alone.meta,
         "input_shape": list(sample_input.shape),
+        "input_dtype": str(sample_input.dtype),
         "materialised": "one layer at a time",
     }
-    return dataclasses.replace(alone, layers=tuple(layers), meta=meta)
+    return dataclasses.replace(alone, layers=tuple(layers), dtype_bytes=width, meta=meta)

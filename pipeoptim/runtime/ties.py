@@ -154,29 +154,31 @@ def refuse_for(method: Method, ties: Sequence[Tie], amp: str | None) -> None:
 def untie_copies(
     units: Sequence[nn.Module], ties: Sequence[Tie], held: set[int]
 ) -> dict[int, list[tuple[Tie, nn.Parameter]]]:
-    """Give every member stage this process holds its own copy of each tie: where an earlier
-    held stage already trains the same Parameter, a clone is put in its place in this stage's
-    units. Returns, per held stage, its ties and the Parameter that stage trains. Only held
-    stages are touched, so a rank never holds another rank's stage's copy."""
+    """Give every member stage this process holds its own copy of each tie: the first held
+    member stage keeps the Parameter, every other one gets a clone in its units (one per
+    stage, so a stage that uses it twice still holds one). A clone, not a check of identity:
+    two Parameters over one storage are one tensor too. Returns, per held stage, its ties and
+    the Parameter that stage trains. Only held stages are touched, so a rank never holds
+    another rank's stage's copy."""
     mine: dict[int, list[tuple[Tie, nn.Parameter]]] = {}
     for tie in ties:
-        taken: dict[int, int] = {}  # id(Parameter) -> the held stage that trains it
-        copies: dict[int, nn.Parameter] = {}  # stage -> its clone
+        keeper: int | None = None  # the first held member stage: it keeps the Parameter
+        trained: dict[int, nn.Parameter] = {}  # stage -> the Parameter it trains
         for stage, u, name in tie.places:
             if stage not in held:
                 continue
             owner, attr = _owner(units[u], name)
-            param = copies.get(stage, owner._parameters[attr])
+            param = owner._parameters[attr]
             assert isinstance(param, nn.Parameter)
-            if taken.get(id(param), stage) != stage:
-                param = copies[stage] = nn.Parameter(
-                    param.detach().clone(), requires_grad=param.requires_grad
+            keeper = stage if keeper is None else keeper
+            if stage not in trained:
+                trained[stage] = (
+                    param
+                    if stage == keeper
+                    else nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad)
                 )
-            taken[id(param)] = stage
-            owner._parameters[attr] = param
-            entries = mine.setdefault(stage, [])
-            if all(t is not tie for t, _ in entries):
-                entries.append((tie, param))
+                mine.setdefault(stage, []).append((tie, trained[stage]))
+            owner._parameters[attr] = trained[stage]
     return mine
 
 
@@ -188,22 +190,30 @@ def _owner(unit: nn.Module, name: str) -> tuple[nn.Module, str]:
 class TieExchange:
     """At each update of a member stage: send its gradients of its ties to the other member
     stages, take theirs, and set every tied gradient to the sum in stage order. At the start,
-    every copy takes the first member stage's value (:meth:`align`)."""
+    every copy takes the first member stage's value (:meth:`align`). Messages between stages
+    of this process stay in a mailbox here; the others go by ``transport`` (under NCCL on a
+    process group of their own, since NCCL matches a pair's messages in posting order and
+    these come between the activations and gradients)."""
 
     def __init__(
         self,
-        mine: Mapping[int, Sequence[tuple[Tie, nn.Parameter]]],
+        held: Mapping[int, Sequence[tuple[Tie, nn.Parameter]]],
         num_stages: int,
         rank_of: Mapping[int, int],
-        transport: Transport,
+        transport: Transport | None,
+        here: set[int],
     ) -> None:
-        self.held = {k: list(v) for k, v in mine.items() if v}
-        self.mine = {k: [(t, p) for t, p in v if p.requires_grad] for k, v in self.held.items()}
+        self.held = {k: list(v) for k, v in held.items() if v}
+        """Per stage this process holds, its ties and the Parameter it trains."""
+        exchanged = {k: [(t, p) for t, p in v if p.requires_grad] for k, v in self.held.items()}
+        self.mine = {k: v for k, v in exchanged.items() if v}
         """Per stage, the ties whose gradients are exchanged (frozen ones are only aligned)."""
-        self.mine = {k: v for k, v in self.mine.items() if v}
         self.num_stages = num_stages
         self.rank_of = dict(rank_of)
         self.transport = transport
+        self.here = set(here)
+        """The ranks of this process: messages between them never leave it."""
+        self._box: dict[MessageKey, Tensor] = {}
         self._posted: set[tuple[int, int]] = set()  # (stage, step) whose gradients were sent
         self._done: dict[tuple[int, int], int] = {}  # (stage, step) -> micro-batches in
         for stage, entries in self.mine.items():
@@ -214,6 +224,28 @@ class TieExchange:
                     f"({sorted(str(d) for d in dtypes)}); cast the model to one dtype"
                 )
 
+    # -- messages: a mailbox within this process, the transport between processes ---------
+    def _send(self, value: Tensor, receiver: int, key: MessageKey) -> None:
+        if self.rank_of[receiver] in self.here:
+            self._box[key] = value.detach()
+            return
+        assert self.transport is not None
+        self.transport.send(value, self.rank_of[receiver], key)
+
+    def _arrived(self, key: MessageKey, sender: int) -> bool:
+        if self.rank_of[sender] in self.here:
+            return key in self._box
+        assert self.transport is not None
+        return self.transport.ready(key)
+
+    def _take(
+        self, key: MessageKey, sender: int, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> Tensor:
+        if self.rank_of[sender] in self.here:
+            return self._box.pop(key)
+        assert self.transport is not None
+        return self.transport.recv(key, self.rank_of[sender], shape, dtype)
+
     def align(self) -> None:
         """Every held copy takes the value of the tie's first member stage (which may be on
         another process): the copies start equal whatever each process initialised."""
@@ -222,14 +254,12 @@ class TieExchange:
             ((k, t, p) for k, v in self.held.items() for t, p in v), key=lambda e: e[0]
         ):
             first = tie.stages[0]
-            key: MessageKey = ("tie", stage, -1 - tie.index)
             if stage == first:
                 for other in tie.stages[1:]:
-                    self.transport.send(
-                        p.detach(), self.rank_of[other], ("tie", other, -1 - tie.index)
-                    )
+                    self._send(p.detach(), other, ("tie", other, -1 - tie.index))
             else:
-                value = self.transport.recv(key, self.rank_of[first], tuple(p.shape), p.dtype)
+                key: MessageKey = ("tie", stage, -1 - tie.index)
+                value = self._take(key, first, tuple(p.shape), p.dtype)
                 with torch.no_grad():
                     p.copy_(value)
 
@@ -252,7 +282,7 @@ class TieExchange:
         self._posted.add((stage, step))
         for partner in self._partners(stage):
             flat = torch.cat([_grad(p).reshape(-1) for _, p in self._shared(stage, partner)])
-            self.transport.send(flat, self.rank_of[partner], self._key(partner, stage, step))
+            self._send(flat, partner, self._key(partner, stage, step))
 
     def gradient_done(self, stage: int, step: int, micro_batches: int) -> None:
         """One more micro-batch of ``step`` has its weight gradients in on ``stage``; with
@@ -268,7 +298,7 @@ class TieExchange:
     def ready(self, stage: int, step: int) -> bool:
         """Whether every partner's gradients of ``step`` have arrived."""
         return all(
-            self.transport.ready(self._key(stage, partner, step))
+            self._arrived(self._key(stage, partner, step), partner)
             for partner in self._partners(stage)
         )
 
@@ -280,12 +310,8 @@ class TieExchange:
         for partner in self._partners(stage):
             shared = self._shared(stage, partner)
             total = sum(p.numel() for _, p in shared)
-            flat = self.transport.recv(
-                self._key(stage, partner, step),
-                self.rank_of[partner],
-                (total,),
-                shared[0][1].dtype,
-            )
+            key = self._key(stage, partner, step)
+            flat = self._take(key, partner, (total,), shared[0][1].dtype)
             offset = 0
             for tie, p in shared:
                 part = flat[offset : offset + p.numel()].view_as(p).to(p.device)

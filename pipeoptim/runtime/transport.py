@@ -166,10 +166,19 @@ class DistTransport(Transport):
     """
 
     def __init__(
-        self, rank: int, num_stages: int, device: torch.device, *, first_rank: int = 0
+        self,
+        rank: int,
+        num_stages: int,
+        device: torch.device,
+        *,
+        first_rank: int = 0,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         self.rank = rank
         self.device = device
+        self._group = group
+        """The process group the messages go over (None: the default one); peers are still
+        addressed by their rank in the default group."""
         self._num_stages = num_stages
         self._first = first_rank
         """Process-group rank of this pipeline's rank 0 (replica x P under data parallelism):
@@ -188,7 +197,7 @@ class DistTransport(Transport):
             self._send_parts(tensor, peer, key)
             return
         buf = tensor.detach().contiguous()
-        work = dist.isend(buf, self._first + peer, tag=self._tag(key))
+        work = dist.isend(buf, self._first + peer, tag=self._tag(key), group=self._group)
         if work is None:  # pragma: no cover - only when this rank is not in the group
             raise RuntimeError(f"rank {self.rank}: isend to rank {peer} returned no work")
         self._sends.append((work, buf, peer, key))
@@ -208,7 +217,7 @@ class DistTransport(Transport):
     def _send_parts(self, tensors: tuple[Tensor, ...], peer: int, key: MessageKey) -> None:
         for t, tag in zip(tensors, self._part_tags(key, len(tensors)), strict=True):
             buf = t.detach().contiguous()
-            work = dist.isend(buf, self._first + peer, tag=tag)
+            work = dist.isend(buf, self._first + peer, tag=tag, group=self._group)
             if work is None:  # pragma: no cover
                 raise RuntimeError(f"rank {self.rank}: isend to rank {peer} returned no work")
             self._sends.append((work, buf, peer, key))
@@ -222,7 +231,7 @@ class DistTransport(Transport):
         posted = []
         for (shape, dtype), tag in zip(parts, self._part_tags(key, len(parts)), strict=True):
             buf = torch.empty(shape, dtype=dtype, device=self.device)
-            work = dist.irecv(buf, self._first + peer, tag=tag)
+            work = dist.irecv(buf, self._first + peer, tag=tag, group=self._group)
             if work is None:  # pragma: no cover
                 raise RuntimeError(f"rank {self.rank}: irecv from rank {peer} returned no work")
             posted.append((work, buf))
@@ -243,7 +252,7 @@ class DistTransport(Transport):
         if key in self._recvs:
             return
         buf = torch.empty(tuple(shape), dtype=dtype, device=self.device)
-        work = dist.irecv(buf, self._first + peer, tag=self._tag(key))
+        work = dist.irecv(buf, self._first + peer, tag=self._tag(key), group=self._group)
         if work is None:  # pragma: no cover
             raise RuntimeError(f"rank {self.rank}: irecv from rank {peer} returned no work")
         self._recvs[key] = (work, buf, peer)

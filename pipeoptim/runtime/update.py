@@ -270,7 +270,15 @@ class StageUpdate:
         """Apply the accumulated gradient of ``params`` (one update per mini-batch)."""
         opt = self.optimizer
         if self.grad_sync is not None:  # before unscaling, clipping: replicas stay equal
-            self.grad_sync(params)
+            if self.tied:
+                # a shared weight alone: its average is then the same on every member stage
+                # (in one bucket with others, its place, and so the rounding, would differ)
+                shared = {id(t) for t in self.tied}
+                self.grad_sync([p for p in params if id(p) not in shared])
+                for t in self.tied:
+                    self.grad_sync([t])
+            else:
+                self.grad_sync(params)
         scaler = self.scaler
         if scaler is not None and (self.grad_clip is not None or self.correction is not None):
             scaler.unscale_(opt)

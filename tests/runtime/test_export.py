@@ -94,3 +94,33 @@ def test_export_errors_name_the_fix(tmp_path: Path) -> None:
     with pytest.raises(RuntimeConfigError, match=r"cut with pipeoptim\.hf\.cut_causal_lm"):
         pipe.export(tmp_path / "folder", fmt="hf")
     assert main(["export", "--checkpoint-dir", str(tmp_path / "none"), "--out", "x.pt"]) == 2
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        '{"step": 3, "config": {"boundaries": [[0, 2], [2, 4]]}}',
+        '{"step": 3, "num_stages": 2}',
+        "[1]",
+    ],
+)
+def test_a_damaged_pointer_is_named_not_a_traceback(tmp_path: Path, record: str) -> None:
+    train(tw.tied_units(), tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "latest.json").write_text(record)
+    with pytest.raises(RuntimeConfigError, match=r"latest\.json is damaged"):
+        export_checkpoint(tmp_path / "ckpt", tmp_path / "m.pt")
+
+
+def test_model_units_refuse_name_maps_that_do_not_cover_the_units() -> None:
+    units = tw.tied_units()
+    good = ModelUnits.from_model(nn.Sequential(*units), units).names
+    assert good is not None
+    with pytest.raises(RuntimeConfigError, match="names 2"):
+        ModelUnits(units, good[:2])
+    with pytest.raises(RuntimeConfigError, match="names str"):
+        ModelUnits(units, "abcd")  # type: ignore[arg-type]
+    as_strings = [{k: v[0] for k, v in names.items()} for names in good]
+    with pytest.raises(RuntimeConfigError, match=r"unit 0 \(Embed\) must map"):
+        ModelUnits(units, as_strings)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeConfigError, match=r"missing \['proj.bias'\]"):
+        ModelUnits(units, [good[0], {"proj.weight": ["w"]}, good[2], good[3]])

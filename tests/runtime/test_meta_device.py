@@ -188,3 +188,12 @@ def test_the_profiler_measures_meta_layers_one_at_a_time() -> None:
     assert profile.meta["materialised"] == "one layer at a time"
     with pytest.raises(RuntimeConfigError, match="pass init_weights"):
         profile_model(small_units(), torch.randn(8, 6))
+
+
+def test_an_initialiser_that_fails_is_named_with_its_unit() -> None:
+    def broken(index: int, unit: nn.Module) -> None:
+        if index == 2:
+            raise KeyError("oops")
+
+    with pytest.raises(RuntimeConfigError, match=r"init_weights failed on unit 2 \(Sequential\)"):
+        Pipeline(small_units(), method="gpipe", stages=2, device="cpu", init_weights=broken)

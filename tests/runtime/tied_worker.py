@@ -52,9 +52,9 @@ class TiedHead(nn.Module):
         return x @ self.weight.t()
 
 
-def tied_units(seed: int = 0) -> list[nn.Module]:
+def tied_units(seed: int = 0, vocab: int = VOCAB) -> list[nn.Module]:
     torch.manual_seed(seed)
-    table = nn.Embedding(VOCAB, DIM)
+    table = nn.Embedding(vocab, DIM)
     return [Embed(table), Mix(), Mix(), TiedHead(table)]
 
 
@@ -62,9 +62,9 @@ def token_loss(logits: Tensor, targets: Tensor) -> Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def batches(steps: int, batch: int = 8) -> list[tuple[Tensor, Tensor]]:
+def batches(steps: int, batch: int = 8, vocab: int = VOCAB) -> list[tuple[Tensor, Tensor]]:
     g = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, VOCAB, (steps, batch, CONTEXT + 1), generator=g)
+    ids = torch.randint(0, vocab, (steps, batch, CONTEXT + 1), generator=g)
     return [(b[:, :-1], b[:, 1:]) for b in ids]
 
 
@@ -119,13 +119,15 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--micro-batches", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--data-parallel", type=int, default=1)
+    parser.add_argument("--vocab", type=int, default=VOCAB)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
     record: dict[str, object] = {}
     if args.mode == "tied":
         pipe = Pipeline(
-            tied_units(),
+            tied_units(vocab=args.vocab),
             method=args.method,
             stages=args.stages,
             micro_batches=args.micro_batches,
@@ -134,8 +136,10 @@ def main() -> None:
             transport="dist",
             device="cpu",
             timeout=60,
+            data_parallel=args.data_parallel,
         )
-        result = pipe.fit(batches(args.steps), max_steps=args.steps)
+        batch = 8 * args.data_parallel
+        result = pipe.fit(batches(args.steps, batch, args.vocab), max_steps=args.steps)
     else:
         units = wide_units()
         full = training_bytes(units)
