@@ -30,6 +30,11 @@ def checked_loss(loss_fn: LossFn, out: Tensor, target: Tensor, where: str, stage
             f"{tuple(target.shape)} {target.dtype}{_target_range(target)}); check the targets "
             f"and the loss function"
         ) from err
+    return checked_scalar(loss)
+
+
+def checked_scalar(loss: object) -> Tensor:
+    """``loss`` as returned by a loss function, refused unless it is a scalar tensor."""
     if not isinstance(loss, Tensor) or loss.dim() != 0:
         shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
         raise StageError(

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from pipeoptim.errors import StageError
-from pipeoptim.runtime.loss import LossFn, checked_loss
+from pipeoptim.runtime.loss import LossFn, checked_loss, checked_scalar
 
 __all__ = [
     "MAX_PARTS",
@@ -131,13 +131,7 @@ def checked_payload_loss(
             f"{target.dtype}); the last unit returns a tuple, which the loss is given as it "
             f"is: loss_fn(output_tuple, target)"
         ) from err
-    if not isinstance(loss, Tensor) or loss.dim() != 0:
-        shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
-        raise StageError(
-            f"the loss function returned {shape}, not a scalar tensor; reduce it (e.g. "
-            f"reduction='mean' or .mean()) so every micro-batch gives one number"
-        )
-    return loss
+    return checked_scalar(loss)
 
 
 def checked_tuple(out: tuple[Any, ...], stage: int, unit: int, name: str) -> tuple[Tensor, ...]:

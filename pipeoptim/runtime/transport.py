@@ -137,23 +137,21 @@ class LocalTransport(Transport):
     def ready(self, key: MessageKey) -> bool:
         return key in self._mailbox
 
-    def recv(self, key: MessageKey, peer: int, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
+    def _take(self, key: MessageKey, peer: int) -> Payload:
         try:
-            t = self._mailbox.pop(key)
+            return self._mailbox.pop(key)
         except KeyError:
             raise RuntimeError(
                 f"rank {self.rank}: message {key} from rank {peer} was never sent"
             ) from None
+
+    def recv(self, key: MessageKey, peer: int, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
+        t = self._take(key, peer)
         assert isinstance(t, Tensor), f"message {key} is a tuple"
         return t
 
     def recv_parts(self, key: MessageKey, peer: int, parts: Parts) -> tuple[Tensor, ...]:
-        try:
-            t = self._mailbox.pop(key)
-        except KeyError:
-            raise RuntimeError(
-                f"rank {self.rank}: message {key} from rank {peer} was never sent"
-            ) from None
+        t = self._take(key, peer)
         assert isinstance(t, tuple), f"message {key} is one tensor, not a tuple"
         return t
 
