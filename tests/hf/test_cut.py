@@ -511,3 +511,36 @@ def test_decoder_built_on_meta_trains_from_its_own_init() -> None:
     assert torch.equal(pipe.stages[0].module.get_parameter("0.wte.weight"), head)
     result = pipe.fit(windows(3), max_steps=3)
     assert math.log(VOCAB) - 0.5 < result.losses[0] < math.log(VOCAB) + 0.5  # a fresh init
+
+
+@pytest.mark.slow
+def test_tied_gpt2_on_meta_under_torchrun_equals_one_process_and_exports(tmp_path: Path) -> None:
+    """Two gloo ranks, each materialising only its own stage of a meta-built tied GPT-2 (the
+    dry run stage by stage, the embedding's copies exchanged), train and export exactly what
+    one process does."""
+    import json
+    import socket
+
+    worker = Path(__file__).with_name("dist_worker.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                "--master-addr", "127.0.0.1", "--master-port", str(port)]  # fmt: skip
+    for where, command in [("dist", launcher), ("local", [sys.executable])]:
+        extra = [] if where == "dist" else ["--transport", "local"]
+        done = subprocess.run(
+            [*command, str(worker), "--out", str(tmp_path / where), *extra],
+            capture_output=True, text=True, timeout=240, cwd=ROOT, env=env,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+    losses = [json.loads((tmp_path / w / "losses.json").read_text()) for w in ("dist", "local")]
+    assert losses[0] == losses[1]
+    x = ids(batch=2, length=12, seed=4)
+    loaded = [
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / w / "hf").eval()
+        for w in ("dist", "local")
+    ]
+    with torch.no_grad():
+        assert torch.equal(loaded[0](x).logits, loaded[1](x).logits)
