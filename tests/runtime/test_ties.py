@@ -71,7 +71,14 @@ def test_ties_are_found_by_identity_and_by_view() -> None:
 
 @pytest.mark.parametrize(
     ("method", "stages", "micro"),
-    [("gpipe", 2, 2), ("1f1b", 2, 2), ("1f1b", 3, 4), ("zb-h1", 2, 2), ("zb-v", 2, 4)],
+    [
+        ("gpipe", 2, 2),
+        ("1f1b", 2, 2),
+        ("1f1b", 3, 4),
+        ("interleaved-1f1b", 2, 4),
+        ("zb-h1", 2, 2),
+        ("zb-v", 2, 4),
+    ],
 )
 def test_tied_weight_under_a_flush_equals_single_process_training(
     method: str, stages: int, micro: int
