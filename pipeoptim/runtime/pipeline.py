@@ -519,8 +519,7 @@ class Pipeline:
         self._check_usable()
         if self.parts.transport_name == "local":
             states = {k: s.module.state_dict() for k, s in self.stages.items()}
-            bounds = [list(b) for b in self.parts.bounds]
-            merged = merge_stages(states, bounds, self.model_units.names)
+            merged = merge_stages(states, self.parts.bounds, self.model_units.names)
             return write_export(merged, out, fmt, self.model_units.source)
         root = self.options.checkpoint_dir
         record = latest_step(root) if root else None

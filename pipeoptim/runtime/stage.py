@@ -340,8 +340,6 @@ class Stage:
     def loss(self, out: Payload, target: Tensor, where: str) -> Tensor:
         """``loss_fn(out, target)``, checked to be a scalar; errors name the values. A tuple
         output (the last unit returned one) is given to the loss as it is."""
-        if isinstance(out, Tensor):
-            return checked_loss(self.loss_fn, out, target, where, self.index)
         return checked_payload_loss(self.loss_fn, out, target, where, self.index)
 
     def count_correct(self, out: Payload, target: Tensor) -> Tensor | None:

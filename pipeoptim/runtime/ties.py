@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from pipeoptim.errors import RuntimeConfigError
-from pipeoptim.plan.methods import Method, WeightPolicy
+from pipeoptim.plan.methods import METHODS, Method, WeightPolicy
 from pipeoptim.runtime.transport import MessageKey, Transport
 
 __all__ = ["Tie", "TieExchange", "find_ties", "refuse_for", "untie_copies"]
@@ -62,34 +62,28 @@ class Tie:
         return f"{self.label} {list(self.shape)} is used on {uses}"
 
 
-def _storage_key(t: Tensor) -> tuple[int, int] | None:
-    """Where a tensor's bytes start (None on the meta device, which has no storage)."""
-    if t.device.type == "meta":
-        return None
-    return (t.untyped_storage().data_ptr(), int(t.storage_offset()) * t.element_size())
-
-
 def find_ties(units: Sequence[nn.Module], bounds: Sequence[tuple[int, int]]) -> list[Tie]:
     """The parameters that units of more than one stage hold: the same ``Parameter``, or two
     parameters that are the same view of one storage. Two parameters sharing storage in other
     views (a slice, a transpose) cannot be one weight per stage and are refused."""
     stage_of = {u: k for k, (a, b) in enumerate(bounds) for u in range(a, b)}
     seen: dict[int, tuple[Tensor, list[tuple[int, int, str]]]] = {}
-    by_storage: dict[tuple[int, int], int] = {}
+    over: dict[int, list[int]] = {}  # storage start -> the parameters over it (meta: none)
     for u, unit in enumerate(units):
         for name, p in unit.named_parameters(remove_duplicate=False):
             key = id(p)
             where = (stage_of[u], u, name)
             if key not in seen:
-                storage = _storage_key(p)
-                alias = by_storage.get(storage) if storage is not None else None
-                if alias is not None and _same_view(seen[alias][0], p):
+                start = None if p.is_meta else p.untyped_storage().data_ptr()
+                neighbours = over.get(start, []) if start is not None else []
+                alias = next((k for k in neighbours if _same_view(seen[k][0], p)), None)
+                if alias is not None:
                     key = alias
                 else:
-                    _refuse_overlap(p, where, seen, units)
+                    _refuse_overlap(p, where, [seen[k] for k in neighbours], units)
                     seen[key] = (p, [])
-                    if storage is not None:
-                        by_storage.setdefault(storage, key)
+                    if start is not None:
+                        over.setdefault(start, []).append(key)
             seen[key][1].append(where)
     ties: list[Tie] = []
     for q, places in seen.values():
@@ -101,23 +95,23 @@ def find_ties(units: Sequence[nn.Module], bounds: Sequence[tuple[int, int]]) -> 
 
 
 def _same_view(a: Tensor, b: Tensor) -> bool:
-    return a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+    return (
+        a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.storage_offset() == b.storage_offset()
+        and a.dtype == b.dtype
+    )
 
 
 def _refuse_overlap(
     p: Tensor,
     where: tuple[int, int, str],
-    seen: Mapping[int, tuple[Tensor, list[tuple[int, int, str]]]],
+    neighbours: Sequence[tuple[Tensor, list[tuple[int, int, str]]]],
     units: Sequence[nn.Module],
 ) -> None:
-    """Refuse a parameter that overlaps another one's bytes on another stage in another
-    view: no per-stage copy can be kept equal to it."""
-    if p.device.type == "meta":
-        return
-    start = p.untyped_storage().data_ptr()
-    for q, places in seen.values():
-        if q.device.type == "meta" or q.untyped_storage().data_ptr() != start:
-            continue
+    """Refuse a parameter over the storage of ``neighbours`` (in another view) where one of
+    them is on another stage: no per-stage copy can be kept equal to it."""
+    for q, places in neighbours:
         if all(s == where[0] for s, _, _ in places):
             continue
         s, u, n = places[0]
@@ -136,13 +130,14 @@ def refuse_for(method: Method, ties: Sequence[Tie], amp: str | None) -> None:
         return
     listed = "; ".join(t.describe() for t in ties)
     if method.weight_policy is not WeightPolicy.FLUSH:
+        synchronous = [n for n, m in METHODS.items() if m.weight_policy is WeightPolicy.FLUSH]
         raise RuntimeConfigError(
             f"{listed}: {method.name} updates each stage at its own time, so a weight shared "
             f"across stages would be trained as two different weights (or the pipeline would "
             f"wait a whole round trip at every update); untie it (e.g. "
             f"tie_word_embeddings=False), place all its units on one stage (plan "
-            f"boundaries), or use a synchronous method (gpipe, 1f1b, interleaved-1f1b, "
-            f"zb-h1, zb-v), which keeps it exact"
+            f"boundaries), or use a synchronous method ({', '.join(synchronous)}), which "
+            f"keeps it exact"
         )
     if amp == "fp16":
         raise RuntimeConfigError(

@@ -269,27 +269,19 @@ class StageUpdate:
     def step(self, params: Sequence[Tensor], delay: int) -> None:
         """Apply the accumulated gradient of ``params`` (one update per mini-batch)."""
         opt = self.optimizer
+        # a shared weight is synced and clipped alone: its average and its clipping factor
+        # are then the same on every member stage (in one bucket with others, its place, and
+        # so the rounding, would differ; in one norm with others, the factor would)
+        buckets = self._buckets(params)
         if self.grad_sync is not None:  # before unscaling, clipping: replicas stay equal
-            if self.tied:
-                # a shared weight alone: its average is then the same on every member stage
-                # (in one bucket with others, its place, and so the rounding, would differ)
-                shared = {id(t) for t in self.tied}
-                self.grad_sync([p for p in params if id(p) not in shared])
-                for t in self.tied:
-                    self.grad_sync([t])
-            else:
-                self.grad_sync(params)
+            for bucket in buckets:
+                self.grad_sync(bucket)
         scaler = self.scaler
         if scaler is not None and (self.grad_clip is not None or self.correction is not None):
             scaler.unscale_(opt)
         if self.grad_clip is not None:
-            if self.tied:
-                shared = {id(t) for t in self.tied}
-                nn.utils.clip_grad_norm_([p for p in params if id(p) not in shared], self.grad_clip)
-                for t in self.tied:
-                    nn.utils.clip_grad_norm_([t], self.grad_clip)
-            else:
-                nn.utils.clip_grad_norm_(params, self.grad_clip)
+            for bucket in buckets:
+                nn.utils.clip_grad_norm_(bucket, self.grad_clip)
         if self.correction is not None:
             self.correction.before_step(opt, params, delay)
         if scaler is not None:
@@ -303,6 +295,14 @@ class StageUpdate:
             self.scheduler.step()
         opt.zero_grad(set_to_none=True)
         self._future_lrs = None
+
+    def _buckets(self, params: Sequence[Tensor]) -> list[Sequence[Tensor]]:
+        """``params`` as gradient sync and clipping take them: the stage's own together, each
+        weight it shares with other stages (:attr:`tied`) alone."""
+        if not self.tied:
+            return [params]
+        shared = {id(t) for t in self.tied}
+        return [[p for p in params if id(p) not in shared], *([t] for t in self.tied)]
 
     def future_lrs(self, s: int) -> list[list[float]] | None:
         """Learning rates of the next s updates under the scheduler (None: use lr·s)."""

@@ -40,16 +40,7 @@ class TinyLM(nn.Module):
 
 
 def train(units: list[nn.Module] | ModelUnits, folder: Path | None = None) -> Pipeline:
-    pipe = Pipeline(
-        units,
-        method="1f1b",
-        stages=2,
-        micro_batches=2,
-        optimizer=tw.adamw,
-        loss_fn=tw.token_loss,
-        device="cpu",
-        checkpoint_dir=str(folder) if folder else None,
-    )
+    pipe = tw.tied_pipeline("1f1b", units=units, checkpoint_dir=str(folder) if folder else None)
     pipe.fit(tw.batches(3), max_steps=3)
     return pipe
 

@@ -15,7 +15,6 @@ import tied_worker as tw
 import torch
 from torch import nn
 
-from pipeoptim import Pipeline
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.runtime.ties import find_ties
 
@@ -41,17 +40,7 @@ def single_process(steps: int, micro: int) -> tuple[nn.Module, list[float]]:
     return model, losses
 
 
-def pipeline(method: str, stages: int = 2, micro: int | None = 2, **kwargs: Any) -> Pipeline:
-    return Pipeline(
-        tw.tied_units(),
-        method=method,
-        stages=stages,
-        micro_batches=micro,
-        optimizer=tw.adamw,
-        loss_fn=tw.token_loss,
-        device="cpu",
-        **kwargs,
-    )
+pipeline = tw.tied_pipeline
 
 
 def test_ties_are_found_by_identity_and_by_view() -> None:
@@ -210,15 +199,7 @@ def test_two_parameters_over_one_storage_are_one_weight_not_stepped_twice() -> N
     head = units[3]
     head.weight = nn.Parameter(units[0].table.weight.data)  # new object, same storage
     assert head.weight is not units[0].table.weight
-    aliased = Pipeline(
-        units,
-        method="1f1b",
-        stages=2,
-        micro_batches=2,
-        optimizer=tw.adamw,
-        loss_fn=tw.token_loss,
-        device="cpu",
-    )
+    aliased = pipeline("1f1b", units=units)
     a = same.fit(tw.batches(4), max_steps=4).losses
     b = aliased.fit(tw.batches(4), max_steps=4).losses
     assert a == b

@@ -13,12 +13,14 @@ from __future__ import annotations
 import argparse
 import resource
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeoptim import Pipeline
+from pipeoptim.runtime.model_units import ModelUnits
 
 VOCAB, DIM, CONTEXT = 13, 8, 6
 
@@ -70,6 +72,26 @@ def batches(steps: int, batch: int = 8, vocab: int = VOCAB) -> list[tuple[Tensor
 
 def adamw(params: list[Tensor]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=0.02)
+
+
+def tied_pipeline(
+    method: str,
+    stages: int = 2,
+    micro: int | None = 2,
+    units: list[nn.Module] | ModelUnits | None = None,
+    **kwargs: Any,
+) -> Pipeline:
+    """The tied model (or ``units``) in one process, as the tests train it."""
+    return Pipeline(
+        tied_units() if units is None else units,
+        method=method,
+        stages=stages,
+        micro_batches=micro,
+        optimizer=adamw,
+        loss_fn=token_loss,
+        device="cpu",
+        **kwargs,
+    )
 
 
 WIDE, WIDE_UNITS = 2048, 8
