@@ -105,7 +105,8 @@ def time_step_and_prediction(
     saved = [p.detach().clone() for p in trainable]
     opt = make_optimizer(optimizer, trainable)
     predictor = predictor_for(opt, "optimizer")
-    buffer = [torch.empty_like(p) for p in trainable]
+    # a predictor writes in the optimizer's param-group order (Muon's matrices first)
+    buffer = [torch.empty_like(p) for g in opt.param_groups for p in g["params"]]
 
     def predict() -> None:
         predictor.predict_into(buffer, 1)

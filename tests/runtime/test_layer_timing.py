@@ -1,0 +1,34 @@
+"""Timing one optimizer step and one prediction for a layer's parameters."""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import torch
+from torch import nn
+
+from pipeoptim.plan.plan import OptimizerSpec
+from pipeoptim.runtime.layer_timing import time_step_and_prediction
+
+
+def test_prediction_is_timed_into_buffers_of_each_parameters_own_shape() -> None:
+    """Muon groups the matrices first, out of the module's order: the prediction must be
+    written into buffers in the optimizer's group order, not resized into the wrong ones."""
+    layer = nn.Linear(8, 4)  # module order: weight (4, 8), bias (4,)
+    params = [layer.bias, layer.weight]  # a 1-D tensor first, so Muon's order differs
+    before = [p.detach().clone() for p in params]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns when it resizes an out= tensor
+        step_s, predict_s, state = time_step_and_prediction(
+            params, OptimizerSpec("muon", 1e-3), warmup=1, repeats=2, timer=_seconds
+        )
+    assert step_s > 0 and predict_s > 0 and state > 0
+    for p, w in zip(params, before, strict=True):
+        assert torch.equal(p.detach(), w) and p.grad is None  # restored
+
+
+def _seconds(fn: object) -> float:
+    start = time.perf_counter()
+    fn()  # type: ignore[operator]
+    return time.perf_counter() - start
