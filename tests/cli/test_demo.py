@@ -173,6 +173,9 @@ def test_an_interrupted_demo_keeps_its_finished_steps_and_resumes(tmp_path: Path
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        # a shell without job control starts background jobs with SIGINT ignored, which the
+        # child would inherit (and Python then installs no KeyboardInterrupt handler)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 300
     while not (out / "steps" / "plan.json").exists():
