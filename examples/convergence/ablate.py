@@ -158,20 +158,35 @@ def main() -> None:
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--only", default=None, help="comma-separated names to run")
     args = parser.parse_args()
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / "ablation.jsonl"
-    done = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     names = [*ABLATIONS, *SCREENS] if args.only is None else args.only.split(",")
+    path = RESULTS / "ablation.jsonl"
+    done = run_resumable(names, run, path, args.workers, run_again=not args.report_only)
+    (RESULTS / "ablation.md").write_text(report(done))
+    print(report(done))
+
+
+def run_resumable(
+    names: list[str],
+    run: Callable[[str], dict[str, object]],
+    path: Path,
+    workers: int,
+    *,
+    run_again: bool = True,
+) -> list[dict[str, object]]:
+    """The records of ``path`` (one JSON line per finished run, keyed by ``name``), after
+    running, in ``workers`` processes, the names not yet there; each record is appended as
+    it finishes, so an interrupted script resumes."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    done = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     todo = [n for n in names if n not in {d["name"] for d in done}]
-    if not args.report_only and todo:
-        with ProcessPoolExecutor(args.workers, mp_context=get_context("spawn")) as pool:
+    if run_again and todo:
+        with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
             for record in pool.map(run, todo):
                 done.append(record)
                 with path.open("a") as f:
                     f.write(json.dumps(record) + "\n")
-                print(f"{record['name']}: {record['curve'][-1]}", flush=True)
-    (RESULTS / "ablation.md").write_text(report(done))
-    print(report(done))
+                print(f"{record['name']}: {record['seconds']:.0f} s", flush=True)
+    return done
 
 
 if __name__ == "__main__":

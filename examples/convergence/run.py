@@ -94,10 +94,18 @@ STUDIES = {
             ("gpipe", "muon"),
             ("pipedream", "muon"),
             ("pipeoptim+shrink", "muon"),
+            ("pipeoptim+nesterov", "muon"),
+        ),
+        # the optimizer rows that ask one question each, at 8 stages only; the corrections
+        # (nesterov) and the best row with its reference (muon) train at every depth
+        pairs_only_at_sweep_depth=(
+            "pipeoptim (nadam)",
+            "pipedream (muon)",
+            "pipeoptim+shrink (muon)",
         ),
         twins=("1f1b", "zb-h1"),
         # the asynchronous rows nearest gpipe at 8 stages, on two more seeds
-        repeat=("xpipe", "pipeoptim (muon)"),
+        repeat=("xpipe", "pipeoptim (muon)", "pipeoptim+nesterov (muon)"),
         repeat_seeds=3,
         repeat_stages=8,
     ),

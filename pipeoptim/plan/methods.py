@@ -273,7 +273,8 @@ _BASES = {m.name: m for m in _REGISTRY}
 _PIPEMARE = "PipeMare's rescheduling: stage rate lr/τ^(1-min(t/T,1)), T = 1000 updates"
 _NESTEROV = (
     "the Nesterov method's delay-dependent momentum β_k = β0 + τ_k(0.99-β0)/P; the paper "
-    "pairs it with --optimizer nadam"
+    "pairs it with --optimizer nadam; pipeoptim+nesterov with --optimizer muon is the "
+    "study's LM row that converged at 8 stages"
 )
 _REGISTRY += [
     replace(

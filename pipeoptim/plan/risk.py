@@ -51,6 +51,7 @@ __all__ = [
     "gain_table",
     "method_risk",
     "schedule_versions",
+    "split_row",
     "uncorrected_distance",
 ]
 
@@ -92,10 +93,42 @@ CLOSURE: dict[tuple[str, str], dict[int, float]] = {
     },
     ("optimizer", "nadam"): {1: 0.04, 2: 0.02, 3: -0.02, 4: -0.11, 5: -0.17, 6: -0.26, 7: -0.21},
     ("optimizer", "sgd"): {1: 0.75, 2: 0.67, 3: 0.58, 4: 0.59, 6: 0.57, 7: 0.51},
-    ("shrunk", "adamw"): {1: 0.73, 2: 0.66, 3: 0.6, 4: 0.53, 5: 0.45, 6: 0.37, 7: 0.33},
+    ("shrunk", "adamw"): {
+        1: 0.72,
+        2: 0.64,
+        3: 0.57,
+        4: 0.57,
+        5: 0.5,
+        6: 0.43,
+        7: 0.39,
+        8: 0.4,
+        9: 0.4,
+        10: 0.3,
+        11: 0.28,
+        12: 0.25,
+        13: 0.24,
+        14: 0.19,
+        15: 0.24,
+    },
     ("shrunk", "muon"): {1: 0.41, 2: 0.43, 3: 0.41, 4: 0.39, 5: 0.36, 6: 0.34, 7: 0.29},
     ("spectrain", "adam"): {1: 0.0, 2: 0.0, 3: 0.01, 4: 0.0, 6: 0.0, 7: 0.01},
-    ("spectrain", "adamw"): {1: 0.0, 2: 0.0, 3: 0.0, 4: 0.0, 5: 0.0, 6: 0.0, 7: 0.01},
+    ("spectrain", "adamw"): {
+        1: 0.0,
+        2: 0.0,
+        3: 0.0,
+        4: 0.0,
+        5: 0.0,
+        6: 0.0,
+        7: 0.01,
+        8: 0.0,
+        9: 0.0,
+        10: 0.0,
+        11: 0.0,
+        12: 0.0,
+        13: 0.0,
+        14: 0.0,
+        15: 0.0,
+    },
     ("spectrain", "sgd"): {1: 0.75, 2: 0.67, 3: 0.58, 4: 0.59, 6: 0.57, 7: 0.51},
     ("xpipe", "adam"): {1: 0.7},
     ("xpipe", "adamw"): {1: 0.59},
@@ -106,7 +139,7 @@ median over its predicted forwards, averaged over the study's models and depths
 (``examples/convergence/results/risk_fit.json``, ``closure_table``; a test keeps them equal).
 Not monotone in s everywhere: stages with the same s sit at different depths and models."""
 
-KAPPA: dict[str, float] = {"adam": 0.0476, "adamw": 0.5279, "muon": 0.2594, "sgd": 0.3276}
+KAPPA: dict[str, float] = {"adam": 0.0476, "adamw": 0.5417, "muon": 0.2305, "sgd": 0.3276}
 """Optimizer -> extra samples to target per update of uncorrected distance, fitted through
 the origin over the digits MLP and CNN (3 seeds), the GPT (AdamW, 1 seed) and the language
 model at depth (gpt-deep at 4, 8 and 16 stages: AdamW, and Muon's rows against gpipe under
@@ -115,7 +148,11 @@ reached a fixed target counts as the whole run, so SGD's κ is a lower bound whe
 pipelines failed outright; gpt-deep's extra is read off gpipe's curve (the samples gpipe
 needed for the loss the method ended with)."""
 
-CORRECTION_GAIN: dict[str, float] = {"delay-momentum/nadam": 0.19, "pipemare-lr/adamw": -0.01}
+CORRECTION_GAIN: dict[str, float] = {
+    "delay-momentum/muon": 0.17,
+    "delay-momentum/nadam": 0.25,
+    "pipemare-lr/adamw": 0.15,
+}
 """``correction/optimizer`` -> the share of its base method's excess final test loss over
 gpipe's that the delay correction removed on the study's language model at depth
 (``gpt-deep``; 1: all of it, 0: none, < 0: worse), the mean over the depths measured
@@ -296,10 +333,19 @@ def fit_risk(points: Iterable[RiskFitPoint]) -> dict[str, tuple[float, int]]:
 DEPTH_EXCESS: dict[int, dict[str, float]] = {
     4: {
         "gpipe": 0.0,
+        "2bw": 0.1186,
         "xpipe": 0.0279,
         "pipedream": 0.4387,
+        "spectrain": 0.4045,
         "pipeoptim": 0.3949,
+        "pipedream+pipemare": 0.3104,
+        "pipeoptim+pipemare": 0.1959,
+        "pipeoptim+shrink": 0.3692,
+        "pipedream+nesterov (nadam)": 0.0833,
+        "pipeoptim+nesterov (nadam)": 0.3604,
         "pipeoptim (muon)": -0.0297,
+        "gpipe (muon)": -0.0593,
+        "pipeoptim+nesterov (muon)": -0.0323,
     },
     8: {
         "gpipe": 0.0,
@@ -318,13 +364,23 @@ DEPTH_EXCESS: dict[int, dict[str, float]] = {
         "gpipe (muon)": -0.0738,
         "pipedream (muon)": 0.0987,
         "pipeoptim+shrink (muon)": 0.0369,
+        "pipeoptim+nesterov (muon)": 0.0063,
     },
     16: {
         "gpipe": 0.0,
+        "2bw": 0.1279,
         "xpipe": 0.0428,
         "pipedream": 0.6838,
+        "spectrain": 0.7081,
         "pipeoptim": 0.6854,
+        "pipedream+pipemare": 0.6377,
+        "pipeoptim+pipemare": 0.6584,
+        "pipeoptim+shrink": 0.725,
+        "pipedream+nesterov (nadam)": 0.572,
+        "pipeoptim+nesterov (nadam)": 0.6467,
         "pipeoptim (muon)": 0.2399,
+        "gpipe (muon)": -0.0538,
+        "pipeoptim+nesterov (muon)": 0.1896,
     },
 }
 """Stages -> row of the study's language-model table (a method, ``method (optimizer)`` for
@@ -332,7 +388,22 @@ another optimizer) -> its final test loss over gpipe's at that depth, minus 1 (`
 AdamW's rate and recipe; ``risk_fit.json``, ``depth_excess``; a test keeps them equal)."""
 
 DEPTH_COPIES: dict[int, dict[str, int]] = {
-    4: {"gpipe": 1, "xpipe": 2, "pipedream": 4, "pipeoptim": 2, "pipeoptim (muon)": 2},
+    4: {
+        "gpipe": 1,
+        "2bw": 2,
+        "xpipe": 2,
+        "pipedream": 4,
+        "spectrain": 2,
+        "pipeoptim": 2,
+        "pipedream+pipemare": 4,
+        "pipeoptim+pipemare": 2,
+        "pipeoptim+shrink": 2,
+        "pipedream+nesterov (nadam)": 4,
+        "pipeoptim+nesterov (nadam)": 2,
+        "pipeoptim (muon)": 2,
+        "gpipe (muon)": 1,
+        "pipeoptim+nesterov (muon)": 2,
+    },
     8: {
         "gpipe": 1,
         "2bw": 2,
@@ -350,8 +421,24 @@ DEPTH_COPIES: dict[int, dict[str, int]] = {
         "gpipe (muon)": 1,
         "pipedream (muon)": 8,
         "pipeoptim+shrink (muon)": 2,
+        "pipeoptim+nesterov (muon)": 2,
     },
-    16: {"gpipe": 1, "xpipe": 2, "pipedream": 16, "pipeoptim": 2, "pipeoptim (muon)": 2},
+    16: {
+        "gpipe": 1,
+        "2bw": 2,
+        "xpipe": 2,
+        "pipedream": 16,
+        "spectrain": 2,
+        "pipeoptim": 2,
+        "pipedream+pipemare": 16,
+        "pipeoptim+pipemare": 2,
+        "pipeoptim+shrink": 2,
+        "pipedream+nesterov (nadam)": 16,
+        "pipeoptim+nesterov (nadam)": 2,
+        "pipeoptim (muon)": 2,
+        "gpipe (muon)": 1,
+        "pipeoptim+nesterov (muon)": 2,
+    },
 }
 """The weight copies each row of :data:`DEPTH_EXCESS` keeps on its fullest stage."""
 
@@ -361,8 +448,21 @@ WITHIN = 0.03
 
 def _asynchronous(row: str) -> bool:
     """The study row's method never flushes (``xpipe``, ``pipeoptim (muon)``...)."""
-    name = row.split(" (")[0]
+    name = split_row(row)[0]
     return name in METHODS and METHODS[name].asynchronous
+
+
+def split_row(row: str) -> tuple[str, str | None]:
+    """A study row's method and the optimizer it names: ``M (O)`` -> (M, O), ``M`` ->
+    (M, None)."""
+    name, _, optimizer = row.partition(" (")
+    return name, optimizer.removesuffix(")") or None
+
+
+def _flags(row: str) -> str:
+    """The training flags of a study row: ``--method M``, ``--optimizer O`` for ``M (O)``."""
+    name, optimizer = split_row(row)
+    return f"--method {name}" + (f" --optimizer {optimizer}" if optimizer else "")
 
 
 def depth_advice(method: str, stages: int, optimizer: str) -> str | None:
@@ -392,16 +492,28 @@ def depth_advice(method: str, stages: int, optimizer: str) -> str | None:
     best = min(pool, key=lambda row: pool[row])
     n = copies.get(best)
     held = "? weight copies" if n is None else "1 weight copy" if n == 1 else f"{n} weight copies"
-    if best == "gpipe":  # the reference itself: nothing asynchronous converged
+    excess_best = pool[best]
+    reached = (
+        f"came within {100 * excess_best:.1f} %"
+        if excess_best >= 0
+        else f"ended {100 * -excess_best:.1f} % below gpipe's"
+    )
+    if not _asynchronous(best):  # gpipe itself, or under another optimizer
         verdict = (
             "nothing asynchronous with at most 2 weight copies per stage came within "
             f"{100 * WITHIN:.0f} %: use a synchronous method (zb-h1 is gpipe's updates with "
-            f"the smallest bubble)"
+            "the smallest bubble"
         )
-    elif pool[best] <= WITHIN:
-        verdict = f"{best} came within {100 * pool[best]:.1f} % with {held} per stage"
+        trained = split_row(best)[1]
+        if trained is not None:  # those updates under another optimizer did better
+            verdict += f"; under {trained} they {reached} (--method zb-h1 --optimizer {trained})"
+        verdict += ")"
+    elif excess_best <= WITHIN:
+        verdict = f"{best} {reached} with {held} per stage ({_flags(best)})"
     else:
-        verdict = f"the closest was {best} ({100 * pool[best]:+.1f} %, {held} per stage)"
+        verdict = (
+            f"the closest was {best} ({100 * excess_best:+.1f} %, {held} per stage; {_flags(best)})"
+        )
     return (
         f"{mine} at {stages} stages: on the convergence study's language model at {depth} "
         f"stages (gpt-deep, with warm-up, cosine decay and clipping) it ended "

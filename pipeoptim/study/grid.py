@@ -100,6 +100,9 @@ class StudyConfig:
     """(method, optimizer) also trained in the column of the first optimizer at its chosen
     rate, as a row ``method (optimizer)``: NAdam and Muon, whose prediction rules are
     PipeOptim's own, without every method trained under them."""
+    pairs_only_at_sweep_depth: tuple[str, ...] = ()
+    """Pair rows (``method (optimizer)`` labels) trained only at ``sweep_stages``: rows
+    that answer a question at one depth and would cost a run at every other."""
     twins: tuple[str, ...] = ()
     """Methods not trained because they make gpipe's updates exactly (a flush with the same
     micro-batches: 1f1b, zb-h1); their time to target is gpipe's samples times their own
@@ -152,6 +155,13 @@ class StudyConfig:
             raise RuntimeConfigError(
                 f"variants {bad} do not predict weights; the predicted-backward variant "
                 f"applies to {sorted(PREDICTING)}"
+            )
+        pair_labels = {f"{m} ({o})" for m, o in self.pairs}
+        stray = sorted(set(self.pairs_only_at_sweep_depth) - pair_labels)
+        if stray:
+            raise RuntimeConfigError(
+                f"pairs_only_at_sweep_depth names rows that are not pairs: {stray}; a pair "
+                f"row is 'method (optimizer)', one of {sorted(pair_labels)}"
             )
         if self.model not in MODEL_METRIC:
             raise RuntimeConfigError(
@@ -251,6 +261,8 @@ def main_specs(config: StudyConfig, rates: dict[str, tuple[float, float | None]]
                         specs.extend(
                             config.spec(m, opt, lr, p, seed, trained_optimizer=o)
                             for m, o in config.pairs
+                            if p == config.sweep_stages
+                            or f"{m} ({o})" not in config.pairs_only_at_sweep_depth
                         )
     first = config.optimizers[0]
     best = rates[first][0]

@@ -53,6 +53,7 @@ from pipeoptim.study.targets import (
     correction_gains,
     gpipe_finals,
     machine_profile,
+    optimizer_profile,
     risk_points,
     time_to_target,
 )
@@ -166,12 +167,29 @@ def write_study_report(
             if not pinned.exists():
                 machine_profile(config.model, config.batch_size, config.optimizers[0]).save(pinned)
             chosen = Profile.load(pinned)
-        times = time_to_target(config, cells, rates, target, chosen)
+        trained_profiles = {}
+        if chosen is not (profiles or {}).get(config.model):
+            # on this machine's profile, rows under another optimizer (Muon) at that
+            # optimizer's own update cost, measured here once and kept beside the runs
+            for trained in dict.fromkeys(o for _, o in config.pairs):
+                if trained == chosen.optimizer:
+                    continue
+                kept = out / config.model / f"profile-{trained}.json"
+                if not kept.exists():
+                    optimizer_profile(chosen, config.model, trained).save(kept)
+                trained_profiles[trained] = Profile.load(kept)
+        times = time_to_target(config, cells, rates, target, chosen, trained_profiles)
         hardware = (
             f"Hardware: the profile given ({chosen.device}, batch {chosen.batch_size})."
             if profiles and config.model in profiles
             else f"Hardware: this machine's profile of the model, one thread per stage "
             f"({config.model}/profile.json, batch {chosen.batch_size})."
+            + "".join(
+                f" Rows under {o}: its update and prediction cost over "
+                f"{chosen.optimizer}'s, timed on each unit's own weights "
+                f"({config.model}/profile-{o}.json)."
+                for o in trained_profiles
+            )
         )
         md += [
             "### Time to target (chosen rate)",

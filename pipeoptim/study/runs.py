@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.plan.risk import split_row as split_label
 
 __all__ = ["CurvePoint", "RunRecord", "RunSpec", "run_one", "split_label"]
 
@@ -130,14 +131,6 @@ class RunRecord:
             float(d["seconds"]),
             list(d.get("closure", [])),
         )
-
-
-def split_label(label: str) -> tuple[str, str | None]:
-    """A row label's name and the optimizer it trained where it names one:
-    ``"pipeoptim (muon)"`` -> ``("pipeoptim", "muon")`` (the inverse of
-    :attr:`RunSpec.label`'s suffix)."""
-    name, _, rest = label.partition(" (")
-    return name, rest.removesuffix(")") or None
 
 
 def _metric(model: str, loss: float, accuracy: float | None) -> float:

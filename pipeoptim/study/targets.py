@@ -8,6 +8,7 @@ the model (:func:`check_profile`), or this machine's (:func:`machine_profile`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Mapping, Sequence
@@ -30,6 +31,7 @@ __all__ = [
     "gpipe_equivalent_samples",
     "gpipe_finals",
     "machine_profile",
+    "optimizer_profile",
     "risk_points",
     "samples_to_target",
     "simulated_seconds_per_sample",
@@ -120,6 +122,49 @@ def machine_profile(model: str, batch_size: int, optimizer: str) -> Profile:
         torch.set_num_threads(threads)
 
 
+def optimizer_profile(profile: Profile, model: str, optimizer: str) -> Profile:
+    """``profile`` with each unit's update and prediction time raised by what ``optimizer``
+    costs over the profile's own optimizer, both measured on the unit's own parameters on
+    this machine (one thread): a row trained under Muon is simulated with its
+    Newton–Schulz steps, which a flat buffer (how the profiler times an update) cannot
+    show, as Muon orthogonalises matrices only."""
+    import torch
+
+    from pipeoptim.plan.plan import OptimizerSpec
+    from pipeoptim.runtime.layer_timing import time_step_and_prediction, timer_for
+    from pipeoptim.workloads.loader import build_model
+
+    check_profile(profile, model)
+    units, _ = build_model(model, 0)
+    timer = timer_for(torch.device("cpu"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+
+    def times(params: list[torch.nn.Parameter], family: str) -> tuple[float, float]:
+        step, predict, _ = time_step_and_prediction(
+            params, OptimizerSpec(family, 1e-3), warmup=2, repeats=7, timer=timer
+        )
+        return step, predict
+
+    try:
+        layers = []
+        for layer, unit in zip(profile.layers, units, strict=True):
+            params = list(unit.parameters())
+            own_step, own_predict = times(params, optimizer)
+            base_step, base_predict = times(params, profile.optimizer)
+            layers.append(
+                dataclasses.replace(
+                    layer,
+                    update_s=layer.update_s + max(0.0, own_step - base_step),
+                    predict_s=layer.predict_s + max(0.0, own_predict - base_predict),
+                )
+            )
+    finally:
+        torch.set_num_threads(threads)
+    meta = {**profile.meta, "update_times_of": optimizer}
+    return dataclasses.replace(profile, layers=tuple(layers), optimizer=optimizer, meta=meta)
+
+
 def check_profile(profile: Profile, model: str) -> None:
     """Refuse a hardware profile taken of another model (another layer count)."""
     from pipeoptim.workloads.loader import build_model
@@ -155,11 +200,14 @@ def time_to_target(
     rates: dict[str, tuple[float, float | None]],
     target: Target,
     profile: Profile,
+    trained_profiles: Mapping[str, Profile] | None = None,
 ) -> list[TimeToTarget]:
     """Per (optimizer, depth, row): samples to ``target`` (one metric, or one per depth)
-    times the row's simulated time per sample."""
+    times the row's simulated time per sample. A row trained under another optimizer
+    (``pipeoptim (muon)``) is simulated on ``trained_profiles[that optimizer]`` where one is
+    given (:func:`optimizer_profile`), else on ``profile``."""
     out = []
-    per_sample: dict[tuple[str, int], float] = {}  # the same for every optimizer
+    per_sample: dict[tuple[str, int, str], float] = {}
     for opt in config.optimizers:
         lr = rates[opt][0]
         for p in config.stages:
@@ -172,8 +220,11 @@ def time_to_target(
                 hits = [samples_to_target(r, goal) for r in cell.records]
                 reached = [h for h in hits if h is not None]
                 base = schedule_of(method)
-                if (base, p) not in per_sample:
-                    per_sample[(base, p)] = simulated_seconds_per_sample(profile, base, p)
+                trained = split_label(method)[1] or opt
+                on = (trained_profiles or {}).get(trained, profile)
+                key = (base, p, trained if on is not profile else "")
+                if key not in per_sample:
+                    per_sample[key] = simulated_seconds_per_sample(on, base, p)
                 out.append(
                     TimeToTarget(
                         method,
@@ -182,7 +233,7 @@ def time_to_target(
                         len(reached),
                         len(hits),
                         statistics.median(reached) if reached else math.nan,
-                        per_sample[(base, p)],
+                        per_sample[key],
                     )
                 )
     return out
@@ -296,10 +347,13 @@ def correction_gains(
 ) -> list[dict[str, Any]]:
     """Per corrected row and depth: the share of its base method's excess final test loss
     over gpipe's that the correction removed, ``1 − (L − L_gpipe) / (L_base − L_gpipe)``
-    (1: all of it, 0: none, < 0: worse). The base is the method it corrects, under the first
-    optimizer (a row under another optimizer, ``pipedream+nesterov (nadam)``, counts the
-    change of optimizer with its correction, and is keyed by that optimizer). Depths where
-    the base is within 1 % of gpipe have nothing to remove and give no row."""
+    (1: all of it, 0: none, < 0: worse). The base is the method it corrects, under the same
+    optimizer: a row under another optimizer (``pipeoptim+nesterov (muon)``) is measured
+    against that optimizer's base and gpipe rows (``pipeoptim (muon)``, ``gpipe (muon)``)
+    where the study trained both, so the gain is the correction's alone (the planner's κ
+    already has the optimizer's); else against the first optimizer's, counting the change
+    of optimizer with it. Either way it is keyed by the row's optimizer. Depths where the
+    base is within 1 % of its gpipe have nothing to remove and give no row."""
     opt = config.optimizers[0]
     lr = rates[opt][0]
     out: list[dict[str, Any]] = []
@@ -313,11 +367,14 @@ def correction_gains(
             continue
         trained = split_label(label)[1] or opt
         for p in config.stages:
-            mine, base = (
-                loss(cells.get((label, opt, lr, p))),
-                loss(cells.get((method.corrects, opt, lr, p))),
-            )
-            sync = loss(cells.get(("gpipe", opt, lr, p)))
+            mine = loss(cells.get((label, opt, lr, p)))
+            base, sync = (loss(cells.get((m, opt, lr, p))) for m in (method.corrects, "gpipe"))
+            if trained != opt:
+                own = [
+                    cells.get((f"{m} ({trained})", opt, lr, p)) for m in (method.corrects, "gpipe")
+                ]
+                if all(c is not None for c in own):
+                    base, sync = (loss(c) for c in own)
             if not all(math.isfinite(v) for v in (mine, base, sync)) or base < 1.01 * sync:
                 continue
             out.append(

@@ -215,13 +215,28 @@ def test_depth_advice_names_what_converged_with_few_copies(
     assert text is not None
     assert "pipeoptim at 12 stages" in text and "at 8 stages" in text and "+40.0 %" in text
     # the asynchronous row that converged with at most 2 copies, not gpipe nor the stash
-    assert "xpipe came within 2.0 % with 2 weight copies" in text
+    assert "xpipe came within 2.0 % with 2 weight copies per stage (--method xpipe)" in text
     assert risk.depth_advice("pipeoptim", 8, "muon") is None  # no "pipeoptim (muon)" row
     assert risk.depth_advice("xpipe", 8, "adamw") is None  # it converged
     assert risk.depth_advice("pipeoptim", 4, "adamw") is None  # nothing measured that shallow
     assert risk.depth_advice("pipeoptim", 8, "sgd") is None  # measured under AdamW only
+    excess["pipeoptim+nesterov (muon)"] = 0.004  # a row under another optimizer: both flags
+    copies["pipeoptim+nesterov (muon)"] = 2
+    assert "(--method pipeoptim+nesterov --optimizer muon)" in str(
+        risk.depth_advice("pipeoptim", 8, "adamw")
+    )
+    del excess["pipeoptim+nesterov (muon)"]
     excess["xpipe"] = 0.2  # no asynchronous row converged: the closest that did
     assert "use a synchronous method (zb-h1" in str(risk.depth_advice("pipeoptim", 8, "adamw"))
+    excess["gpipe (muon)"], copies["gpipe (muon)"] = -0.054, 1  # sync did better under Muon
+    assert (
+        "use a synchronous method (zb-h1 is gpipe's updates with the smallest bubble; under "
+        "muon they ended 5.4 % below gpipe's (--method zb-h1 --optimizer muon))"
+    ) in str(risk.depth_advice("pipeoptim", 8, "adamw"))
+    excess["pipeoptim+nesterov (muon)"] = -0.032  # an asynchronous row below gpipe
+    assert "pipeoptim+nesterov (muon) ended 3.2 % below gpipe's with 2 weight copies" in str(
+        risk.depth_advice("pipeoptim", 8, "adamw")
+    )
 
 
 def test_plan_recommends_a_correction_by_name_when_its_measured_gain_wins(
@@ -231,6 +246,7 @@ def test_plan_recommends_a_correction_by_name_when_its_measured_gain_wins(
     measured gain the base ranks first, with a gain that closes the risk the correction is
     the recommendation, named."""
     methods = ["gpipe", "pipedream", "pipedream+pipemare"]
+    monkeypatch.setitem(risk.CORRECTION_GAIN, "pipemare-lr/adamw", 0.0)
     plain = search(uniform_profile(), 8, methods=methods, optimizer="adamw")
     ranks = [c.method for c in plain]
     assert ranks.index("pipedream") < ranks.index("pipedream+pipemare")

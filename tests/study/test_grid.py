@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -177,8 +179,6 @@ def test_compare_refuses_bad_input(
 
 
 def test_variants_and_longer_runs_per_optimizer() -> None:
-    from dataclasses import replace
-
     config = replace(
         CONFIG,
         methods=("gpipe", "pipeoptim"),
@@ -253,3 +253,105 @@ def test_compare_refuses_a_profile_of_another_model_before_training(
     assert main([*argv, str(tmp_path / "missing.json")]) == 2
     err = capsys.readouterr().err
     assert "missing.json" in err and "Traceback" not in err
+
+
+def test_rows_under_another_optimizer_are_simulated_at_its_update_cost() -> None:
+    """A ``method (muon)`` row takes its time per sample from the profile of its own
+    optimizer; the other rows keep the study's profile."""
+    from pipeoptim.plan.profile import Profile
+    from pipeoptim.study.cells import aggregate
+    from pipeoptim.study.targets import simulated_seconds_per_sample, time_to_target
+
+    config = replace(CONFIG, pairs=(("pipedream", "muon"),))
+    records = [
+        record(config.spec("gpipe", "adam", 1e-3, 2, 0), [0.96, 0.97]),
+        record(config.spec("pipedream", "adam", 1e-3, 2, 0, trained_optimizer="muon"), [0.97]),
+    ]
+    cells = aggregate(records)
+    plain = Profile.uniform(9, forward_s=0.5, backward_s=1.0, batch_size=32)
+    slow = dataclasses.replace(
+        plain, layers=tuple(dataclasses.replace(x, update_s=2.0) for x in plain.layers)
+    )
+    rates = {"adam": (1e-3, None)}
+    times = {
+        t.method: t.seconds_per_sample
+        for t in time_to_target(config, cells, rates, 0.95, plain, {"muon": slow})
+    }
+    assert times["gpipe"] == simulated_seconds_per_sample(plain, "gpipe", 2)
+    assert times["pipedream (muon)"] == simulated_seconds_per_sample(slow, "pipedream", 2)
+    assert times["pipedream (muon)"] > simulated_seconds_per_sample(plain, "pipedream", 2)
+    untouched = time_to_target(config, cells, rates, 0.95, plain)
+    assert {t.seconds_per_sample for t in untouched if t.method == "pipedream (muon)"} == {
+        simulated_seconds_per_sample(plain, "pipedream", 2)
+    }
+
+
+def test_optimizer_profile_keeps_the_passes_and_adds_the_update_cost() -> None:
+    from pipeoptim.plan.profile import Profile
+    from pipeoptim.study.targets import optimizer_profile
+
+    base = Profile.uniform(9, forward_s=0.5, backward_s=1.0, batch_size=32, optimizer="adamw")
+    muon = optimizer_profile(base, "mlp", "muon")
+    assert muon.optimizer == "muon" and muon.meta["update_times_of"] == "muon"
+    for before, after in zip(base.layers, muon.layers, strict=True):
+        assert (after.forward_s, after.backward_s) == (before.forward_s, before.backward_s)
+        assert after.update_s >= before.update_s and after.predict_s >= before.predict_s
+    with pytest.raises(RuntimeConfigError, match="has 4 layers but the model has 9"):
+        optimizer_profile(Profile.uniform(4), "mlp", "muon")
+
+
+def test_pairs_only_at_the_sweep_depth() -> None:
+    config = replace(
+        CONFIG,
+        stages=(2, 4),
+        seeds=1,
+        pairs=(("pipedream", "muon"), ("gpipe", "muon")),
+        pairs_only_at_sweep_depth=("pipedream (muon)",),
+    )
+    specs = [s for s in main_specs(config, {"adam": (1e-3, None)}) if s.trained_optimizer]
+    assert sorted((s.method, s.stages) for s in specs) == [
+        ("gpipe", 2),
+        ("gpipe", 4),
+        ("pipedream", 2),
+    ]
+    with pytest.raises(RuntimeConfigError, match=r"not pairs: \['xpipe \(muon\)'\]"):
+        replace(config, pairs_only_at_sweep_depth=("xpipe (muon)",))
+
+
+def test_a_correction_under_another_optimizer_gains_against_that_optimizers_rows() -> None:
+    """pipeoptim+nesterov (muon) is scored against pipeoptim (muon) and gpipe (muon), so
+    its gain is the correction's alone; pipedream+nesterov (nadam), with no nadam rows to
+    compare with, against the first optimizer's (optimizer and correction together)."""
+    from pipeoptim.study.cells import aggregate
+    from pipeoptim.study.targets import correction_gains
+
+    config = replace(
+        CONFIG,
+        methods=("gpipe", "pipedream", "pipeoptim"),
+        seeds=1,
+        pairs=(
+            ("pipeoptim", "muon"),
+            ("gpipe", "muon"),
+            ("pipeoptim+nesterov", "muon"),
+            ("pipedream+nesterov", "nadam"),
+        ),
+    )
+    losses = {  # final test loss = 1 − accuracy in these records
+        ("gpipe", None): 0.50,
+        ("pipedream", None): 0.90,
+        ("pipeoptim", None): 0.90,
+        ("gpipe", "muon"): 0.40,
+        ("pipeoptim", "muon"): 0.60,
+        ("pipeoptim+nesterov", "muon"): 0.45,
+        ("pipedream+nesterov", "nadam"): 0.70,
+    }
+    records = [
+        record(config.spec(m, "adam", 1e-3, 2, 0, trained_optimizer=o), [1.0 - value])
+        for (m, o), value in losses.items()
+    ]
+    gains = {
+        (g["method"], g["optimizer"]): g["gain"]
+        for g in correction_gains(config, aggregate(records), {"adam": (1e-3, None)})
+    }
+    assert gains[("pipeoptim+nesterov (muon)", "muon")] == pytest.approx(1 - 0.05 / 0.20)
+    assert gains[("pipedream+nesterov (nadam)", "nadam")] == pytest.approx(1 - 0.20 / 0.40)
