@@ -21,7 +21,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -175,13 +175,14 @@ def run_resumable(
 ) -> list[dict[str, object]]:
     """The records of ``path`` (one JSON line per finished run, keyed by ``name``), after
     running, in ``workers`` processes, the names not yet there; each record is appended as
-    it finishes, so an interrupted script resumes."""
+    soon as its run finishes, so an interrupted script resumes with what finished."""
     path.parent.mkdir(parents=True, exist_ok=True)
     done = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     todo = [n for n in names if n not in {d["name"] for d in done}]
     if run_again and todo:
         with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-            for record in pool.map(run, todo):
+            for future in as_completed([pool.submit(run, n) for n in todo]):
+                record = future.result()
                 done.append(record)
                 with path.open("a") as f:
                     f.write(json.dumps(record) + "\n")

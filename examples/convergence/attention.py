@@ -124,23 +124,26 @@ def run(name: str) -> dict[str, object]:
     train = DatasetLoader(data.train_x, data.train_y, BATCH, seed=0)
     test_x, test_y = data.test_x[:1024], data.test_y[:1024]
     start, points = time.perf_counter(), []
+
+    def record() -> None:
+        emulator.model.eval()
+        with torch.no_grad():
+            test = float(lm_loss(emulator.model(test_x), test_y))
+        heads = probe(units, test_x[:64])
+        points.append({"step": emulator.steps, "test": test, "heads": heads})
+        emulator.model.train()
+
+    record()
     batches = iter(train)
-    while True:
-        if emulator.steps % EVERY == 0:
-            emulator.model.eval()
-            with torch.no_grad():
-                test = float(lm_loss(emulator.model(test_x), test_y))
-            heads = probe(units, test_x[:64])
-            points.append({"step": emulator.steps, "test": test, "heads": heads})
-            emulator.model.train()
-        if emulator.steps == STEPS:
-            break
+    while emulator.steps < STEPS:
         try:
             x, y = next(batches)
-        except StopIteration:
+        except StopIteration:  # a new epoch
             batches = iter(train)
             continue
         emulator.step(x, y)
+        if emulator.steps % EVERY == 0:
+            record()
     return {"name": name, "what": what, "points": points, "seconds": time.perf_counter() - start}
 
 

@@ -448,7 +448,7 @@ WITHIN = 0.03
 
 def _asynchronous(row: str) -> bool:
     """The study row's method never flushes (``xpipe``, ``pipeoptim (muon)``...)."""
-    name = split_row(row)[0]
+    name = split_row(row)[0].removesuffix(PREDICTED_BACKWARD)
     return name in METHODS and METHODS[name].asynchronous
 
 
@@ -459,10 +459,17 @@ def split_row(row: str) -> tuple[str, str | None]:
     return name, optimizer.removesuffix(")") or None
 
 
+PREDICTED_BACKWARD = "+Ŵbackward"
+"""The suffix of a study row trained with ``Pipeline(predicted_backward=True)``."""
+
+
 def _flags(row: str) -> str:
-    """The training flags of a study row: ``--method M``, ``--optimizer O`` for ``M (O)``."""
+    """How to train a study row: ``--method M``, ``--optimizer O`` for ``M (O)``, and
+    ``Pipeline(predicted_backward=True)`` for ``M+Ŵbackward``."""
     name, optimizer = split_row(row)
-    return f"--method {name}" + (f" --optimizer {optimizer}" if optimizer else "")
+    base = name.removesuffix(PREDICTED_BACKWARD)
+    flags = f"--method {base}" + (f" --optimizer {optimizer}" if optimizer else "")
+    return flags + (", Pipeline(predicted_backward=True)" if base != name else "")
 
 
 def depth_advice(method: str, stages: int, optimizer: str) -> str | None:
@@ -517,6 +524,6 @@ def depth_advice(method: str, stages: int, optimizer: str) -> str | None:
     return (
         f"{mine} at {stages} stages: on the convergence study's language model at {depth} "
         f"stages (gpt-deep, with warm-up, cosine decay and clipping) it ended "
-        f"{100 * excess:+.1f} % over gpipe's final test loss; {verdict}. See the README, "
-        f"'Choosing a method at depth'"
+        f"{100 * excess:+.1f} % over gpipe's final test loss under AdamW (every figure here "
+        f"is against that); {verdict}. See the README, 'Choosing a method at depth'"
     )

@@ -163,6 +163,18 @@ class StudyConfig:
                 f"pairs_only_at_sweep_depth names rows that are not pairs: {stray}; a pair "
                 f"row is 'method (optimizer)', one of {sorted(pair_labels)}"
             )
+        if self.pairs_only_at_sweep_depth and self.sweep_stages not in self.stages:
+            raise RuntimeConfigError(
+                f"pairs_only_at_sweep_depth trains rows at sweep_stages={self.sweep_stages}, "
+                f"which is not among stages {list(self.stages)}; add it to stages"
+            )
+        lost = sorted(set(self.repeat) & set(self.pairs_only_at_sweep_depth))
+        if lost and self.repeat_seeds > 1 and self.repeat_stages != self.sweep_stages:
+            raise RuntimeConfigError(
+                f"repeat rows {lost} train only at sweep_stages={self.sweep_stages}, but "
+                f"repeat_stages={self.repeat_stages}: their seed 0 would be missing there; "
+                f"set repeat_stages to {self.sweep_stages} or train them at every depth"
+            )
         if self.model not in MODEL_METRIC:
             raise RuntimeConfigError(
                 f"the study knows the test metric of {sorted(MODEL_METRIC)} (got {self.model!r})"
@@ -239,7 +251,9 @@ def choose_rates(
 
 
 def main_specs(config: StudyConfig, rates: dict[str, tuple[float, float | None]]) -> list[RunSpec]:
-    """Every method x optimizer x depth x seed at the chosen rate (and the high rate)."""
+    """Every method x optimizer x depth x seed at the chosen rate (and the high rate); the
+    pair rows at the first optimizer's chosen rate, at every depth or, for those in
+    ``pairs_only_at_sweep_depth``, at ``sweep_stages``; the repeated rows' further seeds."""
     specs: list[RunSpec] = []
     for opt in config.optimizers:
         best, high = rates[opt]

@@ -54,6 +54,7 @@ from pipeoptim.study.targets import (
     gpipe_finals,
     machine_profile,
     optimizer_profile,
+    profile_fingerprint,
     risk_points,
     time_to_target,
 )
@@ -175,7 +176,10 @@ def write_study_report(
                 if trained == chosen.optimizer:
                     continue
                 kept = out / config.model / f"profile-{trained}.json"
-                if not kept.exists():
+                stale = not kept.exists() or Profile.load(kept).meta.get(
+                    "base"
+                ) != profile_fingerprint(chosen)
+                if stale:  # none yet, or made from a profile taken since
                     optimizer_profile(chosen, config.model, trained).save(kept)
                 trained_profiles[trained] = Profile.load(kept)
         times = time_to_target(config, cells, rates, target, chosen, trained_profiles)

@@ -32,6 +32,7 @@ __all__ = [
     "gpipe_finals",
     "machine_profile",
     "optimizer_profile",
+    "profile_fingerprint",
     "risk_points",
     "samples_to_target",
     "simulated_seconds_per_sample",
@@ -140,29 +141,40 @@ def optimizer_profile(profile: Profile, model: str, optimizer: str) -> Profile:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
 
-    def times(params: list[torch.nn.Parameter], family: str) -> tuple[float, float]:
-        step, predict, _ = time_step_and_prediction(
+    def times(params: list[torch.nn.Parameter], family: str) -> tuple[float, float, int]:
+        return time_step_and_prediction(
             params, OptimizerSpec(family, 1e-3), warmup=2, repeats=7, timer=timer
         )
-        return step, predict
 
     try:
         layers = []
         for layer, unit in zip(profile.layers, units, strict=True):
             params = list(unit.parameters())
-            own_step, own_predict = times(params, optimizer)
-            base_step, base_predict = times(params, profile.optimizer)
+            own_step, own_predict, own_state = times(params, optimizer)
+            base_step, base_predict, _ = times(params, profile.optimizer)
             layers.append(
                 dataclasses.replace(
                     layer,
                     update_s=layer.update_s + max(0.0, own_step - base_step),
                     predict_s=layer.predict_s + max(0.0, own_predict - base_predict),
+                    optimizer_state_bytes=own_state,
                 )
             )
     finally:
         torch.set_num_threads(threads)
-    meta = {**profile.meta, "update_times_of": optimizer}
+    meta = {**profile.meta, "update_times_of": optimizer, "base": profile_fingerprint(profile)}
     return dataclasses.replace(profile, layers=tuple(layers), optimizer=optimizer, meta=meta)
+
+
+def profile_fingerprint(profile: Profile) -> str:
+    """A digest of ``profile``'s layers and batch: an :func:`optimizer_profile` made from
+    another base (the profile taken again) is stale."""
+    import hashlib
+    import json
+
+    layers = [dataclasses.asdict(layer) for layer in profile.layers]
+    text = json.dumps([profile.batch_size, profile.optimizer, layers], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def check_profile(profile: Profile, model: str) -> None:
@@ -203,9 +215,10 @@ def time_to_target(
     trained_profiles: Mapping[str, Profile] | None = None,
 ) -> list[TimeToTarget]:
     """Per (optimizer, depth, row): samples to ``target`` (one metric, or one per depth)
-    times the row's simulated time per sample. A row trained under another optimizer
-    (``pipeoptim (muon)``) is simulated on ``trained_profiles[that optimizer]`` where one is
-    given (:func:`optimizer_profile`), else on ``profile``."""
+    times the row's simulated time per sample. A row is simulated on
+    ``trained_profiles[the optimizer it trained]`` where one is given (a ``method (muon)``
+    row's Muon, else the column's optimizer; :func:`optimizer_profile`), else on
+    ``profile``."""
     out = []
     per_sample: dict[tuple[str, int, str], float] = {}
     for opt in config.optimizers:
@@ -350,10 +363,11 @@ def correction_gains(
     (1: all of it, 0: none, < 0: worse). The base is the method it corrects, under the same
     optimizer: a row under another optimizer (``pipeoptim+nesterov (muon)``) is measured
     against that optimizer's base and gpipe rows (``pipeoptim (muon)``, ``gpipe (muon)``)
-    where the study trained both, so the gain is the correction's alone (the planner's κ
-    already has the optimizer's); else against the first optimizer's, counting the change
-    of optimizer with it. Either way it is keyed by the row's optimizer. Depths where the
-    base is within 1 % of its gpipe have nothing to remove and give no row."""
+    where the study trained both at every depth the row trained, so the gain is the
+    correction's alone (the planner's κ already has the optimizer's); else against the
+    first optimizer's at every depth, counting the change of optimizer with it. Either way
+    it is keyed by the row's optimizer. Depths where the base is within 1 % of its gpipe
+    have nothing to remove and give no row."""
     opt = config.optimizers[0]
     lr = rates[opt][0]
     out: list[dict[str, Any]] = []
@@ -366,15 +380,20 @@ def correction_gains(
         if method.delay_correction is None or method.corrects is None:
             continue
         trained = split_label(label)[1] or opt
+        # one reference for the row at every depth, so its gains average like with like:
+        # its optimizer's rows where the study trained them wherever the row trained
+        references = (method.corrects, "gpipe")
+        own = trained != opt and all(
+            (f"{m} ({trained})", opt, lr, p) in cells
+            for p in config.stages
+            if (label, opt, lr, p) in cells
+            for m in references
+        )
         for p in config.stages:
             mine = loss(cells.get((label, opt, lr, p)))
-            base, sync = (loss(cells.get((m, opt, lr, p))) for m in (method.corrects, "gpipe"))
-            if trained != opt:
-                own = [
-                    cells.get((f"{m} ({trained})", opt, lr, p)) for m in (method.corrects, "gpipe")
-                ]
-                if all(c is not None for c in own):
-                    base, sync = (loss(c) for c in own)
+            base, sync = (
+                loss(cells.get((f"{m} ({trained})" if own else m, opt, lr, p))) for m in references
+            )
             if not all(math.isfinite(v) for v in (mine, base, sync)) or base < 1.01 * sync:
                 continue
             out.append(

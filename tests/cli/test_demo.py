@@ -167,16 +167,20 @@ def test_json_output_holds_the_summary_and_every_step_result(quick: Run) -> None
 def test_an_interrupted_demo_keeps_its_finished_steps_and_resumes(tmp_path: Path) -> None:
     """Ctrl-C (SIGINT to the whole process group) during the first real run."""
     out = tmp_path / "out"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pipeoptim", "demo", "--quick", "--out", str(out)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        # a shell without job control starts background jobs with SIGINT ignored, which the
-        # child would inherit (and Python then installs no KeyboardInterrupt handler)
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+    # A shell without job control starts background jobs with SIGINT ignored, which a child
+    # inherits (and Python then installs no KeyboardInterrupt handler); a handler of ours is
+    # not inherited, so the demo starts with SIGINT at its default.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pipeoptim", "demo", "--quick", "--out", str(out)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
     deadline = time.monotonic() + 300
     while not (out / "steps" / "plan.json").exists():
         assert proc.poll() is None, proc.communicate()

@@ -226,6 +226,11 @@ def test_depth_advice_names_what_converged_with_few_copies(
         risk.depth_advice("pipeoptim", 8, "adamw")
     )
     del excess["pipeoptim+nesterov (muon)"]
+    excess["pipeoptim+Ŵbackward"], copies["pipeoptim+Ŵbackward"] = 0.001, 2  # a variant row
+    assert "(--method pipeoptim, Pipeline(predicted_backward=True))" in str(
+        risk.depth_advice("pipeoptim", 8, "adamw")
+    )
+    del excess["pipeoptim+Ŵbackward"]
     excess["xpipe"] = 0.2  # no asynchronous row converged: the closest that did
     assert "use a synchronous method (zb-h1" in str(risk.depth_advice("pipeoptim", 8, "adamw"))
     excess["gpipe (muon)"], copies["gpipe (muon)"] = -0.054, 1  # sync did better under Muon
