@@ -153,16 +153,36 @@ def report(records: list[dict[str, object]]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    script_main(
+        __doc__,
+        [*ABLATIONS, *SCREENS],
+        run,
+        RESULTS / "ablation.jsonl",
+        report,
+        RESULTS / "ablation.md",
+    )
+
+
+def script_main(
+    doc: str | None,
+    names: list[str],
+    run: Callable[[str], dict[str, object]],
+    runs_path: Path,
+    report: Callable[[list[dict[str, object]]], str],
+    report_path: Path,
+) -> None:
+    """The command line of a script of named runs: ``--workers``, ``--report-only`` and
+    ``--only``; runs what is missing (:func:`run_resumable`), writes the report."""
+    parser = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--only", default=None, help="comma-separated names to run")
     args = parser.parse_args()
-    names = [*ABLATIONS, *SCREENS] if args.only is None else args.only.split(",")
-    path = RESULTS / "ablation.jsonl"
-    done = run_resumable(names, run, path, args.workers, run_again=not args.report_only)
-    (RESULTS / "ablation.md").write_text(report(done))
-    print(report(done))
+    chosen = names if args.only is None else args.only.split(",")
+    done = run_resumable(chosen, run, runs_path, args.workers, run_again=not args.report_only)
+    text = report(done)
+    report_path.write_text(text)
+    print(text)
 
 
 def run_resumable(

@@ -16,16 +16,14 @@ drain every 250), trained by :class:`pipeoptim.study.delays.DelayEmulator`. Resu
 
 from __future__ import annotations
 
-import argparse
 import functools
 import math
-import os
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from ablate import run_resumable  # the script beside this one
+from ablate import script_main  # the script beside this one
 from torch import Tensor, nn
 
 from pipeoptim.workloads.gpt import AttentionHalf
@@ -179,14 +177,9 @@ def report(records: list[dict[str, object]]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--report-only", action="store_true")
-    args = parser.parse_args()
-    path = RESULTS / "attention.jsonl"
-    done = run_resumable(list(RUNS), run, path, args.workers, run_again=not args.report_only)
-    (RESULTS / "attention.md").write_text(report(done))
-    print(report(done))
+    script_main(
+        __doc__, list(RUNS), run, RESULTS / "attention.jsonl", report, RESULTS / "attention.md"
+    )
 
 
 if __name__ == "__main__":

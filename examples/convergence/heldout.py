@@ -17,14 +17,13 @@ to ``results/heldout/runs.jsonl`` and ``results/heldout/README.md``.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import math
 import os
 import time
 from pathlib import Path
 
-from ablate import run_resumable  # the script beside this one
+from ablate import script_main  # the script beside this one
 
 RESULTS = Path(__file__).resolve().parent / "results" / "heldout"
 STAGES, STEPS, BATCH, LR, CONTEXT = 8, 2000, 32, 2e-3, 64
@@ -108,6 +107,8 @@ def report(records: list[dict[str, object]]) -> str:
         return float(by[name]["curve"][-1][1]) if name in by else math.nan  # type: ignore[index]
 
     lines = [
+        "# Held-out LM check",
+        "",
         "Final test loss (first 1,024 test windows) and its excess over gpipe's under AdamW "
         "and over gpipe's under the row's own optimizer; 8 stages, one seed.",
         "",
@@ -127,14 +128,7 @@ def report(records: list[dict[str, object]]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--report-only", action="store_true")
-    args = parser.parse_args()
-    path = RESULTS / "runs.jsonl"
-    done = run_resumable(list(RUNS), run, path, args.workers, run_again=not args.report_only)
-    (RESULTS / "README.md").write_text("# Held-out LM check\n\n" + report(done))
-    print(report(done))
+    script_main(__doc__, list(RUNS), run, RESULTS / "runs.jsonl", report, RESULTS / "README.md")
 
 
 if __name__ == "__main__":

@@ -176,12 +176,12 @@ def write_study_report(
                 if trained == chosen.optimizer:
                     continue
                 kept = out / config.model / f"profile-{trained}.json"
-                stale = not kept.exists() or Profile.load(kept).meta.get(
-                    "base"
-                ) != profile_fingerprint(chosen)
-                if stale:  # none yet, or made from a profile taken since
+                made = Profile.load(kept) if kept.exists() else None
+                if made is None or made.meta.get("base") != profile_fingerprint(chosen):
+                    # none yet, or made from a profile taken since; read back as it is kept
                     optimizer_profile(chosen, config.model, trained).save(kept)
-                trained_profiles[trained] = Profile.load(kept)
+                    made = Profile.load(kept)
+                trained_profiles[trained] = made
         times = time_to_target(config, cells, rates, target, chosen, trained_profiles)
         hardware = (
             f"Hardware: the profile given ({chosen.device}, batch {chosen.batch_size})."
