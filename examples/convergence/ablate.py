@@ -179,6 +179,9 @@ def script_main(
     parser.add_argument("--only", default=None, help="comma-separated names to run")
     args = parser.parse_args()
     chosen = names if args.only is None else args.only.split(",")
+    unknown = sorted(set(chosen) - set(names))
+    if unknown:
+        parser.error(f"--only names no run of this script: {unknown}; choose from {names}")
     done = run_resumable(chosen, run, runs_path, args.workers, run_again=not args.report_only)
     text = report(done)
     report_path.write_text(text)
