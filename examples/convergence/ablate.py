@@ -1,8 +1,8 @@
 """Where the asynchronous language model loses its loss: PipeDream's delays on gpt-deep at 8
 stages, kept or removed by stage, by kind of weight and by phase of training.
 
-    python examples/convergence/ablate.py              # every run (12 x 2,000 updates, one
-                                                       # process each: 272 s alone on a core)
+    python examples/convergence/ablate.py              # every run (11 x 2,000 updates, one
+                                                       # process each: 80-130 s on a core)
     python examples/convergence/ablate.py --report-only
 
 Each run is the study's recipe (AdamW 2e-3, weight decay 0.01, 10 % warm-up, cosine to
@@ -70,12 +70,12 @@ def run(name: str) -> dict[str, object]:
     from pipeoptim.runtime.lr import WarmupCosine
     from pipeoptim.study.delays import DelayEmulator
     from pipeoptim.workloads.data import DatasetLoader
-    from pipeoptim.workloads.gpt import gpt_deep, lm_loss, python_corpus
+    from pipeoptim.workloads.gpt import gpt_deep, lm_loss, python_corpus_deep
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     units = gpt_deep()
-    data = python_corpus()
+    data = python_corpus_deep()
     keep = ABLATIONS[name][1] if name in ABLATIONS else (lambda n, k, t, tau: True)
     tune = SCREENS[name][1] if name in SCREENS else (lambda tau: (1.0, 0.9))
     bounds = even_boundaries(len(units), STAGES)

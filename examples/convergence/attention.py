@@ -3,7 +3,7 @@ first 700 updates trained synchronously, with every stage's delay, and with ever
 delay on a copy of the model whose attention normalises q and k (QK-LayerNorm).
 
     python examples/convergence/attention.py              # 3 runs of 700 updates, one
-                                                          # process each: ~2 min alone on a core
+                                                          # process each: ~35 s on a core
     python examples/convergence/attention.py --report-only
 
 Every 100 updates each run records the test loss (first 1,024 test samples) and, per
@@ -99,7 +99,7 @@ def run(name: str) -> dict[str, object]:
     from pipeoptim.runtime.lr import WarmupCosine
     from pipeoptim.study.delays import DelayEmulator
     from pipeoptim.workloads.data import DatasetLoader
-    from pipeoptim.workloads.gpt import gpt_deep, lm_loss, python_corpus
+    from pipeoptim.workloads.gpt import gpt_deep, lm_loss, python_corpus_deep
 
     what, delayed, qk_norm = RUNS[name]
     torch.set_num_threads(1)
@@ -107,7 +107,7 @@ def run(name: str) -> dict[str, object]:
     units = gpt_deep()
     if qk_norm:
         units = [QKNormAttention(u) if isinstance(u, AttentionHalf) else u for u in units]
-    data = python_corpus()
+    data = python_corpus_deep()
     emulator = DelayEmulator(
         units,
         even_boundaries(len(units), STAGES),
@@ -145,8 +145,10 @@ def run(name: str) -> dict[str, object]:
     return {"name": name, "what": what, "points": points, "seconds": time.perf_counter() - start}
 
 
-def _uniform_entropy(context: int = 64) -> float:
+def _uniform_entropy() -> float:
     """The probe's entropy of uniform causal attention: mean of ln(i + 1) over positions 8+."""
+    from pipeoptim.workloads.gpt import DEEP_CONTEXT as context
+
     return sum(math.log(i + 1) for i in range(8, context)) / (context - 8)
 
 

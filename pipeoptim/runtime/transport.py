@@ -105,6 +105,17 @@ class Transport(ABC):
         """Whether ``recv(key)`` would return without waiting on another rank's progress."""
         return True
 
+    @property
+    def posts_receives(self) -> bool:
+        """Whether posting a receive ahead does anything here (a transport that overrides
+        :meth:`post_recv` or :meth:`post_recv_parts`); the executor announces receives only
+        then, since finding them costs a look at the next actions after every action."""
+        kind = type(self)
+        return (
+            kind.post_recv is not Transport.post_recv
+            or kind.post_recv_parts is not Transport.post_recv_parts
+        )
+
     def flush(self) -> None:  # noqa: B027 - optional hook
         """Wait until every message sent so far has left."""
 

@@ -33,6 +33,7 @@ __all__ = [
     "choose_rates",
     "load_records",
     "main_specs",
+    "relative_cost",
     "run_specs",
     "run_study",
     "sweep_specs",
@@ -291,6 +292,18 @@ def main_specs(config: StudyConfig, rates: dict[str, tuple[float, float | None]]
     return specs
 
 
+def relative_cost(spec: RunSpec) -> float:
+    """A run's cost relative to a one-micro-batch AdamW run of the same steps, from the study's
+    measured run times on CPU: every micro-batch forward and backward adds a fixed overhead
+    per stage, and Muon's Newton-Schulz iterations add about 40 % (only the order matters:
+    it is what ``run_specs`` schedules the longest runs first by)."""
+    micro = spec.micro_batches
+    per_step = 1.0 + 0.25 * (micro - 1) * max(1, spec.stages) / 16
+    if (spec.trained_optimizer or spec.optimizer) == "muon":
+        per_step += 0.4
+    return per_step * spec.steps
+
+
 def load_records(path: Path) -> list[RunRecord]:
     """The records of ``runs.jsonl``, one per configuration (a torn line, from an
     interrupted study, is skipped: that run is simply done again)."""
@@ -323,7 +336,11 @@ def run_specs(
     """Run the specs not yet in ``path`` (appending each record as it finishes); returns
     the records of every spec, old and new."""
     done = {r.spec.key: r for r in load_records(path)}
-    todo = [s for s in dict.fromkeys(specs) if s.key not in done]
+    # the longest first, so two workers end together instead of one finishing a long run
+    # alone (a stable sort: equal estimates keep the grid's order)
+    todo = sorted(
+        (s for s in dict.fromkeys(specs) if s.key not in done), key=relative_cost, reverse=True
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     threads = threads or max(1, (os.cpu_count() or 1) // max(1, workers))
     finished = 0
@@ -386,6 +403,21 @@ def run_study(
     """Sweep, choose the rates, run every method; records go to ``out_dir/runs.jsonl``."""
     path = out_dir / "runs.jsonl"
     show = None if quiet else print_progress
+    if all(len(config.rates[opt]) == 1 for opt in config.optimizers):
+        # one candidate per optimizer: the rates are known, so the sweep's runs (main runs
+        # too) go into one pool with the rest instead of leaving a worker idle
+        rates: dict[str, tuple[float, float | None]] = {
+            opt: (config.rates[opt][0], None) for opt in config.optimizers
+        }
+        first = sweep_specs(config)
+        every = run_specs(
+            [*first, *main_specs(config, rates)],
+            path,
+            workers=workers,
+            threads=threads,
+            progress=show,
+        )
+        return rates, every[len(first) :]
     sweep = run_specs(sweep_specs(config), path, workers=workers, threads=threads, progress=show)
     rates = choose_rates(config, sweep)
     main = run_specs(

@@ -30,6 +30,7 @@ from pipeoptim.workloads.data import Dataset
 
 __all__ = [
     "CONTEXT",
+    "DEEP_CONTEXT",
     "GPT_DEFAULTS",
     "TEST_CHARS",
     "TRAIN_CHARS",
@@ -66,6 +67,10 @@ TEST_EVERY = 10
 ``i % TEST_EVERY == TEST_EVERY - 1``: the split is by file, so no file is in both."""
 
 CONTEXT = 64
+DEEP_CONTEXT = 32
+"""The context of ``gpt-deep``: half of ``gpt``'s, so the depth study's every method, correction
+and depth train in the 90 minutes the study is allowed on a 2-core machine (the cost of a
+step is about proportional to the tokens it trains on)."""
 
 SKIP_DIRS = frozenset(
     {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "__pycache__"}
@@ -301,8 +306,14 @@ def gpt(
 
 def gpt_deep() -> list[nn.Module]:
     """The study's language model at depth: :func:`gpt` with 7 blocks, each cut into its
-    two halves (17 units: up to 16 stages with at least one unit each)."""
-    return gpt(blocks=7, split_blocks=True)
+    two halves (17 units: up to 16 stages with at least one unit each), on a context of
+    ``DEEP_CONTEXT`` characters."""
+    return gpt(context=DEEP_CONTEXT, blocks=7, split_blocks=True)
+
+
+def python_corpus_deep() -> Dataset:
+    """:func:`python_corpus` in windows of ``DEEP_CONTEXT`` characters (``gpt-deep``'s data)."""
+    return python_corpus(context=DEEP_CONTEXT)
 
 
 def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:

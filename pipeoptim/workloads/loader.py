@@ -8,7 +8,7 @@ A pipeline splits a model at layer boundaries, so every model is a flat list of 
 * ``gpt``: a 9-unit decoder-only transformer, next-character prediction on the Python
   standard library's own source (:mod:`pipeoptim.workloads.gpt`), trained with a per-token
   loss; ``gpt-deep``: the same model family with 7 blocks cut into attention and MLP halves
-  (17 units, for pipelines of up to 16 stages).
+  (17 units, for pipelines of up to 16 stages), on windows of 32 characters (``gpt``: 64).
 
 A user model is ``module:factory`` or ``path/to/file.py:factory``: ``factory()`` returns an
 ``nn.Sequential`` or a list of modules. It trains on ``digits`` (input: a float tensor of 64
@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.workloads.classifiers import cnn, mlp, transformer
 from pipeoptim.workloads.data import Dataset, digits, majority
-from pipeoptim.workloads.gpt import gpt, gpt_deep, lm_loss, python_corpus
+from pipeoptim.workloads.gpt import gpt, gpt_deep, lm_loss, python_corpus, python_corpus_deep
 
 __all__ = [
     "BUILTIN_LOSSES",
@@ -51,7 +51,7 @@ BUILTIN_MODELS: dict[str, tuple[Callable[[], list[nn.Module]], Callable[[], Data
     "cnn": (cnn, digits),
     "transformer": (transformer, majority),
     "gpt": (gpt, python_corpus),
-    "gpt-deep": (gpt_deep, python_corpus),
+    "gpt-deep": (gpt_deep, python_corpus_deep),
 }
 BUILTIN_LOSSES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "gpt": lm_loss,

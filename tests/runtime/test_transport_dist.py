@@ -59,3 +59,16 @@ def test_many_sends_stay_bounded_and_wrapped_tags_keep_the_order() -> None:
         assert p.exitcode == 0
     assert results["sent"] <= 65  # the oldest 32 are waited on past 64 in flight
     assert results["received"] == [float(mb) for mb in range(MESSAGES)]
+
+
+def test_only_a_transport_that_posts_receives_is_sent_them_ahead() -> None:
+    """The executor announces receives ahead (a scan of the next actions after every
+    action) only to a transport whose post hooks do something: gloo's, not the mailbox's."""
+    assert not transport.LocalTransport(0, {}).posts_receives
+    assert DistTransport.__new__(DistTransport).posts_receives  # no process group needed
+
+    class Posting(transport.LocalTransport):
+        def post_recv_parts(self, key: Any, peer: int, parts: Any) -> None:
+            pass
+
+    assert Posting(0, {}).posts_receives

@@ -419,3 +419,45 @@ def test_sweep_depth_pairs_need_the_sweep_depth_among_the_stages() -> None:
             repeat_seeds=3,
             repeat_stages=4,
         )
+
+
+def test_runs_are_scheduled_longest_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Micro-batched runs at depth and Muon runs start before one-micro-batch AdamW runs."""
+    deep = replace(CONFIG, stages=(2, 8), sweep_stages=2)
+    quick = deep.spec("pipedream", "adam", 1e-3, 2, 0)
+    muon = deep.spec("pipedream", "adam", 1e-3, 2, 0, trained_optimizer="muon")
+    shallow = deep.spec("gpipe", "adam", 1e-3, 2, 0)
+    micro = deep.spec("gpipe", "adam", 1e-3, 8, 0)
+    assert grid.relative_cost(micro) > grid.relative_cost(shallow) > grid.relative_cost(quick)
+    assert grid.relative_cost(muon) > grid.relative_cost(quick)
+    started: list[str] = []
+
+    def fake_run(spec: RunSpec) -> RunRecord:
+        started.append(spec.label + f"/P={spec.stages}")
+        return record(spec, [0.5])
+
+    monkeypatch.setattr(grid, "run_one", fake_run)
+    run_specs([quick, shallow, muon, micro], tmp_path / "runs.jsonl")
+    assert started == ["gpipe/P=8", "pipedream (muon)/P=2", "gpipe/P=2", "pipedream/P=2"]
+
+
+def test_one_candidate_rate_runs_the_sweep_in_the_main_pool(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the rate known before the sweep, every run goes into one pool (no idle worker
+    while a lone sweep run trains); the result is the main runs', as with a sweep."""
+    single = replace(CONFIG, rates={"adam": (1e-3,)}, seeds=1)
+    calls: list[int] = []
+    real = grid.run_specs
+
+    def counting(specs: list[RunSpec], path: Path, **kwargs: object) -> list[RunRecord]:
+        calls.append(len(specs))
+        return real(specs, path, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(grid, "run_one", lambda spec: record(spec, [0.5]))
+    monkeypatch.setattr(grid, "run_specs", counting)
+    rates, main = grid.run_study(single, tmp_path, quiet=True)
+    assert rates == {"adam": (1e-3, None)}
+    assert calls == [1 + 2]  # the sweep's gpipe run and the two main runs, in one call
+    assert [r.spec.key for r in main] == [s.key for s in main_specs(single, rates)]
+    assert len(load_records(tmp_path / "runs.jsonl")) == 2  # the sweep run is a main run
