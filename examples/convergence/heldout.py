@@ -4,7 +4,7 @@ downloaded) on English prose, the text of Python's documentation topics
 (``pydoc_data.topics``, in the standard library), with the study's recipe.
 
     python examples/convergence/heldout.py              # 4 runs of 2,000 updates, two at a
-                                                        # time: ~10 minutes on 2 cores
+                                                        # time: ~12 minutes on 2 cores
     python examples/convergence/heldout.py --report-only
 
 Rows: gpipe and pipeoptim under AdamW, gpipe and pipeoptim+nesterov under Muon, 8 stages

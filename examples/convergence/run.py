@@ -106,8 +106,9 @@ STUDIES = {
             "pipeoptim+shrink (muon)",
         ),
         twins=("1f1b", "zb-h1"),
-        # the two never-micro-batched rows nearest gpipe at 8 stages, and gpipe itself (the
-        # reference every excess is taken against), on two more seeds
+        # the best never-micro-batched row at 8 stages and its base without the momentum
+        # rule, and gpipe itself (the reference every excess is taken against), on two
+        # more seeds
         repeat=("gpipe", "pipeoptim (muon)", "pipeoptim+nesterov (muon)"),
         repeat_seeds=3,
         repeat_stages=8,

@@ -470,18 +470,22 @@ def _flags(row: str) -> str:
 
 def depth_advice(method: str, stages: int, optimizer: str) -> str | None:
     """A note for a user who picked ``method`` at ``stages`` stages, where the study measured
-    it on its language model at that depth (or the nearest measured depth below) more than
+    it on its language model at that depth (or the nearest depth below where it measured
+    that row) more than
     :data:`WITHIN` above gpipe's final loss: what it measured, and the configuration it
     recommends instead: of the rows with at most 2 weight copies per stage that came within
     :data:`WITHIN`, an asynchronous one first (the closest), else the closest row. None
     where nothing was measured or the method converged."""
-    depths = [p for p in DEPTH_EXCESS if p <= stages]
-    if not depths or optimizer not in ("adam", "adamw", "nadam", "muon"):
+    if optimizer not in ("adam", "adamw", "nadam", "muon"):
+        return None
+    # the study's rows: AdamW's (Adam's alike) by method, the others as "method (optimizer)"
+    mine = method if optimizer in ("adam", "adamw") else f"{method} ({optimizer})"
+    # some rows train at one depth only: the deepest at or below ``stages`` that has it
+    depths = [p for p, rows in DEPTH_EXCESS.items() if p <= stages and mine in rows]
+    if not depths:
         return None
     depth = max(depths)
     table = DEPTH_EXCESS[depth]
-    # the study's rows: AdamW's (Adam's alike) by method, the others as "method (optimizer)"
-    mine = method if optimizer in ("adam", "adamw") else f"{method} ({optimizer})"
     excess = table.get(mine)
     if excess is None or excess <= WITHIN:
         return None

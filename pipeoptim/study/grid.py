@@ -30,6 +30,7 @@ __all__ = [
     "ALL_METHODS",
     "DEFAULT_RATES",
     "StudyConfig",
+    "check_model",
     "choose_rates",
     "load_records",
     "main_specs",
@@ -392,6 +393,39 @@ def print_progress(record: RunRecord, finished: int, total: int) -> None:
     )
 
 
+def model_fingerprint(model: str) -> dict[str, object]:
+    """What a run key does not say of a built-in model: its units, weights and samples (a
+    changed definition, e.g. another context, makes old records another model's)."""
+    from pipeoptim.workloads.loader import build_model
+
+    layers, data = build_model(model, 0)
+    return {
+        "model": model,
+        "units": len(layers),
+        "parameters": sum(p.numel() for layer in layers for p in layer.parameters()),
+        "sample_shape": list(data.train_x.shape[1:]),
+        "train_samples": len(data.train_x),
+    }
+
+
+def check_model(out_dir: Path, model: str) -> None:
+    """Refuse to add runs to ``out_dir`` when its records were trained on another definition
+    of ``model`` (``model.json`` there); write it where there is none."""
+    path = out_dir / "model.json"
+    now = model_fingerprint(model)
+    if path.exists():
+        before = json.loads(path.read_text())
+        if before != now:
+            raise RuntimeConfigError(
+                f"{out_dir} holds runs of {model} as it was defined then ({before}); it is now "
+                f"{now}, so new runs would mix with runs of another model. Move {out_dir} "
+                f"away or give another output folder"
+            )
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(now, indent=1) + "\n")
+
+
 def run_study(
     config: StudyConfig,
     out_dir: Path,
@@ -402,6 +436,7 @@ def run_study(
 ) -> tuple[dict[str, tuple[float, float | None]], list[RunRecord]]:
     """Sweep, choose the rates, run every method; records go to ``out_dir/runs.jsonl``."""
     path = out_dir / "runs.jsonl"
+    check_model(out_dir, config.model)
     show = None if quiet else print_progress
     if all(len(config.rates[opt]) == 1 for opt in config.optimizers):
         # one candidate per optimizer: the rates are known, so the sweep's runs (main runs

@@ -220,6 +220,13 @@ def test_depth_advice_names_what_converged_with_few_copies(
     assert risk.depth_advice("xpipe", 8, "adamw") is None  # it converged
     assert risk.depth_advice("pipeoptim", 4, "adamw") is None  # nothing measured that shallow
     assert risk.depth_advice("pipeoptim", 8, "sgd") is None  # measured under AdamW only
+    # a row trained at 8 stages only answers for deeper pipelines too, from its 8 stages
+    excess["pipeoptim (nadam)"], copies["pipeoptim (nadam)"] = 0.5, 2
+    monkeypatch.setitem(risk.DEPTH_EXCESS, 16, {"pipeoptim": 0.6, "xpipe": 0.01})
+    deep = str(risk.depth_advice("pipeoptim", 16, "nadam"))
+    assert "pipeoptim (nadam) at 16 stages" in deep and "at 8 stages" in deep and "+50.0 %" in deep
+    assert "at 16 stages" in str(risk.depth_advice("pipeoptim", 16, "adamw"))
+    del excess["pipeoptim (nadam)"], risk.DEPTH_EXCESS[16]
     excess["pipeoptim+nesterov (muon)"] = 0.004  # a row under another optimizer: both flags
     copies["pipeoptim+nesterov (muon)"] = 2
     assert "(--method pipeoptim+nesterov --optimizer muon)" in str(

@@ -461,3 +461,15 @@ def test_one_candidate_rate_runs_the_sweep_in_the_main_pool(
     assert calls == [1 + 2]  # the sweep's gpipe run and the two main runs, in one call
     assert [r.spec.key for r in main] == [s.key for s in main_specs(single, rates)]
     assert len(load_records(tmp_path / "runs.jsonl")) == 2  # the sweep run is a main run
+
+
+def test_a_results_folder_of_another_model_definition_is_refused(tmp_path: Path) -> None:
+    """The run key names the model, not its definition: a folder records the definition it
+    was trained on, and new runs of a changed one are refused instead of mixed in."""
+    grid.check_model(tmp_path, "mlp")
+    kept = json.loads((tmp_path / "model.json").read_text())
+    assert kept["model"] == "mlp" and kept["units"] > 0 and kept["sample_shape"] == [64]
+    grid.check_model(tmp_path, "mlp")  # the same definition: accepted
+    (tmp_path / "model.json").write_text(json.dumps({**kept, "sample_shape": [32]}))
+    with pytest.raises(RuntimeConfigError, match=r"another model\. Move .* away"):
+        grid.check_model(tmp_path, "mlp")
