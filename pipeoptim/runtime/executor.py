@@ -555,24 +555,23 @@ class RankExecutor:
         return 0, t.numel() * t.element_size() if isinstance(t, Tensor) else payload_bytes(t), 0
 
     def _recv_key(self, a: Action) -> MessageKey:
-        """The name of the message a receive action takes (``_recv_spec``'s first item)."""
+        """The name of the message a receive action takes (the first item of its spec)."""
         mb = self._message_mb(a.mb)
         if a.kind is Kind.RECV_F:
             return ("eval" if self.evaluating else "act", a.stage, mb)
         return ("grad", a.stage, mb)
 
     def _recv_spec(self, a: Action) -> RecvSpec:
-        n, k, mb = self._size(a.mb), a.stage, self._message_mb(a.mb)
+        n, k, key = self._size(a.mb), a.stage, self._recv_key(a)
         if a.kind is Kind.RECV_F:
             b = self.boundaries[k - 1]
-            kind = "eval" if self.evaluating else "act"
             if isinstance(b, tuple):
-                return (kind, k, mb), self.rank_of[k - 1], _parts(b, n, grad=False)
-            return (kind, k, mb), self.rank_of[k - 1], (n, *b.shape), b.dtype
+                return key, self.rank_of[k - 1], _parts(b, n, grad=False)
+            return key, self.rank_of[k - 1], (n, *b.shape), b.dtype
         b = self.boundaries[k]
         if isinstance(b, tuple):
-            return ("grad", k, mb), self.rank_of[k + 1], _parts(b, n, grad=True)
-        return ("grad", k, mb), self.rank_of[k + 1], (n, *b.shape), b.grad_dtype
+            return key, self.rank_of[k + 1], _parts(b, n, grad=True)
+        return key, self.rank_of[k + 1], (n, *b.shape), b.grad_dtype
 
     def _global(self, mb: int) -> int:
         """A segment's micro-batch id as the run counts it (messages and the trace)."""

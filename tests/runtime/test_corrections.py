@@ -21,6 +21,19 @@ from pipeoptim.runtime.update import StageContext
 CONTEXT = StageContext(index=0, num_stages=8, method="pipedream+pipemare", delay=7, micro_batches=1)
 
 
+def linear_pipeline(method: str, stages: int, optimizer: OptimizerSpec, width: int = 2) -> Pipeline:
+    """``stages`` Linear(width, width) layers as that many stages of ``method``, seed 0."""
+    torch.manual_seed(0)
+    return Pipeline(
+        nn.Sequential(*(nn.Linear(width, width) for _ in range(stages))),
+        method=method,
+        stages=stages,
+        optimizer=optimizer,
+        loss_fn=F.mse_loss,
+        progress=False,
+    )
+
+
 def test_every_corrected_method_names_its_base_and_correction() -> None:
     assert {
         "pipedream+pipemare",
@@ -52,15 +65,8 @@ def test_pipemare_divides_the_rate_by_tau_to_the_annealed_power() -> None:
 def test_pipemare_applies_the_divided_rate_for_the_step_and_puts_it_back() -> None:
     """Four stages of pipedream+pipemare under plain SGD: stage 0's updates have delays
     0, 1, 2, 3, 3 (the warm-up, then P−1), so its steps are lr, lr, lr/2^p(2), lr/3^p(3)…"""
-    torch.manual_seed(0)
-    model = nn.Sequential(*(nn.Linear(3, 3) for _ in range(4)))
-    pipe = Pipeline(
-        model,
-        method="pipedream+pipemare",
-        stages=4,
-        optimizer=OptimizerSpec("sgd", 0.1, {"momentum": 0.0}),
-        loss_fn=F.mse_loss,
-        progress=False,
+    pipe = linear_pipeline(
+        "pipedream+pipemare", 4, OptimizerSpec("sgd", 0.1, {"momentum": 0.0}), width=3
     )
     stage = pipe.stages[0]
     assert stage.optimizer is not None and stage.updater is not None
@@ -92,15 +98,7 @@ def test_delay_momentum_is_the_nesterov_methods_rule_on_every_stage() -> None:
     """Ajanthan et al. (arXiv 2505.01099; AsyncPP's --adaptive_momentum): β_k = β0 +
     τ_k(0.99 − β0)/P with τ_k = P−1−k, on NAdam's β1 (β0 = 0.9) at 8 stages."""
     assert delay_momentum(0.9, 7, 8) == pytest.approx(0.9 + 7 * 0.09 / 8, rel=1e-12)
-    torch.manual_seed(0)
-    pipe = Pipeline(
-        nn.Sequential(*(nn.Linear(2, 2) for _ in range(8))),
-        method="pipedream+nesterov",
-        stages=8,
-        optimizer=OptimizerSpec("nadam", 1e-3, {}),
-        loss_fn=F.mse_loss,
-        progress=False,
-    )
+    pipe = linear_pipeline("pipedream+nesterov", 8, OptimizerSpec("nadam", 1e-3, {}))
     betas = [pipe.stages[k].optimizer.param_groups[0]["betas"] for k in range(8)]  # type: ignore[union-attr]
     literal = [0.97875, 0.9675, 0.95625, 0.945, 0.93375, 0.9225, 0.91125, 0.9]
     assert [b[0] for b in betas] == pytest.approx(literal, rel=1e-12)
@@ -109,15 +107,7 @@ def test_delay_momentum_is_the_nesterov_methods_rule_on_every_stage() -> None:
 
 
 def test_delay_momentum_sets_sgds_momentum_and_refuses_an_optimizer_without_one() -> None:
-    torch.manual_seed(0)
-    pipe = Pipeline(
-        nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)),
-        method="pipeoptim+nesterov",
-        stages=2,
-        optimizer=OptimizerSpec("sgd", 0.1, {"momentum": 0.5}),
-        loss_fn=F.mse_loss,
-        progress=False,
-    )
+    pipe = linear_pipeline("pipeoptim+nesterov", 2, OptimizerSpec("sgd", 0.1, {"momentum": 0.5}))
     moments = [pipe.stages[k].optimizer.param_groups[0]["momentum"] for k in range(2)]  # type: ignore[union-attr]
     assert moments == pytest.approx([0.5 + 1 * 0.49 / 2, 0.5], rel=1e-12)
     with pytest.raises(RuntimeConfigError, match=r"RMSprop has no momentum.*nadam"):
@@ -133,15 +123,7 @@ def test_delay_momentum_sets_sgds_momentum_and_refuses_an_optimizer_without_one(
 def test_delay_momentum_sets_muons_momentum_and_its_adamw_parts_beta1() -> None:
     """Under ``--optimizer muon`` the rule sets Muon's momentum (β0 = 0.95) on the weight
     matrices and the AdamW part's β1 (β0 = 0.9) on the vectors, stage by stage."""
-    torch.manual_seed(0)
-    pipe = Pipeline(
-        nn.Sequential(*(nn.Linear(2, 2) for _ in range(8))),
-        method="pipeoptim+nesterov",
-        stages=8,
-        optimizer=OptimizerSpec("muon", 1e-3, {}),
-        loss_fn=F.mse_loss,
-        progress=False,
-    )
+    pipe = linear_pipeline("pipeoptim+nesterov", 8, OptimizerSpec("muon", 1e-3, {}))
     muon, adamw = [], []
     for k in range(8):
         groups = pipe.stages[k].optimizer.param_groups  # type: ignore[union-attr]
