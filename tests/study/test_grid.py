@@ -473,3 +473,18 @@ def test_a_results_folder_of_another_model_definition_is_refused(tmp_path: Path)
     (tmp_path / "model.json").write_text(json.dumps({**kept, "sample_shape": [32]}))
     with pytest.raises(RuntimeConfigError, match=r"another model\. Move .* away"):
         grid.check_model(tmp_path, "mlp")
+
+
+def test_compare_refuses_a_results_folder_of_another_model_definition(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Through the command line: exit 2 with the fix, no traceback, the folder untouched."""
+    kept = tmp_path / "mlp" / "model.json"
+    kept.parent.mkdir()
+    kept.write_text(json.dumps({"model": "mlp", "units": 1}))
+    args = ["compare", "--model", "mlp", "--stages", "2", "--seeds", "1", "--epochs", "1"]
+    assert main([*args, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "Move" in err and "give another output folder" in err and "Traceback" not in err
+    assert json.loads(kept.read_text()) == {"model": "mlp", "units": 1}
+    assert sorted(p.name for p in kept.parent.iterdir()) == ["model.json"]
