@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from pipeoptim.runtime.predict import predictor_for
+from pipeoptim.runtime.optim.predict import predictor_for
 
 FAMILIES: dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]] = {
     "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9),

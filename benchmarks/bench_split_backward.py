@@ -27,7 +27,7 @@ from pipeoptim.plan.actions import Action
 from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.plan import OptimizerSpec
 from pipeoptim.plan.versions import MicroBatchVersions, analyze_versions
-from pipeoptim.runtime.stage import Stage
+from pipeoptim.runtime.stage.stage import Stage
 
 
 def build(method: str, width: int, blocks: int, micro_batches: int) -> Stage:

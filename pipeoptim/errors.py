@@ -7,6 +7,8 @@ without a traceback.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class PipeoptimError(ValueError):
     """Base class of every error pipeoptim raises on bad input."""
@@ -40,3 +42,35 @@ class WorkLimitError(PlanError):
 
 class OutputPathError(PipeoptimError):
     """An output path (``--out``, ``--html``, ``--trace``...) cannot be written."""
+
+
+class TrainingFailedError(PipeoptimError):
+    """A run that was configured right failed while it trained: the loss diverged, or a rank
+    stopped. Not a configuration error: the message says what happened, at which step or
+    rank, and what was kept (the last good checkpoint, the trace)."""
+
+
+class NonFiniteLossError(TrainingFailedError):
+    """The loss became NaN or infinite; training stops at that step. ``partial`` holds the
+    run's result up to the stop, where it could be gathered (a ``FitResult``)."""
+
+    def __init__(self, message: str, step: int) -> None:
+        super().__init__(message)
+        self.step = step
+        self.partial: Any = None
+
+
+class RankFailedError(TrainingFailedError):
+    """A rank of a multi-process run failed; the message names it."""
+
+    def __init__(self, message: str, rank: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+class PeerLostError(TrainingFailedError):
+    """A peer rank stopped answering: it crashed, was killed, or stopped on an error."""
+
+    def __init__(self, message: str, peer: int) -> None:
+        super().__init__(message)
+        self.peer = peer

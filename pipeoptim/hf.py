@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeoptim.errors import RuntimeConfigError
-from pipeoptim.runtime.model_units import InitWeights, ModelUnits
+from pipeoptim.runtime.model.units import InitWeights, ModelUnits
 
 __all__ = [
     "IGNORE_INDEX",

@@ -72,7 +72,7 @@ def own_modules(name: str, *, top_level_only: bool) -> set[str]:
     """The pipeoptim modules module ``name`` imports at run time (not its own packages)."""
     found = set()
     for target in imports(MODULES[name], top_level_only=top_level_only, run_time_only=True):
-        # "from pipeoptim.runtime import stage" names the module pipeoptim.runtime.stage
+        # "from pipeoptim.runtime import stage" names the module pipeoptim.runtime.stage.stage
         while target and target not in MODULES:
             target = target.rpartition(".")[0]
         if target and target != name and not name.startswith(target + "."):
@@ -126,32 +126,42 @@ def test_runtime_imports_neither_the_simulator_nor_the_workloads() -> None:
     assert banned_imports({"pipeoptim.runtime": banned}) == []
 
 
-STAGE_PARTS = tuple(
-    f"pipeoptim.runtime.{m}"
-    for m in (
-        "weights",
-        "precision",
-        "update",
-        "memory",
-        "rng",
-        "saved",
-        "split_backward",
-        "loss",
-    )
+RUNTIME = "pipeoptim.runtime"
+SUBPACKAGES = tuple(
+    f"{RUNTIME}.{p.name}"
+    for p in sorted((ROOT / "runtime").iterdir())
+    if p.is_dir() and (p / "__init__.py").exists()
 )
-"""The parts a stage's forward and backward run over, one concern each."""
-ABOVE_THE_STAGE = tuple(
-    f"pipeoptim.runtime.{m}"
+"""runtime/ by concern: stage/, optim/, comm/, checkpoint/, model/, profiling/."""
+SPINE = tuple(
+    f"{RUNTIME}.{m}"
     for m in (
-        "stage",
-        "executor",
-        "assembly",
-        "fit_loop",
-        "checkpoint_folder",
-        "pipeline",
         "launch",
+        "pipeline",
+        "options",
+        "fit_loop",
+        "divergence",
+        "probe",
+        "result",
+        "checkpoint_folder",
+        "executor",
+        "segments",
+        "feed",
+        "assembly",
     )
 )
+"""The runtime's spine, top down: launch -> the Pipeline front -> the fit loop (with its dry
+run, its divergence words and its result) -> the checkpoint folder -> the executor (with the
+segments it runs and the data it feeds) -> the assembly of the built parts."""
+STAGE = f"{RUNTIME}.stage.stage"
+STAGE_PARTS = tuple(
+    name
+    for name in MODULES
+    if _within(name, (f"{RUNTIME}.stage", f"{RUNTIME}.optim")) and name != STAGE
+)
+"""The parts a stage's forward and backward run over, one concern each (stage/), and its
+update rule (optim/)."""
+ABOVE_THE_STAGE = (STAGE, *SPINE)
 
 
 def test_the_stage_parts_import_nothing_above_them() -> None:
@@ -161,17 +171,53 @@ def test_the_stage_parts_import_nothing_above_them() -> None:
     back together."""
     assert banned_imports(dict.fromkeys(STAGE_PARTS, ABOVE_THE_STAGE)) == []
     upward = {
-        "pipeoptim.runtime.stage": ABOVE_THE_STAGE[1:],
-        "pipeoptim.runtime.executor": ABOVE_THE_STAGE[2:],
-        "pipeoptim.runtime.fit_loop": ("pipeoptim.runtime.pipeline", "pipeoptim.runtime.launch"),
-        "pipeoptim.runtime.checkpoint_folder": (
-            "pipeoptim.runtime.fit_loop",
-            "pipeoptim.runtime.pipeline",
-            "pipeoptim.runtime.launch",
-        ),
+        STAGE: SPINE,
+        f"{RUNTIME}.executor": SPINE[: SPINE.index(f"{RUNTIME}.executor")],
+        f"{RUNTIME}.fit_loop": (f"{RUNTIME}.pipeline", f"{RUNTIME}.launch"),
+        f"{RUNTIME}.checkpoint_folder": SPINE[: SPINE.index(f"{RUNTIME}.checkpoint_folder")],
     }
     assert banned_imports(upward) == []
     assert all(name in MODULES for name in (*STAGE_PARTS, *ABOVE_THE_STAGE))
+    assert len(STAGE_PARTS) >= 10
+
+
+def test_the_subpackages_import_nothing_of_the_spine() -> None:
+    """A concern's subpackage (a stage part, the update rule, a transport, a checkpoint
+    format, the model's units, the profiler) is used by the spine and never reaches up
+    into it, so each can be read, tested and replaced on its own."""
+    assert banned_imports(dict.fromkeys(SUBPACKAGES, SPINE)) == []
+    assert {s.rpartition(".")[2] for s in SUBPACKAGES} >= {
+        "stage",
+        "optim",
+        "comm",
+        "checkpoint",
+        "model",
+        "profiling",
+    }
+
+
+def _concern(name: str) -> str:
+    """The subpackage a runtime module belongs to, "spine", or the module itself."""
+    for package in SUBPACKAGES:
+        if _within(name, (package,)):
+            return package
+    return "spine" if name in SPINE else name
+
+
+def test_every_runtime_module_is_in_a_subpackage_on_the_spine_or_shared() -> None:
+    """No module of runtime/ sits at its top unless it is on the spine or shared by several
+    concerns (the subpackages and the spine): a module one concern uses belongs in it."""
+    graph = module_graph(top_level_only=False)
+    loose = []
+    for name in MODULES:
+        if name.count(".") != 2 or not name.startswith(RUNTIME + ".") or name in SPINE:
+            continue
+        if MODULES[name].name == "__init__.py":  # a subpackage
+            continue
+        users = {_concern(u) for u, _ in graph.in_edges(name) if _within(u, (RUNTIME,))}
+        if len(users - {name}) < 2:
+            loose.append((name, sorted(users)))
+    assert loose == []
 
 
 def test_the_file_reader_and_the_limits_are_leaves() -> None:

@@ -67,7 +67,7 @@ def run(name: str) -> dict[str, object]:
     from torch.optim.lr_scheduler import LambdaLR
 
     from pipeoptim.plan.plan import even_boundaries
-    from pipeoptim.runtime.lr import WarmupCosine
+    from pipeoptim.runtime.optim.lr import WarmupCosine
     from pipeoptim.study.delays import DelayEmulator
     from pipeoptim.workloads.data import DatasetLoader
     from pipeoptim.workloads.gpt import gpt_deep, lm_loss, python_corpus_deep

@@ -59,7 +59,7 @@ def run(name: str) -> dict[str, object]:
     from pipeoptim.hf import cut_causal_lm
     from pipeoptim.plan.methods import get_method
     from pipeoptim.plan.plan import OptimizerSpec
-    from pipeoptim.runtime.lr import WarmupCosine
+    from pipeoptim.runtime.optim.lr import WarmupCosine
     from pipeoptim.workloads.data import DatasetLoader
     from pipeoptim.workloads.gpt import VOCAB_SIZE
 

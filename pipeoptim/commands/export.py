@@ -1,7 +1,7 @@
 """``pipeoptim export``: a run's per-stage checkpoint as one state dict in the model's names.
 
-The work is :mod:`pipeoptim.runtime.export`'s; this module reads the command line and says
-what it wrote.
+The work is :mod:`pipeoptim.runtime.checkpoint.export`'s; this module reads the command
+line and says what it wrote.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from pipeoptim.runtime.export import EXPORT_FORMATS, export_checkpoint
+from pipeoptim.runtime.checkpoint.export import EXPORT_FORMATS, export_checkpoint
 
 __all__ = ["register", "run"]
 

@@ -19,6 +19,7 @@ from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.methods import METHODS, get_method
 from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.plan.risk import depth_advice
+from pipeoptim.runtime.comm.process_model import ProcessModel
 from pipeoptim.runtime.config import AMP_MODES, LR_SCHEDULES, check_offset
 
 GPT_DEFAULTS = {"lr": 5e-4}
@@ -109,7 +110,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-steps", type=int, metavar="K", help="stop after K mini-batches in all")
     p.add_argument(
         "--transport",
-        choices=("local", "dist"),
+        choices=[m.value for m in ProcessModel],
         default=None,
         help="local: all stages in this process; dist: one process per stage (default: "
         "local, or dist when the plan or --data-parallel asks for D > 1 replicas)",
@@ -250,7 +251,8 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     )
     # D > 1 replicas are D x P processes: a plan (or --data-parallel) asking for them starts
     # them, as `pipeoptim plan --devices` promises; an explicit --transport local is refused
-    transport = args.transport or ("dist" if plan.data_parallel > 1 else "local")
+    many = ProcessModel.PROCESS_PER_STAGE if plan.data_parallel > 1 else ProcessModel.ONE_PROCESS
+    transport = args.transport or many.value
     return TrainConfig(
         plan,
         epochs=args.epochs,
@@ -289,7 +291,7 @@ def _check_checkpoint_dir(path: str) -> None:
 
 
 def handler(args: argparse.Namespace) -> int:
-    from pipeoptim.runtime.executor import NonFiniteLossError
+    from pipeoptim.errors import NonFiniteLossError
     from pipeoptim.workloads.train import train
 
     check_output_paths(args, ["--trace"])

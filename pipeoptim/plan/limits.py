@@ -5,38 +5,8 @@ v virtual stages), so one typo (``--mini-batches 1000000000``) asks for billions
 and the machine runs out of memory long before anything is printed. Every consumer
 estimates the work first, with the closed forms below, and refuses with the estimate, the
 limit and the fix before allocating anything. All limits live in this module (the one on
-input files beside the code that reads them):
-
-``MAX_ACTIONS`` = 3,000,000 compute actions (F, B, U)
-    simulated by one command (``pipeoptim simulate``, all its methods together; the plan
-    search, all its candidates together) or one library call (``sim.simulate``,
-    ``sim.compile_method``, ``sim.evaluate_trace``). Measured about 1.1 kB per action at the
-    peak (compiled order, version analysis, timings, trace events, memory samples), so
-    about 3.3 GB and 45 s at the limit; the benchmark case P=64, N=10,000 is 1.92M actions.
-    Each stage counts as ``STAGE_COST`` = 3 actions more (its costs, memory accounting,
-    version analysis and metrics: measured about 3 kB per stage at P=200,000), so a very
-    long pipeline run for one mini-batch is bounded too.
-``MAX_GRID_CELLS`` = 3,000,000 cells (ranks x clock steps)
-    of a schedule laid out on the clock grid (``pipeoptim schedule``, ``build_schedule``,
-    ``Method.schedule``): about 600 B per cell with validation and version analysis, so
-    about 1.8 GB and a minute at the limit. The same P=64, N=10,000 run is 1.93M cells.
-``MAX_PARTITION_CELLS`` = 16,000,000 and ``MAX_PARTITION_WORK`` = 2,000,000,000
-    The partitioner's dynamic programme fills one ``n x n`` matrix per stage, ``n = L - P
-    + 1`` for L layers and P stages: at most 16M cells per matrix (about 0.5 GB with its
-    temporaries, i.e. up to ~4,000 layers) and 2G cells over all stages (seconds of numpy).
-``MAX_INPUT_BYTES`` = 1 GiB
-    for a plan, profile, trace or CSV schedule file; a trace of ``MAX_ACTIONS`` events is
-    about 0.5 GB of JSON. It is defined with the file reading, in :mod:`pipeoptim.jsonfile`
-    (which every reader uses and which imports nothing from the plan).
-``MAX_PROFILE_BATCH`` = 65,536 samples and ``MAX_PROFILE_REPEATS`` = 1,000
-    for ``pipeoptim profile``: a profile scales linearly to any batch size in the simulator,
-    so a smaller profiling batch loses nothing.
-``MAX_LAYER_BYTES`` = 1 TiB and ``MAX_STAGE_BYTES`` = 1 PiB
-    for a byte count in a profile's layer or a stage graph's stage: the partitioner sums
-    and scales them in 64-bit integers, which these bounds keep from overflowing.
-``MAX_JITTER`` = 3
-    lognormal sigma of ``--jitter`` (a factor of e^3 = 20 either way is already extreme;
-    larger values make every duration 0 or infinite).
+input files beside the code that reads them); docs/limits-and-failures.md has their table:
+each limit, its constant, its value and why.
 
 ``PIPEOPTIM_MAX_ACTIONS`` in the environment replaces both ``MAX_ACTIONS`` and
 ``MAX_GRID_CELLS`` (a machine with more memory may raise them; tests lower them).

@@ -3,7 +3,7 @@
 A :class:`Profile` is what the planner knows about a model without touching torch: for each
 layer (in pipeline order) how long its forward and backward take and how many bytes its
 output activation, parameters and optimizer state occupy. The runtime profiler
-(``pipeoptim.runtime.profiler``) measures one; :meth:`Profile.uniform` and
+(``pipeoptim.runtime.profiling.profiler``) measures one; :meth:`Profile.uniform` and
 :meth:`Profile.from_costs` build synthetic ones for planning experiments and tests. Profiles
 save to and load from a versioned JSON file, so measuring (on a GPU machine) and planning
 (anywhere) can happen on different machines.

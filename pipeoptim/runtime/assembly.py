@@ -22,21 +22,23 @@ from pipeoptim.plan.methods import Method
 from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.plan.schedules import Shape
 from pipeoptim.plan.versions import steady_delays
+from pipeoptim.runtime.comm.dist import DistTransport
+from pipeoptim.runtime.comm.placement import join_group, local_device
+from pipeoptim.runtime.comm.process_model import ProcessModel
+from pipeoptim.runtime.comm.replicas import BufferBroadcast, GradientAverager, ReplicaGroups
+from pipeoptim.runtime.comm.transport import Transport
 from pipeoptim.runtime.executor import segment_plan
-from pipeoptim.runtime.loss import LossFn
-from pipeoptim.runtime.materialize import materialize_units, meta_units
-from pipeoptim.runtime.model_units import InitWeights
-from pipeoptim.runtime.placement import join_group, local_device
-from pipeoptim.runtime.replicas import BufferBroadcast, GradientAverager, ReplicaGroups
-from pipeoptim.runtime.stage import Stage
-from pipeoptim.runtime.ties import TieExchange, find_ties, refuse_for, untie_copies
-from pipeoptim.runtime.transport import DistTransport, LocalTransport, Transport
-from pipeoptim.runtime.update import (
+from pipeoptim.runtime.model.materialize import materialize_units, meta_units
+from pipeoptim.runtime.model.ties import TieExchange, find_ties, refuse_for, untie_copies
+from pipeoptim.runtime.model.units import InitWeights
+from pipeoptim.runtime.optim.update import (
     FAMILY_OF_CLASS,
     OptimizerFactory,
     SchedulerFactory,
     takes_context,
 )
+from pipeoptim.runtime.stage.loss import LossFn
+from pipeoptim.runtime.stage.stage import Stage
 
 __all__ = ["SEGMENT_ACTIONS", "SEGMENT_PASSES", "Assembly", "RunState", "segment_limit"]
 
@@ -112,7 +114,7 @@ class Assembly:
         self.units, self.plan, self.method, self.bounds = units, plan, method, bounds
         self.shape = plan.shape(1)
         self.loss_fn, self.amp, self.seed = loss_fn, amp, seed
-        self.transport_name, self.timeout = transport, timeout
+        self.process_model, self.timeout = ProcessModel.parse(transport), timeout
         self.predicted_backward = predicted_backward
         n_stages = self.shape.num_stages
         self.rank_of = segment_plan(method, self.shape).rank_of
@@ -123,19 +125,10 @@ class Assembly:
         """This process's replica and its process groups (``replicas.py``)."""
         self.device, ranks = self._place(device)
         self.ranks = ranks
-        self.transports: dict[int, Transport] = (
-            dict(enumerate(LocalTransport.group(self.shape.num_ranks)))
-            if transport == "local"
-            else {
-                ranks[0]: DistTransport(
-                    ranks[0],
-                    self.shape.num_ranks,
-                    self.device,
-                    first_rank=self.replicas.global_rank(0),
-                )
-            }
+        self.transports: dict[int, Transport] = self.process_model.transports(
+            self.shape.num_ranks, ranks[0], self.device, self.replicas.global_rank(0)
         )
-        self.chained_probe = transport == "dist" and bool(meta_units(units))
+        self.chained_probe = not self.process_model.one_process and bool(meta_units(units))
         """No rank holds the whole model (built on the meta device): the dry run goes stage
         by stage, each on its own rank (``FitLoop._probe_chain``)."""
         # Ties are found by identity before anything is materialised (which makes new tensors)
@@ -199,7 +192,7 @@ class Assembly:
     def _tie_transport(self) -> DistTransport | None:
         """The messages of weights shared across stages, over a process group of their own
         (NCCL matches a pair's messages in posting order); None in one process."""
-        if self.transport_name == "local":
+        if self.process_model.one_process:
             return None
         return DistTransport(
             self.ranks[0],
@@ -211,7 +204,7 @@ class Assembly:
 
     def _place(self, requested: str) -> tuple[torch.device, list[int]]:
         """This process's device and ranks; joins (or starts) the process group for dist."""
-        if self.transport_name == "local":
+        if self.process_model.one_process:
             device = local_device(requested, self.plan.devices)
             return device, sorted(set(self.rank_of.values()))
         p, d = self.shape.num_ranks, self.plan.data_parallel
@@ -272,7 +265,7 @@ class Assembly:
     # -- sharing between ranks -------------------------------------------------------------
     def share(self, obj: Any, stage: int) -> Any:
         """``obj`` as computed on the rank of ``stage``, on every rank."""
-        if self.transport_name == "local":
+        if self.process_model.one_process:
             return obj
         box = [obj]
         cuda = self.device.type == "cuda"

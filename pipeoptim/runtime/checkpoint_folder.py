@@ -3,7 +3,7 @@
 Why apart from the fit loop: what a run may resume from, and who writes, are rules of the
 folder (one writer: stage 0's rank of replica 0, under a lock; every rank reads; a fresh run
 never writes into another run's folder), not of training. The files themselves are
-:class:`~pipeoptim.runtime.checkpoint.CheckpointStore`'s.
+:class:`~pipeoptim.runtime.checkpoint.store.CheckpointStore`'s.
 
 A resume checks everything before it loads anything: the identity when it chooses the
 checkpoint, every stage's state against the stage (names and shapes, optimizer class,
@@ -25,9 +25,9 @@ from torch import Tensor
 
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.runtime.assembly import Assembly, RunState
-from pipeoptim.runtime.checkpoint import CheckpointStore, DirectoryLock
-from pipeoptim.runtime.state_check import refusal
-from pipeoptim.runtime.transport import FailureBoard
+from pipeoptim.runtime.checkpoint.state_check import refusal
+from pipeoptim.runtime.checkpoint.store import CheckpointStore, DirectoryLock
+from pipeoptim.runtime.comm.failure_board import FailureBoard
 
 __all__ = ["CheckpointFolder"]
 
@@ -136,7 +136,7 @@ class CheckpointFolder:
         """Raise the refusals of every rank of this pipeline, on every rank (under dist one
         rank's stage may not fit where the others' do)."""
         parts = self.parts
-        if parts.transport_name == "dist":
+        if not parts.process_model.one_process:
             seen: list[Any] = [None] * parts.shape.num_ranks
             dist.all_gather_object(seen, refused, group=parts.replicas.pipeline_group)
             refused = [r for rank in seen for r in rank]

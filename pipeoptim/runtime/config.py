@@ -19,6 +19,7 @@ from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.plan.replicas import check_replicas as plan_replicas
+from pipeoptim.runtime.comm.process_model import ProcessModel
 
 __all__ = [
     "AMP_MODES",
@@ -40,7 +41,7 @@ DEFAULT_EPOCHS = 10
 run is past 95 % test accuracy by then)."""
 
 LR_SCHEDULES = ("constant", "cosine", "warmup-cosine", "step")
-"""Names ``--lr-schedule`` accepts (``pipeoptim.runtime.lr.scheduler_factory``)."""
+"""Names ``--lr-schedule`` accepts (``pipeoptim.runtime.optim.lr.scheduler_factory``)."""
 
 AMP_MODES = ("bf16", "fp16")
 
@@ -116,8 +117,7 @@ class TrainConfig:
         spec = self.plan.method_spec
         if not spec.micro_batched and self.plan.micro_batches != 1:
             spec.shape(self.plan.num_stages, self.plan.micro_batches)  # the registry's error
-        if self.transport not in ("local", "dist"):
-            raise RuntimeConfigError(f"unknown transport {self.transport!r}; use local or dist")
+        ProcessModel.parse(self.transport)
         if not 0 < self.timeout <= MAX_TIMEOUT:
             raise RuntimeConfigError(
                 f"--timeout must be a number of seconds in (0, {MAX_TIMEOUT:g}] (got "
@@ -277,8 +277,7 @@ def check_options(
         raise RuntimeConfigError(
             f"loss_fn must be a callable (output, target) -> scalar (got {type(loss_fn).__name__})"
         )
-    if transport not in ("local", "dist"):
-        raise RuntimeConfigError(f"unknown transport {transport!r}; use local or dist")
+    ProcessModel.parse(transport)
     if amp is not None and amp not in AMP_MODES:
         raise RuntimeConfigError(f"unknown amp {amp!r}; use None, 'bf16' or 'fp16' (CUDA)")
     if grad_clip is not None and (not _is_number(grad_clip) or not grad_clip > 0):
@@ -435,7 +434,7 @@ def check_replicas(data_parallel: object, transport: str, flag: str = "data_para
     """``data_parallel`` as a replica count, or the error that says how to fix it (naming
     ``flag``: the library argument or the command-line option)."""
     replicas = plan_replicas(data_parallel, flag, error=RuntimeConfigError)
-    if replicas > 1 and transport != "dist":
+    if replicas > 1 and ProcessModel.parse(transport).one_process:
         option = "--transport dist" if flag.startswith("--") else "transport='dist'"
         raise RuntimeConfigError(
             f"{flag} {replicas} runs {replicas} replicas of the pipeline as separate "

@@ -34,24 +34,23 @@ from typing import Any, TypeAlias
 import torch
 from torch import Tensor
 
-from pipeoptim.errors import RuntimeConfigError, ScheduleError
+from pipeoptim.errors import ScheduleError
 from pipeoptim.plan.actions import SPLIT_BACKWARD, Action, Kind
 from pipeoptim.plan.methods import Method, WeightPolicy
 from pipeoptim.plan.passes import add_communication
 from pipeoptim.plan.schedules import Shape, forward_only, stage_ranks
 from pipeoptim.plan.versions import MicroBatchVersions, VersionReport, analyze_versions
-from pipeoptim.runtime.checkpoint import Segment
+from pipeoptim.runtime.checkpoint.store import Segment
+from pipeoptim.runtime.comm.transport import MessageKey, Parts, Transport
 from pipeoptim.runtime.feed import TrainFeed
+from pipeoptim.runtime.model.ties import TieExchange
 from pipeoptim.runtime.payload import Gradients, Payload, payload_bytes, to_device
-from pipeoptim.runtime.stage import Stage
-from pipeoptim.runtime.ties import TieExchange
-from pipeoptim.runtime.transport import MessageKey, Parts, Transport
+from pipeoptim.runtime.stage.stage import Stage
 from pipeoptim.trace import MemorySample, TraceEvent
 
 __all__ = [
     "Boundary",
     "EvalSums",
-    "NonFiniteLossError",
     "RankExecutor",
     "RankResult",
     "Recorder",
@@ -64,16 +63,6 @@ __all__ = [
 
 LOOKAHEAD = 8
 """How many upcoming actions a rank scans to post its receives early."""
-
-
-class NonFiniteLossError(RuntimeConfigError):
-    """The loss became NaN or infinite; training stops at that step. ``partial`` holds the
-    run's result up to the stop, where it could be gathered (a ``FitResult``)."""
-
-    def __init__(self, message: str, step: int) -> None:
-        super().__init__(message)
-        self.step = step
-        self.partial: Any = None
 
 
 @dataclass(frozen=True)

@@ -24,16 +24,16 @@ import torch.distributed as dist
 from torch import Tensor
 from tqdm import tqdm
 
-from pipeoptim.errors import PipeoptimError, RuntimeConfigError
+from pipeoptim.errors import NonFiniteLossError, PipeoptimError, RuntimeConfigError
 from pipeoptim.plan.schedules import Shape
 from pipeoptim.runtime.assembly import Assembly, RunState
-from pipeoptim.runtime.checkpoint import Segment, plan_segments
+from pipeoptim.runtime.checkpoint.store import Segment, plan_segments
 from pipeoptim.runtime.checkpoint_folder import CheckpointFolder
+from pipeoptim.runtime.comm.replicas import collective, gather_over_replicas
 from pipeoptim.runtime.config import run_length
 from pipeoptim.runtime.divergence import nonfinite_message
 from pipeoptim.runtime.executor import (
     Boundary,
-    NonFiniteLossError,
     RankExecutor,
     RankResult,
     Recorder,
@@ -52,7 +52,6 @@ from pipeoptim.runtime.feed import (
 )
 from pipeoptim.runtime.payload import Payload, batch_len, head
 from pipeoptim.runtime.probe import probe_stage, probe_stages, stand_in
-from pipeoptim.runtime.replicas import collective, gather_over_replicas
 from pipeoptim.runtime.result import EvalResult, FitResult, build_trace, merge
 from pipeoptim.trace import Trace
 
@@ -538,9 +537,9 @@ class FitLoop:
         """The run's metadata, as the trace records it."""
         p = self.parts
         ranks = p.shape.num_ranks
-        device = str(p.device) if p.transport_name == "local" else f"{p.device.type} x{ranks}"
+        device = str(p.device) if p.process_model.one_process else f"{p.device.type} x{ranks}"
         return {
-            "transport": p.transport_name,
+            "transport": p.process_model.value,
             "device": device,
             "hyperparameters": self.hyperparameters,
             "resumed_with_changes": self.state.resumed_with,
@@ -558,7 +557,7 @@ class FitLoop:
         """Every rank's result of this replica's pipeline, merged (the same on every rank)."""
         mine = self.rank_result()
         p = self.parts
-        if p.transport_name == "dist":  # this replica's pipeline
+        if not p.process_model.one_process:  # this replica's pipeline
             texts: list[Any] = [None] * p.shape.num_ranks
             dist.all_gather_object(texts, mine.to_json(), group=p.replicas.pipeline_group)
             results = [RankResult.from_json(t) for t in texts]

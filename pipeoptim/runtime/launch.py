@@ -19,7 +19,7 @@ never builds a model itself, so the runtime does not depend on the built-in work
 
 Each rank uses cuda + NCCL where GPUs exist (device ``LOCAL_RANK % device_count``), else CPU
 + gloo, with a bounded process-group timeout. So that no run hangs: a rank that fails posts
-(rank, kind, message) on the :class:`~pipeoptim.runtime.transport.FailureBoard` and exits
+(rank, kind, message) on the :class:`~pipeoptim.runtime.comm.transport.FailureBoard` and exits
 non-zero; a rank that dies closes its connections, which its neighbours notice at once and
 report; the launcher, seeing a child exit non-zero, posts it, gives the others a short grace
 period, terminates what is left and raises an error naming the rank that failed. Results and
@@ -45,24 +45,24 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
-from pipeoptim.errors import PipeoptimError, RuntimeConfigError
-from pipeoptim.runtime.config import TrainConfig
-from pipeoptim.runtime.executor import NonFiniteLossError, RankResult
-from pipeoptim.runtime.pipeline import Pipeline
-from pipeoptim.runtime.placement import (
+from pipeoptim.errors import NonFiniteLossError, PipeoptimError, RankFailedError, RuntimeConfigError
+from pipeoptim.runtime.comm.failure_board import FailureBoard, lost_peer
+from pipeoptim.runtime.comm.placement import (
     check_device,
     exit_with_parent,
     pick_device,
     rank_threads,
     world_error,
 )
+from pipeoptim.runtime.comm.process_model import ProcessModel
+from pipeoptim.runtime.config import TrainConfig
+from pipeoptim.runtime.executor import RankResult
+from pipeoptim.runtime.pipeline import Pipeline
 from pipeoptim.runtime.result import FitResult, build_trace, merge
-from pipeoptim.runtime.transport import FailureBoard, lost_peer
 from pipeoptim.trace import Trace
 
 __all__ = [
     "Build",
-    "RankFailedError",
     "Runner",
     "preflight",
     "run_config",
@@ -70,14 +70,6 @@ __all__ = [
     "worker_main",
     "write_trace",
 ]
-
-
-class RankFailedError(RuntimeConfigError):
-    """A rank of a multi-process run failed; the message names it."""
-
-    def __init__(self, message: str, rank: int) -> None:
-        super().__init__(message)
-        self.rank = rank
 
 
 def _meta(config: TrainConfig, device: str) -> dict[str, object]:
@@ -158,7 +150,7 @@ def run_config(config: TrainConfig, runner: Runner, *, store: Store | None = Non
 
 def train(config: TrainConfig, runner: Runner) -> FitResult | None:
     """Run ``config``; returns the merged result (None on torchrun ranks other than 0)."""
-    if config.transport == "local":
+    if ProcessModel.parse(config.transport).one_process:
         return run_config(config, runner)
     if "TORCHELASTIC_RUN_ID" in os.environ or (
         "RANK" in os.environ and "PIPEOPTIM_STORE_PORT" not in os.environ

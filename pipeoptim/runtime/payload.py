@@ -2,7 +2,7 @@
 
 As in torchgpipe, a unit may return a tuple of tensors (hidden states and a mask, say), which
 the next unit takes as its positional arguments (``unit(*h)``), within a stage
-(:class:`~pipeoptim.runtime.chain.UnitChain`) and across a stage boundary alike. A single
+(:class:`~pipeoptim.runtime.stage.chain.UnitChain`) and across a stage boundary alike. A single
 tensor is the common case and keeps its own code paths everywhere (the hot path branches
 only where a payload is a tuple); the helpers here are for the tuple branches, the data
 path and the error path. Gradients flow back through the floating-point tensors of a tuple
@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from pipeoptim.errors import StageError
-from pipeoptim.runtime.loss import LossFn, checked_loss, checked_scalar
+from pipeoptim.runtime.stage.loss import LossFn, checked_loss, checked_scalar
 
 __all__ = [
     "MAX_PARTS",
@@ -118,7 +118,7 @@ def payload_bytes(x: Tensor | Sequence[Tensor | None]) -> int:
 def checked_payload_loss(
     loss_fn: LossFn, out: Payload, target: Tensor, where: str, stage: int
 ) -> Tensor:
-    """``loss_fn(out, target)`` (:func:`~pipeoptim.runtime.loss.checked_loss`); a tuple
+    """``loss_fn(out, target)`` (:func:`~pipeoptim.runtime.stage.loss.checked_loss`); a tuple
     output is passed as it is, and an error names each of its tensors."""
     if isinstance(out, Tensor):
         return checked_loss(loss_fn, out, target, where, stage)

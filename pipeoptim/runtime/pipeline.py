@@ -29,14 +29,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch._C._distributed_c10d import Store
 
-from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.errors import NonFiniteLossError, RuntimeConfigError
 from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.plan.risk import depth_advice
 from pipeoptim.runtime.assembly import Assembly, RunState, segment_limit
-from pipeoptim.runtime.checkpoint import DEFAULT_KEEP, latest_step
+from pipeoptim.runtime.checkpoint.export import export_checkpoint, merge_stages, write_export
+from pipeoptim.runtime.checkpoint.state_check import refusal
+from pipeoptim.runtime.checkpoint.store import DEFAULT_KEEP, latest_step
 from pipeoptim.runtime.checkpoint_folder import CheckpointFolder
-from pipeoptim.runtime.closure import PredictionClosure
 from pipeoptim.runtime.config import (
     check_fit_arguments,
     check_fit_options,
@@ -46,16 +47,15 @@ from pipeoptim.runtime.config import (
     check_whole,
     resolve_plan,
 )
-from pipeoptim.runtime.executor import Boundary, NonFiniteLossError, RankResult, Recorder
-from pipeoptim.runtime.export import export_checkpoint, merge_stages, write_export
+from pipeoptim.runtime.executor import Boundary, RankResult, Recorder
 from pipeoptim.runtime.fit_loop import FitLoop, FitOptions
-from pipeoptim.runtime.layout import stage_boundaries
-from pipeoptim.runtime.loss import LossFn
-from pipeoptim.runtime.model_units import InitWeights, ModelUnits
+from pipeoptim.runtime.model.layout import stage_boundaries
+from pipeoptim.runtime.model.units import InitWeights, ModelUnits
+from pipeoptim.runtime.optim.prediction_closure import PredictionClosure
+from pipeoptim.runtime.optim.update import OptimizerFactory, SchedulerFactory
 from pipeoptim.runtime.result import EvalResult, FitResult
-from pipeoptim.runtime.stage import Stage
-from pipeoptim.runtime.state_check import refusal
-from pipeoptim.runtime.update import OptimizerFactory, SchedulerFactory
+from pipeoptim.runtime.stage.loss import LossFn
+from pipeoptim.runtime.stage.stage import Stage
 from pipeoptim.trace import Trace
 
 __all__ = ["Pipeline"]
@@ -78,7 +78,7 @@ class Pipeline:
     """A model split into pipeline stages, trained with one of pipeoptim's methods.
 
     ``layers``: an ``nn.Sequential`` or list of units (a stage holds consecutive units), or a
-    :class:`~pipeoptim.runtime.model_units.ModelUnits` (units with their names in the user's
+    :class:`~pipeoptim.runtime.model.units.ModelUnits` (units with their names in the user's
     model, for :meth:`export`, and a loss and initialiser: ``pipeoptim.hf.cut_causal_lm``
     makes one). Units built on the meta device are materialised stage by stage on the
     process that trains them and initialised by ``init_weights(index, unit)``. A Parameter
@@ -240,7 +240,7 @@ class Pipeline:
             log_every=log_every,
             memory_every=memory_every,
             # how training targets reach the last stage's rank under dist (see the class)
-            targets=targets if transport == "dist" else "send",
+            targets="send" if self.parts.process_model.one_process else targets,
             segment_limit=limit,
         )
         self.state = RunState()
@@ -249,7 +249,7 @@ class Pipeline:
             self.state.notes.append(advice)
         self.closed = False
         """close() left the process group: a dist Pipeline cannot train or evaluate again."""
-        if transport == "dist":
+        if not self.parts.process_model.one_process:
             dist.barrier()  # a shared time origin for the trace
         self.loop = FitLoop(self.parts, self.state, self.options, self.hyperparameters)
 
@@ -360,13 +360,13 @@ class Pipeline:
             if self.state.busy or isinstance(err, NonFiniteLossError):
                 self.state.failed = f"{type(err).__name__}: {err}"
             self.loop.close_bar()
-            if isinstance(err, NonFiniteLossError) and self.parts.transport_name == "local":
+            if isinstance(err, NonFiniteLossError) and self.parts.process_model.one_process:
                 err.partial = self.loop.partial()
             raise
 
     def _check_open(self) -> None:
         """A dist Pipeline needs its process group: refuse once it is gone (close())."""
-        if self.parts.transport_name != "dist":
+        if self.parts.process_model.one_process:
             return
         if self.closed or not dist.is_initialized():
             how = "pipe.close() left it" if self.closed else "it was destroyed"
@@ -418,8 +418,9 @@ class Pipeline:
 
     def measure_prediction_closure(self) -> PredictionClosure:
         """Measure, from now on, how much of the stale weight distance every predicted
-        forward of this process's stages removes (``runtime/closure.py``). Costs two flat
-        weight copies per predicted forward in flight: for studies on small models."""
+        forward of this process's stages removes (``runtime/optim/prediction_closure.py``).
+        Costs two flat weight copies per predicted forward in flight: for studies on small
+        models."""
         probe = PredictionClosure()
         for stage in self.stages.values():
             stage.closure = probe
@@ -513,11 +514,11 @@ class Pipeline:
     def export(self, out: str | Path, fmt: str | None = None) -> Path:
         """Write the trained model as one state dict in the model's own names (``.pt``,
         ``.safetensors``, or ``fmt="hf"``: a folder ``from_pretrained`` loads), see
-        :mod:`~pipeoptim.runtime.export`. In one process, from the live stages; under
+        :mod:`~pipeoptim.runtime.checkpoint.export`. In one process, from the live stages; under
         ``dist``, every rank calls it and stage 0's rank writes from the latest checkpoint,
         which must be of this step (set ``checkpoint_dir``: a fit writes one at its end)."""
         self._check_usable()
-        if self.parts.transport_name == "local":
+        if self.parts.process_model.one_process:
             states = {k: s.module.state_dict() for k, s in self.stages.items()}
             merged = merge_stages(states, self.parts.bounds, self.model_units.names)
             return write_export(merged, out, fmt, self.model_units.source)

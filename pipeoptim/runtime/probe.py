@@ -28,9 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from pipeoptim.errors import StageError
-from pipeoptim.runtime.diagnose import describe_failure
 from pipeoptim.runtime.executor import Boundary, TensorSpec
-from pipeoptim.runtime.loss import LossFn
 from pipeoptim.runtime.payload import (
     MAX_PARTS,
     Payload,
@@ -40,7 +38,9 @@ from pipeoptim.runtime.payload import (
     output_problem,
     to_device,
 )
-from pipeoptim.runtime.precision import AMP_DTYPES
+from pipeoptim.runtime.stage.diagnose import describe_failure
+from pipeoptim.runtime.stage.loss import LossFn
+from pipeoptim.runtime.stage.precision import AMP_DTYPES
 
 __all__ = ["probe_stage", "probe_stages", "stand_in"]
 

@@ -113,7 +113,8 @@ class RunRecord:
     """Step of the first non-finite loss (None: trained to the end)."""
     seconds: float
     closure: list[dict[str, Any]] = field(default_factory=list)
-    """Per stage: samples, max_distance, median_ratio, mean_ratio (``runtime/closure.py``)."""
+    """Per stage: samples, max_distance, median_ratio, mean_ratio
+    (``runtime/optim/prediction_closure.py``)."""
 
     @property
     def final(self) -> CurvePoint | None:
@@ -145,9 +146,9 @@ def run_one(spec: RunSpec) -> RunRecord:
     import torch
     from torch.optim.lr_scheduler import LambdaLR
 
+    from pipeoptim.errors import NonFiniteLossError
     from pipeoptim.plan.plan import OptimizerSpec
-    from pipeoptim.runtime.executor import NonFiniteLossError
-    from pipeoptim.runtime.lr import WarmupCosine
+    from pipeoptim.runtime.optim.lr import WarmupCosine
     from pipeoptim.runtime.pipeline import Pipeline
     from pipeoptim.workloads.data import DatasetLoader
     from pipeoptim.workloads.loader import build_model, model_loss

@@ -132,7 +132,7 @@ def optimizer_profile(profile: Profile, model: str, optimizer: str) -> Profile:
     import torch
 
     from pipeoptim.plan.plan import OptimizerSpec
-    from pipeoptim.runtime.layer_timing import time_step_and_prediction, timer_for
+    from pipeoptim.runtime.profiling.layer_timing import time_step_and_prediction, timer_for
     from pipeoptim.workloads.loader import build_model
 
     check_profile(profile, model)

@@ -2,11 +2,10 @@
 
 ``pipeoptim profile --model NAME`` and the convergence study's hardware profile measure a
 model by name; building it by name is this package's, measuring any layers is the runtime
-profiler's (:func:`~pipeoptim.runtime.profiler.profile_model`), so the entry point that joins
-the two lives here and the runtime never imports the workloads. On CPU it takes the profile
-under the conditions of a pipeline run on this machine: the threads a rank gets and busy
-stand-ins for the other ranks.
-"""
+profiler's (:func:`~pipeoptim.runtime.profiling.profiler.profile_model`), so the entry point
+that joins the two lives here and the runtime never imports the workloads. On CPU it takes
+the profile under the conditions of a pipeline run on this machine: the threads a rank gets
+and busy stand-ins for the other ranks."""
 
 from __future__ import annotations
 
@@ -19,9 +18,9 @@ from torch import nn
 
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.profile import Profile
-from pipeoptim.runtime.layer_memory import trainable_bytes
-from pipeoptim.runtime.placement import rank_threads
-from pipeoptim.runtime.profiler import profile_model
+from pipeoptim.runtime.comm.placement import rank_threads
+from pipeoptim.runtime.profiling.layer_memory import trainable_bytes
+from pipeoptim.runtime.profiling.profiler import profile_model
 from pipeoptim.workloads.loader import build_model
 
 __all__ = ["profile_builtin"]

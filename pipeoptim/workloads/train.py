@@ -20,8 +20,8 @@ from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.replicas import check_batch_split
 from pipeoptim.runtime import launch
 from pipeoptim.runtime.config import TrainConfig, run_length
-from pipeoptim.runtime.layout import stage_boundaries
-from pipeoptim.runtime.lr import scheduler_factory
+from pipeoptim.runtime.model.layout import stage_boundaries
+from pipeoptim.runtime.optim.lr import scheduler_factory
 from pipeoptim.runtime.pipeline import Pipeline
 from pipeoptim.runtime.result import FitResult
 from pipeoptim.workloads.data import DatasetLoader

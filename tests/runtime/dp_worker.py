@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from pipeoptim import Pipeline
-from pipeoptim.runtime.stage import Stage
+from pipeoptim.runtime.stage.stage import Stage
 from pipeoptim.workloads.data import Dataset
 
 BATCH = 16

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from pipeoptim import Pipeline
 from pipeoptim.errors import PipeoptimError
-from pipeoptim.runtime.stage import Stage
+from pipeoptim.runtime.stage.stage import Stage
 
 BATCH = 16
 

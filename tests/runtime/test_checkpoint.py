@@ -9,11 +9,10 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.errors import NonFiniteLossError, RuntimeConfigError
 from pipeoptim.plan.plan import OptimizerSpec, Plan
-from pipeoptim.runtime.checkpoint import Segment, latest_step, plan_segments
+from pipeoptim.runtime.checkpoint.store import Segment, latest_step, plan_segments
 from pipeoptim.runtime.config import TrainConfig
-from pipeoptim.runtime.executor import NonFiniteLossError
 from pipeoptim.runtime.result import FitResult
 from pipeoptim.trace import Trace
 from pipeoptim.workloads.data import Dataset

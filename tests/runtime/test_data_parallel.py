@@ -23,11 +23,10 @@ import torch.nn.functional as F
 from test_dist import config
 
 from pipeoptim import Pipeline
-from pipeoptim.errors import PlanError, RuntimeConfigError
+from pipeoptim.errors import PlanError, RankFailedError, RuntimeConfigError
 from pipeoptim.plan.plan import Plan
 from pipeoptim.runtime.config import TrainConfig
 from pipeoptim.runtime.feed import iterate_epoch
-from pipeoptim.runtime.launch import RankFailedError
 from pipeoptim.workloads.train import train
 
 pytestmark = pytest.mark.slow

@@ -17,12 +17,10 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.errors import NonFiniteLossError, RankFailedError, RuntimeConfigError
 from pipeoptim.plan.plan import OptimizerSpec, Plan
-from pipeoptim.runtime.checkpoint import latest_step
+from pipeoptim.runtime.checkpoint.store import latest_step
 from pipeoptim.runtime.config import TrainConfig
-from pipeoptim.runtime.executor import NonFiniteLossError
-from pipeoptim.runtime.launch import RankFailedError
 from pipeoptim.runtime.result import FitResult
 from pipeoptim.trace import Trace
 from pipeoptim.workloads.data import Dataset

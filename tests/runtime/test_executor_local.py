@@ -17,7 +17,7 @@ from pipeoptim.plan.schedules import Shape
 from pipeoptim.plan.versions import analyze_versions
 from pipeoptim.runtime.config import TrainConfig
 from pipeoptim.runtime.pipeline import Pipeline
-from pipeoptim.runtime.stage import Stage, make_optimizer
+from pipeoptim.runtime.stage.stage import Stage, make_optimizer
 from pipeoptim.trace import Trace
 from pipeoptim.workloads.data import BatchOrder, Dataset
 from pipeoptim.workloads.loader import build_model

@@ -13,8 +13,8 @@ from torch import Tensor, nn
 from pipeoptim import Pipeline
 from pipeoptim.cli import main
 from pipeoptim.errors import RuntimeConfigError
-from pipeoptim.runtime.export import export_checkpoint
-from pipeoptim.runtime.model_units import ModelUnits
+from pipeoptim.runtime.checkpoint.export import export_checkpoint
+from pipeoptim.runtime.model.units import ModelUnits
 
 
 class TinyLM(nn.Module):

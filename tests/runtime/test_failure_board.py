@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from pipeoptim.runtime.transport import FailureBoard
+from pipeoptim.runtime.comm.failure_board import FailureBoard
 
 
 def test_the_first_failure_wins() -> None:

@@ -14,10 +14,10 @@ from pipeoptim.plan.actions import Action
 from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.plan import OptimizerSpec
 from pipeoptim.plan.versions import MicroBatchVersions, analyze_versions
-from pipeoptim.runtime import stage as stage_module
-from pipeoptim.runtime.rng import draws_random_numbers
-from pipeoptim.runtime.stage import Stage
-from pipeoptim.runtime.transport import LocalTransport
+from pipeoptim.runtime.comm.local import LocalTransport
+from pipeoptim.runtime.stage import stage as stage_module
+from pipeoptim.runtime.stage.rng import draws_random_numbers
+from pipeoptim.runtime.stage.stage import Stage
 
 ORDER = "0F0 0F1 0B0 0B1 0U0"
 
@@ -123,7 +123,7 @@ def test_xpipe_computes_delta_once_per_update_and_predicts_as_fresh(
 ) -> None:
     """Every micro-batch of a mini-batch predicts from one Δ: computed after each update
     (on first use), never once per micro-batch, and equal to a Δ computed afresh."""
-    from pipeoptim.runtime.predict import AdamPredictor, XPipePredictor
+    from pipeoptim.runtime.optim.predict import AdamPredictor, XPipePredictor
 
     calls: list[int] = []
     original = AdamPredictor._state_deltas

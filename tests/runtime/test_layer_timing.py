@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from pipeoptim.plan.plan import OptimizerSpec
-from pipeoptim.runtime.layer_timing import time_step_and_prediction
+from pipeoptim.runtime.profiling.layer_timing import time_step_and_prediction
 
 
 def test_prediction_is_timed_into_buffers_of_each_parameters_own_shape() -> None:

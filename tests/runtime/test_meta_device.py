@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from pipeoptim import Pipeline
 from pipeoptim.errors import RuntimeConfigError
-from pipeoptim.runtime.materialize import materialize_units
+from pipeoptim.runtime.model.materialize import materialize_units
 
 
 def small_units() -> list[nn.Module]:
@@ -166,7 +166,7 @@ def test_the_profiler_measures_meta_layers_one_at_a_time() -> None:
     units = small_units()
     real = small_units()
     materialize_units(real, range(4), torch.device("cpu"), init, seed=0)
-    from pipeoptim.runtime.profiler import profile_model
+    from pipeoptim.runtime.profiling.profiler import profile_model
 
     nn.Linear.forward = counting  # type: ignore[method-assign]
     try:

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeoptim.plan.plan import OptimizerSpec
-from pipeoptim.runtime.persistence import UpdatePersistence
+from pipeoptim.runtime.optim.predict import AdamPredictor, predictor_for
+from pipeoptim.runtime.optim.update_persistence import UpdatePersistence
 from pipeoptim.runtime.pipeline import Pipeline
-from pipeoptim.runtime.predict import AdamPredictor, predictor_for
 
 
 def _stepping(updates: list[float], beta: float) -> UpdatePersistence:
@@ -97,7 +97,7 @@ def _closure_at_stage_0(method: str) -> float:
 def test_the_measured_persistence_is_checkpointed_with_muons_two_part_predictor() -> None:
     """The muon family's predictor is composed of two parts; its checkpoint keeps the shared
     φ statistic too, so a resume predicts over the same distance."""
-    from pipeoptim.runtime.optimizers import MuonWithAdamW
+    from pipeoptim.runtime.optim.optimizers import MuonWithAdamW
 
     def built() -> tuple[nn.Linear, torch.optim.Optimizer]:
         torch.manual_seed(0)

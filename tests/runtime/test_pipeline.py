@@ -20,12 +20,11 @@ from torch.optim.lr_scheduler import CosineAnnealingLR
 from torch.utils.data import DataLoader, TensorDataset
 
 from pipeoptim import Pipeline
-from pipeoptim.errors import PipeoptimError, RuntimeConfigError
+from pipeoptim.errors import NonFiniteLossError, PipeoptimError, RuntimeConfigError
 from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.runtime.config import TrainConfig
-from pipeoptim.runtime.executor import NonFiniteLossError
 from pipeoptim.runtime.feed import epoch_seed
-from pipeoptim.runtime.stage import StageError
+from pipeoptim.runtime.stage.stage import StageError
 from pipeoptim.workloads.data import DatasetLoader
 from pipeoptim.workloads.gpt import gpt, lm_loss, python_corpus
 from pipeoptim.workloads.loader import build_model
@@ -420,7 +419,7 @@ def test_weights_gone_non_finite_stop_at_the_checkpoint_and_keep_the_last_good_o
 ) -> None:
     """Each loss is computed before its update, so it stays finite; the 4th update (lr
     scaled by NaN) turns the weights NaN, and the checkpoint after it refuses to save them."""
-    from pipeoptim.runtime.checkpoint import latest_step
+    from pipeoptim.runtime.checkpoint.store import latest_step
 
     def overflow(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
         return torch.optim.lr_scheduler.LambdaLR(opt, lambda j: 1.0 if j < 3 else math.nan)

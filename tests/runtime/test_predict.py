@@ -15,7 +15,7 @@ from torch import Tensor, nn, optim
 from torch.optim import lr_scheduler as sched
 
 from pipeoptim.errors import RuntimeConfigError
-from pipeoptim.runtime.predict import (
+from pipeoptim.runtime.optim.predict import (
     RULES,
     AdamPredictor,
     DisplacementPredictor,

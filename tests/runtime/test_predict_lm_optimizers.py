@@ -21,8 +21,8 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from pipeoptim import Pipeline
 from pipeoptim.plan.plan import OptimizerSpec
-from pipeoptim.runtime.optimizers import MuonWithAdamW
-from pipeoptim.runtime.predict import (
+from pipeoptim.runtime.optim.optimizers import MuonWithAdamW
+from pipeoptim.runtime.optim.predict import (
     AdamPredictor,
     DisplacementPredictor,
     MuonPredictor,
@@ -31,7 +31,7 @@ from pipeoptim.runtime.predict import (
     WeightPredictor,
     predictor_for,
 )
-from pipeoptim.runtime.update import OPTIMIZERS, StageUpdate, build_optimizer, make_optimizer
+from pipeoptim.runtime.optim.update import OPTIMIZERS, StageUpdate, build_optimizer, make_optimizer
 
 EPS = torch.finfo(torch.float32).eps
 W0 = [[0.5, -1.0, 2.0], [1.5, 0.25, -0.75]]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pipeoptim.runtime.profiler import profile_model
+from pipeoptim.runtime.profiling.profiler import profile_model
 
 
 def test_linear_stack_records_about_half_and_relu_none() -> None:

@@ -11,7 +11,7 @@ from torch import nn
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.partition import optimal_partition
 from pipeoptim.plan.profile import Profile
-from pipeoptim.runtime.profiler import profile_model
+from pipeoptim.runtime.profiling.profiler import profile_model
 
 
 def mlp() -> nn.Sequential:
@@ -85,7 +85,7 @@ def test_threads_are_set_for_the_profile_and_restored() -> None:
 
 
 def test_fixed_part_is_the_intercept_of_the_times() -> None:
-    from pipeoptim.runtime.layer_timing import _fixed_part
+    from pipeoptim.runtime.profiling.layer_timing import _fixed_part
 
     # t = 2 + 0.5 b exactly: the fixed part is 2
     assert _fixed_part([8, 4, 2], [6.0, 4.0, 3.0]) == pytest.approx(2.0)

@@ -33,13 +33,12 @@ from torch import Tensor, nn
 from pipeoptim import Pipeline
 from pipeoptim.cli import build_parser, main
 from pipeoptim.commands.train import build_config
-from pipeoptim.errors import PipeoptimError, RuntimeConfigError, StageError
+from pipeoptim.errors import PipeoptimError, RankFailedError, RuntimeConfigError, StageError
 from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.plan.profile import Profile
-from pipeoptim.runtime import checkpoint
-from pipeoptim.runtime.checkpoint import latest_step
+from pipeoptim.runtime.checkpoint import store as checkpoint
+from pipeoptim.runtime.checkpoint.store import latest_step
 from pipeoptim.runtime.config import TrainConfig
-from pipeoptim.runtime.launch import RankFailedError
 from pipeoptim.workloads.train import train
 
 

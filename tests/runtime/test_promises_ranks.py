@@ -26,9 +26,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from pipeoptim.errors import RuntimeConfigError
-from pipeoptim.runtime.placement import local_device, pick_device
-from pipeoptim.runtime.transport import PeerLostError
+from pipeoptim.errors import PeerLostError, RuntimeConfigError
+from pipeoptim.runtime.comm.placement import local_device, pick_device
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -190,7 +189,7 @@ def test_item7_a_rank_killed_while_the_run_starts_leaves_one_line_per_rank() -> 
 
 
 def test_item7_a_backend_report_of_a_closed_connection_is_a_lost_peer() -> None:
-    from pipeoptim.runtime.transport import lost_peer
+    from pipeoptim.runtime.comm.failure_board import lost_peer
 
     gloo = RuntimeError(
         "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "

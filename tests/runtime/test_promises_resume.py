@@ -26,11 +26,10 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from pipeoptim.cli import main
-from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.errors import RankFailedError, RuntimeConfigError
 from pipeoptim.plan.plan import OptimizerSpec, Plan
-from pipeoptim.runtime.checkpoint import latest_step
+from pipeoptim.runtime.checkpoint.store import latest_step
 from pipeoptim.runtime.config import TrainConfig
-from pipeoptim.runtime.launch import RankFailedError
 from pipeoptim.runtime.pipeline import Pipeline
 from pipeoptim.runtime.result import FitResult
 from pipeoptim.workloads.train import train

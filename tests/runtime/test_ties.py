@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from pipeoptim.errors import RuntimeConfigError
-from pipeoptim.runtime.ties import find_ties
+from pipeoptim.runtime.model.ties import find_ties
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("tied_worker.py")

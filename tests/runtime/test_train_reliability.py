@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from pipeoptim.cli import main
 from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.runtime import assembly, fit_loop
-from pipeoptim.runtime.checkpoint import DirectoryLock, latest_step
+from pipeoptim.runtime.checkpoint.store import DirectoryLock, latest_step
 from pipeoptim.runtime.executor import Recorder
 from pipeoptim.runtime.pipeline import Pipeline
 from pipeoptim.trace import Trace

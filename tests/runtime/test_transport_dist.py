@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pipeoptim.runtime import transport
-from pipeoptim.runtime.transport import DistTransport
+from pipeoptim.runtime.comm import dist as dist_transport
+from pipeoptim.runtime.comm import local
+from pipeoptim.runtime.comm.dist import DistTransport
 
 MESSAGES = 300
 
@@ -26,7 +27,7 @@ def _port() -> int:
 def _rank(rank: int, port: int, out: Any) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=30))
-    transport._TAG_LIMIT = 7  # every tag is reused dozens of times within the run
+    dist_transport._TAG_LIMIT = 7  # every tag is reused dozens of times within the run
     link = DistTransport(rank, 2, torch.device("cpu"))
     try:
         if rank == 0:
@@ -64,10 +65,10 @@ def test_many_sends_stay_bounded_and_wrapped_tags_keep_the_order() -> None:
 def test_only_a_transport_that_posts_receives_is_sent_them_ahead() -> None:
     """The executor announces receives ahead (a scan of the next actions after every
     action) only to a transport whose post hooks do something: gloo's, not the mailbox's."""
-    assert not transport.LocalTransport(0, {}).posts_receives
+    assert not local.LocalTransport(0, {}).posts_receives
     assert DistTransport.__new__(DistTransport).posts_receives  # no process group needed
 
-    class Posting(transport.LocalTransport):
+    class Posting(local.LocalTransport):
         def post_recv_parts(self, key: Any, peer: int, parts: Any) -> None:
             pass
 

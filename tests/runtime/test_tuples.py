@@ -26,13 +26,15 @@ from pipeoptim.plan.actions import Action
 from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.plan.versions import MicroBatchVersions, analyze_versions
-from pipeoptim.runtime.chain import UnitChain
+from pipeoptim.runtime.comm.dist import DistTransport
+from pipeoptim.runtime.comm.local import LocalTransport
+from pipeoptim.runtime.comm.transport import MAX_PARTS, MessageKey
 from pipeoptim.runtime.config import TrainConfig
 from pipeoptim.runtime.executor import TensorSpec
 from pipeoptim.runtime.payload import Payload, split
 from pipeoptim.runtime.result import FitResult
-from pipeoptim.runtime.stage import Stage
-from pipeoptim.runtime.transport import MAX_PARTS, DistTransport, LocalTransport, MessageKey
+from pipeoptim.runtime.stage.chain import UnitChain
+from pipeoptim.runtime.stage.stage import Stage
 from pipeoptim.workloads.data import Dataset
 from pipeoptim.workloads.train import train
 

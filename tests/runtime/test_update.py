@@ -22,9 +22,9 @@ from torch.optim import Optimizer
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.methods import METHODS, get_method
 from pipeoptim.plan.plan import OptimizerSpec
-from pipeoptim.runtime import update
+from pipeoptim.runtime.optim import update
 from pipeoptim.runtime.pipeline import Pipeline
-from pipeoptim.runtime.stage import Stage
+from pipeoptim.runtime.stage.stage import Stage
 
 
 class DelayScaledLr:

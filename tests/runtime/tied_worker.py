@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeoptim import Pipeline
-from pipeoptim.runtime.model_units import ModelUnits
+from pipeoptim.runtime.model.units import ModelUnits
 
 VOCAB, DIM, CONTEXT = 13, 8, 6
 

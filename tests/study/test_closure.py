@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from pipeoptim.runtime.closure import PredictionClosure
+from pipeoptim.runtime.optim.prediction_closure import PredictionClosure
 from pipeoptim.study.runs import RunSpec, run_one
 
 

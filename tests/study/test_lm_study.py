@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pipeoptim.errors import RuntimeConfigError
-from pipeoptim.runtime.lr import WarmupCosine
+from pipeoptim.runtime.optim.lr import WarmupCosine
 from pipeoptim.study.cells import aggregate, method_labels, schedule_of
 from pipeoptim.study.grid import StudyConfig, main_specs
 from pipeoptim.study.runs import CurvePoint, RunRecord, RunSpec

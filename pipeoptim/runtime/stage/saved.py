@@ -5,7 +5,7 @@ forward's code, so they work for any layer. The hook
 
 * counts the bytes of activations (every saved storage that is not a weight, once);
 * under mixed precision, drops a saved cast of a weight and keeps a
-  :class:`~pipeoptim.runtime.precision.Recast` instead, so the backward casts the weights the
+  :class:`~pipeoptim.runtime.stage.precision.Recast` instead, so the backward casts the weights the
   policy says it reads (``aliases``: each weight alias's node to those weights);
 * for a predicted forward, re-points a saved view of Ŵ (the prediction buffer) at the same
   view of the live weights, so the backward runs on the current weights (DESIGN.md).
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pipeoptim.runtime.precision import Recast, cast_source
+from pipeoptim.runtime.stage.precision import Recast, cast_source
 
 __all__ = ["ForwardSaves"]
 

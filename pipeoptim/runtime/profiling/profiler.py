@@ -4,9 +4,10 @@ The planner needs, for each layer in pipeline order, its forward and backward ti
 activation, parameter and optimizer-state bytes. :func:`profile_model` measures them on the
 device the model will train on and under the conditions of a run (threads, busy stand-ins
 for the other ranks on the machine): this module checks the request, walks the layers for
-their sizes and assembles the profile; the timings are :mod:`pipeoptim.runtime.layer_timing`
-and the byte counts :mod:`pipeoptim.runtime.layer_memory`. Profiling a built-in model by
-name is :mod:`pipeoptim.workloads.profiling`.
+their sizes and assembles the profile; the timings are
+:mod:`pipeoptim.runtime.profiling.layer_timing` and the byte counts
+:mod:`pipeoptim.runtime.profiling.layer_memory`. Profiling a built-in model by name is
+:mod:`pipeoptim.workloads.profiling`.
 
 Profiling does not change the model: parameter gradients are cleared afterwards and buffers
 (BatchNorm running statistics...) are restored. The layers are moved to ``device`` in place,
@@ -32,8 +33,10 @@ from pipeoptim.plan.profile import (
     Profile,
     optimizer_state_factor,
 )
-from pipeoptim.runtime.layer_memory import tensor_bytes, trainable_bytes
-from pipeoptim.runtime.layer_timing import (
+from pipeoptim.runtime.model.materialize import is_meta, materialize_units
+from pipeoptim.runtime.model.units import InitWeights
+from pipeoptim.runtime.profiling.layer_memory import tensor_bytes, trainable_bytes
+from pipeoptim.runtime.profiling.layer_timing import (
     check_output,
     leaf_input,
     streamed_steps,
@@ -42,8 +45,6 @@ from pipeoptim.runtime.layer_timing import (
     timer_for,
     weight_grad_fractions,
 )
-from pipeoptim.runtime.materialize import is_meta, materialize_units
-from pipeoptim.runtime.model_units import InitWeights
 
 __all__ = ["profile_model"]
 
@@ -357,7 +358,7 @@ def profile_model(
         dtype_bytes = sample_input.element_size() if sample_input.is_floating_point() else 4
 
     meta: dict[str, Any] = {
-        "source": "pipeoptim.runtime.profiler",
+        "source": "pipeoptim.runtime.profiling.profiler",
         "torch_version": torch.__version__,
         "timer": "cuda_event" if target.type == "cuda" else "perf_counter",
         "statistic": "median",

@@ -17,7 +17,7 @@ from torch.optim.lr_scheduler import CosineAnnealingLR, LambdaLR, LRScheduler, S
 
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.runtime.config import LR_SCHEDULES
-from pipeoptim.runtime.update import SchedulerFactory
+from pipeoptim.runtime.optim.update import SchedulerFactory
 
 __all__ = ["WarmupCosine", "scheduler_factory"]
 

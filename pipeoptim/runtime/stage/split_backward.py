@@ -24,8 +24,8 @@ from torch import Tensor, nn
 
 from pipeoptim.errors import StageError
 from pipeoptim.plan.methods import WeightPolicy
-from pipeoptim.runtime.chain import UnitChain
 from pipeoptim.runtime.payload import Payload, output_problem
+from pipeoptim.runtime.stage.chain import UnitChain
 
 __all__ = [
     "KeptUnits",
@@ -61,7 +61,7 @@ def split_refusal(name: str, policy: WeightPolicy, half: str | None = None) -> s
 def unit_params(module: nn.Module, params: Sequence[Tensor]) -> list[list[Tensor]] | None:
     """The trainable weights of each unit of ``module``, where a forward may run its units
     one by one with each unit's weights its own: a plain ``nn.Sequential`` (or the stage's
-    :class:`~pipeoptim.runtime.chain.UnitChain`) without hooks, whose every weight belongs
+    :class:`~pipeoptim.runtime.stage.chain.UnitChain`) without hooks, whose every weight belongs
     to exactly one unit. None otherwise."""
     if type(module).forward not in (nn.Sequential.forward, UnitChain.forward):
         return None

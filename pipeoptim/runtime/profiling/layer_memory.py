@@ -2,8 +2,8 @@
 
 The profiler records, per layer, its activation, parameter and optimizer-state bytes (and
 charges step and prediction times by trainable bytes); these counts are its one definition
-of them, shared by the layer timing (:mod:`pipeoptim.runtime.layer_timing`, which measures
-the state a real step leaves), the profiler (:mod:`pipeoptim.runtime.profiler`) and the
+of them, shared by the layer timing (:mod:`pipeoptim.runtime.profiling.layer_timing`, which measures
+the state a real step leaves), the profiler (:mod:`pipeoptim.runtime.profiling.profiler`) and the
 built-in workloads' profiling.
 """
 

@@ -5,7 +5,7 @@ that does not fit *before* it overwrites anything, with one error that names the
 what differs, instead of torch's errors from half way through a load (``load_state_dict``
 of a module copies the tensors that fit before it complains about the rest, and an optimizer
 fails on a foreign state after it took it). The optimizer's own part of the check is
-:meth:`~pipeoptim.runtime.update.StageUpdate.check_state`'s.
+:meth:`~pipeoptim.runtime.optim.update.StageUpdate.check_state`'s.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """Timing the layers of a model: forward and backward passes, the backward's split into
 input and weight gradients, the fixed per-call part, the optimizer step and the prediction.
 
-The profiler (:mod:`pipeoptim.runtime.profiler`) measures on the device the model will train
-on. Every layer runs within whole passes on the real activations of the previous layer, after
-warm-up, and the median of several repeats is kept (robust to the odd slow run). CUDA timings
-use CUDA events with synchronisation; CPU timings use ``time.perf_counter``. Everything here
-is a measurement of time; what the layers occupy is :mod:`pipeoptim.runtime.layer_memory`.
-"""
+The profiler (:mod:`pipeoptim.runtime.profiling.profiler`) measures on the device the model
+will train on. Every layer runs within whole passes on the real activations of the previous
+layer, after warm-up, and the median of several repeats is kept (robust to the odd slow
+run). CUDA timings use CUDA events with synchronisation; CPU timings use
+``time.perf_counter``. Everything here is a measurement of time; what the layers occupy is
+:mod:`pipeoptim.runtime.profiling.layer_memory`."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.plan import OptimizerSpec
 from pipeoptim.plan.profile import LayerProfile
-from pipeoptim.runtime.layer_memory import optimizer_state_bytes
+from pipeoptim.runtime.profiling.layer_memory import optimizer_state_bytes
 
 __all__ = [
     "check_output",
@@ -96,8 +96,8 @@ def time_step_and_prediction(
     """Median seconds of one optimizer step and of one prediction (Ŵ written into a
     buffer, as a predicting stage does before its forward) for ``params``, and the
     optimizer state bytes after the steps. The weights are restored afterwards."""
-    from pipeoptim.runtime.predict import predictor_for
-    from pipeoptim.runtime.update import make_optimizer
+    from pipeoptim.runtime.optim.predict import predictor_for
+    from pipeoptim.runtime.optim.update import make_optimizer
 
     trainable = [p for p in params if p.requires_grad]
     if not trainable:

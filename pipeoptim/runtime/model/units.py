@@ -23,7 +23,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from pipeoptim.errors import RuntimeConfigError
-from pipeoptim.runtime.loss import LossFn
+from pipeoptim.runtime.stage.loss import LossFn
 
 __all__ = ["InitWeights", "ModelUnits", "source_names"]
 

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from pipeoptim.runtime.transport import PeerLostError
+from pipeoptim.errors import PeerLostError
 
 __all__ = [
     "BUCKET_BYTES",

@@ -5,15 +5,15 @@ whose forward already ran are still waiting for their backward. What weights tho
 and backwards see is the method (DESIGN.md, "Weight-version semantics"). The stage is the
 forward/backward that ties together one part per concern:
 
-* :mod:`~pipeoptim.runtime.weights`: the version store (stash, double buffer, prediction
+* :mod:`~pipeoptim.runtime.stage.weights`: the version store (stash, double buffer, prediction
   buffer, in-flight counts) and the aliases through which autograd reads a version;
-* :mod:`~pipeoptim.runtime.precision`: autocast, the re-cast of saved weight casts, the fp16
+* :mod:`~pipeoptim.runtime.stage.precision`: autocast, the re-cast of saved weight casts, the fp16
   scaler;
-* :mod:`~pipeoptim.runtime.update`: optimizer, scheduler, gradient sync, clipping and the
+* :mod:`~pipeoptim.runtime.optim.update`: optimizer, scheduler, gradient sync, clipping and the
   delay correction a method names;
-* :mod:`~pipeoptim.runtime.memory`: the bytes held, by kind;
-* :mod:`~pipeoptim.runtime.rng`: the stage's own random stream;
-* :mod:`~pipeoptim.runtime.split_backward`: the I and W halves of zero-bubble schedules.
+* :mod:`~pipeoptim.runtime.stage.memory`: the bytes held, by kind;
+* :mod:`~pipeoptim.runtime.stage.rng`: the stage's own random stream;
+* :mod:`~pipeoptim.runtime.stage.split_backward`: the I and W halves of zero-bubble schedules.
 
 PREDICT writes the prediction ``Ŵ = W - lr·s·Δ`` into the prediction buffer, runs the forward
 on it, and re-points what the graph saves of Ŵ at the live weights, so the backward runs on the
@@ -25,7 +25,7 @@ methods their backward uses the value computed from Ŵ, and the stage says so on
 (``Stage.notes``).
 
 A unit may return a tuple of tensors, which the next unit takes as its positional arguments
-(:mod:`~pipeoptim.runtime.chain`), and a stage's input and output may be such tuples
+(:mod:`~pipeoptim.runtime.stage.chain`), and a stage's input and output may be such tuples
 (:mod:`~pipeoptim.runtime.payload`): the floating-point tensors of an input take gradients,
 the backward returns one per floating-point tensor (None for the others), and a last stage's
 tuple output goes to the loss as it is. A single tensor keeps its own code path.
@@ -51,12 +51,23 @@ from pipeoptim.errors import StageError
 from pipeoptim.plan.methods import Method, WeightPolicy
 from pipeoptim.plan.plan import OptimizerSpec
 from pipeoptim.plan.versions import MicroBatchVersions, gradient_delays, prediction_distance
-from pipeoptim.runtime.chain import UnitChain, as_chain
-from pipeoptim.runtime.closure import PredictionClosure
-from pipeoptim.runtime.corrections import build_correction
-from pipeoptim.runtime.diagnose import describe_failure
-from pipeoptim.runtime.loss import LossFn, checked_loss, count_correct
-from pipeoptim.runtime.memory import StageMemory
+from pipeoptim.runtime.checkpoint.state_check import (
+    check_module_state,
+    check_predictor_state,
+    check_stage_state,
+)
+from pipeoptim.runtime.optim.corrections import build_correction
+from pipeoptim.runtime.optim.predict import WeightPredictor, predictor_for
+from pipeoptim.runtime.optim.prediction_closure import PredictionClosure
+from pipeoptim.runtime.optim.update import (
+    OPTIMIZERS,
+    OptimizerFactory,
+    SchedulerFactory,
+    StageContext,
+    StageUpdate,
+    build_optimizer,
+    make_optimizer,
+)
 from pipeoptim.runtime.payload import (
     Gradients,
     Payload,
@@ -66,11 +77,14 @@ from pipeoptim.runtime.payload import (
     output_roots,
     payload_bytes,
 )
-from pipeoptim.runtime.precision import AMP_DTYPES, Precision, unpack
-from pipeoptim.runtime.predict import WeightPredictor, predictor_for
-from pipeoptim.runtime.rng import StageRandom
-from pipeoptim.runtime.saved import ForwardSaves
-from pipeoptim.runtime.split_backward import (
+from pipeoptim.runtime.stage.chain import UnitChain, as_chain
+from pipeoptim.runtime.stage.diagnose import describe_failure
+from pipeoptim.runtime.stage.loss import LossFn, checked_loss, count_correct
+from pipeoptim.runtime.stage.memory import StageMemory
+from pipeoptim.runtime.stage.precision import AMP_DTYPES, Precision, unpack
+from pipeoptim.runtime.stage.rng import StageRandom
+from pipeoptim.runtime.stage.saved import ForwardSaves
+from pipeoptim.runtime.stage.split_backward import (
     KeptUnits,
     Root,
     WeightHalf,
@@ -80,21 +94,7 @@ from pipeoptim.runtime.split_backward import (
     unit_params,
     weight_half,
 )
-from pipeoptim.runtime.state_check import (
-    check_module_state,
-    check_predictor_state,
-    check_stage_state,
-)
-from pipeoptim.runtime.update import (
-    OPTIMIZERS,
-    OptimizerFactory,
-    SchedulerFactory,
-    StageContext,
-    StageUpdate,
-    build_optimizer,
-    make_optimizer,
-)
-from pipeoptim.runtime.weights import WeightVersions, alias
+from pipeoptim.runtime.stage.weights import WeightVersions, alias
 
 __all__ = [
     "AMP_DTYPES",
@@ -283,7 +283,7 @@ class Stage:
 
     @contextmanager
     def rng(self) -> Iterator[None]:
-        """Run under this stage's own RNG stream (see :mod:`pipeoptim.runtime.rng`)."""
+        """Run under this stage's own RNG stream (see :mod:`pipeoptim.runtime.stage.rng`)."""
         with self.random.stream():
             yield
 

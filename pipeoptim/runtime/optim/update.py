@@ -25,8 +25,8 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from pipeoptim.errors import RuntimeConfigError, StageError
 from pipeoptim.plan.plan import OptimizerSpec
-from pipeoptim.runtime.optimizers import MuonWithAdamW
-from pipeoptim.runtime.predict import future_lrs
+from pipeoptim.runtime.optim.optimizers import MuonWithAdamW
+from pipeoptim.runtime.optim.predict import future_lrs
 
 __all__ = [
     "CORRECTIONS",
@@ -227,7 +227,7 @@ class DelayCorrection(Protocol):
 CORRECTIONS: dict[str, Callable[[StageContext, Optimizer], DelayCorrection]] = {}
 """Delay corrections by the name a method names in ``Method.delay_correction``: a factory
 called once per stage with the stage's :class:`StageContext` and optimizer
-(``runtime/corrections.py`` registers the published ones and builds them)."""
+(``runtime/optim/corrections.py`` registers the published ones and builds them)."""
 
 
 class StageUpdate:

@@ -1,7 +1,7 @@
 """The published delay corrections, registered in ``update.CORRECTIONS`` by name.
 
 A delay correction changes how a stage updates as a function of its delay τ (DESIGN.md,
-"Delay corrections"; the slot is :class:`~pipeoptim.runtime.update.DelayCorrection`). Each
+"Delay corrections"; the slot is :class:`~pipeoptim.runtime.optim.update.DelayCorrection`). Each
 here is the rule of one paper, written from the paper's formula and its public code, with
 the defaults they use; ``plan/methods.py`` registers the methods that name them.
 
@@ -30,7 +30,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from pipeoptim.errors import RuntimeConfigError
-from pipeoptim.runtime.update import CORRECTIONS, DelayCorrection, StageContext
+from pipeoptim.runtime.optim.update import CORRECTIONS, DelayCorrection, StageContext
 
 __all__ = [
     "PIPEMARE_ANNEAL_UPDATES",
@@ -147,7 +147,7 @@ def build_correction(
         known = ", ".join(sorted(CORRECTIONS)) or "none are registered"
         raise RuntimeConfigError(
             f"method {method!r} names the delay correction {name!r}, which the runtime does "
-            f"not know (known: {known}); register it in pipeoptim.runtime.update.CORRECTIONS"
+            f"not know (known: {known}); register it in pipeoptim.runtime.optim.update.CORRECTIONS"
         )
     return factory(context, optimizer)
 

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.methods import METHODS, Method, WeightPolicy
-from pipeoptim.runtime.transport import MessageKey, Transport
+from pipeoptim.runtime.comm.transport import MessageKey, Transport
 
 __all__ = ["Tie", "TieExchange", "find_ties", "refuse_for", "untie_copies"]
 

@@ -25,8 +25,8 @@ from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 from torch.utils.hooks import RemovableHandle
 
 from pipeoptim.errors import RuntimeConfigError
-from pipeoptim.runtime.optimizers import MuonWithAdamW
-from pipeoptim.runtime.persistence import UpdatePersistence
+from pipeoptim.runtime.optim.optimizers import MuonWithAdamW
+from pipeoptim.runtime.optim.update_persistence import UpdatePersistence
 
 #: Valid values of ``predictor_for(..., rule=...)``.
 RULES: tuple[str, ...] = ("optimizer", "spectrain", "xpipe", "displacement", "shrunk")
@@ -83,7 +83,7 @@ class WeightPredictor:
         # never happen (e.g. GradScaler skipping an inf step); explicit calls stay harmless.
         self.persistence: UpdatePersistence | None = None
         """Set by the ``shrunk`` rule: the next s updates are weighted by the measured
-        persistence of the optimizer's update (``runtime/persistence.py``) instead of 1."""
+        persistence of the optimizer's update (``optim/update_persistence.py``) instead of 1."""
         self._hooks: list[RemovableHandle] = []
         if auto_hooks:
             self._hooks = [
@@ -526,7 +526,7 @@ class MuonPredictor(WeightPredictor):
 
 
 class MuonWithAdamWPredictor(WeightPredictor):
-    """:class:`~pipeoptim.runtime.optimizers.MuonWithAdamW`: the Muon rule on its Muon part,
+    """:class:`~pipeoptim.runtime.optim.optimizers.MuonWithAdamW`: the Muon rule on its Muon part,
     the Adam rule on its AdamW part; each part's predictor hooks its own inner optimizer
     (the composite's step runs both inner steps)."""
 
@@ -638,7 +638,7 @@ def predictor_for(optimizer: Optimizer, rule: str = "optimizer", **options: Any)
     "spectrain": smoothed gradient; "xpipe": Adam-form Δ for Adam-like optimizers, the
     optimizer's own rule otherwise; "displacement": last applied displacement; "shrunk":
     the optimizer's own rule with the next s updates weighted by how much of the update
-    persists (``runtime/persistence.py``).
+    persists (``runtime/optim/update_persistence.py``).
     """
     if rule not in RULES:
         raise RuntimeConfigError(

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from pipeoptim.errors import RuntimeConfigError
-from pipeoptim.runtime.model_units import InitWeights
+from pipeoptim.runtime.model.units import InitWeights
 
 __all__ = ["is_meta", "materialize_units", "meta_units"]
 

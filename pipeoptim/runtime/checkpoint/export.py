@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from pipeoptim.errors import RuntimeConfigError
-from pipeoptim.runtime.checkpoint import CheckpointStore, latest_step
+from pipeoptim.runtime.checkpoint.store import CheckpointStore, latest_step
 
 __all__ = ["EXPORT_FORMATS", "export_checkpoint", "merge_stages", "write_export"]
 

@@ -1,0 +1,157 @@
+"""The multi-process transport: one rank per process over ``torch.distributed``.
+
+Point-to-point operations (gloo on CPU, NCCL on CUDA). Receives are posted early
+(``post_recv``, as the executor looks ahead) and waited late (at the ``RECV`` action), sends
+are asynchronous and reaped later, so communication overlaps compute. On gloo a message's
+name becomes its tag, so out-of-order posting is safe; a tuple message sends each tensor as
+its own message, part ``i`` under the message's tag plus ``i`` times a stride that keeps
+every part's tags apart. NCCL ignores tags and matches messages per pair of ranks in posting
+order, which holds for every non-interleaved schedule (each directed pair carries one kind of
+message in micro-batch order; the parts of a tuple are posted in order on both sides).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from pipeoptim.errors import PeerLostError
+from pipeoptim.runtime.comm.failure_board import backend_cause
+from pipeoptim.runtime.comm.placement import stop_if_orphaned
+from pipeoptim.runtime.comm.transport import MessageKey, Parts, Transport, describe_message
+from pipeoptim.runtime.payload import MAX_PARTS, Payload
+
+__all__ = ["DistTransport"]
+
+_KINDS = {"act": 0, "grad": 1, "eval": 2, "target": 3, "eval_target": 4, "tie": 5}
+_TAG_LIMIT = 2**30
+_PART_STRIDE = _TAG_LIMIT // MAX_PARTS  # part i of a tuple: its message's tag + i x stride
+
+
+class DistTransport(Transport):
+    """One rank of a ``torch.distributed`` process group (already initialised).
+
+    Waits are bounded by the process group's timeout; a peer that dies surfaces as
+    :class:`PeerLostError` naming it (gloo notices a closed connection at once).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        num_stages: int,
+        device: torch.device,
+        *,
+        first_rank: int = 0,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.rank = rank
+        self.device = device
+        self._group = group
+        """The process group the messages go over (None: the default one); peers are still
+        addressed by their rank in the default group."""
+        self._num_stages = num_stages
+        self._first = first_rank
+        """Process-group rank of this pipeline's rank 0 (replica x P under data parallelism):
+        peers are named by pipeline rank, addressed by process-group rank."""
+        self._recvs: dict[MessageKey, tuple[dist.Work, Tensor, int]] = {}
+        self._part_recvs: dict[MessageKey, list[tuple[dist.Work, Tensor]]] = {}
+        self._sends: list[tuple[dist.Work, Tensor, int, MessageKey]] = []
+
+    def _tag(self, key: MessageKey) -> int:
+        # Unique among the messages a pair of ranks has in flight; wraps on very long runs.
+        kind, stage, mb = key
+        return ((mb * self._num_stages + stage) * len(_KINDS) + _KINDS[kind]) % _TAG_LIMIT
+
+    def send(self, tensor: Payload, peer: int, key: MessageKey) -> None:
+        if not isinstance(tensor, Tensor):
+            self._send_parts(tensor, peer, key)
+            return
+        buf = tensor.detach().contiguous()
+        work = dist.isend(buf, self._first + peer, tag=self._tag(key), group=self._group)
+        if work is None:  # pragma: no cover - only when this rank is not in the group
+            raise RuntimeError(f"rank {self.rank}: isend to rank {peer} returned no work")
+        self._sends.append((work, buf, peer, key))
+        if len(self._sends) > 64:
+            # Keep a long segment's send buffers bounded. Waiting on the oldest sends cannot
+            # deadlock: in a valid schedule their receivers get there without any message
+            # this rank has yet to send.
+            self._wait_sends(self._sends[:32])
+            del self._sends[:32]
+
+    def _part_tags(self, key: MessageKey, n: int) -> list[int]:
+        if n > MAX_PARTS:
+            raise RuntimeError(f"{describe_message(key)} has {n} tensors, over {MAX_PARTS}")
+        tag = self._tag(key)
+        return [(tag + i * _PART_STRIDE) % _TAG_LIMIT for i in range(n)]
+
+    def _send_parts(self, tensors: tuple[Tensor, ...], peer: int, key: MessageKey) -> None:
+        for t, tag in zip(tensors, self._part_tags(key, len(tensors)), strict=True):
+            buf = t.detach().contiguous()
+            work = dist.isend(buf, self._first + peer, tag=tag, group=self._group)
+            if work is None:  # pragma: no cover
+                raise RuntimeError(f"rank {self.rank}: isend to rank {peer} returned no work")
+            self._sends.append((work, buf, peer, key))
+        if len(self._sends) > 64:
+            self._wait_sends(self._sends[:32])
+            del self._sends[:32]
+
+    def post_recv_parts(self, key: MessageKey, peer: int, parts: Parts) -> None:
+        if key in self._part_recvs:
+            return
+        posted = []
+        for (shape, dtype), tag in zip(parts, self._part_tags(key, len(parts)), strict=True):
+            buf = torch.empty(shape, dtype=dtype, device=self.device)
+            work = dist.irecv(buf, self._first + peer, tag=tag, group=self._group)
+            if work is None:  # pragma: no cover
+                raise RuntimeError(f"rank {self.rank}: irecv from rank {peer} returned no work")
+            posted.append((work, buf))
+        self._part_recvs[key] = posted
+
+    def recv_parts(self, key: MessageKey, peer: int, parts: Parts) -> tuple[Tensor, ...]:
+        self.post_recv_parts(key, peer, parts)
+        what = f"{describe_message(key)} from rank {self._first + peer}"
+        out = []
+        for i, (work, buf) in enumerate(self._part_recvs.pop(key)):
+            self._wait(work, peer, f"tensor {i} of {what}")
+            out.append(buf)
+        return tuple(out)
+
+    def post_recv(
+        self, key: MessageKey, peer: int, shape: Sequence[int], dtype: torch.dtype
+    ) -> None:
+        if key in self._recvs:
+            return
+        buf = torch.empty(tuple(shape), dtype=dtype, device=self.device)
+        work = dist.irecv(buf, self._first + peer, tag=self._tag(key), group=self._group)
+        if work is None:  # pragma: no cover
+            raise RuntimeError(f"rank {self.rank}: irecv from rank {peer} returned no work")
+        self._recvs[key] = (work, buf, peer)
+
+    def recv(self, key: MessageKey, peer: int, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
+        self.post_recv(key, peer, shape, dtype)
+        work, buf, _ = self._recvs.pop(key)
+        self._wait(work, peer, f"{describe_message(key)} from rank {self._first + peer}")
+        return buf
+
+    def flush(self) -> None:
+        self._wait_sends(self._sends)
+        self._sends = []
+
+    def _wait_sends(self, sends: list[tuple[dist.Work, Tensor, int, MessageKey]]) -> None:
+        for work, _, peer, key in sends:
+            self._wait(
+                work, peer, f"delivery of {describe_message(key)} to rank {self._first + peer}"
+            )
+
+    def _wait(self, work: dist.Work, peer: int, what: str) -> None:
+        try:
+            work.wait()
+        except RuntimeError as err:  # gloo/NCCL report a dead peer or a timeout this way
+            stop_if_orphaned()  # the peer went because the launcher did: say that, and end
+            lost = self._first + peer  # the process-group rank, as the launcher names ranks
+            raise PeerLostError(
+                f"lost rank {lost} while waiting for {what}: {backend_cause(err)}", lost
+            ) from None
