@@ -9,7 +9,7 @@ same data and convert losslessly (communication actions and idle steps dropped).
 The arrays hold every compute kind: F, B and U, and the halves of a split backward, I
 (input gradient) and W (weight gradient). The simulator and the version analysis read them
 all; the runtime does not run I/W yet and refuses them where it plans a run
-(:func:`pipeoptim.runtime.executor.segment_plan`).
+(:func:`pipeoptim.runtime.segments.segment_plan`).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ changes during a run lives in :class:`RunState`, shared by those three.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -17,17 +17,14 @@ from torch import nn
 from torch._C._distributed_c10d import Store
 
 from pipeoptim.errors import PipeoptimError, RuntimeConfigError
-from pipeoptim.plan.limits import estimate_work
 from pipeoptim.plan.methods import Method
 from pipeoptim.plan.plan import OptimizerSpec, Plan
-from pipeoptim.plan.schedules import Shape
 from pipeoptim.plan.versions import steady_delays
 from pipeoptim.runtime.comm.dist import DistTransport
 from pipeoptim.runtime.comm.placement import join_group, local_device
 from pipeoptim.runtime.comm.process_model import ProcessModel
 from pipeoptim.runtime.comm.replicas import BufferBroadcast, GradientAverager, ReplicaGroups
 from pipeoptim.runtime.comm.transport import Transport
-from pipeoptim.runtime.executor import segment_plan
 from pipeoptim.runtime.model.materialize import materialize_units, meta_units
 from pipeoptim.runtime.model.ties import TieExchange, find_ties, refuse_for, untie_copies
 from pipeoptim.runtime.model.units import InitWeights
@@ -37,35 +34,11 @@ from pipeoptim.runtime.optim.update import (
     SchedulerFactory,
     takes_context,
 )
+from pipeoptim.runtime.segments import segment_plan
 from pipeoptim.runtime.stage.loss import LossFn
 from pipeoptim.runtime.stage.stage import Stage
 
-__all__ = ["SEGMENT_ACTIONS", "SEGMENT_PASSES", "Assembly", "RunState", "segment_limit"]
-
-SEGMENT_PASSES = 2**16
-"""At most this many forward passes (mini-batches x stages x micro-batches) in one
-never-flushed segment. A segment's schedule is laid out in advance, so this bounds the
-memory of a long run: at 4 stages a drain (P-1 idle steps) every 16,384 mini-batches."""
-
-SEGMENT_ACTIONS = 4_000_000
-"""The most compute actions one segment may hold (about 140 B each in the executor); only
-absurd shapes reach it (a segment is at most SEGMENT_PASSES passes, or 4P mini-batches)."""
-
-
-def segment_limit(method: Method, shape: Shape) -> int:
-    """Mini-batches per never-flushed segment at most (see SEGMENT_PASSES), checked against
-    SEGMENT_ACTIONS."""
-    per_step = shape.num_stages * shape.micro_batches
-    limit = max(4 * shape.num_ranks, SEGMENT_PASSES // per_step)
-    work = estimate_work(method, replace(shape, mini_batches=limit))
-    if work.actions > SEGMENT_ACTIONS:
-        raise RuntimeConfigError(
-            f"one never-flushed segment ({limit} mini-batches of "
-            f"{shape.num_stages} stages x {shape.micro_batches} micro-batches) "
-            f"is about {work.actions:,} actions, over the limit of {SEGMENT_ACTIONS:,}; "
-            f"use fewer micro-batches (each carries B/M samples) or fewer stages"
-        )
-    return limit
+__all__ = ["Assembly", "RunState"]
 
 
 @dataclass

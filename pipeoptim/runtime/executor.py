@@ -1,6 +1,6 @@
 """The executor: interprets each rank's lowered action list, whatever the transport.
 
-A run is a sequence of segments (see ``checkpoint.py``); each is one continuous, never
+A run is a sequence of segments (``segments.py``); each is one continuous, never
 flushed pipeline laid out by the method's own schedule generator, analysed by
 ``plan.versions`` (which weight version every pass uses) and lowered by
 ``plan.passes.add_communication`` (explicit SEND/RECV actions). A :class:`RankExecutor`
@@ -28,23 +28,17 @@ import json
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from functools import lru_cache
 from typing import Any, TypeAlias
 
 import torch
 from torch import Tensor
 
-from pipeoptim.errors import ScheduleError
-from pipeoptim.plan.actions import SPLIT_BACKWARD, Action, Kind
-from pipeoptim.plan.methods import Method, WeightPolicy
-from pipeoptim.plan.passes import add_communication
-from pipeoptim.plan.schedules import Shape, forward_only, stage_ranks
-from pipeoptim.plan.versions import MicroBatchVersions, VersionReport, analyze_versions
-from pipeoptim.runtime.checkpoint.store import Segment
+from pipeoptim.plan.actions import Action, Kind
 from pipeoptim.runtime.comm.transport import MessageKey, Parts, Transport
 from pipeoptim.runtime.feed import TrainFeed
 from pipeoptim.runtime.model.ties import TieExchange
 from pipeoptim.runtime.payload import Gradients, Payload, payload_bytes, to_device
+from pipeoptim.runtime.segments import Segment, SegmentPlan
 from pipeoptim.runtime.stage.stage import Stage
 from pipeoptim.trace import MemorySample, TraceEvent
 
@@ -54,11 +48,8 @@ __all__ = [
     "RankExecutor",
     "RankResult",
     "Recorder",
-    "SegmentPlan",
     "TensorSpec",
     "drive_local",
-    "eval_plan",
-    "segment_plan",
 ]
 
 LOOKAHEAD = 8
@@ -92,66 +83,6 @@ RecvSpec: TypeAlias = (
 def _parts(b: tuple[TensorSpec, ...], n: int, grad: bool) -> Parts:
     """A tuple boundary's tensors for ``n`` samples; ``grad``: the floating-point ones."""
     return tuple(((n, *p.shape), p.dtype) for p in b if not grad or p.dtype.is_floating_point)
-
-
-@dataclass(frozen=True)
-class SegmentPlan:
-    """A segment's schedule: version analysis, lowered per-rank actions, stage placement."""
-
-    shape: Shape
-    versions: VersionReport | None
-    actions: dict[int, list[Action]]
-    rank_of: dict[int, int]
-
-    def passes(self, stage: int) -> dict[int, MicroBatchVersions]:
-        if self.versions is None:
-            return {}
-        return {mb: v for (k, mb), v in self.versions.passes.items() if k == stage}
-
-
-@lru_cache(maxsize=8)
-def segment_plan(method: Method, shape: Shape) -> SegmentPlan:
-    """Schedule, analyse and lower one segment length (a run's segments mostly share one).
-
-    Raises :class:`ScheduleError` on a split backward (I/W) of a method that is not
-    synchronous (flush): the stage keeps a micro-batch's graph from I to W, which only a
-    flush (no update in between) makes exact.
-    """
-    order = method.order(shape)
-    if method.weight_policy is not WeightPolicy.FLUSH:
-        split = next(
-            (
-                (r, a)
-                for r, acts in order.items()
-                for a in acts
-                if a is not None and a.kind in SPLIT_BACKWARD
-            ),
-            None,
-        )
-        if split is not None:
-            r, a = split
-            raise ScheduleError(
-                f"{method.name}: {a} on rank {r} is half of a split backward (I/W), which the "
-                f"runtime runs only for synchronous (flush) methods (this one's weight policy "
-                f"is {method.weight_policy.name}): an update may come between an I and its W; "
-                f"merge each I and W into one B "
-                f"(pipeoptim.plan.passes.merge_backward) to train it"
-            )
-    return SegmentPlan(
-        shape,
-        analyze_versions(order, method.weight_policy, shape.micro_batches),
-        add_communication(order),
-        stage_ranks(order),
-    )
-
-
-@lru_cache(maxsize=8)
-def eval_plan(rank_of: tuple[tuple[int, int], ...], batches: int) -> SegmentPlan:
-    """The forward-only schedule of ``batches`` evaluation batches, lowered."""
-    placement = dict(rank_of)
-    order = forward_only(placement, batches)
-    ranks = len(set(placement.values()))
-    return SegmentPlan(Shape(ranks, 1, batches), None, add_communication(order), placement)
 
 
 @dataclass

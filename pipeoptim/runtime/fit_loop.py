@@ -27,7 +27,6 @@ from tqdm import tqdm
 from pipeoptim.errors import NonFiniteLossError, PipeoptimError, RuntimeConfigError
 from pipeoptim.plan.schedules import Shape
 from pipeoptim.runtime.assembly import Assembly, RunState
-from pipeoptim.runtime.checkpoint.store import Segment, plan_segments
 from pipeoptim.runtime.checkpoint_folder import CheckpointFolder
 from pipeoptim.runtime.comm.replicas import collective, gather_over_replicas
 from pipeoptim.runtime.config import run_length
@@ -39,8 +38,6 @@ from pipeoptim.runtime.executor import (
     Recorder,
     TensorSpec,
     drive_local,
-    eval_plan,
-    segment_plan,
 )
 from pipeoptim.runtime.feed import (
     BatchSpec,
@@ -53,6 +50,7 @@ from pipeoptim.runtime.feed import (
 from pipeoptim.runtime.payload import Payload, batch_len, head
 from pipeoptim.runtime.probe import probe_stage, probe_stages, stand_in
 from pipeoptim.runtime.result import EvalResult, FitResult, build_trace, merge
+from pipeoptim.runtime.segments import Segment, eval_plan, plan_segments, segment_plan
 from pipeoptim.trace import Trace
 
 __all__ = ["HISTORY", "FitLoop", "FitOptions"]

@@ -33,7 +33,7 @@ from pipeoptim.errors import NonFiniteLossError, RuntimeConfigError
 from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.plan.risk import depth_advice
-from pipeoptim.runtime.assembly import Assembly, RunState, segment_limit
+from pipeoptim.runtime.assembly import Assembly, RunState
 from pipeoptim.runtime.checkpoint.export import export_checkpoint, merge_stages, write_export
 from pipeoptim.runtime.checkpoint.state_check import refusal
 from pipeoptim.runtime.checkpoint.store import DEFAULT_KEEP, latest_step
@@ -54,6 +54,7 @@ from pipeoptim.runtime.model.units import InitWeights, ModelUnits
 from pipeoptim.runtime.optim.prediction_closure import PredictionClosure
 from pipeoptim.runtime.optim.update import OptimizerFactory, SchedulerFactory
 from pipeoptim.runtime.result import EvalResult, FitResult
+from pipeoptim.runtime.segments import segment_limit
 from pipeoptim.runtime.stage.loss import LossFn
 from pipeoptim.runtime.stage.stage import Stage
 from pipeoptim.trace import Trace
@@ -275,7 +276,7 @@ class Pipeline:
 
     @property
     def segment_limit(self) -> int:
-        """Mini-batches per never-flushed segment at most (see ``assembly.SEGMENT_PASSES``)."""
+        """Mini-batches per never-flushed segment at most (see ``segments.SEGMENT_PASSES``)."""
         return self.options.segment_limit
 
     @property

@@ -231,7 +231,7 @@ def test_runtime_plans_a_synchronous_split_backward() -> None:
     order receives the gradient before each I and sends its input gradient after it."""
     from pipeoptim.plan.methods import Method, WeightPolicy
     from pipeoptim.plan.schedules import Shape, one_f_one_b
-    from pipeoptim.runtime.executor import segment_plan
+    from pipeoptim.runtime.segments import segment_plan
 
     def split(shape: Shape) -> dict[int, list[Action]]:
         return split_backward(one_f_one_b(shape))

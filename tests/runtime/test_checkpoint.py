@@ -11,9 +11,10 @@ from torch import Tensor, nn
 
 from pipeoptim.errors import NonFiniteLossError, RuntimeConfigError
 from pipeoptim.plan.plan import OptimizerSpec, Plan
-from pipeoptim.runtime.checkpoint.store import Segment, latest_step, plan_segments
+from pipeoptim.runtime.checkpoint.store import latest_step
 from pipeoptim.runtime.config import TrainConfig
 from pipeoptim.runtime.result import FitResult
+from pipeoptim.runtime.segments import Segment, plan_segments
 from pipeoptim.trace import Trace
 from pipeoptim.workloads.data import Dataset
 from pipeoptim.workloads.train import train

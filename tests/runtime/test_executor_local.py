@@ -265,7 +265,7 @@ def test_segment_plan_refuses_a_split_backward_without_a_flush() -> None:
     from pipeoptim.errors import ScheduleError
     from pipeoptim.plan.methods import Method, WeightPolicy
     from pipeoptim.plan.zero_bubble import zb_h1
-    from pipeoptim.runtime.executor import segment_plan
+    from pipeoptim.runtime.segments import segment_plan
 
     def generate(shape: Shape) -> dict:
         return zb_h1(shape.num_stages, shape.micro_batches, shape.mini_batches)

@@ -1,19 +1,8 @@
 """Per-stage checkpoints, written atomically, from which a run resumes exactly.
 
-Why segments: an asynchronous pipeline never flushes, so at no moment inside it are all
-stages' weights one consistent state: stage 0 has run forwards that stage 3 has not yet
-seen, and the stash of a mini-batch in flight is part of the state. The runtime therefore
-runs training as *segments*, each one continuous never-flushed pipeline, cut only every
-``checkpoint_every`` (and ``eval_every``) mini-batches and at the end; epochs do not cut.
-It checkpoints at segment boundaries, where nothing is in flight. A stage's state there is
-exactly: weights, optimizer, scheduler and predictor state, its RNG stream and the step
-(mini-batches done; the data position follows from it). Resuming from step n runs the same
-segments an uninterrupted run with the same settings runs from n, so it produces the same
-weights bit for bit (the segmentation is a function of the step and K, never of where a
-run was interrupted) when n is on that grid. A fit that ends off it (``max_steps`` not a
-multiple of K) checkpoints where it ended, drained there, which an uninterrupted run is
-not: an asynchronous method resumed from it differs by that drain, and the resume says so
-in its notes (``checkpoint_folder.py``); a flushing method is exact from any step.
+A run is cut into segments (:mod:`pipeoptim.runtime.segments`) and checkpointed at segment
+boundaries, where nothing is in flight; resuming from step n runs the same segments an
+uninterrupted run runs from n.
 
 Layout::
 
@@ -39,8 +28,7 @@ import os
 import shutil
 import socket
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -54,10 +42,8 @@ __all__ = [
     "CHECKPOINT_FORMAT",
     "CheckpointStore",
     "DirectoryLock",
-    "Segment",
     "identity_differences",
     "latest_step",
-    "plan_segments",
 ]
 
 CHECKPOINT_FORMAT = "pipeoptim-checkpoint"
@@ -65,27 +51,6 @@ CHECKPOINT_VERSION = 1
 _LATEST = "latest.json"
 _LOCK = ".lock"
 DEFAULT_KEEP = 2
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Mini-batches ``first_step .. first_step + num_steps - 1``, one unflushed pipeline."""
-
-    index: int
-    first_step: int
-    num_steps: int
-
-
-def plan_segments(start: int, total: int, every: Iterable[int | None] = ()) -> Iterator[Segment]:
-    """Cut steps ``start .. total-1`` at the multiples of each K in ``every`` (checkpoints,
-    evaluations): a pure function of the step, so a resumed run runs the same segments as an
-    uninterrupted one. Epochs do not cut: the pipeline runs on across them."""
-    periods = [k for k in every if k]
-    s, index = start, 0
-    while s < total:  # a generator: a run of 10^9 steps holds one segment at a time
-        end = min([total] + [(s // k + 1) * k for k in periods])
-        yield Segment(index, s, end - s)
-        s, index = end, index + 1
 
 
 def _step_dir(root: Path, step: int) -> Path:
