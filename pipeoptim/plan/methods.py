@@ -63,8 +63,8 @@ class Method:
     """Splits each backward into its input half I and its weight half W."""
     delay_correction: str | None = None
     """Delay correction the runtime's update applies (a key of
-    ``pipeoptim.runtime.optim.update.CORRECTIONS``), if any; it composes with the weight policy and
-    the prediction rule (DESIGN.md, "Delay corrections")."""
+    ``pipeoptim.runtime.optim.corrections.registry.CORRECTIONS``), if any; it composes with
+    the weight policy and the prediction rule (DESIGN.md, "Delay corrections")."""
     corrects: str | None = None
     """The registered method whose schedule, weight versions and memory this one keeps,
     changing only its update (a delay correction) or its prediction's distance; None for a

@@ -28,11 +28,11 @@ from pipeoptim.runtime.comm.transport import Transport
 from pipeoptim.runtime.model.materialize import materialize_units, meta_units
 from pipeoptim.runtime.model.ties import TieExchange, find_ties, refuse_for, untie_copies
 from pipeoptim.runtime.model.units import InitWeights
+from pipeoptim.runtime.optim.builder import reads_delays
 from pipeoptim.runtime.optim.update import (
     FAMILY_OF_CLASS,
     OptimizerFactory,
     SchedulerFactory,
-    takes_context,
 )
 from pipeoptim.runtime.segments import segment_plan
 from pipeoptim.runtime.stage.loss import LossFn
@@ -117,11 +117,7 @@ class Assembly:
         )
         tied = untie_copies(units, self.ties, set(held))
         spec = optimizer if optimizer is not None else plan.optimizer
-        # τ_k is read off a long schedule: only where a correction or a factory asks for it
-        wanted = method.delay_correction is not None or (
-            not isinstance(spec, OptimizerSpec) and takes_context(spec)
-        )
-        delays = steady_delays(method, self.shape) if wanted else {}
+        delays = steady_delays(method, self.shape) if reads_delays(method, spec) else {}
         self.stages: dict[int, Stage] = {}
         for k, r in sorted(self.rank_of.items()):
             if r not in ranks:

@@ -32,6 +32,7 @@ __all__ = [
     "check_options",
     "check_replicas",
     "check_whole",
+    "is_whole",
     "resolve_plan",
     "run_length",
 ]
@@ -222,7 +223,7 @@ def resolve_plan(
         raise RuntimeConfigError(
             "Pipeline needs stages=P (the number of pipeline ranks) or plan=Plan.load(...)"
         )
-    if not isinstance(p, int) or isinstance(p, bool) or p < 1:
+    if not is_whole(p, 1):
         raise RuntimeConfigError(f"stages must be a positive integer (got {p!r})")
     if micro is not None:
         check_whole("micro_batches", micro, example="micro_batches=4 (it must divide the batch)")
@@ -317,7 +318,7 @@ def check_fit_options(
             f"device must be a name: 'auto', 'cpu', 'cuda' or 'cuda:N' (got "
             f"{type(device).__name__})"
         )
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+    if not is_whole(seed, 0, MAX_SEED):
         raise RuntimeConfigError(f"seed must be an integer in 0..{MAX_SEED} (got {seed!r})")
     check_whole("memory_every", memory_every, example="memory_every=4 (every 4th micro-batch)")
     check_whole("keep_checkpoints", keep_checkpoints, example="keep_checkpoints=2")
@@ -392,12 +393,25 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def is_whole(value: object, minimum: int | None = 0, maximum: int | None = None) -> bool:
+    """``value`` is a whole number (an ``int``, not a ``bool``) in ``minimum..maximum`` (None:
+    unbounded): the one test behind every count the runtime takes (its callers word their
+    own errors)."""
+    return (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and (minimum is None or minimum <= value)
+        and (maximum is None or value <= maximum)
+    )
+
+
 def check_whole(name: str, value: object, *, minimum: int = 1, example: str = "") -> int:
     """``value`` as a whole number >= ``minimum``, or the error naming ``name`` (a library
     argument) and an ``example`` of a good value."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_whole(value, minimum):
         fix = f"; e.g. {example}" if example else ""
         raise RuntimeConfigError(f"{name} must be a whole number >= {minimum} (got {value!r}){fix}")
+    assert isinstance(value, int)  # is_whole said so; for the type checker
     return value
 
 
@@ -416,7 +430,7 @@ def check_offset(
         f"it adds updates to the derived prediction distance s (at most P-1 = "
         f"{num_stages - 1} here): 0 is the paper's rule, 1 the reference code's (D - rank)"
     )
-    if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset <= num_stages:
+    if not is_whole(offset, 0, num_stages):
         raise RuntimeConfigError(
             f"{flag} must be a whole number in 0..{num_stages} (the stage count) "
             f"(got {offset!r}); {rule}"
@@ -427,6 +441,7 @@ def check_offset(
             f"{spec.name} does not predict; use pipeoptim, spectrain or xpipe, or leave "
             f"{flag} out"
         )
+    assert isinstance(offset, int)  # is_whole said so; for the type checker
     return offset
 
 

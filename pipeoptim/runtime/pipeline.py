@@ -45,6 +45,7 @@ from pipeoptim.runtime.config import (
     check_options,
     check_replicas,
     check_whole,
+    is_whole,
     resolve_plan,
 )
 from pipeoptim.runtime.executor import Boundary, RankResult, Recorder
@@ -176,11 +177,7 @@ class Pipeline:
             run_identity=run_identity,
             hyperparameters=hyperparameters,
         )
-        if checkpoint_every is not None and (
-            isinstance(checkpoint_every, bool)
-            or not isinstance(checkpoint_every, int)
-            or checkpoint_every < 1
-        ):
+        if checkpoint_every is not None and not is_whole(checkpoint_every, 1):
             raise RuntimeConfigError(
                 f"checkpoint_every must be a positive number of mini-batches (got "
                 f"{checkpoint_every!r})"
@@ -476,7 +473,7 @@ class Pipeline:
             )
         held = state.get("stages")
         step = state.get("step")
-        if not isinstance(held, dict) or not isinstance(step, int) or isinstance(step, bool):
+        if not isinstance(held, dict) or not is_whole(step, None):
             raise RuntimeConfigError(
                 "load_state_dict takes what Pipeline.state_dict() returned ('stages' a dict "
                 f"and 'step' an integer; got {type(held).__name__} and {type(step).__name__})"

@@ -1,4 +1,4 @@
-"""The published delay corrections (``runtime/optim/corrections.py``), each against its rule written
+"""The published delay corrections (``runtime/optim/corrections/``), each against its rule written
 out literally, through the registered methods that name them."""
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.methods import CORRECTED, METHODS, WeightPolicy, get_method
 from pipeoptim.plan.plan import OptimizerSpec
 from pipeoptim.plan.versions import steady_delays
-from pipeoptim.runtime.optim.corrections import PipeMareLr, delay_momentum
-from pipeoptim.runtime.optim.update import StageContext
+from pipeoptim.runtime.optim.corrections.delay_momentum import delay_momentum
+from pipeoptim.runtime.optim.corrections.pipemare_lr import PipeMareLr
+from pipeoptim.runtime.optim.corrections.protocol import StageContext
 from pipeoptim.runtime.pipeline import Pipeline
 
 CONTEXT = StageContext(index=0, num_stages=8, method="pipedream+pipemare", delay=7, micro_batches=1)

@@ -20,11 +20,10 @@ from torch.optim.lr_scheduler import CosineAnnealingLR
 from torch.utils.data import DataLoader, TensorDataset
 
 from pipeoptim import Pipeline
-from pipeoptim.errors import NonFiniteLossError, PipeoptimError, RuntimeConfigError
+from pipeoptim.errors import NonFiniteLossError, PipeoptimError, RuntimeConfigError, StageError
 from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.runtime.config import TrainConfig
 from pipeoptim.runtime.feed import epoch_seed
-from pipeoptim.runtime.stage.stage import StageError
 from pipeoptim.workloads.data import DatasetLoader
 from pipeoptim.workloads.gpt import gpt, lm_loss, python_corpus
 from pipeoptim.workloads.loader import build_model

@@ -25,9 +25,9 @@ from pipeoptim.runtime.optim.predict import (
     SpecTrainPredictor,
     WeightPredictor,
     XPipePredictor,
-    future_lrs,
     predictor_for,
 )
+from pipeoptim.runtime.optim.update import future_lrs
 
 DT = torch.float64  # displacement Δ divides by lr: float64 keeps the 1e-6 comparison meaningful
 LR = 0.1

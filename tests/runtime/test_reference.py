@@ -37,7 +37,7 @@ from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.runtime.config import TrainConfig
 from pipeoptim.runtime.model.layout import stage_boundaries
-from pipeoptim.runtime.stage.stage import make_optimizer
+from pipeoptim.runtime.optim.update import make_optimizer
 from pipeoptim.workloads.data import BatchOrder, Dataset
 from pipeoptim.workloads.loader import build_model
 from pipeoptim.workloads.train import build_run

@@ -15,7 +15,8 @@ from pipeoptim.plan.actions import Action
 from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.plan import OptimizerSpec
 from pipeoptim.plan.versions import MicroBatchVersions, analyze_versions
-from pipeoptim.runtime.stage.stage import Stage, make_optimizer
+from pipeoptim.runtime.optim.update import make_optimizer
+from pipeoptim.runtime.stage.stage import Stage
 
 
 def passes(method: str, text: str, micro_batches: int = 1) -> dict[int, MicroBatchVersions]:

@@ -1,9 +1,10 @@
 """The stage's update and the slot a delay correction plugs into.
 
 A correction is named by the method (``Method.delay_correction``) and built from
-``update.CORRECTIONS``; these tests register one of their own and check that the stage calls
-it around every step with the delay the schedule's version analysis gives, that what it does
-to the step takes effect, that its state is checkpointed, and that an unknown name is refused.
+``corrections.registry.CORRECTIONS``; these tests register one of their own and check that
+the stage calls it around every step with the delay the schedule's version analysis gives,
+that what it does to the step takes effect, that its state is checkpointed, and that an
+unknown name is refused.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from torch.optim import Optimizer
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.methods import METHODS, get_method
 from pipeoptim.plan.plan import OptimizerSpec
-from pipeoptim.runtime.optim import update
+from pipeoptim.runtime.optim.corrections import registry
+from pipeoptim.runtime.optim.corrections.protocol import StageContext
 from pipeoptim.runtime.pipeline import Pipeline
 from pipeoptim.runtime.stage.stage import Stage
 
@@ -61,11 +63,11 @@ def built(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[DelayScaledLr]]:
     method ``<name>+dsl`` naming it; yields the corrections built, one per stage."""
     made: list[DelayScaledLr] = []
 
-    def factory(context: update.StageContext, optimizer: Optimizer) -> DelayScaledLr:
+    def factory(context: StageContext, optimizer: Optimizer) -> DelayScaledLr:
         made.append(DelayScaledLr())
         return made[-1]
 
-    monkeypatch.setitem(update.CORRECTIONS, "delay-scaled-lr", factory)
+    monkeypatch.setitem(registry.CORRECTIONS, "delay-scaled-lr", factory)
     for name in ("pipedream", "pipeoptim"):
         method = replace(get_method(name), name=f"{name}+dsl", delay_correction="delay-scaled-lr")
         monkeypatch.setitem(METHODS, method.name, method)
@@ -154,7 +156,9 @@ def test_a_method_without_a_correction_checkpoints_none() -> None:
 def test_an_unknown_correction_is_refused_with_the_known_names(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setitem(update.CORRECTIONS, "known-one", lambda context, optimizer: DelayScaledLr())
+    monkeypatch.setitem(
+        registry.CORRECTIONS, "known-one", lambda context, optimizer: DelayScaledLr()
+    )
     method = replace(get_method("pipedream"), name="pipedream+x", delay_correction="no-such")
     monkeypatch.setitem(METHODS, method.name, method)
     with pytest.raises(RuntimeConfigError, match=r"'no-such'.*known: .*known-one"):

@@ -22,8 +22,9 @@ from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.plan.versions import MicroBatchVersions, analyze_versions
 from pipeoptim.runtime.config import TrainConfig
+from pipeoptim.runtime.optim.update import make_optimizer
 from pipeoptim.runtime.pipeline import Pipeline
-from pipeoptim.runtime.stage.stage import Stage, make_optimizer
+from pipeoptim.runtime.stage.stage import Stage
 from pipeoptim.trace import Trace
 from pipeoptim.workloads.data import BatchOrder, Dataset
 from pipeoptim.workloads.loader import build_model

@@ -3,7 +3,7 @@
 Each name becomes a factory ``optimizer -> scheduler`` that a
 :class:`~pipeoptim.runtime.pipeline.Pipeline` calls once per stage; every stage steps its
 scheduler once per update, so the schedule is counted in updates (mini-batches). All of
-them are schedulers whose next values ``predict.future_lrs`` can query, so PipeOptim's
+them are schedulers whose next values ``update.future_lrs`` can query, so PipeOptim's
 prediction uses the learning rates of the next s updates (Σlr instead of lr·s).
 """
 

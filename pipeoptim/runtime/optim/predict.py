@@ -13,18 +13,17 @@ Prediction uses ``torch._foreach_*`` ops, so it costs about one optimizer step.
 
 from __future__ import annotations
 
-import copy
 import math
-import warnings
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
-from torch.optim import SGD, Adam, AdamW, Muon, NAdam, Optimizer, RAdam, RMSprop, lr_scheduler
+from torch.optim import SGD, Adam, AdamW, Muon, NAdam, Optimizer, RAdam, RMSprop
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 from torch.utils.hooks import RemovableHandle
 
 from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.runtime.config import is_whole
 from pipeoptim.runtime.optim.optimizers import MuonWithAdamW
 from pipeoptim.runtime.optim.update_persistence import UpdatePersistence
 
@@ -35,8 +34,9 @@ Tensor = torch.Tensor
 Deltas = list[list[Tensor | None]]
 
 
-def _check_s(s: int) -> int:
-    if not isinstance(s, int) or isinstance(s, bool) or s < 0:
+def check_distance(s: int) -> int:
+    """``s`` checked: a count of future updates, 0 or more."""
+    if not is_whole(s, 0):
         raise RuntimeConfigError(
             f"the prediction distance s is a count of future optimizer updates and must be an "
             f"integer >= 0 (got {s!r}); pass s = number of updates between the forward and "
@@ -154,7 +154,7 @@ class WeightPredictor:
         ``lrs[g]`` lists the learning rates of group g's next updates (at least s of them,
         the first s are used): Σ lr replaces lr·s under a schedule.
         """
-        s = _check_s(s)
+        s = check_distance(s)
         self._check_dest(dest)
         etas = self._etas(s, lrs)
         with torch.no_grad():
@@ -570,7 +570,7 @@ class MuonWithAdamWPredictor(WeightPredictor):
     def predict_into(
         self, dest: list[Tensor], s: int, lrs: Sequence[Sequence[float]] | None = None
     ) -> None:
-        s = _check_s(s)
+        s = check_distance(s)
         self._check_dest(dest)
         self._etas(s, lrs)  # checks lrs against all groups
         offset, row = 0, 0
@@ -665,68 +665,3 @@ def predictor_for(optimizer: Optimizer, rule: str = "optimizer", **options: Any)
         for part in getattr(predictor, "parts", []):
             part.persistence = predictor.persistence
     return predictor
-
-
-class _LrOnlyOptimizer:
-    """Stands in for the optimizer inside a scheduler copy: schedulers only read and write
-    ``param_groups[i]["lr"]``, so the copy never touches parameters or optimizer state."""
-
-    _opt_called = True  # silences the "scheduler.step() before optimizer.step()" check
-
-    def __init__(self, groups: list[dict[str, Any]]) -> None:
-        self.defaults: dict[str, Any] = {}
-        self.param_groups = [
-            {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in g.items() if k != "params"}
-            for g in groups
-        ]
-
-    def step(self) -> None:  # pragma: no cover - never called
-        return None
-
-
-_LrOnlyOptimizer.step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-
-# Schedulers whose next values depend only on their own fields and the group lrs.
-_QUERYABLE: tuple[type[Any], ...] = (
-    lr_scheduler.LambdaLR,
-    lr_scheduler.MultiplicativeLR,
-    lr_scheduler.StepLR,
-    lr_scheduler.MultiStepLR,
-    lr_scheduler.ConstantLR,
-    lr_scheduler.LinearLR,
-    lr_scheduler.ExponentialLR,
-    lr_scheduler.PolynomialLR,
-    lr_scheduler.CosineAnnealingLR,
-)
-
-
-def future_lrs(scheduler: Any, optimizer: Optimizer, s: int) -> list[list[float]] | None:
-    """Learning rates of the next s updates, ``out[group][i]``, without touching either object.
-
-    Assumes one ``scheduler.step()`` after each ``optimizer.step()``: the first rate is the
-    current one. Steps a copy of the scheduler bound to an lr-only stand-in optimizer.
-    Returns None for schedulers that cannot be queried this way (e.g. ReduceLROnPlateau,
-    which needs future metrics); the caller then uses lr·s.
-    """
-    s = _check_s(s)
-    if type(scheduler) not in _QUERYABLE:
-        return None
-    if getattr(scheduler, "optimizer", None) is not optimizer:
-        raise RuntimeConfigError(
-            "future_lrs needs the scheduler together with the optimizer it schedules (got a "
-            "scheduler bound to another optimizer); pass the stage's own pair"
-        )
-    stub = _LrOnlyOptimizer(optimizer.param_groups)
-    try:
-        twin = copy.deepcopy(scheduler, {id(optimizer): stub})
-    except Exception:  # e.g. an lr_lambda closing over something uncopyable
-        return None
-    out: list[list[float]] = [[] for _ in stub.param_groups]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for i in range(s):
-            if i:
-                twin.step()
-            for row, g in zip(out, stub.param_groups, strict=True):
-                row.append(float(g["lr"]))
-    return out

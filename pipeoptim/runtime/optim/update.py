@@ -4,62 +4,45 @@ the slot where a delay correction plugs in.
 Why apart from the stage: the update is the one place an asynchronous method's training rule
 differs beyond which weights a pass reads. A *delay correction* (DESIGN.md, "Delay
 corrections") changes how a stage updates as a function of its delay; it is one small object,
-named by the method registry (``Method.delay_correction``) and built here from
-:data:`CORRECTIONS`, so a correction is added without touching the stage's forward or
-backward. The update is always the user's ``torch.optim`` optimizer; a correction acts on it
-before and after its step.
+named by the method registry (``Method.delay_correction``) and built from
+:data:`~pipeoptim.runtime.optim.corrections.registry.CORRECTIONS` (by
+:mod:`~pipeoptim.runtime.optim.builder`), so a correction is added without touching the
+stage's forward or backward. The update is always the user's ``torch.optim`` optimizer; a
+correction acts on it before and after its step. The scheduler's look-ahead
+(:func:`future_lrs`, the rates of the next s updates a prediction sums) is here too, beside
+the update that steps the scheduler.
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
+import warnings
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.optim import SGD, Adam, AdamW, NAdam, Optimizer, RMSprop
+from torch.optim import SGD, Adam, AdamW, NAdam, Optimizer, RMSprop, lr_scheduler
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from pipeoptim.errors import RuntimeConfigError, StageError
 from pipeoptim.plan.plan import OptimizerSpec
+from pipeoptim.runtime.optim.corrections.protocol import DelayCorrection, StageContext
 from pipeoptim.runtime.optim.optimizers import MuonWithAdamW
-from pipeoptim.runtime.optim.predict import future_lrs
+from pipeoptim.runtime.optim.predict import check_distance
 
 __all__ = [
-    "CORRECTIONS",
     "OPTIMIZERS",
-    "DelayCorrection",
     "OptimizerFactory",
     "SchedulerFactory",
-    "StageContext",
     "StageUpdate",
     "build_optimizer",
     "build_scheduler",
+    "future_lrs",
     "make_optimizer",
     "takes_context",
 ]
-
-
-@dataclass(frozen=True)
-class StageContext:
-    """What a stage's optimizer factory and delay correction may know of the stage."""
-
-    index: int
-    """The stage k, from 0 at the input."""
-    num_stages: int
-    """Stages P of the pipeline."""
-    method: str
-    """The method's registry name."""
-    delay: int
-    """τ_k: the steady-state delay of this stage's updates (updates between the weights a
-    mini-batch's gradient is computed on and the update that applies it; ``P−1−k`` under
-    PipeDream and PipeOptim, 1 under 2BW and XPipe, 0 under a flush), from the schedule
-    (``plan.versions.steady_delays``). Warm-up updates have smaller delays."""
-    micro_batches: int
-    """Micro-batches M per mini-batch."""
 
 
 OptimizerFactory = Callable[..., Optimizer]
@@ -197,37 +180,6 @@ def build_scheduler(factory: SchedulerFactory, opt: Optimizer, stage: int) -> An
             f"torch.optim.lr_scheduler scheduler of the optimizer it was given"
         )
     return sched
-
-
-class DelayCorrection(Protocol):
-    """What a delay correction does around each optimizer step of one stage.
-
-    ``delay`` is τ of the mini-batch whose gradient the step applies: the updates the stage
-    made between that mini-batch's forward and its backward, read from the schedule's version
-    analysis (``MicroBatchVersions.distance``), so it is right for any schedule, warm-up
-    included. ``before_step`` sees the final (synchronised, unscaled, clipped) gradients and
-    may change them or the optimizer's hyper-parameters; ``after_step`` may undo such a change
-    or move the weights (a look-ahead). Whatever it keeps between steps goes into its state
-    dict, which the stage checkpoints.
-    """
-
-    def before_step(self, optimizer: Optimizer, params: Sequence[Tensor], delay: int) -> None:
-        """Called after the gradient is final, before ``optimizer.step()``."""
-
-    def after_step(self, optimizer: Optimizer, params: Sequence[Tensor], delay: int) -> None:
-        """Called after ``optimizer.step()`` (and after a skipped fp16 step too)."""
-
-    def state_dict(self) -> dict[str, Any]:
-        """What the correction keeps between steps (checkpointed with the stage)."""
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
-
-
-CORRECTIONS: dict[str, Callable[[StageContext, Optimizer], DelayCorrection]] = {}
-"""Delay corrections by the name a method names in ``Method.delay_correction``: a factory
-called once per stage with the stage's :class:`StageContext` and optimizer
-(``runtime/optim/corrections.py`` registers the published ones and builds them)."""
 
 
 class StageUpdate:
@@ -417,3 +369,68 @@ class StageUpdate:
             self.correction.load_state_dict(state["correction"])
         self._future_lrs = None
         return changes
+
+
+class _LrOnlyOptimizer:
+    """Stands in for the optimizer inside a scheduler copy: schedulers only read and write
+    ``param_groups[i]["lr"]``, so the copy never touches parameters or optimizer state."""
+
+    _opt_called = True  # silences the "scheduler.step() before optimizer.step()" check
+
+    def __init__(self, groups: list[dict[str, Any]]) -> None:
+        self.defaults: dict[str, Any] = {}
+        self.param_groups = [
+            {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in g.items() if k != "params"}
+            for g in groups
+        ]
+
+    def step(self) -> None:  # pragma: no cover - never called
+        return None
+
+
+_LrOnlyOptimizer.step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+
+# Schedulers whose next values depend only on their own fields and the group lrs.
+_QUERYABLE: tuple[type[Any], ...] = (
+    lr_scheduler.LambdaLR,
+    lr_scheduler.MultiplicativeLR,
+    lr_scheduler.StepLR,
+    lr_scheduler.MultiStepLR,
+    lr_scheduler.ConstantLR,
+    lr_scheduler.LinearLR,
+    lr_scheduler.ExponentialLR,
+    lr_scheduler.PolynomialLR,
+    lr_scheduler.CosineAnnealingLR,
+)
+
+
+def future_lrs(scheduler: Any, optimizer: Optimizer, s: int) -> list[list[float]] | None:
+    """Learning rates of the next s updates, ``out[group][i]``, without touching either object.
+
+    Assumes one ``scheduler.step()`` after each ``optimizer.step()``: the first rate is the
+    current one. Steps a copy of the scheduler bound to an lr-only stand-in optimizer.
+    Returns None for schedulers that cannot be queried this way (e.g. ReduceLROnPlateau,
+    which needs future metrics); the caller then uses lr·s.
+    """
+    s = check_distance(s)
+    if type(scheduler) not in _QUERYABLE:
+        return None
+    if getattr(scheduler, "optimizer", None) is not optimizer:
+        raise RuntimeConfigError(
+            "future_lrs needs the scheduler together with the optimizer it schedules (got a "
+            "scheduler bound to another optimizer); pass the stage's own pair"
+        )
+    stub = _LrOnlyOptimizer(optimizer.param_groups)
+    try:
+        twin = copy.deepcopy(scheduler, {id(optimizer): stub})
+    except Exception:  # e.g. an lr_lambda closing over something uncopyable
+        return None
+    out: list[list[float]] = [[] for _ in stub.param_groups]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(s):
+            if i:
+                twin.step()
+            for row, g in zip(out, stub.param_groups, strict=True):
+                row.append(float(g["lr"]))
+    return out

@@ -33,6 +33,7 @@ from pipeoptim.plan.profile import (
     Profile,
     optimizer_state_factor,
 )
+from pipeoptim.runtime.config import is_whole
 from pipeoptim.runtime.model.materialize import is_meta, materialize_units
 from pipeoptim.runtime.model.units import InitWeights
 from pipeoptim.runtime.profiling.layer_memory import tensor_bytes, trainable_bytes
@@ -239,16 +240,16 @@ def profile_model(
             f"unknown optimizer {optimizer!r}; the profiler knows the state size of "
             f"{', '.join(sorted(OPTIMIZER_STATE_FACTORS))}"
         )
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+    if not is_whole(warmup, 0):
         raise RuntimeConfigError(f"warmup must be a whole number >= 0, got {warmup!r}")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+    if not is_whole(repeats, 1):
         raise RuntimeConfigError(f"repeats must be a whole number >= 1, got {repeats!r}")
     if not isinstance(sample_input, Tensor):
         raise RuntimeConfigError(
             f"sample_input must be a torch.Tensor (one batch), got {type(sample_input).__name__}"
         )
     state_factor = optimizer_state_factor(optimizer, momentum=momentum)
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)):
+    if threads is not None and not is_whole(threads, None):
         raise RuntimeConfigError(f"threads must be a whole number >= 1, got {threads!r}")
     if threads is not None and threads < 1:
         raise RuntimeConfigError(f"threads must be >= 1, got {threads}; pass e.g. threads=1")
@@ -257,11 +258,7 @@ def profile_model(
         halves = (batch // 2, batch // 4, batch // 8)
         sizes = sorted({b for b in halves if 2 <= b < batch}, reverse=True)
     else:
-        bad: list[object] = [
-            b
-            for b in batch_sizes
-            if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b < batch
-        ]
+        bad: list[object] = [b for b in batch_sizes if not is_whole(b, 1, batch - 1)]
         if bad:
             raise RuntimeConfigError(
                 f"batch_sizes must be whole numbers from 1 to {batch - 1} (below the sample "

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 from torch.nn.utils import parametrize
+from torch.optim import Optimizer
 
 from pipeoptim.errors import StageError
 from pipeoptim.plan.methods import Method, WeightPolicy
@@ -56,18 +57,11 @@ from pipeoptim.runtime.checkpoint.state_check import (
     check_predictor_state,
     check_stage_state,
 )
-from pipeoptim.runtime.optim.corrections import build_correction
-from pipeoptim.runtime.optim.predict import WeightPredictor, predictor_for
+from pipeoptim.runtime.optim.builder import build_stage_rule
+from pipeoptim.runtime.optim.corrections.protocol import StageContext
+from pipeoptim.runtime.optim.predict import WeightPredictor
 from pipeoptim.runtime.optim.prediction_closure import PredictionClosure
-from pipeoptim.runtime.optim.update import (
-    OPTIMIZERS,
-    OptimizerFactory,
-    SchedulerFactory,
-    StageContext,
-    StageUpdate,
-    build_optimizer,
-    make_optimizer,
-)
+from pipeoptim.runtime.optim.update import OptimizerFactory, SchedulerFactory, StageUpdate
 from pipeoptim.runtime.payload import (
     Gradients,
     Payload,
@@ -79,9 +73,9 @@ from pipeoptim.runtime.payload import (
 )
 from pipeoptim.runtime.stage.chain import UnitChain, as_chain
 from pipeoptim.runtime.stage.diagnose import describe_failure
-from pipeoptim.runtime.stage.loss import LossFn, checked_loss, count_correct
+from pipeoptim.runtime.stage.loss import LossFn, count_correct
 from pipeoptim.runtime.stage.memory import StageMemory
-from pipeoptim.runtime.stage.precision import AMP_DTYPES, Precision, unpack
+from pipeoptim.runtime.stage.precision import Precision, unpack
 from pipeoptim.runtime.stage.rng import StageRandom
 from pipeoptim.runtime.stage.saved import ForwardSaves
 from pipeoptim.runtime.stage.split_backward import (
@@ -96,18 +90,7 @@ from pipeoptim.runtime.stage.split_backward import (
 )
 from pipeoptim.runtime.stage.weights import WeightVersions, alias
 
-__all__ = [
-    "AMP_DTYPES",
-    "OPTIMIZERS",
-    "LossFn",
-    "OptimizerFactory",
-    "SchedulerFactory",
-    "Stage",
-    "StageError",
-    "build_optimizer",
-    "checked_loss",
-    "make_optimizer",
-]
+__all__ = ["Stage"]
 
 
 def _derived_weights(module: nn.Module) -> list[str]:
@@ -172,28 +155,23 @@ class Stage:
         if method.split_backward and self.policy is not WeightPolicy.FLUSH:
             raise StageError(split_refusal(method.name, self.policy))
         self.amp_dtype = self.precision.dtype
-        self.context = StageContext(index, num_stages, method.name, delay, micro_batches)
-        """What the optimizer factory and the delay correction are told of this stage."""
-        # A stage of parameter-free layers (a lone ReLU) has nothing to update.
-        self.optimizer = (
-            build_optimizer(optimizer, self._params, index, self.context) if self._params else None
+        rule = build_stage_rule(
+            self._params,
+            context=StageContext(index, num_stages, method.name, delay, micro_batches),
+            method=method,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=self.precision.scaler,
+            grad_clip=grad_clip,
+            note=self._note,
         )
-        self.updater: StageUpdate | None = None
-        if self.optimizer is not None:
-            self.updater = StageUpdate(
-                self.optimizer,
-                stage=index,
-                scheduler=scheduler,
-                scaler=self.precision.scaler,
-                grad_clip=grad_clip,
-                correction=build_correction(
-                    method.delay_correction, method.name, self.context, self.optimizer
-                ),
-                note=self._note,
-            )
-        self.predictor: WeightPredictor | None = None
-        if self.policy is WeightPolicy.PREDICT and self.optimizer is not None:
-            self.predictor = predictor_for(self.optimizer, method.prediction_rule or "optimizer")
+        self.context = rule.context
+        """What the optimizer factory and the delay correction are told of this stage."""
+        # A stage of parameter-free layers (a lone ReLU) has nothing to update: all None.
+        self.optimizer: Optimizer | None = rule.optimizer
+        self.updater: StageUpdate | None = rule.update
+        self.predictor: WeightPredictor | None = rule.predictor
+        if self.predictor is not None:
             derived = _derived_weights(self.module)
             if derived:
                 self._note(

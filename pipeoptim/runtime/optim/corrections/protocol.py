@@ -1,0 +1,61 @@
+"""What a delay correction is, and what it is told of its stage.
+
+The update is always the user's ``torch.optim`` optimizer; a correction acts on it before
+and after its step (:class:`~pipeoptim.runtime.optim.update.StageUpdate` calls it), so a
+correction is added without touching the stage's forward or backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from torch import Tensor
+from torch.optim import Optimizer
+
+__all__ = ["DelayCorrection", "StageContext"]
+
+
+@dataclass(frozen=True)
+class StageContext:
+    """What a stage's optimizer factory and delay correction may know of the stage."""
+
+    index: int
+    """The stage k, from 0 at the input."""
+    num_stages: int
+    """Stages P of the pipeline."""
+    method: str
+    """The method's registry name."""
+    delay: int
+    """τ_k: the steady-state delay of this stage's updates (updates between the weights a
+    mini-batch's gradient is computed on and the update that applies it; ``P−1−k`` under
+    PipeDream and PipeOptim, 1 under 2BW and XPipe, 0 under a flush), from the schedule
+    (``plan.versions.steady_delays``). Warm-up updates have smaller delays."""
+    micro_batches: int
+    """Micro-batches M per mini-batch."""
+
+
+class DelayCorrection(Protocol):
+    """What a delay correction does around each optimizer step of one stage.
+
+    ``delay`` is τ of the mini-batch whose gradient the step applies: the updates the stage
+    made between that mini-batch's forward and its backward, read from the schedule's version
+    analysis (``MicroBatchVersions.distance``), so it is right for any schedule, warm-up
+    included. ``before_step`` sees the final (synchronised, unscaled, clipped) gradients and
+    may change them or the optimizer's hyper-parameters; ``after_step`` may undo such a change
+    or move the weights (a look-ahead). Whatever it keeps between steps goes into its state
+    dict, which the stage checkpoints.
+    """
+
+    def before_step(self, optimizer: Optimizer, params: Sequence[Tensor], delay: int) -> None:
+        """Called after the gradient is final, before ``optimizer.step()``."""
+
+    def after_step(self, optimizer: Optimizer, params: Sequence[Tensor], delay: int) -> None:
+        """Called after ``optimizer.step()`` (and after a skipped fp16 step too)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the correction keeps between steps (checkpointed with the stage)."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
