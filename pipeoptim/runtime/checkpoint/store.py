@@ -6,7 +6,7 @@ uninterrupted run runs from n.
 
 Layout::
 
-    DIR/step-00000044/stage-0.pt ... stage-{P-1}.pt   one file per stage, atomic (tmp + rename)
+    DIR/step-00000044/stage-0.pt ... stage-{P-1}.pt   one file per stage (formats.py), atomic
     DIR/latest.json                                    {"step": 44, ...}, written last
     DIR/.lock                                          held (flock) by the run writing here
 
@@ -37,6 +37,7 @@ import torch
 from torch._C._distributed_c10d import Store
 
 from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.runtime.checkpoint.formats import DEFAULT_FORMAT, FORMATS, StageFormat
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -173,6 +174,7 @@ class CheckpointStore:
         timeout: float = 300.0,
         abort_check: Callable[[], None] = lambda: None,
         keep: int = DEFAULT_KEEP,
+        format: StageFormat = FORMATS[DEFAULT_FORMAT],
     ) -> None:
         if keep < 1:
             raise RuntimeConfigError(
@@ -187,6 +189,8 @@ class CheckpointStore:
         self.world_size = world_size
         self.timeout = timeout
         self.abort_check = abort_check
+        self.format = format
+        """How each stage file is written and read (``formats.py``)."""
 
     # -- writing ---------------------------------------------------------------------------
     def save(
@@ -206,9 +210,9 @@ class CheckpointStore:
                 **extra,
                 "state": state,
             }
-            path = folder / f"stage-{k}.pt"
+            path = folder / f"stage-{k}{self.format.suffix}"
             try:
-                _atomic_write(path, partial(torch.save, payload))
+                _atomic_write(path, partial(self.format.write, payload))
             except OSError as err:
                 previous = latest_step(self.root)
                 kept = f"step {previous['step']}" if previous else "none"
@@ -326,9 +330,9 @@ class CheckpointStore:
         return (self.root / _LATEST).exists() or bool(self.steps())
 
     def load(self, step: int, stage: int, device: torch.device) -> dict[str, Any]:
-        path = _step_dir(self.root, step) / f"stage-{stage}.pt"
+        path = _step_dir(self.root, step) / f"stage-{stage}{self.format.suffix}"
         try:
-            payload: dict[str, Any] = torch.load(path, map_location=device, weights_only=True)
+            payload = self.format.read(path, device)
         except FileNotFoundError:
             raise RuntimeConfigError(
                 f"checkpoint of step {step} has no file for stage {stage} ({path}); the "
