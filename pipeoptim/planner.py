@@ -35,15 +35,10 @@ from pipeoptim.plan.methods import METHODS, get_method
 from pipeoptim.plan.partition import optimal_partition
 from pipeoptim.plan.partition_cost import Partition
 from pipeoptim.plan.profile import Profile
+from pipeoptim.plan.replicas import check_batch_split, check_replicas
 from pipeoptim.plan.risk import MethodRisk, method_risk
 from pipeoptim.plan.units import format_bytes, format_distances
-from pipeoptim.sim.collectives import (
-    Cluster,
-    check_batch_split,
-    check_replicas,
-    edge_links,
-    group_within_node,
-)
+from pipeoptim.sim.collectives import Cluster, edge_links, group_within_node
 from pipeoptim.sim.costs import CostModel
 from pipeoptim.sim.evaluate import compile_method, evaluate_program
 

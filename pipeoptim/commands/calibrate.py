@@ -39,6 +39,7 @@ from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.plan import Plan
 from pipeoptim.plan.profile import Profile
 from pipeoptim.plan.units import format_bytes
+from pipeoptim.runtime.comm.process_model import ProcessModel
 from pipeoptim.sim.collectives import Cluster
 from pipeoptim.trace import Trace
 
@@ -246,7 +247,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     predicted, rows = calibrate(measured, cluster)
     results = _what_if(args, measured, profile, cluster)
     measured_s = rows[0].measured  # time per mini-batch, steady state
-    local = measured.meta.get("transport") == "local"
+    local = measured.meta.get("transport") == ProcessModel.ONE_PROCESS.value
     notes = [_LOCAL_NOTE] if local else []
     notes += _allreduce_notes(args, measured, cluster)
     notes += [f"{r.method}: {note}" for r in results for note in r.notes]

@@ -17,8 +17,9 @@ from typing import Any
 
 from pipeoptim.commands.common import check_number
 from pipeoptim.errors import PlanError
+from pipeoptim.plan.replicas import check_replicas
 from pipeoptim.plan.units import format_bandwidth, parse_bandwidth
-from pipeoptim.sim.collectives import Cluster, check_replicas, group_within_node
+from pipeoptim.sim.collectives import Cluster, group_within_node
 from pipeoptim.sim.costs import CostModel
 
 __all__ = [

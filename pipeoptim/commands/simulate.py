@@ -48,10 +48,10 @@ from pipeoptim.plan.limits import (
 )
 from pipeoptim.plan.methods import METHODS, Method, get_method
 from pipeoptim.plan.plan import OPTIMIZER_FAMILIES
+from pipeoptim.plan.replicas import check_batch_split
 from pipeoptim.plan.risk import method_risk
 from pipeoptim.plan.schedules import Shape
 from pipeoptim.plan.units import format_bytes, format_distances
-from pipeoptim.sim.collectives import check_batch_split
 from pipeoptim.sim.costs import CostModel
 from pipeoptim.trace import Trace
 

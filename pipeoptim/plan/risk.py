@@ -525,5 +525,5 @@ def depth_advice(method: str, stages: int, optimizer: str) -> str | None:
         f"{mine} at {stages} stages: on the convergence study's language model at {depth} "
         f"stages (gpt-deep, with warm-up, cosine decay and clipping) it ended "
         f"{100 * excess:+.1f} % over gpipe's final test loss under AdamW (every figure here "
-        f"is against that); {verdict}. See the README, 'Choosing a method at depth'"
+        f"is against that); {verdict}. See docs/choosing-a-method.md, 'Choosing a method at depth'"
     )

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._C._distributed_c10d import Store
 
 from pipeoptim.errors import PipeoptimError, RuntimeConfigError
 from pipeoptim.plan.methods import Method
@@ -22,20 +21,16 @@ from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.plan.versions import steady_delays
 from pipeoptim.runtime.comm.dist import DistTransport
 from pipeoptim.runtime.comm.placement import join_group, local_device
-from pipeoptim.runtime.comm.process_model import ProcessModel
 from pipeoptim.runtime.comm.replicas import BufferBroadcast, GradientAverager, ReplicaGroups
 from pipeoptim.runtime.comm.transport import Transport
 from pipeoptim.runtime.model.materialize import materialize_units, meta_units
 from pipeoptim.runtime.model.ties import TieExchange, find_ties, refuse_for, untie_copies
-from pipeoptim.runtime.model.units import InitWeights
 from pipeoptim.runtime.optim.builder import reads_delays
 from pipeoptim.runtime.optim.update import (
     FAMILY_OF_CLASS,
-    OptimizerFactory,
-    SchedulerFactory,
 )
+from pipeoptim.runtime.options import PipelineOptions
 from pipeoptim.runtime.segments import segment_plan
-from pipeoptim.runtime.stage.loss import LossFn
 from pipeoptim.runtime.stage.stage import Stage
 
 __all__ = ["Assembly", "RunState"]
@@ -70,25 +65,14 @@ class Assembly:
         plan: Plan,
         method: Method,
         bounds: list[tuple[int, int]],
-        *,
-        optimizer: OptimizerFactory | OptimizerSpec | None,
-        scheduler: SchedulerFactory | None,
-        loss_fn: LossFn,
-        transport: str,
-        device: str,
-        amp: str | None,
-        grad_clip: float | None,
-        seed: int,
-        timeout: float,
-        store: Store | None,
-        predicted_backward: bool,
-        init_weights: InitWeights | None = None,
+        options: PipelineOptions,
     ) -> None:
         self.units, self.plan, self.method, self.bounds = units, plan, method, bounds
+        self.options = options
         self.shape = plan.shape(1)
-        self.loss_fn, self.amp, self.seed = loss_fn, amp, seed
-        self.process_model, self.timeout = ProcessModel.parse(transport), timeout
-        self.predicted_backward = predicted_backward
+        self.seed = options.stage.seed
+        self.process_model, self.timeout = options.process_model, options.timeout
+        store, device, amp = options.store, options.device, options.stage.amp
         n_stages = self.shape.num_stages
         self.rank_of = segment_plan(method, self.shape).rank_of
         self.last = n_stages - 1
@@ -112,33 +96,26 @@ class Assembly:
             units,
             [u for k in sorted(held) for u in range(*bounds[k])],
             self.device,
-            init_weights,
-            seed,
+            options.init_weights,
+            self.seed,
         )
         tied = untie_copies(units, self.ties, set(held))
-        spec = optimizer if optimizer is not None else plan.optimizer
-        delays = steady_delays(method, self.shape) if reads_delays(method, spec) else {}
+        wanted = reads_delays(method, options.stage.optimizer)
+        delays = steady_delays(method, self.shape) if wanted else {}
         self.stages: dict[int, Stage] = {}
         for k, r in sorted(self.rank_of.items()):
             if r not in ranks:
                 continue
             a, b = bounds[k]
-            self.stages[k] = Stage(
+            self.stages[k] = Stage.from_options(
                 k,
                 nn.Sequential(*units[a:b]),
+                options.stage,
                 num_stages=n_stages,
                 method=method,
-                optimizer=spec,
                 micro_batches=self.shape.micro_batches,
-                prediction_offset=plan.prediction_offset,
                 device=self.device,
-                seed=seed * 1000 + k + 1,
-                loss_fn=loss_fn,
-                scheduler=scheduler,
-                amp=amp,
-                grad_clip=grad_clip,
                 first_unit=a,
-                predicted_backward=predicted_backward,
                 delay=delays.get(k, 0),
             )
         self.model_record: dict[str, Any] = {}
@@ -228,7 +205,7 @@ class Assembly:
             "seed": self.seed,
             **({"optimizer_class": type(opt).__name__} if opt is not None else {}),
             # only when set, so checkpoints written before the option resume unchanged
-            **({"predicted_backward": True} if self.predicted_backward else {}),
+            **({"predicted_backward": True} if self.options.stage.predicted_backward else {}),
         }
 
     # -- sharing between ranks -------------------------------------------------------------

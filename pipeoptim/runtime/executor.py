@@ -5,7 +5,7 @@ flushed pipeline laid out by the method's own schedule generator, analysed by
 ``plan.versions`` (which weight version every pass uses) and lowered by
 ``plan.passes.add_communication`` (explicit SEND/RECV actions). A :class:`RankExecutor`
 walks one rank's list: compute actions go to its stages, communication actions to its
-transport. With ``LocalTransport``, :func:`drive_local` interleaves all ranks in one process,
+transport. In one process (``LocalTransport``), :func:`drive_local` interleaves all ranks,
 always running a rank that can progress (a receive is ready once its message was sent), so
 every dependency is respected; with ``DistTransport`` each process runs its own rank and
 blocks on receives. The code that touches stages and tensors is the same in both cases, so
@@ -18,7 +18,10 @@ travels as one message of several tensors, and its gradient as the tensors of it
 floating-point ones (integer masks take no gradient).
 Evaluation is the same interpreter on a forward-only schedule
 (``plan.schedules.forward_only``). The executor interprets actions and nothing else: the
-model, checkpoints, progress and metrics belong to :mod:`pipeoptim.runtime.pipeline`.
+model is built by :mod:`~pipeoptim.runtime.assembly`, checkpoints are
+:mod:`~pipeoptim.runtime.checkpoint_folder`'s, progress, losses and metrics
+:mod:`~pipeoptim.runtime.fit_loop`'s, and the segments it runs are laid out by
+:mod:`~pipeoptim.runtime.segments`.
 Losses stay on the device; nothing here synchronises with the host per micro-batch.
 """
 

@@ -113,8 +113,9 @@ class FitLoop:
                 "sample": sample,
                 "training": training,
             }
+        s = p.options.stage
         boundaries = probe_stages(
-            p.units, p.bounds, head(x, 2), y[:2], p.loss_fn, p.amp, p.device, training=training
+            p.units, p.bounds, head(x, 2), y[:2], s.loss_fn, s.amp, p.device, training=training
         )
         self.probed_training = self.probed_training or training
         return {"spec": BatchSpec.of(x, y), "boundaries": boundaries}
@@ -133,7 +134,8 @@ class FitLoop:
             def run(k: int = k, h: Payload = h, kept: list[Payload] = kept) -> Boundary:
                 given = h if k == 0 or k - 1 in p.stages else stand_in(specs[k - 1], n, p.device)
                 spec, out = probe_stage(
-                    p.units, p.bounds, k, given, n, y, p.loss_fn, p.amp, p.device,
+                    p.units, p.bounds, k, given, n, y, p.options.stage.loss_fn,
+                    p.options.stage.amp, p.device,
                     training=training,
                 )  # fmt: skip
                 kept.append(out)
@@ -444,7 +446,7 @@ class FitLoop:
             checkpoint_dir=self.options.checkpoint_dir,
             method=p.method,
             num_stages=p.shape.num_stages,
-            predicted_backward=p.predicted_backward,
+            predicted_backward=p.options.stage.predicted_backward,
         )
 
     def close_bar(self) -> None:

@@ -11,8 +11,9 @@ emulate P stages on one device) or as one rank per stage under ``torchrun``
 (``transport="dist"``). Every stage builds its own optimizer (and scheduler) from the
 factories over its own parameters and steps it once per update.
 
-This module is the front: it checks the arguments, builds the parts
-(:mod:`~pipeoptim.runtime.assembly`), and hands ``fit`` and ``evaluate`` to the fit loop
+This module is the front: it checks the arguments once, hands them on as typed options
+(:mod:`~pipeoptim.runtime.options`), builds the parts (:mod:`~pipeoptim.runtime.assembly`),
+and hands ``fit`` and ``evaluate`` to the fit loop
 (:mod:`~pipeoptim.runtime.fit_loop`) and the checkpoint folder
 (:mod:`~pipeoptim.runtime.checkpoint_folder`). A Pipeline that failed with passes in flight
 refuses further work, with the way to resume.
@@ -38,6 +39,7 @@ from pipeoptim.runtime.checkpoint.export import export_checkpoint, merge_stages,
 from pipeoptim.runtime.checkpoint.state_check import refusal
 from pipeoptim.runtime.checkpoint.store import DEFAULT_KEEP, latest_step
 from pipeoptim.runtime.checkpoint_folder import CheckpointFolder
+from pipeoptim.runtime.comm.process_model import ProcessModel
 from pipeoptim.runtime.config import (
     check_fit_arguments,
     check_fit_options,
@@ -54,6 +56,7 @@ from pipeoptim.runtime.model.layout import stage_boundaries
 from pipeoptim.runtime.model.units import InitWeights, ModelUnits
 from pipeoptim.runtime.optim.prediction_closure import PredictionClosure
 from pipeoptim.runtime.optim.update import OptimizerFactory, SchedulerFactory
+from pipeoptim.runtime.options import PipelineOptions, StageOptions
 from pipeoptim.runtime.result import EvalResult, FitResult
 from pipeoptim.runtime.segments import segment_limit
 from pipeoptim.runtime.stage.loss import LossFn
@@ -206,24 +209,20 @@ class Pipeline:
         bounds = stage_boundaries(
             len(units), shape.num_stages, run_plan.boundaries, run_plan.model or "the model"
         )
-        self.parts = Assembly(
-            units,
-            run_plan,
-            method_,
-            bounds,
-            optimizer=optimizer,
+        stage_options = StageOptions(
+            optimizer=optimizer if optimizer is not None else run_plan.optimizer,
             scheduler=scheduler,
             loss_fn=loss_fn,
-            transport=transport,
-            device=device,
             amp=amp,
             grad_clip=grad_clip,
-            seed=seed,
-            timeout=timeout,
-            store=store,
+            prediction_offset=run_plan.prediction_offset,
             predicted_backward=predicted_backward,
-            init_weights=init_weights,
+            seed=seed,
         )
+        options = PipelineOptions(
+            stage_options, ProcessModel.parse(transport), device, timeout, store, init_weights
+        )
+        self.parts = Assembly(units, run_plan, method_, bounds, options)
         cut = self.model_units
         if cut.names is not None or cut.source:
             self.parts.model_record = {"names": cut.names, "source": cut.source}

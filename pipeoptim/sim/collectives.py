@@ -29,13 +29,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipeoptim.errors import PlanError
-from pipeoptim.plan.replicas import check_batch_split, check_replicas
+from pipeoptim.plan.replicas import check_replicas
 
 __all__ = [
     "Cluster",
     "allreduce_times",
-    "check_batch_split",
-    "check_replicas",
     "edge_links",
     "edge_within_node",
     "group_within_node",

@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 from pipeoptim.errors import PlanError
 from pipeoptim.plan.profile import optimizer_state_factor
-from pipeoptim.sim.collectives import Cluster, allreduce_times, check_replicas, edge_links
+from pipeoptim.plan.replicas import check_replicas
+from pipeoptim.sim.collectives import Cluster, allreduce_times, edge_links
 
 if TYPE_CHECKING:
     import networkx as nx

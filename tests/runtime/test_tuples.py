@@ -28,10 +28,10 @@ from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.plan.versions import MicroBatchVersions, analyze_versions
 from pipeoptim.runtime.comm.dist import DistTransport
 from pipeoptim.runtime.comm.local import LocalTransport
-from pipeoptim.runtime.comm.transport import MAX_PARTS, MessageKey
+from pipeoptim.runtime.comm.transport import MessageKey
 from pipeoptim.runtime.config import TrainConfig
 from pipeoptim.runtime.executor import TensorSpec
-from pipeoptim.runtime.payload import Payload, split
+from pipeoptim.runtime.payload import MAX_PARTS, Payload, split
 from pipeoptim.runtime.result import FitResult
 from pipeoptim.runtime.stage.chain import UnitChain
 from pipeoptim.runtime.stage.stage import Stage

@@ -10,11 +10,11 @@ import pytest
 from pipeoptim.errors import PlanError
 from pipeoptim.metrics import compute_metrics
 from pipeoptim.plan.methods import METHODS, get_method
+from pipeoptim.plan.replicas import check_batch_split
 from pipeoptim.sim import CostModel, Program, evaluate_program, run_simpy
 from pipeoptim.sim.collectives import (
     Cluster,
     allreduce_times,
-    check_batch_split,
     edge_links,
     edge_within_node,
     group_within_node,

@@ -15,7 +15,7 @@ Which processes the ranks live in is the process model
 class, a new process model a new value there.
 
 A message is named by ``(kind, receiving stage, micro-batch)``. A message may be a tuple of
-tensors (a stage that hands on hidden states and a mask), :data:`MAX_PARTS` parts at most.
+tensors (a stage that hands on hidden states and a mask), ``payload.MAX_PARTS`` parts at most.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from pipeoptim.runtime.payload import MAX_PARTS, Payload
+from pipeoptim.runtime.payload import Payload
 
-__all__ = ["MAX_PARTS", "MessageKey", "Parts", "Transport", "describe_message"]
+__all__ = ["MessageKey", "Parts", "Transport", "describe_message"]
 
 MessageKey = tuple[str, int, int]
 """``(kind, receiving stage, micro-batch)``: kind ``act``, ``grad``, ``target`` (stage 0's rank

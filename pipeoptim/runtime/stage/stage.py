@@ -62,6 +62,7 @@ from pipeoptim.runtime.optim.corrections.protocol import StageContext
 from pipeoptim.runtime.optim.predict import WeightPredictor
 from pipeoptim.runtime.optim.prediction_closure import PredictionClosure
 from pipeoptim.runtime.optim.update import OptimizerFactory, SchedulerFactory, StageUpdate
+from pipeoptim.runtime.options import StageOptions
 from pipeoptim.runtime.payload import (
     Gradients,
     Payload,
@@ -214,6 +215,41 @@ class Stage:
         self.buffer_sync: Callable[[], None] | None = None
         """Set under data parallelism where the stage has floating-point buffers: gives
         every replica replica 0's buffers at each update (``replicas.BufferBroadcast``)."""
+
+    @classmethod
+    def from_options(
+        cls,
+        index: int,
+        layers: nn.Sequential,
+        options: StageOptions,
+        *,
+        num_stages: int,
+        method: Method,
+        micro_batches: int,
+        device: torch.device | str,
+        first_unit: int,
+        delay: int,
+    ) -> Stage:
+        """Stage ``index`` of a run built with the run's :class:`StageOptions` (the
+        Pipeline's path; the keyword form serves a stage built alone)."""
+        return cls(
+            index,
+            layers,
+            num_stages=num_stages,
+            method=method,
+            optimizer=options.optimizer,
+            micro_batches=micro_batches,
+            prediction_offset=options.prediction_offset,
+            device=device,
+            seed=options.stage_seed(index),
+            loss_fn=options.loss_fn,
+            scheduler=options.scheduler,
+            amp=options.amp,
+            grad_clip=options.grad_clip,
+            first_unit=first_unit,
+            predicted_backward=options.predicted_backward,
+            delay=delay,
+        )
 
     def _note(self, text: str) -> None:
         if text not in self.notes:

@@ -1,0 +1,67 @@
+"""The Pipeline's settings as typed objects: what every stage is built with, and what the
+assembly of a run needs besides.
+
+Why: the Pipeline takes its settings as keyword arguments (a user's script reads best that
+way), checks them once, and hands them on as one object, so the assembly and the stages do
+not each repeat the keyword list (and cannot drift from it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn.functional as F
+from torch._C._distributed_c10d import Store
+
+from pipeoptim.plan.plan import OptimizerSpec
+from pipeoptim.runtime.comm.process_model import ProcessModel
+from pipeoptim.runtime.model.units import InitWeights
+from pipeoptim.runtime.optim.update import OptimizerFactory, SchedulerFactory
+from pipeoptim.runtime.stage.loss import LossFn
+
+__all__ = ["PipelineOptions", "StageOptions"]
+
+
+@dataclass(frozen=True)
+class StageOptions:
+    """What every stage of a run is built with (checked by the Pipeline)."""
+
+    optimizer: OptimizerSpec | OptimizerFactory
+    """The plan's optimizer spec, or ``optimizer(params)`` / ``optimizer(params, stage)``
+    called once per stage."""
+    scheduler: SchedulerFactory | None = None
+    """``scheduler(optimizer)`` called once per stage; None: constant learning rates."""
+    loss_fn: LossFn = F.cross_entropy
+    """``loss_fn(output, target)`` -> the mean loss, on the last stage."""
+    amp: str | None = None
+    """Mixed precision: None, ``"bf16"`` or ``"fp16"`` (CUDA, loss scaling per stage)."""
+    grad_clip: float | None = None
+    """Largest gradient norm of a stage (each stage clips its own); None: no clipping."""
+    prediction_offset: int = 0
+    """Updates added to the derived prediction distance s (predicting methods)."""
+    predicted_backward: bool = False
+    """Each predicted forward keeps its Ŵ for its backward (predicting methods)."""
+    seed: int = 0
+    """The run's seed; stage k's random stream is seeded ``seed * 1000 + k + 1``."""
+
+    def stage_seed(self, index: int) -> int:
+        """The seed of stage ``index``'s own random stream."""
+        return self.seed * 1000 + index + 1
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """What the assembly of one process's share of a run is built with."""
+
+    stage: StageOptions
+    """What every stage is built with."""
+    process_model: ProcessModel
+    """Every stage in this process, or one process per stage (``transport=``)."""
+    device: str = "auto"
+    """The requested device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``."""
+    timeout: float = 300.0
+    """Seconds a rank waits on another before it names it lost."""
+    store: Store | None = None
+    """The process group's store (None: the default group's, under ``dist``)."""
+    init_weights: InitWeights | None = None
+    """``init_weights(index, unit)`` fills a unit built on the meta device, in place."""
