@@ -88,6 +88,7 @@ STUDIES = {
         grad_clip=1.0,
         weight_decay=0.01,
         pairs=(
+            ("gpipe", "nadam"),
             ("pipeoptim", "nadam"),
             ("pipedream+nesterov", "nadam"),
             ("pipeoptim+nesterov", "nadam"),

@@ -30,6 +30,7 @@ from pipeoptim.plan.limits import MAX_PROFILE_BATCH, MAX_PROFILE_REPEATS
 from pipeoptim.plan.methods import METHODS, get_method
 from pipeoptim.plan.plan import OPTIMIZER_FAMILIES, OptimizerSpec, Plan
 from pipeoptim.plan.profile import Profile, conditions_warning
+from pipeoptim.plan.risk import depth_advice
 from pipeoptim.plan.units import format_bytes, format_distances, parse_bandwidth, parse_bytes
 from pipeoptim.planner import (
     Candidate,
@@ -333,6 +334,9 @@ def run_plan(args: argparse.Namespace) -> int:
         },
     )
     files = write_plan_files(args, plan, best.partition, profile, cap, summary)
+    # what the convergence study measured of the chosen method under this optimizer at this
+    # depth, and the best it found there (None: it converged, or nothing was measured)
+    advice = depth_advice(plan.method, plan.num_stages, family)
     table = [
         {
             "method": c.method,
@@ -357,6 +361,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 "plan": plan.to_dict(),
                 "ranking": table,
                 "why": summary,
+                "study_advice": advice,
                 "out": str(args.out) if args.out and str(args.out) in files.written else None,
             }
         )
@@ -413,6 +418,8 @@ def run_plan(args: argparse.Namespace) -> int:
         )
         print()
     print(summary)
+    if advice is not None:
+        print(f"note: {advice}")
     if args.out is not None and str(args.out) in files.written:
         print(f"wrote plan to {args.out}")
     elif args.out is not None:  # the plan is not lost: print it, to be saved by hand

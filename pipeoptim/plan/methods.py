@@ -274,7 +274,7 @@ _PIPEMARE = "PipeMare's rescheduling: stage rate lr/τ^(1-min(t/T,1)), T = 1000 
 _NESTEROV = (
     "the Nesterov method's delay-dependent momentum β_k = β0 + τ_k(0.99-β0)/P; the paper "
     "pairs it with --optimizer nadam; pipeoptim+nesterov with --optimizer muon is the "
-    "study's best LM row that converged at 8 stages"
+    "study's closest never-micro-batched LM row at 8 stages (+5.9 % over gpipe under Muon)"
 )
 _REGISTRY += [
     replace(

@@ -139,14 +139,20 @@ median over its predicted forwards, averaged over the study's models and depths
 (``examples/convergence/results/risk_fit.json``, ``closure_table``; a test keeps them equal).
 Not monotone in s everywhere: stages with the same s sit at different depths and models."""
 
-KAPPA: dict[str, float] = {"adam": 0.0476, "adamw": 0.54, "muon": 0.1478, "sgd": 0.3276}
+KAPPA: dict[str, float] = {
+    "adam": 0.0476,
+    "adamw": 0.54,
+    "muon": 0.1478,
+    "nadam": 0.8649,
+    "sgd": 0.3276,
+}
 """Optimizer -> extra samples to target per update of uncorrected distance, fitted through
 the origin over the digits MLP and CNN (3 seeds), the GPT (AdamW, 1 seed) and the language
-model at depth (gpt-deep at 4, 8 and 16 stages: AdamW, and Muon's rows against gpipe under
-Muon) at the rates the gpipe sweep chose (``risk_fit.json``, ``kappa``). A seed that never
-reached a fixed target counts as the whole run, so SGD's κ is a lower bound where deep
-pipelines failed outright; gpt-deep's extra is read off gpipe's curve (the samples gpipe
-needed for the loss the method ended with)."""
+model at depth (gpt-deep at 4, 8 and 16 stages: AdamW, and the NAdam and Muon rows against
+gpipe under NAdam and Muon) at the rates the gpipe sweep chose (``risk_fit.json``,
+``kappa``). A seed that never reached a fixed target counts as the whole run, so SGD's κ is
+a lower bound where deep pipelines failed outright; gpt-deep's extra is read off gpipe's
+curve (the samples gpipe needed for the loss the method ended with)."""
 
 CORRECTION_GAIN: dict[str, float] = {
     "delay-momentum/muon": 0.28,
@@ -341,10 +347,11 @@ DEPTH_EXCESS: dict[int, dict[str, float]] = {
         "pipedream+pipemare": 0.2629,
         "pipeoptim+pipemare": 0.1599,
         "pipeoptim+shrink": 0.3138,
-        "pipedream+nesterov (nadam)": 0.0496,
-        "pipeoptim (muon)": -0.0727,
-        "gpipe (muon)": -0.087,
-        "pipeoptim+nesterov (muon)": -0.0761,
+        "gpipe (nadam)": 0.0,
+        "pipedream+nesterov (nadam)": 0.0649,
+        "pipeoptim (muon)": 0.0157,
+        "gpipe (muon)": 0.0,
+        "pipeoptim+nesterov (muon)": 0.0119,
     },
     8: {
         "gpipe": 0.0,
@@ -356,14 +363,15 @@ DEPTH_EXCESS: dict[int, dict[str, float]] = {
         "pipedream+pipemare": 0.5508,
         "pipeoptim+pipemare": 0.4903,
         "pipeoptim+shrink": 0.4975,
-        "pipeoptim (nadam)": 0.509,
-        "pipedream+nesterov (nadam)": 0.3809,
-        "pipeoptim+nesterov (nadam)": 0.418,
-        "pipeoptim (muon)": -0.0116,
-        "gpipe (muon)": -0.0896,
-        "pipedream (muon)": 0.0385,
-        "pipeoptim+shrink (muon)": -0.0082,
-        "pipeoptim+nesterov (muon)": -0.0362,
+        "gpipe (nadam)": 0.0,
+        "pipeoptim (nadam)": 0.5347,
+        "pipedream+nesterov (nadam)": 0.4044,
+        "pipeoptim+nesterov (nadam)": 0.4421,
+        "pipeoptim (muon)": 0.0857,
+        "gpipe (muon)": 0.0,
+        "pipedream (muon)": 0.1407,
+        "pipeoptim+shrink (muon)": 0.0894,
+        "pipeoptim+nesterov (muon)": 0.0586,
     },
     16: {
         "gpipe": 0.0,
@@ -375,15 +383,17 @@ DEPTH_EXCESS: dict[int, dict[str, float]] = {
         "pipedream+pipemare": 0.5929,
         "pipeoptim+pipemare": 0.5895,
         "pipeoptim+shrink": 0.5818,
-        "pipedream+nesterov (nadam)": 0.544,
-        "pipeoptim (muon)": 0.1202,
-        "gpipe (muon)": -0.0875,
-        "pipeoptim+nesterov (muon)": 0.0644,
+        "gpipe (nadam)": 0.0,
+        "pipedream+nesterov (nadam)": 0.5482,
+        "pipeoptim (muon)": 0.2277,
+        "gpipe (muon)": 0.0,
+        "pipeoptim+nesterov (muon)": 0.1665,
     },
 }
 """Stages -> row of the study's language-model table (a method, ``method (optimizer)`` for
-another optimizer) -> its final test loss over gpipe's at that depth, minus 1 (``gpt-deep``,
-AdamW's rate and recipe; ``risk_fit.json``, ``depth_excess``; a test keeps them equal)."""
+another optimizer) -> its final test loss over gpipe's **under the same optimizer** at that
+depth, minus 1 (``gpipe (muon)`` for a Muon row; ``gpt-deep``, AdamW's rate and recipe;
+``risk_fit.json``, ``depth_excess``; a test keeps them equal)."""
 
 DEPTH_COPIES: dict[int, dict[str, int]] = {
     4: {
@@ -396,6 +406,7 @@ DEPTH_COPIES: dict[int, dict[str, int]] = {
         "pipedream+pipemare": 4,
         "pipeoptim+pipemare": 2,
         "pipeoptim+shrink": 2,
+        "gpipe (nadam)": 1,
         "pipedream+nesterov (nadam)": 4,
         "pipeoptim (muon)": 2,
         "gpipe (muon)": 1,
@@ -411,6 +422,7 @@ DEPTH_COPIES: dict[int, dict[str, int]] = {
         "pipedream+pipemare": 8,
         "pipeoptim+pipemare": 2,
         "pipeoptim+shrink": 2,
+        "gpipe (nadam)": 1,
         "pipeoptim (nadam)": 2,
         "pipedream+nesterov (nadam)": 8,
         "pipeoptim+nesterov (nadam)": 2,
@@ -430,6 +442,7 @@ DEPTH_COPIES: dict[int, dict[str, int]] = {
         "pipedream+pipemare": 16,
         "pipeoptim+pipemare": 2,
         "pipeoptim+shrink": 2,
+        "gpipe (nadam)": 1,
         "pipedream+nesterov (nadam)": 16,
         "pipeoptim (muon)": 2,
         "gpipe (muon)": 1,
@@ -446,6 +459,12 @@ def _asynchronous(row: str) -> bool:
     """The study row's method never flushes (``xpipe``, ``pipeoptim (muon)``...)."""
     name = split_row(row)[0].removesuffix(PREDICTED_BACKWARD)
     return name in METHODS and METHODS[name].asynchronous
+
+
+def _micro_batched(row: str) -> bool:
+    """The study row's method splits each mini-batch into micro-batches (``xpipe``)."""
+    name = split_row(row)[0].removesuffix(PREDICTED_BACKWARD)
+    return name in METHODS and METHODS[name].micro_batched
 
 
 def split_row(row: str) -> tuple[str, str | None]:
@@ -468,62 +487,79 @@ def _flags(row: str) -> str:
     return flags + (", Pipeline(predicted_backward=True)" if base != name else "")
 
 
+STUDY_FAMILY = {"adam": "adamw", "adamw": "adamw", "nadam": "nadam", "muon": "muon"}
+"""The study's optimizer rows a user's optimizer reads: AdamW's for Adam and AdamW (its rows
+carry no optimizer in their names), NAdam's and Muon's as ``method (optimizer)``."""
+
+
+def _row(method: str, family: str) -> str:
+    return method if family == "adamw" else f"{method} ({family})"
+
+
 def depth_advice(method: str, stages: int, optimizer: str) -> str | None:
-    """A note for a user who picked ``method`` at ``stages`` stages, where the study measured
-    it on its language model at that depth (or the nearest depth below where it measured
-    that row) more than
-    :data:`WITHIN` above gpipe's final loss: what it measured, and the configuration it
-    recommends instead: of the rows with at most 2 weight copies per stage that came within
-    :data:`WITHIN`, an asynchronous one first (the closest), else the closest row. None
-    where nothing was measured or the method converged."""
-    if optimizer not in ("adam", "adamw", "nadam", "muon"):
+    """A note for a user who picked ``method`` under ``optimizer`` at ``stages`` stages,
+    where the study measured that row on its language model at that depth (or the nearest
+    depth below where it measured it) more than :data:`WITHIN` above gpipe's final loss
+    **under the same optimizer** (:data:`DEPTH_EXCESS`): what it measured, and the best
+    configuration for that optimizer and depth, of the rows with at most 2 weight copies per
+    stage: a never-micro-batched asynchronous row that came within :data:`WITHIN` first,
+    then a micro-batched one (said so), else a synchronous method (said so, with the
+    closest asynchronous row). None where nothing was measured or the method converged."""
+    family = STUDY_FAMILY.get(optimizer)
+    if family is None:
         return None
-    # the study's rows: AdamW's (Adam's alike) by method, the others as "method (optimizer)"
-    mine = method if optimizer in ("adam", "adamw") else f"{method} ({optimizer})"
+    mine = _row(method, family)
     # some rows train at one depth only: the deepest at or below ``stages`` that has it
     depths = [p for p, rows in DEPTH_EXCESS.items() if p <= stages and mine in rows]
     if not depths:
         return None
     depth = max(depths)
     table = DEPTH_EXCESS[depth]
-    excess = table.get(mine)
-    if excess is None or excess <= WITHIN:
+    excess = table[mine]
+    if excess <= WITHIN:
         return None
     copies = DEPTH_COPIES.get(depth, {})
-    lean = {row: e for row, e in table.items() if copies.get(row, 99) <= 2 and row != mine}
-    # a user who picked an asynchronous method wants its throughput: an asynchronous row
-    # that converged first, then any that converged, then the closest
-    converged = {row: e for row, e in lean.items() if e <= WITHIN}
-    asynchronous = {row: e for row, e in converged.items() if _asynchronous(row)}
-    pool = asynchronous or converged or lean or {r: e for r, e in table.items() if r != mine}
-    best = min(pool, key=lambda row: pool[row])
-    n = copies.get(best)
-    held = "? weight copies" if n is None else "1 weight copy" if n == 1 else f"{n} weight copies"
-    excess_best = pool[best]
-    reached = (
-        f"came within {100 * excess_best:.1f} %"
-        if excess_best >= 0
-        else f"ended {100 * -excess_best:.1f} % below gpipe's"
-    )
-    if not _asynchronous(best):  # gpipe itself, or under another optimizer
-        verdict = (
-            "nothing asynchronous with at most 2 weight copies per stage came within "
-            f"{100 * WITHIN:.0f} %: use a synchronous method (zb-h1 is gpipe's updates with "
-            "the smallest bubble"
+    ours = {
+        row: e
+        for row, e in table.items()
+        if row != mine and (split_row(row)[1] or "adamw") == family and copies.get(row, 99) <= 2
+    }
+    converged = {row: e for row, e in ours.items() if e <= WITHIN and _asynchronous(row)}
+    whole = {row: e for row, e in converged.items() if not _micro_batched(row)}
+    closest = {row: e for row, e in ours.items() if _asynchronous(row)}
+
+    def held(row: str) -> str:
+        n = copies.get(row)
+        return (
+            "? weight copies" if n is None else "1 weight copy" if n == 1 else f"{n} weight copies"
         )
-        trained = split_row(best)[1]
-        if trained is not None:  # those updates under another optimizer did better
-            verdict += f"; under {trained} they {reached} (--method zb-h1 --optimizer {trained})"
-        verdict += ")"
-    elif excess_best <= WITHIN:
-        verdict = f"{best} {reached} with {held} per stage ({_flags(best)})"
+
+    def reached(e: float) -> str:
+        return f"came within {100 * e:.1f} %" if e >= 0 else f"ended {100 * -e:.1f} % below"
+
+    under = f"under {family}"
+    if whole or converged:
+        pool = whole or converged
+        best = min(pool, key=lambda row: pool[row])
+        kind = "" if whole else "the best at this depth is micro-batched: "
+        verdict = f"{kind}{best} {reached(pool[best])} with {held(best)} per stage ({_flags(best)})"
     else:
+        zb = _row("zb-h1", family)
         verdict = (
-            f"the closest was {best} ({100 * excess_best:+.1f} %, {held} per stage; {_flags(best)})"
+            f"nothing asynchronous {under} with at most 2 weight copies per stage came within "
+            f"{100 * WITHIN:.0f} %: the best at this depth is a synchronous method (zb-h1 is "
+            f"gpipe's updates with the smallest bubble; {_flags(zb)})"
         )
+        if closest:
+            near = min(closest, key=lambda row: closest[row])
+            verdict += (
+                f"; the closest asynchronous was {near} ({100 * closest[near]:+.1f} %, "
+                f"{held(near)} per stage; {_flags(near)})"
+            )
     return (
         f"{mine} at {stages} stages: on the convergence study's language model at {depth} "
         f"stages (gpt-deep, with warm-up, cosine decay and clipping) it ended "
-        f"{100 * excess:+.1f} % over gpipe's final test loss under AdamW (every figure here "
-        f"is against that); {verdict}. See docs/choosing-a-method.md, 'Choosing a method at depth'"
+        f"{100 * excess:+.1f} % over gpipe's final test loss {under} (every figure here is "
+        f"against gpipe {under}); {verdict}. See docs/choosing-a-method.md, 'Choosing a "
+        f"method at depth'"
     )

@@ -20,7 +20,15 @@ from pipeoptim.plan.methods import METHODS
 from pipeoptim.study.grid import StudyConfig
 from pipeoptim.study.runs import MODEL_METRIC, RunRecord, split_label
 
-__all__ = ["Cell", "aggregate", "higher_is_better", "method_labels", "rate_sets", "schedule_of"]
+__all__ = [
+    "Cell",
+    "aggregate",
+    "higher_is_better",
+    "method_labels",
+    "rate_sets",
+    "schedule_of",
+    "synchronous_label",
+]
 
 
 @dataclass(frozen=True)
@@ -89,6 +97,14 @@ def method_labels(config: StudyConfig) -> list[str]:
         *(f"{m}+Ŵbackward" for m in config.variants),
         *(f"{m} ({o})" for m, o in config.pairs),
     ]
+
+
+def synchronous_label(label: str, method: str = "gpipe") -> str:
+    """The synchronous row a row is judged against: gpipe (or ``method``, a twin) under the
+    same optimizer, ``gpipe (muon)`` for ``pipeoptim+nesterov (muon)`` (DESIGN.md,
+    "Comparing asynchronous with synchronous training")."""
+    trained = split_label(label)[1]
+    return method if trained is None else f"{method} ({trained})"
 
 
 def schedule_of(label: str) -> str:

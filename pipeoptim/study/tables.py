@@ -14,10 +14,16 @@ from typing import Any
 from pipeoptim.plan.memory_factors import method_memory_factors
 from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.risk import WITHIN
-from pipeoptim.study.cells import Cell, higher_is_better, method_labels, schedule_of
+from pipeoptim.study.cells import (
+    Cell,
+    higher_is_better,
+    method_labels,
+    schedule_of,
+    synchronous_label,
+)
 from pipeoptim.study.grid import StudyConfig
 from pipeoptim.study.runs import RunRecord
-from pipeoptim.study.targets import Target, TimeToTarget
+from pipeoptim.study.targets import Target, Targets, TimeToTarget
 
 __all__ = ["closure_rows", "closure_table", "final_table", "gap_table", "peak_copies", "time_table"]
 
@@ -99,22 +105,23 @@ def gaps(
     config: StudyConfig,
     cells: dict[tuple[str, str, float, int], Cell],
     rates: dict[str, tuple[float, float | None]],
+    *,
+    same_optimizer: bool = True,
 ) -> dict[int, dict[str, float]]:
     """Stages -> row -> final test loss over gpipe's at that depth, minus 1 (the rows that
-    finished; the first optimizer's chosen rate)."""
+    finished; the first optimizer's chosen rate). The yardstick is gpipe under the row's own
+    optimizer (``gpipe (muon)`` for a Muon row; a row whose optimizer has no gpipe at that
+    depth has no gap), or with ``same_optimizer=False`` gpipe under the first optimizer."""
     opt = config.optimizers[0]
     lr = rates[opt][0]
     out: dict[int, dict[str, float]] = {}
     for p in config.stages:
-        base = cells.get(("gpipe", opt, lr, p))
-        if base is None:
-            continue
-        ref = base.final_test_loss
         for label in method_labels(config):
             cell = cells.get((label, opt, lr, p))
-            if cell is None:
+            base = cells.get((synchronous_label(label) if same_optimizer else "gpipe", opt, lr, p))
+            if cell is None or base is None:
                 continue
-            loss = cell.final_test_loss
+            loss, ref = cell.final_test_loss, base.final_test_loss
             if math.isfinite(loss) and math.isfinite(ref):
                 out.setdefault(p, {})[label] = loss / ref - 1.0
     return out
@@ -125,36 +132,46 @@ def gap_table(
     cells: dict[tuple[str, str, float, int], Cell],
     rates: dict[str, tuple[float, float | None]],
 ) -> list[str]:
-    """Markdown: each row's final test loss against gpipe's at the same depth (the goal:
-    within 3 %, ✓), and the weight copies it keeps on its fullest stage."""
+    """Markdown: each row's final test loss against gpipe's under the same optimizer at the
+    same depth (the goal: within 3 %, ✓), beside it for a row of another optimizer its
+    excess over gpipe under the first, and the weight copies it keeps on its fullest
+    stage."""
     opt = config.optimizers[0]
     lr = rates[opt][0]
     lines = [
-        f"Final test loss (mean over seeds) and its excess over gpipe's at the same depth "
-        f"({opt} lr={lr:g}); ✓: within {100 * WITHIN:.0f} %. Copies: weight copies on the "
-        f"fullest stage (stage 0), from the memory model.",
+        f"Final test loss (mean over seeds) and its excess over gpipe's **under the same "
+        f"optimizer** at the same depth (`gpipe (muon)` for a Muon row; {opt} lr={lr:g}); "
+        f"✓: within {100 * WITHIN:.0f} %. A row of another optimizer also gives its excess "
+        f"over gpipe under {opt}. Copies: weight copies on the fullest stage (stage 0), from "
+        f"the memory model.",
         "",
         "| method | " + " | ".join(f"P={p}" for p in config.stages) + " |",
         "|---|" + "---|" * len(config.stages),
     ]
     excesses = gaps(config, cells, rates)
+    first = gaps(config, cells, rates, same_optimizer=False)
     for label in method_labels(config):
         row = []
+        sync = synchronous_label(label)
         for p in config.stages:
-            cell, base = cells.get((label, opt, lr, p)), cells.get(("gpipe", opt, lr, p))
-            if cell is None or base is None:
+            cell = cells.get((label, opt, lr, p))
+            if cell is None:
                 row.append("not run")
                 continue
             loss = cell.final_test_loss
             if not math.isfinite(loss):
                 row.append(f"— ✗{cell.diverged}")
                 continue
-            excess = excesses.get(p, {}).get(label, math.nan)  # nan: gpipe did not finish
-            mark = " ✓" if excess <= WITHIN else ""
+            excess = excesses.get(p, {}).get(label, math.nan)  # nan: no finished yardstick
+            mark = " ✓" if excess <= WITHIN else ""  # never for nan
+            gap = f"{100 * excess:+.1f} %" if math.isfinite(excess) else f"no {sync} at P={p}"
             seeds = f" ({len(cell.finished)} seeds)" if len(cell.finished) > 1 else ""
             n = peak_copies(label, p)
             copies = "1 copy" if n == 1 else f"{n} copies"
-            row.append(f"{loss:.3f} ({100 * excess:+.1f} %){mark}{seeds}, {copies}")
+            beside = ""
+            if sync != "gpipe" and p in first and label in first[p]:
+                beside = f"; {100 * first[p][label]:+.1f} % vs gpipe ({opt})"
+            row.append(f"{loss:.3f} ({gap}){mark}{seeds}, {copies}{beside}")
         lines.append(f"| {label} | " + " | ".join(row) + " |")
     return lines
 
@@ -208,35 +225,52 @@ def closure_table(rows: Sequence[dict[str, Any]], lr_of: dict[str, float]) -> li
     return lines
 
 
-def time_table(config: StudyConfig, rows: Sequence[TimeToTarget], target: Target) -> list[str]:
+def _target_text(config: StudyConfig, target: Target) -> str:
     if isinstance(target, Mapping):
-        what = (
-            f"gpipe's final test loss at each depth plus {100 * WITHIN:.0f} %, as perplexity ("
+        return (
+            f"its final test loss at each depth plus {100 * WITHIN:.0f} %, as perplexity ("
             + ", ".join(f"P={p}: {v:.3g}" for p, v in sorted(target.items()))
             + ")"
         )
-    elif higher_is_better(config.model):
-        what = f"{100 * target:.0f}% test accuracy"
-    else:
-        what = f"test perplexity {target:g}"
+    if higher_is_better(config.model):
+        return f"{100 * target:.0f}% test accuracy"
+    return f"test perplexity {target:g}"
+
+
+def time_table(config: StudyConfig, rows: Sequence[TimeToTarget], targets: Targets) -> list[str]:
+    """Markdown: each row's time to its target, against gpipe's and zb-h1's under the same
+    optimizer (``zb-h1 (muon)`` for a Muon row: gpipe (muon)'s samples at zb-h1's time per
+    sample, Muon's step cost charged to both)."""
+    shared = len({str(t) for t in targets.values()}) == 1
+    what = (
+        _target_text(config, next(iter(targets.values())))
+        if shared
+        else "gpipe's under the row's own optimizer: "
+        + "; ".join(f"{sync}: {_target_text(config, t)}" for sync, t in targets.items())
+    )
     lines = [
         f"Target: {what}. Samples: median over the seeds that reached it (evaluated once "
         f"per {config.eval_every} mini-batches). Time: samples x the simulated time per "
         f"sample of the method, depth and even partition on the hardware below (no link "
-        f"cost; micro-batches cost 1/M of the mini-batch).",
+        f"cost; micro-batches cost 1/M of the mini-batch). vs gpipe, vs zb-h1: under the "
+        f"row's own optimizer.",
         "",
         "| optimizer | P | method | reached | samples to target | simulated samples/s | "
-        "predicted time to target (ms) | vs gpipe |",
-        "|---|---|---|---|---|---|---|---|",
+        "predicted time to target (ms) | vs gpipe | vs zb-h1 |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    gpipe = {(r.optimizer, r.stages): r.seconds for r in rows if r.method == "gpipe"}
+    seconds = {(r.optimizer, r.method, r.stages): r.seconds for r in rows}
+
+    def versus(r: TimeToTarget, twin: str) -> str:
+        base = seconds.get((r.optimizer, synchronous_label(r.method, twin), r.stages), math.nan)
+        return f"{r.seconds / base:.2f}x" if math.isfinite(r.seconds / base) else "—"
+
     for r in rows:
         samples = "never" if not math.isfinite(r.samples) else f"{r.samples:,.0f}"
         ms = "—" if not math.isfinite(r.seconds) else f"{1e3 * r.seconds:.3g}"
-        base = gpipe.get((r.optimizer, r.stages), math.nan)
-        versus = f"{r.seconds / base:.2f}x" if math.isfinite(r.seconds / base) else "—"
         lines.append(
             f"| {r.optimizer} | {r.stages} | {r.method} | {r.reached}/{r.seeds} | {samples} | "
-            f"{1 / r.seconds_per_sample:,.0f} | {ms} | {versus} |"
+            f"{1 / r.seconds_per_sample:,.0f} | {ms} | {versus(r, 'gpipe')} | "
+            f"{versus(r, 'zb-h1')} |"
         )
     return lines

@@ -19,12 +19,19 @@ from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.methods import WeightPolicy, get_method
 from pipeoptim.plan.profile import Profile
 from pipeoptim.plan.risk import RiskFitPoint, schedule_versions, uncorrected_distance
-from pipeoptim.study.cells import Cell, higher_is_better, method_labels, schedule_of
+from pipeoptim.study.cells import (
+    Cell,
+    higher_is_better,
+    method_labels,
+    schedule_of,
+    synchronous_label,
+)
 from pipeoptim.study.grid import StudyConfig
 from pipeoptim.study.runs import RunRecord, split_label
 
 __all__ = [
     "Target",
+    "Targets",
     "TimeToTarget",
     "check_profile",
     "correction_gains",
@@ -37,12 +44,24 @@ __all__ = [
     "samples_to_target",
     "simulated_seconds_per_sample",
     "target_at",
+    "target_of",
     "time_to_target",
+    "twin_labels",
 ]
 
 
 Target = float | Mapping[int, float]
 """A metric every run must reach, or one per depth (gpipe's final metric at each P)."""
+
+Targets = Mapping[str, Target]
+"""The target of each yardstick row (``"gpipe"``, ``"gpipe (muon)"``): a row is held to
+its own optimizer's (:func:`target_of`)."""
+
+
+def target_of(targets: Targets, label: str) -> Target | None:
+    """The target of row ``label``: its yardstick's (gpipe under the row's optimizer), or
+    None where the study has no such gpipe row."""
+    return targets.get(synchronous_label(label))
 
 
 def target_at(target: Target, stages: int) -> float:
@@ -57,17 +76,19 @@ def gpipe_finals(
     cells: dict[tuple[str, str, float, int], Cell],
     rates: dict[str, tuple[float, float | None]],
     within: float = 0.0,
+    label: str = "gpipe",
 ) -> dict[int, float]:
     """gpipe's final test metric (mean over seeds) at each depth, at the first optimizer's
     chosen rate, with its test loss raised by ``within`` (a share: 0.03 is the goal at depth,
     3 % over gpipe's final loss): the target of a study that asks "how soon does a method
     get where synchronous training gets". Perplexity targets are ``exp((1 + within)·L)``;
-    accuracy targets are gpipe's accuracy less ``within`` of it."""
+    accuracy targets are gpipe's accuracy less ``within`` of it. ``label``: the gpipe row,
+    ``gpipe (muon)`` for the target of the rows trained under Muon."""
     opt = config.optimizers[0]
     out: dict[int, float] = {}
     perplexity = not higher_is_better(config.model)
     for p in config.stages:
-        cell = cells.get(("gpipe", opt, rates[opt][0], p))
+        cell = cells.get((label, opt, rates[opt][0], p))
         if cell is None:
             continue
         if perplexity:
@@ -206,28 +227,37 @@ class TimeToTarget:
         return self.samples * self.seconds_per_sample
 
 
+def twin_labels(config: StudyConfig) -> dict[str, str]:
+    """Each twin row (``zb-h1``, and ``zb-h1 (muon)`` where gpipe trained under Muon) and the
+    gpipe row whose updates it makes exactly."""
+    syncs = ["gpipe", *(f"gpipe ({o})" for m, o in config.pairs if m == "gpipe")]
+    return {synchronous_label(s, twin): s for s in syncs for twin in config.twins}
+
+
 def time_to_target(
     config: StudyConfig,
     cells: dict[tuple[str, str, float, int], Cell],
     rates: dict[str, tuple[float, float | None]],
-    target: Target,
+    targets: Targets,
     profile: Profile,
     trained_profiles: Mapping[str, Profile] | None = None,
 ) -> list[TimeToTarget]:
-    """Per (optimizer, depth, row): samples to ``target`` (one metric, or one per depth)
-    times the row's simulated time per sample. A row is simulated on
+    """Per (optimizer, depth, row): samples to the row's target (its yardstick's:
+    :func:`target_of`) times the row's simulated time per sample. A row is simulated on
     ``trained_profiles[the optimizer it trained]`` where one is given (a ``method (muon)``
     row's Muon, else the column's optimizer; :func:`optimizer_profile`), else on
     ``profile``."""
     out = []
     per_sample: dict[tuple[str, int, str], float] = {}
+    twins = twin_labels(config)
     for opt in config.optimizers:
         lr = rates[opt][0]
         for p in config.stages:
-            for method in [*method_labels(config), *config.twins]:
+            for method in [*method_labels(config), *twins]:
                 # a twin makes gpipe's updates exactly: gpipe's samples, its own time
-                cell = cells.get(("gpipe" if method in config.twins else method, opt, lr, p))
-                if cell is None:
+                cell = cells.get((twins.get(method, method), opt, lr, p))
+                target = target_of(targets, method)
+                if cell is None or target is None:
                     continue
                 goal = target_at(target, p)
                 hits = [samples_to_target(r, goal) for r in cell.records]
@@ -256,7 +286,7 @@ def risk_points(
     config: StudyConfig,
     cells: dict[tuple[str, str, float, int], Cell],
     rates: dict[str, tuple[float, float | None]],
-    target: Target,
+    targets: Targets,
     closure: Sequence[dict[str, Any]],
 ) -> list[RiskFitPoint]:
     """(optimizer, uncorrected distance, extra samples to target over gpipe) per cell.
@@ -277,8 +307,11 @@ def risk_points(
             for label, method, trained, sync in rows:
                 base = cells.get((sync, opt, lr, p))
                 cell = cells.get((label, opt, lr, p))
+                target = targets.get(sync)
                 if base is None or cell is None or get_method(method).delay_correction:
                     continue  # κ is the plain methods' (a correction has its own gain)
+                if target is None:
+                    continue
                 goal = target_at(target, p)
                 base_hits = [samples_to_target(r, goal) for r in base.records]
                 if any(h is None for h in base_hits):

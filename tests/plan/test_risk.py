@@ -207,47 +207,78 @@ def test_gain_table_averages_the_depths() -> None:
 def test_depth_advice_names_what_converged_with_few_copies(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    excess = {"pipeoptim": 0.4, "xpipe": 0.02, "gpipe": 0.0, "pipedream (muon)": 0.01}
+    """Every figure is against gpipe under the user's own optimizer, and the advice is the
+    best configuration for that optimizer: a never-micro-batched asynchronous row first,
+    then a micro-batched one, else a synchronous method, each said plainly."""
+    excess = {"pipeoptim": 0.4, "xpipe": 0.02, "gpipe": 0.0, "pipedream+pipemare": 0.01}
     monkeypatch.setattr(risk, "DEPTH_EXCESS", {8: excess})
-    copies = {"pipeoptim": 2, "xpipe": 2, "gpipe": 1, "pipedream (muon)": 8}
+    copies = {"pipeoptim": 2, "xpipe": 2, "gpipe": 1, "pipedream+pipemare": 8}
     monkeypatch.setattr(risk, "DEPTH_COPIES", {8: copies})
     text = risk.depth_advice("pipeoptim", 12, "adamw")
     assert text is not None
     assert "pipeoptim at 12 stages" in text and "at 8 stages" in text and "+40.0 %" in text
-    # the asynchronous row that converged with at most 2 copies, not gpipe nor the stash
-    assert "xpipe came within 2.0 % with 2 weight copies per stage (--method xpipe)" in text
+    assert "over gpipe's final test loss under adamw" in text
+    # the asynchronous row that converged with at most 2 copies, not gpipe nor the stash;
+    # micro-batched, and said so
+    assert (
+        "the best at this depth is micro-batched: xpipe came within 2.0 % with 2 weight "
+        "copies per stage (--method xpipe)"
+    ) in text
+    assert risk.depth_advice("pipeoptim", 12, "adam") == text  # Adam reads AdamW's rows
     assert risk.depth_advice("pipeoptim", 8, "muon") is None  # no "pipeoptim (muon)" row
     assert risk.depth_advice("xpipe", 8, "adamw") is None  # it converged
     assert risk.depth_advice("pipeoptim", 4, "adamw") is None  # nothing measured that shallow
-    assert risk.depth_advice("pipeoptim", 8, "sgd") is None  # measured under AdamW only
+    assert risk.depth_advice("pipeoptim", 8, "sgd") is None  # not measured under SGD
+    # a never-micro-batched row that converged comes before xpipe
+    excess["pipeoptim+shrink"], copies["pipeoptim+shrink"] = 0.025, 2
+    assert "pipeoptim+shrink came within 2.5 % with 2 weight copies per stage" in str(
+        risk.depth_advice("pipeoptim", 8, "adamw")
+    )
+    del excess["pipeoptim+shrink"]
     # a row trained at 8 stages only answers for deeper pipelines too, from its 8 stages
     excess["pipeoptim (nadam)"], copies["pipeoptim (nadam)"] = 0.5, 2
     monkeypatch.setitem(risk.DEPTH_EXCESS, 16, {"pipeoptim": 0.6, "xpipe": 0.01})
     deep = str(risk.depth_advice("pipeoptim", 16, "nadam"))
     assert "pipeoptim (nadam) at 16 stages" in deep and "at 8 stages" in deep and "+50.0 %" in deep
+    assert "under nadam" in deep
     assert "at 16 stages" in str(risk.depth_advice("pipeoptim", 16, "adamw"))
     del excess["pipeoptim (nadam)"], risk.DEPTH_EXCESS[16]
-    excess["pipeoptim+nesterov (muon)"] = 0.004  # a row under another optimizer: both flags
+    # a row of another optimizer that converged against its own gpipe is not AdamW's advice
+    excess["pipeoptim+nesterov (muon)"] = 0.004
     copies["pipeoptim+nesterov (muon)"] = 2
-    assert "(--method pipeoptim+nesterov --optimizer muon)" in str(
-        risk.depth_advice("pipeoptim", 8, "adamw")
-    )
+    assert "muon" not in str(risk.depth_advice("pipeoptim", 8, "adamw"))
+    # ...but it is Muon's, with both flags
+    excess["pipeoptim (muon)"], copies["pipeoptim (muon)"] = 0.06, 2
+    muon = str(risk.depth_advice("pipeoptim", 8, "muon"))
+    assert "pipeoptim (muon) at 8 stages" in muon and "+6.0 % over gpipe's" in muon
+    assert (
+        "pipeoptim+nesterov (muon) came within 0.4 % with 2 weight copies per stage "
+        "(--method pipeoptim+nesterov --optimizer muon)"
+    ) in muon
     del excess["pipeoptim+nesterov (muon)"]
     excess["pipeoptim+Ŵbackward"], copies["pipeoptim+Ŵbackward"] = 0.001, 2  # a variant row
     assert "(--method pipeoptim, Pipeline(predicted_backward=True))" in str(
         risk.depth_advice("pipeoptim", 8, "adamw")
     )
     del excess["pipeoptim+Ŵbackward"]
-    excess["xpipe"] = 0.2  # no asynchronous row converged: the closest that did
-    assert "use a synchronous method (zb-h1" in str(risk.depth_advice("pipeoptim", 8, "adamw"))
-    excess["gpipe (muon)"], copies["gpipe (muon)"] = -0.054, 1  # sync did better under Muon
+    excess["xpipe"] = 0.2  # no asynchronous row converged: a synchronous method, said so
+    sync = str(risk.depth_advice("pipeoptim", 8, "adamw"))
     assert (
-        "use a synchronous method (zb-h1 is gpipe's updates with the smallest bubble; under "
-        "muon they ended 5.4 % below gpipe's (--method zb-h1 --optimizer muon))"
-    ) in str(risk.depth_advice("pipeoptim", 8, "adamw"))
-    excess["pipeoptim+nesterov (muon)"] = -0.032  # an asynchronous row below gpipe
-    assert "pipeoptim+nesterov (muon) ended 3.2 % below gpipe's with 2 weight copies" in str(
-        risk.depth_advice("pipeoptim", 8, "adamw")
+        "nothing asynchronous under adamw with at most 2 weight copies per stage came within "
+        "3 %: the best at this depth is a synchronous method (zb-h1 is gpipe's updates with "
+        "the smallest bubble; --method zb-h1); the closest asynchronous was xpipe (+20.0 %, "
+        "2 weight copies per stage; --method xpipe)"
+    ) in sync
+    excess["pipeoptim+nesterov (muon)"] = 0.059  # Muon's rows: none converged either
+    copies["pipeoptim+nesterov (muon)"] = 2
+    assert (
+        "the best at this depth is a synchronous method (zb-h1 is gpipe's updates with the "
+        "smallest bubble; --method zb-h1 --optimizer muon); the closest asynchronous was "
+        "pipeoptim+nesterov (muon) (+5.9 %"
+    ) in str(risk.depth_advice("pipeoptim", 8, "muon"))
+    excess["pipeoptim+nesterov (muon)"] = -0.032  # an asynchronous row below its gpipe
+    assert "pipeoptim+nesterov (muon) ended 3.2 % below with 2 weight copies" in str(
+        risk.depth_advice("pipeoptim", 8, "muon")
     )
 
 
@@ -269,3 +300,26 @@ def test_plan_recommends_a_correction_by_name_when_its_measured_gain_wins(
     assert ranked[0].method == "pipedream+pipemare"
     assert ranked[0].risk is not None and ranked[0].risk.risk == 0.0
     assert explain(ranked).startswith("Run pipedream+pipemare with 1 micro-batch")
+
+
+def test_plan_names_the_best_configuration_for_the_users_optimizer_and_depth(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``pipeoptim plan`` says what the study measured of the chosen method under the user's
+    optimizer at that depth, against gpipe under that optimizer, and what to run instead:
+    here, plainly, that the best under Muon at 8 stages is a synchronous method."""
+    from pipeoptim.cli import main
+
+    profile = str(STUDY / "gpt-deep" / "profile.json")
+    argv = ["plan", "--profile", profile, "--stages", "8", "--method", "pipeoptim"]
+    assert main([*argv, "--optimizer", "muon", "--json"]) == 0
+    advice = json.loads(capsys.readouterr().out)["study_advice"]
+    assert advice == risk.depth_advice("pipeoptim", 8, "muon")
+    assert "pipeoptim (muon) at 8 stages" in advice and "under muon" in advice
+    assert "the best at this depth is a synchronous method" in advice
+    assert "--method zb-h1 --optimizer muon" in advice
+    assert main([*argv, "--optimizer", "adamw"]) == 0
+    out = capsys.readouterr().out
+    assert "note: pipeoptim at 8 stages" in out and "micro-batched: xpipe" in out
+    assert main([*argv, "--optimizer", "sgd", "--json"]) == 0  # the study has no SGD rows
+    assert json.loads(capsys.readouterr().out)["study_advice"] is None

@@ -274,16 +274,18 @@ def test_rows_under_another_optimizer_are_simulated_at_its_update_cost() -> None
         plain, layers=tuple(dataclasses.replace(x, update_s=2.0) for x in plain.layers)
     )
     rates = {"adam": (1e-3, None)}
+    # a fixed target: every row's, its optimizer's gpipe or not
+    TARGETS = {"gpipe": 0.95, "gpipe (muon)": 0.95}
     times = {
         t.method: t.seconds_per_sample
-        for t in time_to_target(config, cells, rates, 0.95, plain, {"muon": slow})
+        for t in time_to_target(config, cells, rates, TARGETS, plain, {"muon": slow})
     }
     assert times["gpipe"] == simulated_seconds_per_sample(plain, "gpipe", 2)
     # the same schedule and depth, two optimizers: two simulations, not one cached
     assert times["pipedream"] == simulated_seconds_per_sample(plain, "pipedream", 2)
     assert times["pipedream (muon)"] == simulated_seconds_per_sample(slow, "pipedream", 2)
     assert times["pipedream (muon)"] > simulated_seconds_per_sample(plain, "pipedream", 2)
-    untouched = time_to_target(config, cells, rates, 0.95, plain)
+    untouched = time_to_target(config, cells, rates, TARGETS, plain)
     assert {t.seconds_per_sample for t in untouched if t.method == "pipedream (muon)"} == {
         simulated_seconds_per_sample(plain, "pipedream", 2)
     }
