@@ -32,7 +32,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from pipeoptim.plan.methods import METHODS, WeightPolicy, get_method
+from pipeoptim.plan.methods import METHODS, Method, WeightPolicy, get_method
 from pipeoptim.plan.versions import analyze_versions
 
 __all__ = [
@@ -49,6 +49,7 @@ __all__ = [
     "depth_advice",
     "fit_risk",
     "gain_table",
+    "join_row",
     "method_risk",
     "schedule_versions",
     "split_row",
@@ -166,8 +167,10 @@ gpipe's that the delay correction removed on the study's language model at depth
 uncorrected distance is its base's times ``1 − gain``; an unmeasured pair gains nothing,
 so the planner ranks it level with its base, and the base, registered first, wins."""
 
-DEFAULT_KAPPA = max(KAPPA.values())
-"""κ for an optimizer the study did not measure (RMSprop...): the largest measured one."""
+DEFAULT_KAPPA = max(KAPPA[o] for o in ("sgd", "adam", "adamw"))
+"""κ for an optimizer the study did not measure (RMSprop...): the largest of the three it
+measured on every model (SGD, Adam, AdamW); NAdam's and Muon's come from a few rows of the
+language model alone, too few to stand in for an unmeasured optimizer."""
 
 
 def closure(rule: str, optimizer: str, s: int) -> float:
@@ -455,16 +458,21 @@ WITHIN = 0.03
 """A configuration within this share of gpipe's final loss counts as converging."""
 
 
+def _method_of(row: str) -> Method | None:
+    """The registered method a study row trains (None: a label that names none)."""
+    return METHODS.get(split_row(row)[0].removesuffix(PREDICTED_BACKWARD))
+
+
 def _asynchronous(row: str) -> bool:
     """The study row's method never flushes (``xpipe``, ``pipeoptim (muon)``...)."""
-    name = split_row(row)[0].removesuffix(PREDICTED_BACKWARD)
-    return name in METHODS and METHODS[name].asynchronous
+    method = _method_of(row)
+    return method is not None and method.asynchronous
 
 
 def _micro_batched(row: str) -> bool:
     """The study row's method splits each mini-batch into micro-batches (``xpipe``)."""
-    name = split_row(row)[0].removesuffix(PREDICTED_BACKWARD)
-    return name in METHODS and METHODS[name].micro_batched
+    method = _method_of(row)
+    return method is not None and method.micro_batched
 
 
 def split_row(row: str) -> tuple[str, str | None]:
@@ -472,6 +480,12 @@ def split_row(row: str) -> tuple[str, str | None]:
     (M, None)."""
     name, _, optimizer = row.partition(" (")
     return name, optimizer.removesuffix(")") or None
+
+
+def join_row(method: str, optimizer: str | None) -> str:
+    """The study row of ``method`` under ``optimizer`` (None: the study's first optimizer):
+    :func:`split_row` undone."""
+    return method if optimizer is None else f"{method} ({optimizer})"
 
 
 PREDICTED_BACKWARD = "+Ŵbackward"
@@ -492,10 +506,6 @@ STUDY_FAMILY = {"adam": "adamw", "adamw": "adamw", "nadam": "nadam", "muon": "mu
 carry no optimizer in their names), NAdam's and Muon's as ``method (optimizer)``."""
 
 
-def _row(method: str, family: str) -> str:
-    return method if family == "adamw" else f"{method} ({family})"
-
-
 def depth_advice(method: str, stages: int, optimizer: str) -> str | None:
     """A note for a user who picked ``method`` under ``optimizer`` at ``stages`` stages,
     where the study measured that row on its language model at that depth (or the nearest
@@ -508,7 +518,7 @@ def depth_advice(method: str, stages: int, optimizer: str) -> str | None:
     family = STUDY_FAMILY.get(optimizer)
     if family is None:
         return None
-    mine = _row(method, family)
+    mine = join_row(method, None if family == "adamw" else family)
     # some rows train at one depth only: the deepest at or below ``stages`` that has it
     depths = [p for p, rows in DEPTH_EXCESS.items() if p <= stages and mine in rows]
     if not depths:
@@ -535,7 +545,7 @@ def depth_advice(method: str, stages: int, optimizer: str) -> str | None:
         )
 
     def reached(e: float) -> str:
-        return f"came within {100 * e:.1f} %" if e >= 0 else f"ended {100 * -e:.1f} % below"
+        return f"came within {100 * e:.1f} %" if e >= 0 else f"ended {100 * -e:.1f} % below gpipe's"
 
     under = f"under {family}"
     if whole or converged:
@@ -544,7 +554,7 @@ def depth_advice(method: str, stages: int, optimizer: str) -> str | None:
         kind = "" if whole else "the best at this depth is micro-batched: "
         verdict = f"{kind}{best} {reached(pool[best])} with {held(best)} per stage ({_flags(best)})"
     else:
-        zb = _row("zb-h1", family)
+        zb = join_row("zb-h1", None if family == "adamw" else family)
         verdict = (
             f"nothing asynchronous {under} with at most 2 weight copies per stage came within "
             f"{100 * WITHIN:.0f} %: the best at this depth is a synchronous method (zb-h1 is "

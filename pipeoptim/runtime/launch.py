@@ -19,7 +19,7 @@ never builds a model itself, so the runtime does not depend on the built-in work
 
 Each rank uses cuda + NCCL where GPUs exist (device ``LOCAL_RANK % device_count``), else CPU
 + gloo, with a bounded process-group timeout. So that no run hangs: a rank that fails posts
-(rank, kind, message) on the :class:`~pipeoptim.runtime.comm.transport.FailureBoard` and exits
+(rank, kind, message) on the :class:`~pipeoptim.runtime.comm.failure_board.FailureBoard` and exits
 non-zero; a rank that dies closes its connections, which its neighbours notice at once and
 report; the launcher, seeing a child exit non-zero, posts it, gives the others a short grace
 period, terminates what is left and raises an error naming the rank that failed. Results and

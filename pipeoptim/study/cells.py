@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pipeoptim.plan.methods import METHODS
+from pipeoptim.plan.risk import join_row
 from pipeoptim.study.grid import StudyConfig
 from pipeoptim.study.runs import MODEL_METRIC, RunRecord, split_label
 
@@ -103,8 +104,7 @@ def synchronous_label(label: str, method: str = "gpipe") -> str:
     """The synchronous row a row is judged against: gpipe (or ``method``, a twin) under the
     same optimizer, ``gpipe (muon)`` for ``pipeoptim+nesterov (muon)`` (DESIGN.md,
     "Comparing asynchronous with synchronous training")."""
-    trained = split_label(label)[1]
-    return method if trained is None else f"{method} ({trained})"
+    return join_row(method, split_label(label)[1])
 
 
 def schedule_of(label: str) -> str:

@@ -225,10 +225,10 @@ def closure_table(rows: Sequence[dict[str, Any]], lr_of: dict[str, float]) -> li
     return lines
 
 
-def _target_text(config: StudyConfig, target: Target) -> str:
+def _target_text(config: StudyConfig, sync: str, target: Target) -> str:
     if isinstance(target, Mapping):
         return (
-            f"its final test loss at each depth plus {100 * WITHIN:.0f} %, as perplexity ("
+            f"{sync}'s final test loss at each depth plus {100 * WITHIN:.0f} %, as perplexity ("
             + ", ".join(f"P={p}: {v:.3g}" for p, v in sorted(target.items()))
             + ")"
         )
@@ -243,10 +243,10 @@ def time_table(config: StudyConfig, rows: Sequence[TimeToTarget], targets: Targe
     sample, Muon's step cost charged to both)."""
     shared = len({str(t) for t in targets.values()}) == 1
     what = (
-        _target_text(config, next(iter(targets.values())))
+        _target_text(config, *next(iter(targets.items())))
         if shared
-        else "gpipe's under the row's own optimizer: "
-        + "; ".join(f"{sync}: {_target_text(config, t)}" for sync, t in targets.items())
+        else "that of gpipe under the row's own optimizer: "
+        + "; ".join(_target_text(config, sync, t) for sync, t in targets.items())
     )
     lines = [
         f"Target: {what}. Samples: median over the seeds that reached it (evaluated once "

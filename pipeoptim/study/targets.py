@@ -18,7 +18,7 @@ from typing import Any
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.methods import WeightPolicy, get_method
 from pipeoptim.plan.profile import Profile
-from pipeoptim.plan.risk import RiskFitPoint, schedule_versions, uncorrected_distance
+from pipeoptim.plan.risk import RiskFitPoint, join_row, schedule_versions, uncorrected_distance
 from pipeoptim.study.cells import (
     Cell,
     higher_is_better,
@@ -230,7 +230,7 @@ class TimeToTarget:
 def twin_labels(config: StudyConfig) -> dict[str, str]:
     """Each twin row (``zb-h1``, and ``zb-h1 (muon)`` where gpipe trained under Muon) and the
     gpipe row whose updates it makes exactly."""
-    syncs = ["gpipe", *(f"gpipe ({o})" for m, o in config.pairs if m == "gpipe")]
+    syncs = ["gpipe", *(join_row("gpipe", o) for m, o in config.pairs if m == "gpipe")]
     return {synchronous_label(s, twin): s for s in syncs for twin in config.twins}
 
 
@@ -257,9 +257,9 @@ def time_to_target(
                 # a twin makes gpipe's updates exactly: gpipe's samples, its own time
                 cell = cells.get((twins.get(method, method), opt, lr, p))
                 target = target_of(targets, method)
-                if cell is None or target is None:
-                    continue
-                goal = target_at(target, p)
+                goal = math.nan if target is None else target_at(target, p)
+                if cell is None or not math.isfinite(goal):
+                    continue  # no yardstick (its gpipe did not train or finish here)
                 hits = [samples_to_target(r, goal) for r in cell.records]
                 reached = [h for h in hits if h is not None]
                 base = schedule_of(method)
@@ -302,7 +302,7 @@ def risk_points(
         lr = rates[opt][0]
         rows = [(m, m, opt, "gpipe") for m in config.methods]
         if opt == config.optimizers[0]:
-            rows += [(f"{m} ({o})", m, o, f"gpipe ({o})") for m, o in config.pairs]
+            rows += [(join_row(m, o), m, o, join_row("gpipe", o)) for m, o in config.pairs]
         for p in config.stages:
             for label, method, trained, sync in rows:
                 base = cells.get((sync, opt, lr, p))

@@ -277,7 +277,7 @@ def test_depth_advice_names_what_converged_with_few_copies(
         "pipeoptim+nesterov (muon) (+5.9 %"
     ) in str(risk.depth_advice("pipeoptim", 8, "muon"))
     excess["pipeoptim+nesterov (muon)"] = -0.032  # an asynchronous row below its gpipe
-    assert "pipeoptim+nesterov (muon) ended 3.2 % below with 2 weight copies" in str(
+    assert "pipeoptim+nesterov (muon) ended 3.2 % below gpipe's with 2 weight copies" in str(
         risk.depth_advice("pipeoptim", 8, "muon")
     )
 
@@ -323,3 +323,10 @@ def test_plan_names_the_best_configuration_for_the_users_optimizer_and_depth(
     assert "note: pipeoptim at 8 stages" in out and "micro-batched: xpipe" in out
     assert main([*argv, "--optimizer", "sgd", "--json"]) == 0  # the study has no SGD rows
     assert json.loads(capsys.readouterr().out)["study_advice"] is None
+
+
+def test_an_unmeasured_optimizer_takes_the_largest_kappa_measured_on_every_model() -> None:
+    """RMSprop's risk uses the largest κ of the optimizers the study measured on every
+    model, not one fitted to a few language-model rows (NAdam's, Muon's)."""
+    assert risk.DEFAULT_KAPPA == max(risk.KAPPA[o] for o in ("sgd", "adam", "adamw"))
+    assert risk.DEFAULT_KAPPA < risk.KAPPA["nadam"]
