@@ -52,6 +52,7 @@ from pipeoptim.runtime.comm.placement import (
     exit_with_parent,
     pick_device,
     rank_threads,
+    stop_if_orphaned,
     world_error,
 )
 from pipeoptim.runtime.comm.process_model import ProcessModel
@@ -403,9 +404,14 @@ def worker_main(runner: Runner) -> int:
         _run_rank(config, runner, rank, store)
         dist.barrier()  # nobody leaves while a peer may still be reading from it
     except PipeoptimError as err:
+        stop_if_orphaned()  # the launcher went: say that, not what it did to a peer
         print(f"pipeoptim train: rank {rank}: {err}", file=sys.stderr)
         code = 1
     except BaseException:
+        # a peer that stopped because the launcher died resets this rank's connections,
+        # here while the process group connects too: end with the watchdog's line, as the
+        # exception hook does for an uncaught error, not with the backend's traceback
+        stop_if_orphaned()
         traceback.print_exc()
         code = 1
     sys.stdout.flush()
