@@ -13,6 +13,14 @@ The units are the model's own submodules (wrapped, never copied), so ``ModelUnit
 every unit tensor as the model's ``state_dict`` does, and :func:`save_pretrained_folder`
 turns trained weights back into a folder ``from_pretrained`` loads.
 
+Each attention module of the cut (GPT-2's, Llama's, Mistral's, Qwen2's) exposes its per-head
+max logit for QK-Clip (:class:`HFAttentionLogits`): once a correction starts the recording,
+the module reads its attention function through a wrapper registered in transformers'
+``AttentionInterface`` (:data:`LOGITS_ATTENTION`), which records from the post-rotary query
+and key and the module's scaling, then calls the model's own implementation (sdpa, eager...).
+Qwen3 normalises q and k per head with weights shared by all heads (``q_norm``/``k_norm``), so
+no per-head rescale of its projections moves its logits: its attention exposes none.
+
 ``transformers`` is imported only inside the functions, so this module imports without it.
 """
 
@@ -20,7 +28,8 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Callable, Iterator
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +38,21 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.runtime.model.attention_logits import (
+    AttentionLogits,
+    HeadRows,
+    attention_logits_of,
+)
 from pipeoptim.runtime.model.units import InitWeights, ModelUnits
 
 __all__ = [
     "IGNORE_INDEX",
     "KNOWN_MODELS",
+    "LOGITS_ATTENTION",
     "CausalLMHead",
     "DecoderBlock",
     "GPT2Embeddings",
+    "HFAttentionLogits",
     "causal_lm_loss",
     "cut_causal_lm",
     "save_pretrained_folder",
@@ -160,6 +176,129 @@ class DecoderBlock(nn.Module):
         return hidden_out
 
 
+LOGITS_ATTENTION = "pipeoptim-logits"
+"""The name of the recording wrapper in transformers' ``AttentionInterface``: what a
+recording attention module's config names as its implementation."""
+
+
+class HFAttentionLogits(AttentionLogits):
+    """The max-logit recorder of a ``transformers`` attention module.
+
+    :meth:`start` gives the module a copy of its config that names :data:`LOGITS_ATTENTION`
+    (the model's own config, which makes the masks, is untouched) and registers the wrapper;
+    the wrapper records, then calls the implementation the model's config names now (so a
+    later ``set_attn_implementation`` is followed). Until started the module is as it was."""
+
+    source_config: Any = None
+    """The model's config, whose implementation the wrapper calls (set by :meth:`start`)."""
+
+    def start(self, module: nn.Module | None = None) -> None:
+        if module is None:
+            raise RuntimeConfigError(
+                "a transformers attention records through its config: start its "
+                "attention_logits with the module, attention_logits.start(module)"
+            )
+        hf: Any = module
+        if getattr(hf.config, "_attn_implementation", None) != LOGITS_ATTENTION:
+            source = hf.config
+            implementation = getattr(source, "_attn_implementation", None)
+            if getattr(hf, "reorder_and_upcast_attn", False) and implementation in (None, "eager"):
+                raise RuntimeConfigError(
+                    f"{type(module).__name__} with reorder_and_upcast_attn=True under eager "
+                    f"attention computes its logits outside transformers' attention "
+                    f"interface, where they cannot be recorded; build the model with "
+                    f"reorder_and_upcast_attn=False or attn_implementation='sdpa'"
+                )
+            from transformers import AttentionInterface
+
+            AttentionInterface.register(LOGITS_ATTENTION, _recording_attention)
+            view = copy.copy(source)
+            view._attn_implementation_internal = LOGITS_ATTENTION
+            self.source_config = source
+            hf.config = view
+        super().start(module)
+
+    def implementation(self, module: nn.Module) -> Callable[..., Any]:
+        """The attention function the model's config names (its modeling file's eager
+        attention for ``eager``)."""
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        name = getattr(self.source_config, "_attn_implementation", None) or "eager"
+        eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if name == "eager":
+            if eager is None:
+                raise RuntimeConfigError(
+                    f"{type(module).__name__}'s modeling file has no eager_attention_forward; "
+                    f"use attn_implementation='sdpa'"
+                )
+            return eager  # type: ignore[no-any-return]
+        found: Callable[..., Any] = ALL_ATTENTION_FUNCTIONS[name]
+        return found
+
+
+def _recording_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    **kwargs: Any,
+) -> Any:
+    """:data:`LOGITS_ATTENTION`: records the max logit of each head from the query and key
+    the attention function receives (post-rotary, its scaling, its mask), then runs the
+    model's own implementation on the same arguments."""
+    logits = attention_logits_of(module)
+    if not isinstance(logits, HFAttentionLogits):
+        raise RuntimeConfigError(
+            f"{type(module).__name__} names the {LOGITS_ATTENTION!r} attention but holds no "
+            f"HFAttentionLogits; cut the model with pipeoptim.hf.cut_causal_lm"
+        )
+    if logits.active(module.training):
+        causal = kwargs.get("is_causal")
+        causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
+        logits.record(query, key, kwargs.get("scaling"), attention_mask, causal=causal)
+    return logits.implementation(module)(module, query, key, value, attention_mask, **kwargs)
+
+
+def _linear_rows(proj: nn.Module, name: str, heads: int, head_dim: int) -> list[HeadRows]:
+    rows = [HeadRows(f"{name}.weight", 0, 0, heads, head_dim)]
+    if getattr(proj, "bias", None) is not None:
+        rows.append(HeadRows(f"{name}.bias", 0, 0, heads, head_dim))
+    return rows
+
+
+def _expose_rotary_logits(attention: Any, config: Any) -> None:
+    """A Llama-family attention's recorder: ``q_proj``'s and ``k_proj``'s output rows (and
+    biases, Qwen2's), one block of ``head_dim`` per head; none where q and k are normalised
+    (Qwen3's ``q_norm``)."""
+    if hasattr(attention, "q_norm") or hasattr(attention, "k_norm"):
+        return
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(attention.head_dim)
+    attention.attention_logits = HFAttentionLogits(
+        heads,
+        _linear_rows(attention.q_proj, "q_proj", heads, head_dim),
+        _linear_rows(attention.k_proj, "k_proj", kv_heads, head_dim),
+        kv_heads=kv_heads,
+    )
+
+
+def _expose_gpt2_logits(attention: Any) -> None:
+    """GPT-2's recorder: ``c_attn`` is a ``Conv1D`` of weight (D, 3D), so head h's query
+    columns are ``h·d .. (h+1)·d`` on dim 1 and its key columns D further on (the bias alike
+    on its one dim)."""
+    heads, head_dim, dim = int(attention.num_heads), int(attention.head_dim), attention.embed_dim
+
+    def rows(offset: int) -> Sequence[HeadRows]:
+        return [
+            HeadRows("c_attn.weight", 1, offset, heads, head_dim),
+            HeadRows("c_attn.bias", 0, offset, heads, head_dim),
+        ]
+
+    attention.attention_logits = HFAttentionLogits(heads, rows(0), rows(dim))
+
+
 class CausalLMHead(nn.Module):
     """The output side: final norm, then the LM head; hidden (B, T, D) to logits (B, T, V)."""
 
@@ -195,6 +334,8 @@ def _gpt2_units(model: Any, masks: Any) -> list[nn.Module]:
         )
     body = model.transformer
     blocks = [DecoderBlock(block, config, masks.create_causal_mask) for block in body.h]
+    for block in body.h:
+        _expose_gpt2_logits(block.attn)
     return [
         GPT2Embeddings(body.wte, body.wpe, body.drop),
         *blocks,
@@ -220,6 +361,8 @@ def _rotary_units(model: Any, masks: Any) -> list[nn.Module]:
     config = model.config
     body = model.model
     layers = list(body.layers)[: config.num_hidden_layers]
+    for layer in layers:
+        _expose_rotary_logits(layer.self_attn, config)
     blocks = [
         DecoderBlock(layer, config, _mask_maker(config, i, masks), body.rotary_emb)
         for i, layer in enumerate(layers)

@@ -3,14 +3,16 @@ Hugging Face Llama (RMSNorm, rotary positions, SwiGLU; built from a config, noth
 downloaded) on English prose, the text of Python's documentation topics
 (``pydoc_data.topics``, in the standard library), with the study's recipe.
 
-    python examples/convergence/heldout.py              # 4 runs of 2,000 updates, two at a
-                                                        # time: ~12 minutes on 2 cores
+    python examples/convergence/heldout.py              # 6 runs of 2,000 updates, two at a
+                                                        # time: ~20 minutes on 2 cores
     python examples/convergence/heldout.py --report-only
 
-Rows: gpipe and pipeoptim under AdamW, gpipe and pipeoptim+nesterov under Muon, 8 stages
+Rows: gpipe and pipeoptim under AdamW, gpipe and pipeoptim+nesterov under Muon, gpipe and
+pipeoptim under Basis Rotation (Adam in each matrix's gradient eigenbasis), 8 stages
 (9 units: the embedding, 7 decoder layers, the final norm with the head), 2,000 updates of
 32 windows of 64 characters, AdamW's recipe of the study (2e-3, weight decay 0.01, 10 %
-warm-up, cosine to 0.1x, clipping 1.0 per stage; Muon at the same rate and schedule).
+warm-up, cosine to 0.1x, clipping 1.0 per stage; Muon and Basis Rotation at the same rate
+and schedule).
 Nothing here is tuned: the model's sizes are the study's (width 64, 4 heads). Results go
 to ``results/heldout/runs.jsonl`` and ``results/heldout/README.md``.
 """
@@ -33,6 +35,8 @@ RUNS = {
     "pipeoptim": ("pipeoptim", "adamw"),
     "gpipe (muon)": ("gpipe", "muon"),
     "pipeoptim+nesterov (muon)": ("pipeoptim+nesterov", "muon"),
+    "gpipe (basis-rotation)": ("gpipe", "basis-rotation"),
+    "pipeoptim (basis-rotation)": ("pipeoptim", "basis-rotation"),
 }
 
 
@@ -118,7 +122,8 @@ def report(records: list[dict[str, object]]) -> str:
     for name in RUNS:
         if name not in by:
             continue
-        own = "gpipe (muon)" if "muon" in name else "gpipe"
+        optimizer = RUNS[name][1]
+        own = "gpipe" if optimizer == "adamw" else f"gpipe ({optimizer})"
         lines.append(
             f"| {name} | {final(name):.3f} | {100 * (final(name) / final('gpipe') - 1):+.1f} % "
             f"| {100 * (final(name) / final(own) - 1):+.1f} % "

@@ -75,6 +75,9 @@ STUDIES = {
             "pipedream+pipemare",
             "pipeoptim+pipemare",
             "pipeoptim+shrink",
+            "pipedream+bounded",
+            "pipeoptim+bounded",
+            "pipeoptim+qk-clip",
         ),
         optimizers=("adamw",),
         stages=(8, 16, 4),
@@ -97,6 +100,11 @@ STUDIES = {
             ("pipedream", "muon"),
             ("pipeoptim+shrink", "muon"),
             ("pipeoptim+nesterov", "muon"),
+            ("pipeoptim+bounded", "muon"),
+            ("gpipe", "basis-rotation"),
+            ("pipeoptim", "basis-rotation"),
+            ("pipeoptim+qk-clip", "muon"),
+            ("pipeoptim+nesterov", "basis-rotation"),
         ),
         # the optimizer rows that ask one question each, at 8 stages only; the corrections
         # (nesterov) and the best row with its reference (muon) train at every depth
@@ -105,6 +113,7 @@ STUDIES = {
             "pipeoptim+nesterov (nadam)",
             "pipedream (muon)",
             "pipeoptim+shrink (muon)",
+            "pipeoptim+qk-clip (muon)",
         ),
         twins=("1f1b", "zb-h1"),
         # the best never-micro-batched row at 8 stages and its base without the momentum
@@ -114,12 +123,42 @@ STUDIES = {
         repeat_seeds=3,
         repeat_stages=8,
     ),
+    # A deeper model and a shorter run: 16 blocks cut in halves (35 units, so 32 stages
+    # exist), 1,000 updates, gpt-deep's recipe and windows; the reference rows and the best
+    # few of gpt-deep, at 8 stages and at 32, one seed.
+    "gpt-deeper": StudyConfig(
+        "gpt-deeper",
+        steps=1000,
+        eval_every=250,
+        methods=("gpipe", "xpipe", "pipeoptim"),
+        optimizers=("adamw",),
+        stages=(8, 32),
+        sweep_stages=8,
+        seeds=1,
+        rates={"adamw": (2e-3,)},
+        high_rate=False,
+        eval_samples=1024,
+        warmup=0.1,
+        final_lr=0.1,
+        grad_clip=1.0,
+        weight_decay=0.01,
+        pairs=(
+            ("gpipe", "muon"),
+            ("pipeoptim", "muon"),
+            ("pipeoptim+nesterov", "muon"),
+            ("gpipe", "basis-rotation"),
+            ("pipeoptim", "basis-rotation"),
+        ),
+        twins=("1f1b", "zb-h1"),
+    ),
 }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="mlp,cnn,gpt,gpt-deep", help="comma-separated")
+    parser.add_argument(
+        "--models", default="mlp,cnn,gpt,gpt-deep,gpt-deeper", help="comma-separated"
+    )
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--threads", type=int, default=None, help="torch threads per run")
     parser.add_argument("--report-only", action="store_true")

@@ -43,7 +43,9 @@ def register(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--model", default="mlp", help="mlp, cnn, transformer, gpt or gpt-deep (default mlp)"
+        "--model",
+        default="mlp",
+        help="mlp, cnn, transformer, gpt, gpt-deep or gpt-deeper (default mlp)",
     )
     p.add_argument(
         "--methods",

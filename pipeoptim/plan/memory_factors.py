@@ -43,6 +43,11 @@ def _factor_rule(method: str, micro_batches: int) -> Callable[[int, int], tuple[
         "spectrain": lambda k, p: (1 if k == p - 1 else 2, p - k),
         "xpipe": lambda k, p: (1 if k == p - 1 else 2, p - k),
         "pipeoptim": lambda k, p: (1 if k == p - 1 else 2, p - k),
+        # bounded delay (one update): a forward meets at most one update, so a stash holds
+        # at most one older version; the gradient buffer (kept across the accumulation) is
+        # the +1 every stage is charged
+        "pipedream+bounded": lambda k, p: (1 if k == p - 1 else 2, p - k),
+        "pipeoptim+bounded": lambda k, p: (1 if k == p - 1 else 2, p - k),
         # zero bubble: activations held from F until the deferred W, P micro-batches
         "zb-h1": lambda k, p: (1, min(p, m)),
         # zb-v: over its 2P stages (the V), stage k holds min(2P - k, M)
@@ -69,6 +74,7 @@ def method_memory_factors(method: str, num_stages: int, micro_batches: int) -> M
     spectrain           2, last stage 1            P-k
     xpipe               2, last stage 1            P-k (async: no flush)
     pipeoptim           2, last stage 1            P-k
+    base+bounded        2, last stage 1            P-k
     zb-h1               1                          min(P, M) (held until W)
     zb-v                1                          min(P-k, M), P = 2 x ranks
     ==================  =========================  ===================

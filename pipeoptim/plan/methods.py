@@ -69,6 +69,17 @@ class Method:
     """The registered method whose schedule, weight versions and memory this one keeps,
     changing only its update (a delay correction) or its prediction's distance; None for a
     method of its own."""
+    max_delay: int | None = None
+    """Bounded delay: every stage accumulates its gradients over ``A_k = ⌈τ_k/D⌉``
+    mini-batches and updates once, so a forward meets at most D updates before its
+    backward (``schedules.bounded_async_one_f_one_b_arrays``); None: one update per
+    mini-batch."""
+
+    def accumulation(self, stage: int, num_stages: int) -> int:
+        """A_k: the mini-batches stage ``stage`` accumulates per update (1 without a bound)."""
+        if self.max_delay is None:
+            return 1
+        return schedules.accumulation_steps(num_stages - 1 - stage, self.max_delay)
 
     @property
     def schedule_name(self) -> str:
@@ -290,7 +301,46 @@ _REGISTRY += [
     _corrected(_BASES["pipeoptim"], "pipemare-lr", "pipemare", _PIPEMARE),
     _corrected(_BASES["pipedream"], "delay-momentum", "nesterov", _NESTEROV),
     _corrected(_BASES["pipeoptim"], "delay-momentum", "nesterov", _NESTEROV),
+    _corrected(
+        _BASES["pipedream"],
+        "qk-clip",
+        "qk-clip",
+        "Kimi K2's QK-Clip: after each step a head whose max attention logit S exceeds "
+        "τ = 100 has its query and key rows scaled by √(τ/S)",
+    ),
+    _corrected(
+        _BASES["pipeoptim"],
+        "qk-clip",
+        "qk-clip",
+        "Kimi K2's QK-Clip: after each step a head whose max attention logit S exceeds "
+        "τ = 100 has its query and key rows scaled by √(τ/S)",
+    ),
 ]
+
+
+def _bounded(base: Method, max_delay: int) -> Method:
+    """``base`` (never micro-batched, asynchronous) with its delay bounded by local gradient
+    accumulation: a schedule of its own (fewer updates on the early stages)."""
+
+    def arrays(shape: Shape) -> OrderArrays:
+        return schedules.bounded_async_one_f_one_b_arrays(shape, max_delay)
+
+    def order(shape: Shape) -> Order:
+        return arrays(shape).to_order()
+
+    return replace(
+        base,
+        name=f"{base.name}+bounded",
+        description=f"{base.name} with its delay bounded to {max_delay} update by local "
+        f"gradient accumulation (PACI): stage k updates once per A_k = ⌈(P−1−k)/"
+        f"{max_delay}⌉ mini-batches, on their mean gradient",
+        generator=order,
+        array_generator=arrays,
+        max_delay=max_delay,
+    )
+
+
+_REGISTRY += [_bounded(_BASES["pipedream"], 1), _bounded(_BASES["pipeoptim"], 1)]
 
 METHODS: dict[str, Method] = {m.name: m for m in _REGISTRY}
 CORRECTED: frozenset[str] = frozenset(m.name for m in _REGISTRY if m.delay_correction)

@@ -33,7 +33,7 @@ from pipeoptim.plan.schedules import Shape
 
 PLAN_FORMAT = "pipeoptim-plan"
 PLAN_VERSION = 1
-OPTIMIZER_FAMILIES = ("sgd", "adam", "adamw", "rmsprop", "nadam", "muon")
+OPTIMIZER_FAMILIES = ("sgd", "adam", "adamw", "rmsprop", "nadam", "muon", "basis-rotation")
 _REMEDY = "make one with `pipeoptim plan ... --out FILE`"
 
 
@@ -86,7 +86,8 @@ class OptimizerSpec:
 
     family: str = "sgd"
     """One of sgd, adam, adamw, rmsprop, nadam, muon (Muon on the 2-D weight matrices, AdamW
-    on the rest)."""
+    on the rest), basis-rotation (Adam in each matrix's gradient eigenbasis, Adam on the
+    rest)."""
     lr: float = 0.02
     """Learning rate (0.02 suits SGD with momentum 0.9; Adam-family runs want ~1e-3)."""
     options: dict[str, float | bool] = field(default_factory=dict)

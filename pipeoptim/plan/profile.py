@@ -55,6 +55,12 @@ OPTIMIZER_STATE_FACTORS: dict[str, tuple[int, int]] = {
     # Muon keeps one momentum buffer per matrix (most of the bytes); AdamW's two moments
     # for the rest are counted as one more.
     "muon": (1, 1),
+    # Basis rotation keeps m and v (2) plus, per matrix side of length n, an n×n covariance
+    # and an n×n basis: 2·(r² + c²)/(r·c) more for an r×c matrix, 4 for a square one (the
+    # count here), more for rectangular ones, none for vectors (2 in all). Not a fixed
+    # multiple: a measured profile records the real bytes (the profiler steps the real
+    # shapes, or counts them from the shapes, `basis_rotation.state_bytes`).
+    "basis-rotation": (6, 6),
 }
 """Optimizer state size in multiples of the parameter bytes, without and with momentum."""
 
@@ -65,6 +71,7 @@ _DEFAULT_MOMENTUM = {
     "rmsprop": False,
     "nadam": True,
     "muon": True,
+    "basis-rotation": True,
 }
 
 

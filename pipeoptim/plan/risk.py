@@ -59,38 +59,103 @@ __all__ = [
 CLOSURE: dict[tuple[str, str], dict[int, float]] = {
     ("optimizer", "adam"): {1: 0.69, 2: 0.6, 3: 0.57, 4: 0.48, 6: 0.38, 7: 0.38},
     ("optimizer", "adamw"): {
-        1: 0.67,
-        2: 0.6,
-        3: 0.52,
-        4: 0.48,
-        5: 0.33,
-        6: 0.31,
-        7: 0.34,
-        8: 0.39,
-        9: 0.32,
-        10: 0.27,
-        11: 0.23,
-        12: 0.14,
-        13: 0.11,
-        14: 0.02,
-        15: 0.07,
+        1: 0.64,
+        2: 0.62,
+        3: 0.55,
+        4: 0.51,
+        5: 0.42,
+        6: 0.36,
+        7: 0.37,
+        8: 0.43,
+        9: 0.36,
+        10: 0.34,
+        11: 0.29,
+        12: 0.28,
+        13: 0.21,
+        14: 0.18,
+        15: 0.17,
+        16: 0.24,
+        17: 0.12,
+        18: 0.24,
+        19: 0.19,
+        20: 0.17,
+        21: 0.13,
+        22: 0.11,
+        23: 0.08,
+        24: 0.07,
+        25: -0.0,
+        26: 0.04,
+        27: 0.11,
+        28: 0.0,
+        29: 0.06,
+        30: -0.04,
+        31: -0.1,
+    },
+    ("optimizer", "basis-rotation"): {
+        1: 0.77,
+        2: 0.68,
+        3: 0.64,
+        4: 0.6,
+        5: 0.56,
+        6: 0.52,
+        7: 0.49,
+        8: 0.49,
+        9: 0.47,
+        10: 0.45,
+        11: 0.42,
+        12: 0.4,
+        13: 0.37,
+        14: 0.35,
+        15: 0.32,
+        16: 0.35,
+        17: 0.32,
+        18: 0.32,
+        19: 0.3,
+        20: 0.29,
+        21: 0.27,
+        22: 0.25,
+        23: 0.23,
+        24: 0.21,
+        25: 0.18,
+        26: 0.18,
+        27: 0.17,
+        28: 0.16,
+        29: 0.16,
+        30: 0.16,
+        31: 0.14,
     },
     ("optimizer", "muon"): {
-        1: 0.49,
-        2: 0.38,
-        3: 0.35,
-        4: 0.37,
-        5: 0.33,
-        6: 0.3,
-        7: 0.26,
-        8: 0.3,
-        9: 0.26,
-        10: 0.24,
-        11: 0.2,
-        12: 0.18,
-        13: 0.15,
-        14: 0.13,
-        15: 0.05,
+        1: 0.35,
+        2: 0.44,
+        3: 0.42,
+        4: 0.43,
+        5: 0.4,
+        6: 0.37,
+        7: 0.33,
+        8: 0.42,
+        9: 0.4,
+        10: 0.37,
+        11: 0.34,
+        12: 0.32,
+        13: 0.3,
+        14: 0.27,
+        15: 0.22,
+        16: 0.37,
+        17: 0.35,
+        18: 0.33,
+        19: 0.31,
+        20: 0.28,
+        21: 0.26,
+        22: 0.24,
+        23: 0.22,
+        24: 0.21,
+        25: 0.18,
+        26: 0.17,
+        27: 0.13,
+        28: 0.13,
+        29: 0.11,
+        30: 0.1,
+        31: 0.01,
     },
     ("optimizer", "nadam"): {1: 0.04, 2: 0.02, 3: -0.02, 4: -0.05, 5: -0.08, 6: -0.15, 7: -0.16},
     ("optimizer", "sgd"): {1: 0.75, 2: 0.67, 3: 0.58, 4: 0.59, 6: 0.57, 7: 0.51},
@@ -132,7 +197,7 @@ CLOSURE: dict[tuple[str, str], dict[int, float]] = {
     },
     ("spectrain", "sgd"): {1: 0.75, 2: 0.67, 3: 0.58, 4: 0.59, 6: 0.57, 7: 0.51},
     ("xpipe", "adam"): {1: 0.7},
-    ("xpipe", "adamw"): {1: 0.59},
+    ("xpipe", "adamw"): {1: 0.57},
     ("xpipe", "sgd"): {1: 0.77},
 }
 """(prediction rule, optimizer) -> {s: share of the stale distance removed}: per stage, the
@@ -142,8 +207,9 @@ Not monotone in s everywhere: stages with the same s sit at different depths and
 
 KAPPA: dict[str, float] = {
     "adam": 0.0476,
-    "adamw": 0.54,
-    "muon": 0.1478,
+    "adamw": 0.3716,
+    "basis-rotation": 0.1141,
+    "muon": 0.1309,
     "nadam": 0.8649,
     "sgd": 0.3276,
 }
@@ -156,9 +222,12 @@ a lower bound where deep pipelines failed outright; gpt-deep's extra is read off
 curve (the samples gpipe needed for the loss the method ended with)."""
 
 CORRECTION_GAIN: dict[str, float] = {
-    "delay-momentum/muon": 0.28,
+    "delay-momentum/basis-rotation": -0.08,
+    "delay-momentum/muon": 0.18,
     "delay-momentum/nadam": 0.37,
     "pipemare-lr/adamw": 0.14,
+    "qk-clip/adamw": 0.01,
+    "qk-clip/muon": -0.19,
 }
 """``correction/optimizer`` -> the share of its base method's excess final test loss over
 gpipe's that the delay correction removed on the study's language model at depth
@@ -195,13 +264,18 @@ def uncorrected_distance(
     max_distance: int,
     max_staleness: int,
     closed: float | None = None,
+    accumulation: int = 1,
 ) -> float:
     """e of ``method`` on a stage with prediction distance ``max_distance`` and staleness
-    ``max_staleness`` (from ``versions.analyze_versions``); ``closed`` overrides the
-    measured closure of :data:`CLOSURE`."""
+    ``max_staleness`` (from ``versions.analyze_versions``), in mini-batches of gradient the
+    forward's weights lack: under a bounded delay each update a forward misses carries the
+    ``accumulation`` A_k mini-batches it applies, so one missed update is A_k of them (the
+    information delay stays about τ_k mini-batches; what the bound saves is only what the
+    prediction of that one update closes). ``closed`` overrides the measured closure of
+    :data:`CLOSURE`."""
     spec = get_method(method)
     policy = spec.weight_policy
-    kept = 1.0 - correction_gain(spec.delay_correction, optimizer)
+    kept = (1.0 - correction_gain(spec.delay_correction, optimizer)) * accumulation
     if policy is WeightPolicy.FLUSH:
         return 0.0
     if policy is WeightPolicy.STASH:
@@ -244,7 +318,13 @@ def method_risk(
     ds, st = tuple(distances), tuple(staleness)
     spec = get_method(method)
     rule = spec.prediction_rule or "optimizer"
-    es = [uncorrected_distance(method, optimizer, s, old) for s, old in zip(ds, st, strict=True)]
+    p = len(ds)
+    es = [
+        uncorrected_distance(
+            method, optimizer, s, old, accumulation=spec.accumulation(k, p) if p else 1
+        )
+        for k, (s, old) in enumerate(zip(ds, st, strict=True))
+    ]
     worst = max(range(len(es)), key=lambda k: es[k], default=0)
     e = es[worst] if es else 0.0
     closed = (
@@ -350,11 +430,18 @@ DEPTH_EXCESS: dict[int, dict[str, float]] = {
         "pipedream+pipemare": 0.2629,
         "pipeoptim+pipemare": 0.1599,
         "pipeoptim+shrink": 0.3138,
+        "pipedream+bounded": 0.2202,
+        "pipeoptim+bounded": 0.1549,
+        "pipeoptim+qk-clip": 0.3173,
         "gpipe (nadam)": 0.0,
         "pipedream+nesterov (nadam)": 0.0649,
         "pipeoptim (muon)": 0.0157,
         "gpipe (muon)": 0.0,
         "pipeoptim+nesterov (muon)": 0.0119,
+        "pipeoptim+bounded (muon)": 0.0447,
+        "gpipe (basis-rotation)": 0.0,
+        "pipeoptim (basis-rotation)": 0.0135,
+        "pipeoptim+nesterov (basis-rotation)": 0.0245,
     },
     8: {
         "gpipe": 0.0,
@@ -366,6 +453,9 @@ DEPTH_EXCESS: dict[int, dict[str, float]] = {
         "pipedream+pipemare": 0.5508,
         "pipeoptim+pipemare": 0.4903,
         "pipeoptim+shrink": 0.4975,
+        "pipedream+bounded": 0.3766,
+        "pipeoptim+bounded": 0.3143,
+        "pipeoptim+qk-clip": 0.4888,
         "gpipe (nadam)": 0.0,
         "pipeoptim (nadam)": 0.5347,
         "pipedream+nesterov (nadam)": 0.4044,
@@ -375,6 +465,11 @@ DEPTH_EXCESS: dict[int, dict[str, float]] = {
         "pipedream (muon)": 0.1407,
         "pipeoptim+shrink (muon)": 0.0894,
         "pipeoptim+nesterov (muon)": 0.0586,
+        "pipeoptim+bounded (muon)": 0.1425,
+        "gpipe (basis-rotation)": 0.0,
+        "pipeoptim (basis-rotation)": 0.0529,
+        "pipeoptim+qk-clip (muon)": 0.1024,
+        "pipeoptim+nesterov (basis-rotation)": 0.0365,
     },
     16: {
         "gpipe": 0.0,
@@ -386,11 +481,28 @@ DEPTH_EXCESS: dict[int, dict[str, float]] = {
         "pipedream+pipemare": 0.5929,
         "pipeoptim+pipemare": 0.5895,
         "pipeoptim+shrink": 0.5818,
+        "pipedream+bounded": 0.4533,
+        "pipeoptim+bounded": 0.4873,
+        "pipeoptim+qk-clip": 0.585,
         "gpipe (nadam)": 0.0,
         "pipedream+nesterov (nadam)": 0.5482,
         "pipeoptim (muon)": 0.2277,
         "gpipe (muon)": 0.0,
         "pipeoptim+nesterov (muon)": 0.1665,
+        "pipeoptim+bounded (muon)": 0.3617,
+        "gpipe (basis-rotation)": 0.0,
+        "pipeoptim (basis-rotation)": 0.1157,
+        "pipeoptim+nesterov (basis-rotation)": 0.0851,
+    },
+    32: {
+        "gpipe": 0.0,
+        "xpipe": 0.0602,
+        "pipeoptim": 0.5575,
+        "gpipe (muon)": 0.0,
+        "pipeoptim (muon)": 0.4919,
+        "pipeoptim+nesterov (muon)": 0.4679,
+        "gpipe (basis-rotation)": 0.0,
+        "pipeoptim (basis-rotation)": 0.4533,
     },
 }
 """Stages -> row of the study's language-model table (a method, ``method (optimizer)`` for
@@ -409,11 +521,18 @@ DEPTH_COPIES: dict[int, dict[str, int]] = {
         "pipedream+pipemare": 4,
         "pipeoptim+pipemare": 2,
         "pipeoptim+shrink": 2,
+        "pipedream+bounded": 2,
+        "pipeoptim+bounded": 2,
+        "pipeoptim+qk-clip": 2,
         "gpipe (nadam)": 1,
         "pipedream+nesterov (nadam)": 4,
         "pipeoptim (muon)": 2,
         "gpipe (muon)": 1,
         "pipeoptim+nesterov (muon)": 2,
+        "pipeoptim+bounded (muon)": 2,
+        "gpipe (basis-rotation)": 1,
+        "pipeoptim (basis-rotation)": 2,
+        "pipeoptim+nesterov (basis-rotation)": 2,
     },
     8: {
         "gpipe": 1,
@@ -425,6 +544,9 @@ DEPTH_COPIES: dict[int, dict[str, int]] = {
         "pipedream+pipemare": 8,
         "pipeoptim+pipemare": 2,
         "pipeoptim+shrink": 2,
+        "pipedream+bounded": 2,
+        "pipeoptim+bounded": 2,
+        "pipeoptim+qk-clip": 2,
         "gpipe (nadam)": 1,
         "pipeoptim (nadam)": 2,
         "pipedream+nesterov (nadam)": 8,
@@ -434,6 +556,11 @@ DEPTH_COPIES: dict[int, dict[str, int]] = {
         "pipedream (muon)": 8,
         "pipeoptim+shrink (muon)": 2,
         "pipeoptim+nesterov (muon)": 2,
+        "pipeoptim+bounded (muon)": 2,
+        "gpipe (basis-rotation)": 1,
+        "pipeoptim (basis-rotation)": 2,
+        "pipeoptim+qk-clip (muon)": 2,
+        "pipeoptim+nesterov (basis-rotation)": 2,
     },
     16: {
         "gpipe": 1,
@@ -445,14 +572,121 @@ DEPTH_COPIES: dict[int, dict[str, int]] = {
         "pipedream+pipemare": 16,
         "pipeoptim+pipemare": 2,
         "pipeoptim+shrink": 2,
+        "pipedream+bounded": 2,
+        "pipeoptim+bounded": 2,
+        "pipeoptim+qk-clip": 2,
         "gpipe (nadam)": 1,
         "pipedream+nesterov (nadam)": 16,
         "pipeoptim (muon)": 2,
         "gpipe (muon)": 1,
         "pipeoptim+nesterov (muon)": 2,
+        "pipeoptim+bounded (muon)": 2,
+        "gpipe (basis-rotation)": 1,
+        "pipeoptim (basis-rotation)": 2,
+        "pipeoptim+nesterov (basis-rotation)": 2,
+    },
+    32: {
+        "gpipe": 1,
+        "xpipe": 2,
+        "pipeoptim": 2,
+        "gpipe (muon)": 1,
+        "pipeoptim (muon)": 2,
+        "pipeoptim+nesterov (muon)": 2,
+        "gpipe (basis-rotation)": 1,
+        "pipeoptim (basis-rotation)": 2,
     },
 }
 """The weight copies each row of :data:`DEPTH_EXCESS` keeps on its fullest stage."""
+
+DEPTH_EXCESS_FIRST: dict[int, dict[str, float]] = {
+    4: {
+        "gpipe": 0.0,
+        "2bw": 0.0832,
+        "xpipe": 0.0141,
+        "pipedream": 0.4028,
+        "spectrain": 0.4081,
+        "pipeoptim": 0.3244,
+        "pipedream+pipemare": 0.2629,
+        "pipeoptim+pipemare": 0.1599,
+        "pipeoptim+shrink": 0.3138,
+        "pipedream+bounded": 0.2202,
+        "pipeoptim+bounded": 0.1549,
+        "pipeoptim+qk-clip": 0.3173,
+        "gpipe (nadam)": -0.0143,
+        "pipedream+nesterov (nadam)": 0.0496,
+        "pipeoptim (muon)": -0.0727,
+        "gpipe (muon)": -0.087,
+        "pipeoptim+nesterov (muon)": -0.0761,
+        "pipeoptim+bounded (muon)": -0.0462,
+        "gpipe (basis-rotation)": -0.1167,
+        "pipeoptim (basis-rotation)": -0.1047,
+        "pipeoptim+nesterov (basis-rotation)": -0.095,
+    },
+    8: {
+        "gpipe": 0.0,
+        "2bw": 0.075,
+        "xpipe": 0.0063,
+        "pipedream": 0.5104,
+        "spectrain": 0.52,
+        "pipeoptim": 0.517,
+        "pipedream+pipemare": 0.5508,
+        "pipeoptim+pipemare": 0.4903,
+        "pipeoptim+shrink": 0.4975,
+        "pipedream+bounded": 0.3766,
+        "pipeoptim+bounded": 0.3143,
+        "pipeoptim+qk-clip": 0.4888,
+        "gpipe (nadam)": -0.0167,
+        "pipeoptim (nadam)": 0.509,
+        "pipedream+nesterov (nadam)": 0.3809,
+        "pipeoptim+nesterov (nadam)": 0.418,
+        "pipeoptim (muon)": -0.0116,
+        "gpipe (muon)": -0.0896,
+        "pipedream (muon)": 0.0385,
+        "pipeoptim+shrink (muon)": -0.0082,
+        "pipeoptim+nesterov (muon)": -0.0362,
+        "pipeoptim+bounded (muon)": 0.0401,
+        "gpipe (basis-rotation)": -0.1158,
+        "pipeoptim (basis-rotation)": -0.069,
+        "pipeoptim+qk-clip (muon)": 0.0036,
+        "pipeoptim+nesterov (basis-rotation)": -0.0835,
+    },
+    16: {
+        "gpipe": 0.0,
+        "2bw": 0.0909,
+        "xpipe": 0.0101,
+        "pipedream": 0.6576,
+        "spectrain": 0.553,
+        "pipeoptim": 0.5585,
+        "pipedream+pipemare": 0.5929,
+        "pipeoptim+pipemare": 0.5895,
+        "pipeoptim+shrink": 0.5818,
+        "pipedream+bounded": 0.4533,
+        "pipeoptim+bounded": 0.4873,
+        "pipeoptim+qk-clip": 0.585,
+        "gpipe (nadam)": -0.0027,
+        "pipedream+nesterov (nadam)": 0.544,
+        "pipeoptim (muon)": 0.1202,
+        "gpipe (muon)": -0.0875,
+        "pipeoptim+nesterov (muon)": 0.0644,
+        "pipeoptim+bounded (muon)": 0.2425,
+        "gpipe (basis-rotation)": -0.1105,
+        "pipeoptim (basis-rotation)": -0.0076,
+        "pipeoptim+nesterov (basis-rotation)": -0.0348,
+    },
+    32: {
+        "gpipe": 0.0,
+        "xpipe": 0.0602,
+        "pipeoptim": 0.5575,
+        "gpipe (muon)": -0.1088,
+        "pipeoptim (muon)": 0.3296,
+        "pipeoptim+nesterov (muon)": 0.3082,
+        "gpipe (basis-rotation)": -0.151,
+        "pipeoptim (basis-rotation)": 0.2339,
+    },
+}
+"""Stages -> row -> its final test loss over **gpipe under AdamW** (the study's first
+optimizer) at that depth, minus 1: what compares rows of two optimizers (``risk_fit.json``,
+``depth_excess_first``; a test keeps them equal)."""
 
 WITHIN = 0.03
 """A configuration within this share of gpipe's final loss counts as converging."""
@@ -501,9 +735,45 @@ def _flags(row: str) -> str:
     return flags + (", Pipeline(predicted_backward=True)" if base != name else "")
 
 
-STUDY_FAMILY = {"adam": "adamw", "adamw": "adamw", "nadam": "nadam", "muon": "muon"}
+STUDY_FAMILY = {
+    "adam": "adamw",
+    "adamw": "adamw",
+    "nadam": "nadam",
+    "muon": "muon",
+    "basis-rotation": "basis-rotation",
+}
 """The study's optimizer rows a user's optimizer reads: AdamW's for Adam and AdamW (its rows
 carry no optimizer in their names), NAdam's and Muon's as ``method (optimizer)``."""
+
+
+def _other_optimizer(depth: int, family: str) -> str:
+    """Where no never-micro-batched row of ``family`` converged at ``depth``: the best one
+    of another optimizer that ends at or below gpipe's loss under ``family`` (its excess
+    over gpipe under AdamW set against gpipe-under-``family``'s), with at most 2 weight
+    copies per stage; "" where there is none."""
+    first = DEPTH_EXCESS_FIRST.get(depth, {})
+    reference = first.get(join_row("gpipe", None if family == "adamw" else family))
+    if reference is None:
+        return ""
+    copies = DEPTH_COPIES.get(depth, {})
+    rows = {
+        row: (1.0 + e) / (1.0 + reference) - 1.0
+        for row, e in first.items()
+        if (split_row(row)[1] or "adamw") != family
+        and _asynchronous(row)
+        and not _micro_batched(row)
+        and copies.get(row, 99) <= 2
+    }
+    good = {row: e for row, e in rows.items() if e <= WITHIN}
+    if not good:
+        return ""
+    best = min(good, key=lambda row: good[row])
+    e = good[best]
+    where = f"{100 * -e:.1f} % below" if e < 0 else f"{100 * e:.1f} % above"
+    return (
+        f"; under another optimizer, {best} ended {where} gpipe's final loss under {family} "
+        f"({_flags(best)})"
+    )
 
 
 def depth_advice(method: str, stages: int, optimizer: str) -> str | None:
@@ -566,6 +836,8 @@ def depth_advice(method: str, stages: int, optimizer: str) -> str | None:
                 f"; the closest asynchronous was {near} ({100 * closest[near]:+.1f} %, "
                 f"{held(near)} per stage; {_flags(near)})"
             )
+    if not whole:
+        verdict += _other_optimizer(depth, family)
     return (
         f"{mine} at {stages} stages: on the convergence study's language model at {depth} "
         f"stages (gpt-deep, with warm-up, cosine decay and clipping) it ended "

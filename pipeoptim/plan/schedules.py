@@ -172,6 +172,43 @@ def async_one_f_one_b_arrays(shape: Shape) -> OrderArrays:
     return OrderArrays.from_rank_arrays(per_rank)
 
 
+def accumulation_steps(delay: int, max_delay: int) -> int:
+    """A_k = ⌈τ_k / D⌉ (at least 1): the mini-batches a stage of delay τ_k accumulates
+    its gradients over so that a forward meets at most D of its updates before its
+    backward (the updates come A_k times rarer than the mini-batches)."""
+    if max_delay < 1:
+        raise ScheduleError(
+            f"a bounded delay counts the updates a forward may meet before its backward and "
+            f"must be at least 1 (got {max_delay}); use 1 for PipeDream-2BW's delay"
+        )
+    return max(1, -(-delay // max_delay))
+
+
+def bounded_async_one_f_one_b_arrays(shape: Shape, max_delay: int) -> OrderArrays:
+    """Asynchronous 1F1B of whole mini-batches (M = 1) with the delay bounded by local
+    gradient accumulation (PACI, arXiv 2606.07881; PipeDream-2BW's bound at full-size
+    forwards): stage k keeps :func:`async_one_f_one_b_arrays`' order but updates only after
+    every ``A_k``-th backward, ``A_k = accumulation_steps(P−1−k, max_delay)``, and after
+    the last mini-batch of the run, so no gradient is left unapplied; ``U(t)`` applies the
+    mini-batches since the stage's previous update."""
+    if shape.micro_batches != 1:
+        raise ScheduleError(
+            f"a bounded-delay schedule accumulates whole mini-batches (M = 1; got "
+            f"{shape.micro_batches} micro-batches); leave --micro-batches out"
+        )
+    order = async_one_f_one_b_arrays(shape)
+    p, n = shape.num_ranks, shape.mini_batches
+    every = np.array([accumulation_steps(p - 1 - k, max_delay) for k in range(p)])
+    is_u = order.kind == KIND_U
+    keep = ~is_u | ((order.mb + 1) % every[order.stage] == 0) | (order.mb == n - 1)
+    rank = order.rank_of()[keep]
+    per_rank = {
+        r: (order.stage[keep][rank == r], order.kind[keep][rank == r], order.mb[keep][rank == r])
+        for r in order.ranks
+    }
+    return OrderArrays.from_rank_arrays(per_rank)
+
+
 def interleaved_one_f_one_b(shape: Shape) -> Order:
     """Interleaved 1F1B (Megatron-LM): rank r holds stages r, r+P, ...; flush per mini-batch.
 

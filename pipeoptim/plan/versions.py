@@ -331,6 +331,7 @@ def analyze_order(order: OrderArrays, policy: WeightPolicy, m: int = 1) -> Versi
                 f"backward of all {m} micro-batch(es) of its mini-batch"
             )
         gradient = np.minimum(gradient, backward[found]) if q else backward[found]
+    gradient = _accumulated_versions(gradient, u_pos, b_pos, f_index.find(b_keys), backward, first)
     update_arrays = UpdateArrays(stage[u_pos], mb[u_pos], applied, gradient)
 
     # Per action, back in the order's indices.
@@ -378,6 +379,33 @@ def analyze_order(order: OrderArrays, policy: WeightPolicy, m: int = 1) -> Versi
     )
 
 
+def _accumulated_versions(
+    gradient: IntArray,
+    u_pos: IntArray,
+    b_pos: IntArray,
+    b_pass: IntArray,
+    backward: IntArray,
+    first: BoolArray,
+) -> IntArray:
+    """The oldest backward version among every backward an update applies: those since the
+    stage's previous update (more than its own mini-batch's under accumulation), given the
+    oldest of its own mini-batch (``gradient``). Positions are stage-grouped."""
+    if not len(u_pos):
+        return gradient
+    starts = np.flatnonzero(first)
+    group_of = np.cumsum(first) - 1
+    previous = np.r_[-1, u_pos[:-1]]
+    same_stage = np.r_[False, group_of[u_pos[1:]] == group_of[u_pos[:-1]]]
+    previous = np.where(same_stage, previous, starts[group_of[u_pos]] - 1)
+    lo = np.asarray(np.searchsorted(b_pos, previous, side="right"), dtype=np.int64)
+    hi = np.asarray(np.searchsorted(b_pos, u_pos), dtype=np.int64)
+    versions = np.where(b_pass >= 0, backward[np.maximum(b_pass, 0)], np.iinfo(np.int64).max)
+    out = gradient.copy()
+    for i in np.flatnonzero(hi - lo > 1).tolist():  # only accumulated windows hold more
+        out[i] = min(int(out[i]), int(versions[lo[i] : hi[i]].min()))
+    return out
+
+
 def _distinct_alive(
     n: int,
     group: IntArray,
@@ -419,16 +447,21 @@ def _distinct_alive(
     return np.cumsum(count)[:n]
 
 
-def gradient_delays(passes: Iterable[MicroBatchVersions], policy: WeightPolicy) -> dict[int, int]:
-    """τ of each update of one stage, by mini-batch t: ``t`` minus the oldest weight version
-    that was present at a forward of t (the stash or the buffer a forward reads; under
-    prediction the live weights Ŵ was extrapolated from, since the gradient still carries
-    that much delay: a prediction fixes the forward's weights, not the update's lag)."""
+def gradient_delays(
+    passes: Iterable[MicroBatchVersions], policy: WeightPolicy, accumulation: int = 1
+) -> dict[int, int]:
+    """τ of each update j of one stage (in updates): ``j`` minus the oldest weight version
+    that was present at a forward of the mini-batches it applies (the stash or the buffer a
+    forward reads; under prediction the live weights Ŵ was extrapolated from, since the
+    gradient still carries that much delay: a prediction fixes the forward's weights, not
+    the update's lag). Update j applies mini-batches ``j·A … j·A + A − 1`` of the segment
+    (``accumulation`` A, 1 but under a bounded delay), so with A = 1 it is mini-batch j's."""
     oldest: dict[int, int] = {}
     for v in passes:
         seen = v.forward_base if policy is WeightPolicy.PREDICT else v.forward_version
-        oldest[v.mini_batch] = min(oldest.get(v.mini_batch, seen), seen)
-    return {t: max(0, t - base) for t, base in oldest.items()}
+        j = v.mini_batch // accumulation
+        oldest[j] = min(oldest.get(j, seen), seen)
+    return {j: max(0, j - base) for j, base in oldest.items()}
 
 
 def steady_delays(method: Method, shape: Shape) -> dict[int, int]:
@@ -443,7 +476,11 @@ def steady_delays(method: Method, shape: Shape) -> dict[int, int]:
     by_stage: dict[int, list[MicroBatchVersions]] = {}
     for (stage, _), v in report.passes.items():
         by_stage.setdefault(stage, []).append(v)
+    p = long.num_stages
     return {
-        k: max(gradient_delays(vs, method.weight_policy).values(), default=0)
+        k: max(
+            gradient_delays(vs, method.weight_policy, method.accumulation(k, p)).values(),
+            default=0,
+        )
         for k, vs in sorted(by_stage.items())
     }

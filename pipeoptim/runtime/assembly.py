@@ -21,11 +21,17 @@ from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.plan.versions import steady_delays
 from pipeoptim.runtime.comm.dist import DistTransport
 from pipeoptim.runtime.comm.placement import join_group, local_device
-from pipeoptim.runtime.comm.replicas import BufferBroadcast, GradientAverager, ReplicaGroups
+from pipeoptim.runtime.comm.replicas import (
+    BufferBroadcast,
+    GradientAverager,
+    ReplicaGroups,
+    ReplicaMax,
+)
 from pipeoptim.runtime.comm.transport import Transport
 from pipeoptim.runtime.model.materialize import materialize_units, meta_units
 from pipeoptim.runtime.model.ties import TieExchange, find_ties, refuse_for, untie_copies
 from pipeoptim.runtime.optim.builder import reads_delays
+from pipeoptim.runtime.optim.corrections.qk_clip import QKClip
 from pipeoptim.runtime.optim.update import (
     FAMILY_OF_CLASS,
 )
@@ -165,7 +171,8 @@ class Assembly:
     def _join_replicas(self) -> None:
         """Start every replica from replica 0's weights; average gradients before updates,
         and give every replica replica 0's buffers at each update (stages with floating
-        buffers only: nothing is sent for the others, nor for D = 1)."""
+        buffers only: nothing is sent for the others, nor for D = 1); QK-Clip takes each
+        head's max logit over the replicas, so they clip alike."""
         group = self.replicas.data_group
         if group is None:
             return
@@ -174,6 +181,9 @@ class Assembly:
             stage.grad_sync = GradientAverager(group, self.replicas.replicas)
             if BufferBroadcast.needed(stage.module):
                 stage.buffer_sync = BufferBroadcast(group, stage.module)
+            correction = None if stage.updater is None else stage.updater.correction
+            if isinstance(correction, QKClip):  # S_h over every replica's share of the batch
+                correction.replica_max = ReplicaMax(group)
 
     def _record_optimizer(self) -> None:
         """The plan (and trace) name the optimizer the stages actually built."""

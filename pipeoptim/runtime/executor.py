@@ -354,11 +354,15 @@ class RankExecutor:
             else:
                 self._inputs[(k + 1, mb)] = out
             v = stage.versions(mb)
-            return self._first + v.forward_version, stage.activation_bytes(mb), stage.distance(mb)
+            return (
+                stage.version_base(self._first) + v.forward_version,
+                stage.activation_bytes(mb),
+                stage.distance(mb),
+            )
         if a.kind is Kind.BACKWARD_WEIGHT:  # local: the weight half sends nothing
             stage.backward_weight(mb)
             self._gradient_done(k, mb)
-            return self._first + stage.versions(mb).backward_version, 0, 0
+            return stage.version_base(self._first) + stage.versions(mb).backward_version, 0, 0
         if a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
             run = stage.backward if a.kind is Kind.BACKWARD else stage.backward_input
             g_in = run(mb, None if stage.is_last else self._grads.pop((k, mb)))
@@ -371,8 +375,8 @@ class RankExecutor:
                     shape = (self.micro_size, *b.shape)
                     g_in = torch.zeros(shape, dtype=b.grad_dtype, device=stage.device)
                 self._grads[(k - 1, mb)] = g_in
-            return self._first + stage.versions(mb).backward_version, 0, 0
-        version = self._first + stage.version
+            return stage.version_base(self._first) + stage.versions(mb).backward_version, 0, 0
+        version = stage.version_base(self._first) + stage.version
         if self.ties is not None and self.ties.holds(k):
             self.ties.exchange(k, self._first + mb)
         stage.update()

@@ -67,6 +67,7 @@ TARGETS: dict[str, float | None] = {
     "transformer": 0.95,
     "gpt": 12.0,
     "gpt-deep": None,
+    "gpt-deeper": None,
 }
 """The metric a run must reach to count as trained: test accuracy for the digits models,
 test perplexity (at most) for the language model; None: gpipe's own final test loss at
@@ -104,6 +105,7 @@ def write_study_report(
     gains: list[dict[str, Any]] = []
     depth_excess: dict[int, dict[str, float]] = {}
     depth_copies: dict[int, dict[str, int]] = {}
+    depth_excess_first: dict[int, dict[str, float]] = {}
     for config in configs:
         records = load_records(out / config.model / "runs.jsonl")
         if not records:
@@ -140,9 +142,17 @@ def write_study_report(
                 *gap_table(config, cells, rates),
                 "",
             ]
+            # the planner's table: at a depth two models measured, the first model's rows
+            # (gpt-deep's grid) and only the rows it lacks from the next (gpt-deeper)
             for p, rows in gaps(config, cells, rates).items():
-                depth_excess.setdefault(p, {}).update({k: round(v, 4) for k, v in rows.items()})
-                depth_copies.setdefault(p, {}).update({k: peak_copies(k, p) for k in rows})
+                excess, copies = depth_excess.setdefault(p, {}), depth_copies.setdefault(p, {})
+                for k, v in rows.items():
+                    excess.setdefault(k, round(v, 4))
+                    copies.setdefault(k, peak_copies(k, p))
+            for p, rows in gaps(config, cells, rates, same_optimizer=False).items():
+                first = depth_excess_first.setdefault(p, {})
+                for k, v in rows.items():
+                    first.setdefault(k, round(v, 4))
         closure = closure_rows(mine)
         # the rows of other optimizers (NAdam, Muon) train at the first optimizer's rate
         rate_of = {o: r[0] for o, r in rates.items()}
@@ -244,6 +254,9 @@ def write_study_report(
                 "correction_gains": gains,
                 "depth_excess": {str(p): rows for p, rows in sorted(depth_excess.items())},
                 "depth_copies": {str(p): rows for p, rows in sorted(depth_copies.items())},
+                "depth_excess_first": {
+                    str(p): rows for p, rows in sorted(depth_excess_first.items())
+                },
                 "points": [p.to_dict() for p in points],
             },
             indent=1,

@@ -24,6 +24,7 @@ MODEL_METRIC = {
     "transformer": "accuracy",
     "gpt": "perplexity",
     "gpt-deep": "perplexity",
+    "gpt-deeper": "perplexity",
 }
 """The test metric each built-in model is judged by (accuracy: higher is better)."""
 

@@ -378,8 +378,11 @@ def _measured_distance(method: str, optimizer: str, stages: int, closed: dict[in
     measurement hold no weights (a lone ReLU) or never predict (s = 0): nothing is stale."""
     distances, staleness = schedule_versions(method, stages, stages)
     predicting = get_method(method).weight_policy is WeightPolicy.PREDICT
+    spec = get_method(method)
     values = [
-        uncorrected_distance(method, optimizer, s, old, closed.get(k, 0.0))
+        uncorrected_distance(
+            method, optimizer, s, old, closed.get(k, 0.0), spec.accumulation(k, stages)
+        )
         for k, (s, old) in enumerate(zip(distances, staleness, strict=True))
         if not predicting or k in closed
     ]

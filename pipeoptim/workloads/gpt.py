@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.runtime.model.attention_logits import AttentionLogits, HeadRows
 from pipeoptim.workloads.data import Dataset
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "encode",
     "gpt",
     "gpt_deep",
+    "gpt_deeper",
     "lm_loss",
     "python_corpus",
 ]
@@ -210,8 +212,23 @@ class Embedding(nn.Module):
         return tokens + self.positions[: ids.shape[1]]
 
 
+def _qkv_logits(dim: int, heads: int) -> AttentionLogits:
+    """The max-logit recorder of an attention over the fused ``qkv`` Linear: head h's query
+    rows are ``qkv``'s output rows ``h·d .. (h+1)·d`` (weight and bias), its key rows the
+    same ``dim`` further on (``runtime/model/attention_logits.py``)."""
+    head_dim = dim // heads
+
+    def rows(offset: int) -> list[HeadRows]:
+        return [HeadRows(f"qkv.{n}", 0, offset, heads, head_dim) for n in ("weight", "bias")]
+
+    return AttentionLogits(heads, rows(0), rows(dim))
+
+
 class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention and a GELU MLP, each residual."""
+    """Pre-norm transformer block: causal self-attention and a GELU MLP, each residual.
+
+    It exposes its per-head max attention logit (``attention_logits``, recorded only while a
+    correction such as QK-Clip asks for it)."""
 
     def __init__(self, dim: int, heads: int, blocks: int, dropout: float = 0.0) -> None:
         super().__init__()
@@ -226,6 +243,7 @@ class Block(nn.Module):
         self.up = nn.Linear(dim, 4 * dim)
         self.down = nn.Linear(4 * dim, dim)
         self.drop = nn.Dropout(dropout)
+        self.attention_logits = _qkv_logits(dim, heads)
         # GPT-2 initialisation: small weights, and residual outputs scaled down with depth
         # so the residual stream's variance does not grow with the number of blocks.
         for layer in (self.qkv, self.up):
@@ -243,6 +261,9 @@ class Block(nn.Module):
         b, t, d = x.shape
         q, k, v = self.qkv(self.norm1(x)).split(d, dim=2)
         q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        logits: AttentionLogits | None = getattr(self, "attention_logits", None)
+        if logits is not None and logits.active(self.training):
+            logits.record(q, k)  # sdpa's scale, causal positions; no grad, same output
         att = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )
@@ -256,12 +277,14 @@ class Block(nn.Module):
 
 
 class AttentionHalf(nn.Module):
-    """A :class:`Block`'s attention half as a unit of its own (its norm1, qkv and proj)."""
+    """A :class:`Block`'s attention half as a unit of its own (its norm1, qkv and proj),
+    exposing its max attention logit as the block does."""
 
     def __init__(self, block: Block) -> None:
         super().__init__()
         self.heads, self.dropout = block.heads, block.dropout
         self.norm1, self.qkv, self.proj, self.drop = block.norm1, block.qkv, block.proj, block.drop
+        self.attention_logits = _qkv_logits(block.qkv.in_features, block.heads)
 
     def forward(self, x: Tensor) -> Tensor:
         return Block.attend(self, x)  # type: ignore[arg-type]  # the same fields
@@ -309,6 +332,13 @@ def gpt_deep() -> list[nn.Module]:
     two halves (17 units: up to 16 stages with at least one unit each), on a context of
     ``DEEP_CONTEXT`` characters."""
     return gpt(context=DEEP_CONTEXT, blocks=7, split_blocks=True)
+
+
+def gpt_deeper() -> list[nn.Module]:
+    """The study's deeper language model: :func:`gpt` with 16 blocks, each cut into its two
+    halves (35 units: up to 32 stages with at least one unit each), on ``gpt-deep``'s
+    windows of ``DEEP_CONTEXT`` characters."""
+    return gpt(context=DEEP_CONTEXT, blocks=16, split_blocks=True)
 
 
 def python_corpus_deep() -> Dataset:

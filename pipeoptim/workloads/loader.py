@@ -8,7 +8,8 @@ A pipeline splits a model at layer boundaries, so every model is a flat list of 
 * ``gpt``: a 9-unit decoder-only transformer, next-character prediction on the Python
   standard library's own source (:mod:`pipeoptim.workloads.gpt`), trained with a per-token
   loss; ``gpt-deep``: the same model family with 7 blocks cut into attention and MLP halves
-  (17 units, for pipelines of up to 16 stages), on windows of 32 characters (``gpt``: 64).
+  (17 units, for pipelines of up to 16 stages), on windows of 32 characters (``gpt``: 64);
+  ``gpt-deeper``: 16 blocks cut in halves (35 units, up to 32 stages) on the same windows.
 
 A user model is ``module:factory`` or ``path/to/file.py:factory``: ``factory()`` returns an
 ``nn.Sequential`` or a list of modules. It trains on ``digits`` (input: a float tensor of 64
@@ -36,7 +37,14 @@ from torch import Tensor, nn
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.workloads.classifiers import cnn, mlp, transformer
 from pipeoptim.workloads.data import Dataset, digits, majority
-from pipeoptim.workloads.gpt import gpt, gpt_deep, lm_loss, python_corpus, python_corpus_deep
+from pipeoptim.workloads.gpt import (
+    gpt,
+    gpt_deep,
+    gpt_deeper,
+    lm_loss,
+    python_corpus,
+    python_corpus_deep,
+)
 
 __all__ = [
     "BUILTIN_LOSSES",
@@ -52,10 +60,12 @@ BUILTIN_MODELS: dict[str, tuple[Callable[[], list[nn.Module]], Callable[[], Data
     "transformer": (transformer, majority),
     "gpt": (gpt, python_corpus),
     "gpt-deep": (gpt_deep, python_corpus_deep),
+    "gpt-deeper": (gpt_deeper, python_corpus_deep),
 }
 BUILTIN_LOSSES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "gpt": lm_loss,
     "gpt-deep": lm_loss,
+    "gpt-deeper": lm_loss,
 }
 """Built-in models whose loss is not plain cross-entropy on class labels."""
 

@@ -93,6 +93,10 @@ def test_methods_json(capsys: pytest.CaptureFixture[str]) -> None:
         "pipeoptim+pipemare",
         "pipedream+nesterov",
         "pipeoptim+nesterov",
+        "pipedream+qk-clip",
+        "pipeoptim+qk-clip",
+        "pipedream+bounded",
+        "pipeoptim+bounded",
     ]
 
 

@@ -69,7 +69,10 @@ def test_optimizer_state_factor() -> None:
     assert optimizer_state_factor("rmsprop", momentum=True) == 2
     assert optimizer_state_factor("nadam") == 2
     assert optimizer_state_factor("muon") == 1
-    with pytest.raises(PlanError, match=r"adagrad.*adam, adamw, muon, nadam, rmsprop, sgd"):
+    assert optimizer_state_factor("basis-rotation") == 6  # a square matrix's m, v, L, R, Q_L, Q_R
+    with pytest.raises(
+        PlanError, match=r"adagrad.*adam, adamw, basis-rotation, muon, nadam, rmsprop, sgd"
+    ):
         optimizer_state_factor("adagrad")
 
 

@@ -110,6 +110,10 @@ def test_constants_are_the_committed_study_fit() -> None:
     for p, rows in excess.items():
         assert risk.DEPTH_EXCESS[p] == pytest.approx(rows, abs=5e-4), p
     assert {int(p): rows for p, rows in fit["depth_copies"].items()} == risk.DEPTH_COPIES
+    first = {int(p): rows for p, rows in fit["depth_excess_first"].items()}
+    assert set(risk.DEPTH_EXCESS_FIRST) == set(first)
+    for p, rows in first.items():
+        assert risk.DEPTH_EXCESS_FIRST[p] == pytest.approx(rows, abs=5e-4), p
 
 
 def test_plan_command_prints_s_per_stage_and_why(
@@ -214,6 +218,7 @@ def test_depth_advice_names_what_converged_with_few_copies(
     monkeypatch.setattr(risk, "DEPTH_EXCESS", {8: excess})
     copies = {"pipeoptim": 2, "xpipe": 2, "gpipe": 1, "pipedream+pipemare": 8}
     monkeypatch.setattr(risk, "DEPTH_COPIES", {8: copies})
+    monkeypatch.setattr(risk, "DEPTH_EXCESS_FIRST", {})  # no row across optimizers here
     text = risk.depth_advice("pipeoptim", 12, "adamw")
     assert text is not None
     assert "pipeoptim at 12 stages" in text and "at 8 stages" in text and "+40.0 %" in text
@@ -280,6 +285,42 @@ def test_depth_advice_names_what_converged_with_few_copies(
     assert "pipeoptim+nesterov (muon) ended 3.2 % below gpipe's with 2 weight copies" in str(
         risk.depth_advice("pipeoptim", 8, "muon")
     )
+
+
+def test_depth_advice_names_a_row_of_another_optimizer_below_the_users_gpipe(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where nothing of the user's optimizer converged, a never-micro-batched row of another
+    optimizer that ends at or below gpipe under the user's optimizer is named with its
+    flags; its excess is read against gpipe under AdamW for both and set one against the
+    other (Muon's gpipe 10 % below AdamW's: a row 5 % below AdamW's is 5.6 % above it)."""
+    monkeypatch.setattr(
+        risk, "DEPTH_EXCESS", {8: {"gpipe": 0.0, "pipeoptim": 0.5, "gpipe (muon)": 0.0}}
+    )
+    first = {
+        "gpipe": 0.0,
+        "pipeoptim": 0.5,
+        "gpipe (muon)": -0.1,
+        "pipeoptim (basis-rotation)": -0.08,
+        "pipeoptim+nesterov (muon)": -0.05,
+        "xpipe (muon)": -0.2,  # micro-batched: not this advice
+        "pipedream (basis-rotation)": -0.3,  # 8 copies: not this advice
+    }
+    monkeypatch.setattr(risk, "DEPTH_EXCESS_FIRST", {8: first})
+    copies = {row: 2 for row in first} | {"pipedream (basis-rotation)": 8, "gpipe": 1}
+    monkeypatch.setattr(risk, "DEPTH_COPIES", {8: copies})
+    text = str(risk.depth_advice("pipeoptim", 8, "adamw"))
+    assert (
+        "; under another optimizer, pipeoptim (basis-rotation) ended 8.0 % below gpipe's "
+        "final loss under adamw (--method pipeoptim --optimizer basis-rotation)"
+    ) in text
+    assert risk._other_optimizer(8, "muon") == (
+        "; under another optimizer, pipeoptim (basis-rotation) ended 2.2 % above gpipe's "
+        "final loss under muon (--method pipeoptim --optimizer basis-rotation)"
+    )
+    first["pipeoptim (basis-rotation)"] = 0.0  # 11 % above Muon's gpipe: nothing to name
+    assert risk._other_optimizer(8, "muon") == ""
+    assert risk._other_optimizer(16, "adamw") == ""  # nothing measured at 16
 
 
 def test_plan_recommends_a_correction_by_name_when_its_measured_gain_wins(

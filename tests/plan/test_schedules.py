@@ -7,7 +7,14 @@ import pytest
 from pipeoptim.errors import PlanError, ScheduleError
 from pipeoptim.plan import METHODS, build_schedule, get_method
 from pipeoptim.plan.actions import format_schedule
-from pipeoptim.plan.schedules import Shape, async_one_f_one_b, forward_only, retime
+from pipeoptim.plan.schedules import (
+    Shape,
+    accumulation_steps,
+    async_one_f_one_b,
+    bounded_async_one_f_one_b_arrays,
+    forward_only,
+    retime,
+)
 from pipeoptim.plan.validate import validate
 
 
@@ -55,6 +62,28 @@ def test_async_methods_share_the_pipeline_and_differ_in_policy() -> None:
     assert table("xpipe", 2, 2, 2) == EXPECTED[("2bw", 2, 2, 2)]
 
 
+def test_bounded_delay_table() -> None:
+    # P = 4, D = 1: stage k updates once per A_k = P-1-k mini-batches (3, 2, 1, 1) and after
+    # the last one; every forward meets at most one update before its backward
+    spec = get_method("pipeoptim+bounded")
+    order = spec.order(spec.shape(4, None, 7))
+    assert [" ".join(str(a) for a in order[k]) for k in range(4)] == [
+        "0F0 0F1 0F2 0F3 0B0 0F4 0B1 0F5 0B2 0U2 0F6 0B3 0B4 0B5 0U5 0B6 0U6",
+        "1F0 1F1 1F2 1B0 1F3 1B1 1U1 1F4 1B2 1F5 1B3 1U3 1F6 1B4 1B5 1U5 1B6 1U6",
+        "2F0 2F1 2B0 2U0 2F2 2B1 2U1 2F3 2B2 2U2 2F4 2B3 2U3 2F5 2B4 2U4 2F6 2B5 2U5 2B6 2U6",
+        "3F0 3B0 3U0 3F1 3B1 3U1 3F2 3B2 3U2 3F3 3B3 3U3 3F4 3B4 3U4 3F5 3B5 3U5 3F6 3B6 3U6",
+    ]
+    assert [spec.accumulation(k, 4) for k in range(4)] == [3, 2, 1, 1]
+
+
+def test_bounded_delay_refuses_micro_batches_and_a_zero_bound() -> None:
+    with pytest.raises(ScheduleError, match="whole mini-batches"):
+        bounded_async_one_f_one_b_arrays(Shape(4, 2, 3), 1)
+    with pytest.raises(ScheduleError, match="at least 1"):
+        accumulation_steps(3, 0)
+    assert [accumulation_steps(d, 2) for d in range(6)] == [1, 1, 1, 2, 2, 3]
+
+
 def test_async_never_flushes() -> None:
     # In steady state the first stage starts mini-batch t + P - 1 before updating for t.
     order = async_one_f_one_b(Shape(4, 1, 10))[0]
@@ -76,11 +105,10 @@ def test_every_generated_schedule_validates(method: str, p: int) -> None:
             actions = [a for row in schedule.values() for a in row if a is not None]
             stages = shape.num_stages
             # counts: F and B (or I and W) per stage per micro-batch, one U per stage per
-            # mini-batch
+            # mini-batch, or per A_k mini-batches (and the last) under a bounded delay
             per_micro_batch = 3 if spec.split_backward else 2
-            assert len(actions) == stages * shape.total_micro_batches * per_micro_batch + (
-                stages * n
-            )
+            updates = sum(-(-n // spec.accumulation(k, stages)) for k in range(stages))
+            assert len(actions) == stages * shape.total_micro_batches * per_micro_batch + updates
 
 
 @pytest.mark.parametrize("m", [1, 2, 5])

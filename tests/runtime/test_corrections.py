@@ -41,6 +41,8 @@ def test_every_corrected_method_names_its_base_and_correction() -> None:
         "pipeoptim+pipemare",
         "pipedream+nesterov",
         "pipeoptim+nesterov",
+        "pipedream+qk-clip",
+        "pipeoptim+qk-clip",
     } == CORRECTED
     for name in CORRECTED:
         method, base = METHODS[name], get_method(name.split("+")[0])

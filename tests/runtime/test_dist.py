@@ -110,7 +110,10 @@ def one_thread(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize(("method", "stages", "micro"), [("2bw", 2, 2), ("pipeoptim", 4, 1)])
+@pytest.mark.parametrize(
+    ("method", "stages", "micro"),
+    [("2bw", 2, 2), ("pipeoptim", 4, 1), ("pipeoptim+bounded", 3, 1)],
+)
 def test_dist_transport_equals_local_bit_for_bit(
     tmp_path: Path, one_thread: None, method: str, stages: int, micro: int
 ) -> None:

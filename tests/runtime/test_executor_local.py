@@ -119,6 +119,8 @@ EXPECTED_COPIES = {
     "spectrain": [2, 2, 2, 1],
     "xpipe": [2, 2, 2, 1],
     "pipeoptim": [2, 2, 2, 1],
+    "pipedream+bounded": [2, 2, 2, 1],
+    "pipeoptim+bounded": [2, 2, 2, 1],
 }
 
 

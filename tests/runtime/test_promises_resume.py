@@ -400,7 +400,10 @@ def test_item4_without_checkpoint_every_the_end_of_a_fit_is_off_the_grid(
     )
 
 
-@pytest.mark.parametrize(("method", "stop"), [("pipeoptim", 4), ("gpipe", 5), ("gpipe", 4)])
+@pytest.mark.parametrize(
+    ("method", "stop"),
+    [("pipeoptim", 4), ("gpipe", 5), ("gpipe", 4), ("pipedream+bounded", 4)],
+)
 def test_item4_on_grid_and_flushing_resumes_are_bit_exact_without_a_note(
     tmp_path: Path, method: str, stop: int
 ) -> None:

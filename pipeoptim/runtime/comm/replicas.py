@@ -38,6 +38,7 @@ __all__ = [
     "BufferBroadcast",
     "GradientAverager",
     "ReplicaGroups",
+    "ReplicaMax",
     "collective",
     "gather_over_replicas",
 ]
@@ -141,6 +142,19 @@ class GradientAverager:
                     p.grad.copy_(piece)
                 elif bool(flat[-len(bucket) + i] > 0):
                     p.grad = piece.clone()
+
+
+class ReplicaMax:
+    """The element-wise max of a tensor over one stage's D replicas, in place (QK-Clip's
+    per-head max logit: each replica's forwards saw its own share of the batch, and every
+    replica must clip alike to keep one set of weights). One all-reduce per call."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def __call__(self, tensor: Tensor) -> None:
+        with collective(self.group, "taking the max logit over replicas"):
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
 
 
 class BufferBroadcast:

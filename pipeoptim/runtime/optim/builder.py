@@ -84,6 +84,7 @@ def build_stage_rule(
         scaler=scaler,
         grad_clip=grad_clip,
         correction=build_correction(method.delay_correction, method.name, context, opt),
+        accumulation=method.accumulation(context.index, context.num_stages),
         note=note,
     )
     predictor = None

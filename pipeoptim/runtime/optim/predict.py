@@ -24,6 +24,7 @@ from torch.utils.hooks import RemovableHandle
 
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.runtime.config import is_whole
+from pipeoptim.runtime.optim.basis_rotation import BasisRotation, rotated_direction
 from pipeoptim.runtime.optim.optimizers import MuonWithAdamW
 from pipeoptim.runtime.optim.update_persistence import UpdatePersistence
 
@@ -330,14 +331,10 @@ class SGDPredictor(WeightPredictor):
         return [_state(self.optimizer, p).get("momentum_buffer") for p in group["params"]]
 
 
-class AdamPredictor(WeightPredictor):
-    """Adam / AdamW: Δ = m̂ / (sqrt(v̂) + ε), bias-corrected with the optimizer's own step.
+class _DecoupledDecayOption(WeightPredictor):
+    """A rule whose Δ leaves the optimizer's decoupled weight decay λ·W out unless
+    ``include_decoupled_decay`` asks for it."""
 
-    amsgrad uses max_exp_avg_sq; Adam's L2 decay is already inside the moments. With
-    ``include_decoupled_decay`` the decoupled term λ·W of AdamW is added.
-    """
-
-    name = "adam"
     options = frozenset({"auto_hooks", "include_decoupled_decay"})
 
     def __init__(
@@ -349,6 +346,16 @@ class AdamPredictor(WeightPredictor):
     ) -> None:
         super().__init__(optimizer, auto_hooks=auto_hooks)
         self.include_decoupled_decay = include_decoupled_decay
+
+
+class AdamPredictor(_DecoupledDecayOption):
+    """Adam / AdamW: Δ = m̂ / (sqrt(v̂) + ε), bias-corrected with the optimizer's own step.
+
+    amsgrad uses max_exp_avg_sq; Adam's L2 decay is already inside the moments. With
+    ``include_decoupled_decay`` the decoupled term λ·W of AdamW is added.
+    """
+
+    name = "adam"
 
     def _moments(
         self, group: dict[str, Any]
@@ -525,6 +532,42 @@ class MuonPredictor(WeightPredictor):
         return out
 
 
+class BasisRotationPredictor(_DecoupledDecayOption):
+    """:class:`~pipeoptim.runtime.optim.basis_rotation.BasisRotation`: Δ = √(1 − β2^t)/(1 − β1^t)
+    · Q_L·((Q_Lᵀ·m·Q_R)/(√v + ε))·Q_Rᵀ, its next update with the future gradient taken to be m.
+
+    With g = m, m stays (m ← β1·m + (1 − β1)·m); v, the bias corrections and the basis are
+    taken as they are at step t, as Adam's rule takes v̂ to stay (v would take in
+    (Q_Lᵀ·m·Q_R)², and the basis moves only on a refresh, every ``precondition_frequency``
+    steps: a refresh among the next s updates is not foreseen). Non-matrix parameters and
+    unrotated sides use the identity (Adam's Δ). The direction is the optimizer's own function
+    (:func:`~pipeoptim.runtime.optim.basis_rotation.rotated_direction`). With
+    ``include_decoupled_decay`` the decoupled term λ·W is added. Four matrix products per
+    matrix: Δ is computed once after each step and kept (one weight-sized buffer) for every
+    prediction until the next.
+    """
+
+    name = "basis-rotation"
+    keeps_deltas = True
+
+    def _state_deltas(self, group: dict[str, Any]) -> list[Tensor | None]:
+        beta1, beta2 = (float(b) for b in group["betas"])
+        eps, wd = float(group["eps"]), float(group.get("weight_decay", 0.0))
+        out: list[Tensor | None] = []
+        for p in group["params"]:
+            st = _state(self.optimizer, p)
+            step = float(st.get("step", 0.0))
+            if not p.requires_grad or step <= 0 or "exp_avg" not in st:
+                out.append(None)
+                continue
+            d = rotated_direction(st, eps)
+            d.mul_(math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step))
+            if self.include_decoupled_decay and wd != 0.0:
+                d.add_(p.detach(), alpha=wd)
+            out.append(d)
+        return out
+
+
 class MuonWithAdamWPredictor(WeightPredictor):
     """:class:`~pipeoptim.runtime.optim.optimizers.MuonWithAdamW`: the Muon rule on its Muon part,
     the Adam rule on its AdamW part; each part's predictor hooks its own inner optimizer
@@ -626,6 +669,7 @@ _FAMILY: dict[type[Optimizer], type[WeightPredictor]] = {
     RMSprop: RMSpropPredictor,
     Muon: MuonPredictor,
     MuonWithAdamW: MuonWithAdamWPredictor,
+    BasisRotation: BasisRotationPredictor,
 }
 _ADAM_LIKE: tuple[type[Optimizer], ...] = (Adam, AdamW, NAdam, RAdam)
 
@@ -634,7 +678,7 @@ def predictor_for(optimizer: Optimizer, rule: str = "optimizer", **options: Any)
     """The predictor of a method's prediction rule for this optimizer.
 
     "optimizer": by ``type(optimizer)`` (SGD, Adam, AdamW, NAdam, RMSprop, Muon,
-    MuonWithAdamW, else displacement);
+    MuonWithAdamW, BasisRotation, else displacement);
     "spectrain": smoothed gradient; "xpipe": Adam-form Δ for Adam-like optimizers, the
     optimizer's own rule otherwise; "displacement": last applied displacement; "shrunk":
     the optimizer's own rule with the next s updates weighted by how much of the update

@@ -28,6 +28,7 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from pipeoptim.errors import RuntimeConfigError, StageError
 from pipeoptim.plan.plan import OptimizerSpec
+from pipeoptim.runtime.optim.basis_rotation import BasisRotation
 from pipeoptim.runtime.optim.corrections.protocol import DelayCorrection, StageContext
 from pipeoptim.runtime.optim.optimizers import MuonWithAdamW
 from pipeoptim.runtime.optim.predict import check_distance
@@ -61,6 +62,8 @@ OPTIMIZERS: dict[str, type[Optimizer]] = {
     "nadam": NAdam,
     # torch.optim.Muon takes only 2-D tensors: Muon on the matrices, AdamW on the rest
     "muon": MuonWithAdamW,
+    # Adam in each matrix's gradient eigenbasis (Jung et al., ICML 2026), Adam on the rest
+    "basis-rotation": BasisRotation,
 }
 FAMILY_OF_CLASS: dict[str, str] = {cls.__name__: name for name, cls in OPTIMIZERS.items()}
 """The family name (``--optimizer``) of each optimizer class name."""
@@ -69,7 +72,8 @@ _DEFAULT_OPTIONS: dict[str, dict[str, float | bool]] = {"sgd": {"momentum": 0.9}
 
 def make_optimizer(spec: OptimizerSpec, params: Iterable[Tensor]) -> Optimizer:
     """The torch.optim optimizer of ``spec`` (SGD defaults to momentum 0.9; "muon" is
-    :class:`MuonWithAdamW` with one lr for both parts)."""
+    :class:`MuonWithAdamW` with one lr for both parts; "basis-rotation" is
+    :class:`~pipeoptim.runtime.optim.basis_rotation.BasisRotation` with the paper's defaults)."""
     cls = OPTIMIZERS.get(spec.family)
     if cls is None:
         raise RuntimeConfigError(
@@ -196,9 +200,13 @@ class StageUpdate:
         scaler: torch.amp.GradScaler | None,
         grad_clip: float | None,
         correction: DelayCorrection | None = None,
+        accumulation: int = 1,
         note: Callable[[str], None],
     ) -> None:
         self.optimizer = optimizer
+        self.accumulation = accumulation
+        """A_k: mini-batches per update (a bounded delay); the next updates' rates are read
+        this many scheduler steps apart."""
         self.stage = stage
         self.scheduler = (
             build_scheduler(scheduler, optimizer, stage) if scheduler is not None else None
@@ -218,9 +226,17 @@ class StageUpdate:
         self._future_lrs: list[list[float]] | None = None  # cached until the next update
         self._lrs_unknown = False  # the scheduler cannot be queried: lr·s it is
 
-    def step(self, params: Sequence[Tensor], delay: int) -> None:
-        """Apply the accumulated gradient of ``params`` (one update per mini-batch)."""
+    def step(self, params: Sequence[Tensor], delay: int, mini_batches: int = 1) -> None:
+        """Apply the accumulated gradient of ``params``: one mini-batch's, or under a
+        bounded delay the sum over ``mini_batches`` of them, which is divided into their
+        mean first (so the update, its clipping and its correction see one mini-batch's
+        scale); the scheduler then steps once per mini-batch, so the rate follows the
+        samples seen and an update uses the rate of the first mini-batch it applies."""
         opt = self.optimizer
+        if mini_batches > 1:
+            grads = [p.grad for p in params if p.grad is not None]
+            if grads:
+                torch._foreach_div_(grads, float(mini_batches))
         # a shared weight is synced and clipped alone: its average and its clipping factor
         # are then the same on every member stage (in one bucket with others, its place, and
         # so the rounding, would differ; in one norm with others, the factor would)
@@ -244,7 +260,8 @@ class StageUpdate:
         if self.correction is not None:
             self.correction.after_step(opt, params, delay)
         if self.scheduler is not None:
-            self.scheduler.step()
+            for _ in range(mini_batches):
+                self.scheduler.step()
         opt.zero_grad(set_to_none=True)
         self._future_lrs = None
 
@@ -262,7 +279,7 @@ class StageUpdate:
             return None
         cached = self._future_lrs
         if cached is None or any(len(row) < s for row in cached):
-            cached = future_lrs(self.scheduler, self.optimizer, s)
+            cached = future_lrs(self.scheduler, self.optimizer, s, every=self.accumulation)
             if cached is None:
                 self._lrs_unknown = True
                 self._note(
@@ -404,11 +421,14 @@ _QUERYABLE: tuple[type[Any], ...] = (
 )
 
 
-def future_lrs(scheduler: Any, optimizer: Optimizer, s: int) -> list[list[float]] | None:
+def future_lrs(
+    scheduler: Any, optimizer: Optimizer, s: int, *, every: int = 1
+) -> list[list[float]] | None:
     """Learning rates of the next s updates, ``out[group][i]``, without touching either object.
 
-    Assumes one ``scheduler.step()`` after each ``optimizer.step()``: the first rate is the
-    current one. Steps a copy of the scheduler bound to an lr-only stand-in optimizer.
+    Assumes ``every`` ``scheduler.step()`` calls after each ``optimizer.step()`` (1; A_k
+    under a bounded delay, the scheduler stepping once per mini-batch): the first rate is
+    the current one. Steps a copy of the scheduler bound to an lr-only stand-in optimizer.
     Returns None for schedulers that cannot be queried this way (e.g. ReduceLROnPlateau,
     which needs future metrics); the caller then uses lr·s.
     """
@@ -429,7 +449,7 @@ def future_lrs(scheduler: Any, optimizer: Optimizer, s: int) -> list[list[float]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for i in range(s):
-            if i:
+            for _ in range(every if i else 0):
                 twin.step()
             for row, g in zip(out, stub.param_groups, strict=True):
                 row.append(float(g["lr"]))

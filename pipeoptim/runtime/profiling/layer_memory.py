@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-__all__ = ["optimizer_state_bytes", "tensor_bytes", "trainable_bytes"]
+from pipeoptim.runtime.optim.basis_rotation import state_bytes as basis_rotation_state_bytes
+
+__all__ = ["estimated_state_bytes", "optimizer_state_bytes", "tensor_bytes", "trainable_bytes"]
 
 
 def tensor_bytes(tensor: Tensor) -> int:
@@ -28,3 +30,14 @@ def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
     return sum(
         tensor_bytes(v) for st in opt.state.values() for v in st.values() if torch.is_tensor(v)
     )
+
+
+def estimated_state_bytes(module: nn.Module, optimizer: str, factor: int) -> int:
+    """The optimizer state of ``module``'s trainable parameters without stepping it:
+    ``factor`` times their bytes, except where the state is not a multiple of the parameter
+    bytes and the shapes give it exactly (``basis-rotation``: m, v and each rotated side's
+    covariance and basis, with the optimizer's default ``max_precondition_dim``)."""
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    if optimizer.lower() == "basis-rotation":
+        return sum(basis_rotation_state_bytes(tuple(p.shape), p.element_size()) for p in trainable)
+    return factor * sum(tensor_bytes(p) for p in trainable)

@@ -26,8 +26,10 @@ from pipeoptim.plan.profile import LayerProfile
 from pipeoptim.runtime.profiling.layer_memory import optimizer_state_bytes
 
 __all__ = [
+    "SHAPED_STEPS",
     "check_output",
     "leaf_input",
+    "shaped_steps",
     "streamed_steps",
     "time_passes",
     "time_step_and_prediction",
@@ -95,7 +97,13 @@ def time_step_and_prediction(
 ) -> tuple[float, float, int]:
     """Median seconds of one optimizer step and of one prediction (Ŵ written into a
     buffer, as a predicting stage does before its forward) for ``params``, and the
-    optimizer state bytes after the steps. The weights are restored afterwards."""
+    optimizer state bytes after the steps. The weights are restored afterwards.
+
+    An optimizer whose step cost repeats over a period of steps (``cost_period``:
+    ``basis-rotation`` refreshes its basis once every ``precondition_frequency``) is timed
+    over whole periods after at least one warm-up step (its first step's
+    eigendecomposition happens once per run): the step's time is then the median over
+    the periods of the mean step, so the refresh is charged at its share."""
     from pipeoptim.runtime.optim.predict import predictor_for
     from pipeoptim.runtime.optim.update import make_optimizer
 
@@ -111,6 +119,10 @@ def time_step_and_prediction(
     def predict() -> None:
         predictor.predict_into(buffer, 1)
 
+    period = max(1, int(getattr(opt, "cost_period", 1)))
+    if period > 1:
+        warmup = max(warmup, 1)
+        repeats = period * max(1, repeats // period)
     steps: list[float] = []
     predictions: list[float] = []
     try:
@@ -123,6 +135,8 @@ def time_step_and_prediction(
                 steps.append(step_s)
                 predictions.append(predict_s)
         state = optimizer_state_bytes(opt)
+        if period > 1:  # one mean per period: each holds one refresh
+            steps = [statistics.fmean(steps[i : i + period]) for i in range(0, repeats, period)]
     finally:
         predictor.close()
         with torch.no_grad():
@@ -195,6 +209,54 @@ def streamed_steps(
         dataclasses.replace(x, update_s=step_s * b / size, predict_s=predict_s * b / size)
         for x, b in zip(layers, trainable, strict=True)
     ]
+
+
+SHAPED_STEPS = frozenset({"muon", "basis-rotation"})
+"""Optimizer families whose step does matrix work on each 2-D parameter (Muon's
+Newton–Schulz, Basis Rotation's rotations and basis refreshes): a flat buffer, which
+:func:`streamed_steps` times, runs only their element-wise part."""
+
+
+def shaped_steps(
+    layers: list[LayerProfile],
+    modules: Sequence[nn.Module],
+    optimizer: OptimizerSpec,
+    timer: Callable[[Callable[[], Any]], float],
+    *,
+    warmup: int,
+    repeats: int,
+) -> list[LayerProfile]:
+    """``layers`` with the matrix part of the update and prediction added, for the
+    families of :data:`SHAPED_STEPS` (the others are returned as they are): per layer with
+    a trainable matrix, the step (prediction) on its own parameters' shapes less the same
+    on copies of them flattened to vectors, never below 0. Both run from cache, so the
+    difference is the matrix work; the streamed per-byte time stays the element-wise part."""
+    if optimizer.family not in SHAPED_STEPS:
+        return list(layers)
+    out = []
+    for layer, module in zip(layers, modules, strict=True):
+        params = [p for p in module.parameters() if p.requires_grad]
+        if not any(p.dim() == 2 for p in params):
+            out.append(layer)
+            continue
+        flat = [nn.Parameter(p.detach().reshape(-1).clone()) for p in params]
+        timed = partial(
+            time_step_and_prediction,
+            optimizer=optimizer,
+            warmup=max(warmup, 1),
+            repeats=repeats,
+            timer=timer,
+        )
+        step_s, predict_s, _ = timed(params)
+        flat_step, flat_predict, _ = timed(flat)
+        out.append(
+            dataclasses.replace(
+                layer,
+                update_s=layer.update_s + max(0.0, step_s - flat_step),
+                predict_s=layer.predict_s + max(0.0, predict_s - flat_predict),
+            )
+        )
+    return out
 
 
 def check_output(name: str, out: object) -> Tensor:

@@ -36,10 +36,15 @@ from pipeoptim.plan.profile import (
 from pipeoptim.runtime.config import is_whole
 from pipeoptim.runtime.model.materialize import is_meta, materialize_units
 from pipeoptim.runtime.model.units import InitWeights
-from pipeoptim.runtime.profiling.layer_memory import tensor_bytes, trainable_bytes
+from pipeoptim.runtime.profiling.layer_memory import (
+    estimated_state_bytes,
+    tensor_bytes,
+    trainable_bytes,
+)
 from pipeoptim.runtime.profiling.layer_timing import (
     check_output,
     leaf_input,
+    shaped_steps,
     streamed_steps,
     time_passes,
     time_step_and_prediction,
@@ -74,6 +79,7 @@ def _measure_layer(
     module: nn.Module,
     x: Tensor,
     *,
+    family: str,
     state_factor: int,
     warmup: int,
     repeats: int,
@@ -81,12 +87,13 @@ def _measure_layer(
     optimizer: OptimizerSpec | None = None,
 ) -> tuple[LayerProfile, Tensor]:
     """One layer's sizes on input ``x`` (times are filled in from whole passes); returns
-    its profile and its (detached) output. With ``optimizer`` its state is measured."""
+    its profile and its (detached) output. With ``optimizer`` its state is measured, else
+    estimated (the factor, or the shapes where the state is no multiple of the weights)."""
     params = list(module.parameters())
     out = check_output(name, module(leaf_input(x)))
     param_bytes = sum(tensor_bytes(p) for p in params)
     trainable = trainable_bytes(module)
-    state_bytes = state_factor * trainable
+    state_bytes = estimated_state_bytes(module, family, state_factor)
     if optimizer is not None and trainable:
         _, _, state_bytes = time_step_and_prediction(
             params, optimizer, warmup=0, repeats=1, timer=timer
@@ -200,8 +207,9 @@ def profile_model(
     share (``LayerProfile.weight_grad_fraction``).
     With ``steps`` the layer's optimizer step and its weight prediction are timed and its
     optimizer state is measured; otherwise ``optimizer`` (``sgd``, ``adam``, ``adamw``,
-    ``rmsprop``) and ``momentum`` estimate the state bytes (see
-    :func:`~pipeoptim.plan.profile.optimizer_state_factor`). ``threads`` runs torch with
+    ``rmsprop``...) and ``momentum`` estimate the state bytes (see
+    :func:`~pipeoptim.plan.profile.optimizer_state_factor`; ``basis-rotation``'s from the
+    parameter shapes, as its state is no multiple of the weights). ``threads`` runs torch with
     that many CPU threads while measuring (a pipeline rank gets ``cores // ranks``; the
     profile records the count). ``neighbours`` (CPU) starts that many processes training a
     copy of the model meanwhile, as the other ranks of a pipeline on this machine would:
@@ -212,8 +220,12 @@ def profile_model(
     A step and a prediction stream the weights through memory, and timed one small layer
     at a time they run from cache; so they are timed once on ``stream_bytes`` of weights
     (default: the model's trainable bytes; about one stage's is best) and charged to each
-    layer by its trainable bytes. ``device`` defaults to the device of the first
-    parameter, else of ``sample_input``. ``progress`` shows a tqdm bar.
+    layer by its trainable bytes. Where the step does matrix work on each weight matrix
+    (``muon``'s Newton–Schulz, ``basis-rotation``'s rotations and basis refreshes), which a
+    flat buffer cannot show, each layer is also charged the step and prediction on its own
+    parameters' shapes less the same on them flattened
+    (:func:`~pipeoptim.runtime.profiling.layer_timing.shaped_steps`). ``device`` defaults to
+    the device of the first parameter, else of ``sample_input``. ``progress`` shows a tqdm bar.
     """
     named = _named_layers(layers)
     if any(is_meta(m) for _, m in named):
@@ -321,6 +333,7 @@ def profile_model(
                     name,
                     module,
                     x,
+                    family=optimizer.lower(),
                     state_factor=state_factor,
                     warmup=warmup,
                     repeats=repeats,
@@ -344,6 +357,9 @@ def profile_model(
                     results, trainable, stream_bytes or sum(trainable), spec, target, timer,
                     warmup=warmup, repeats=repeats,
                 )  # fmt: skip
+                results = shaped_steps(
+                    results, [m for _, m in named], spec, timer, warmup=warmup, repeats=repeats
+                )
     finally:
         busy.close()
         torch.set_num_threads(threads_before)

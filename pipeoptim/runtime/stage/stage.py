@@ -158,7 +158,9 @@ class Stage:
         self.amp_dtype = self.precision.dtype
         rule = build_stage_rule(
             self._params,
-            context=StageContext(index, num_stages, method.name, delay, micro_batches),
+            context=StageContext(
+                index, num_stages, method.name, delay, micro_batches, module=self.module
+            ),
             method=method,
             optimizer=optimizer,
             scheduler=scheduler,
@@ -183,7 +185,9 @@ class Stage:
         self.weights = WeightVersions(self.policy, self._params, index)
         self._saved: dict[int, tuple[Payload, Payload]] = {}  # mb -> (input, output or loss)
         self._group_order: list[int] | None = None  # the stage's param index, group order
-        self._delays: dict[int, int] = {}  # local mini-batch -> its delay (with a correction)
+        self._delays: dict[int, int] = {}  # local update -> its delay (with a correction)
+        self._backwards_since_update = 0  # micro-batches whose gradient the next update applies
+        self._updates_before_segment = 0  # this process's updates in earlier segments
         self.prediction_seconds: deque[float] = deque(maxlen=1024)
         """Seconds of the latest timed predictions (CPU), for calibration; bounded, so a
         long run keeps no per-forward list."""
@@ -306,14 +310,30 @@ class Stage:
         """Start a never-flushed pipeline segment; versions count from 0 within it."""
         if self._saved or self.weights.stash:
             raise RuntimeError(f"stage {self.index}: a segment began with passes in flight")
+        self._updates_before_segment += self.weights.current
         self.weights.begin_segment(passes)
         self._delays = {}
         if self.updater is not None and self.updater.correction is not None:
-            self._delays = gradient_delays(passes.values(), self.policy)
+            self._delays = gradient_delays(passes.values(), self.policy, self.accumulation)
 
     def versions(self, mb: int) -> MicroBatchVersions:
         """The versions micro-batch ``mb`` of this segment meets on this stage."""
         return self.weights.of(mb)
+
+    @property
+    def accumulation(self) -> int:
+        """A_k: the mini-batches this stage accumulates per update (1 but under a bounded
+        delay, where ``update`` applies their mean gradient)."""
+        return self.method.accumulation(self.index, self.context.num_stages)
+
+    def version_base(self, first_mini_batch: int) -> int:
+        """The run's version of this segment's W^(0), for traces: the segment's first
+        mini-batch with one update per mini-batch; under a bounded delay (fewer updates)
+        the updates this process made before the segment (a resumed run counts from its
+        resume)."""
+        if self.accumulation == 1:
+            return first_mini_batch
+        return self._updates_before_segment
 
     @property
     def version(self) -> int:
@@ -521,6 +541,7 @@ class Stage:
         the weight version its forward held and count the gradients it accumulated."""
         self.weights.retire(v)
         self.memory_count.count_gradients(self._params)
+        self._backwards_since_update += 1
 
     def backward_input(self, mb: int, grad: Gradients | None = None) -> Gradients | None:
         """The input half I of micro-batch ``mb``'s split backward: returns the gradient of
@@ -590,16 +611,19 @@ class Stage:
             raise RuntimeError(f"stage {self.index}: {half} of micro-batch {mb} before its F")
 
     def update(self) -> None:
-        """Apply the accumulated gradient with the optimizer (one update per mini-batch),
-        then step the LR scheduler. The predictor records its state through the optimizer's
-        step hooks, so a step a GradScaler skips records nothing. Under data parallelism
-        the buffers follow replica 0's here, where every replica has run the same passes
-        (a stage without weights updates nothing but its buffers)."""
+        """Apply the accumulated gradient with the optimizer (one update per mini-batch, or
+        per A_k mini-batches under a bounded delay, on their mean gradient), then step the
+        LR scheduler once per mini-batch applied. The predictor records its state through
+        the optimizer's step hooks, so a step a GradScaler skips records nothing. Under data
+        parallelism the buffers follow replica 0's here, where every replica has run the
+        same passes (a stage without weights updates nothing but its buffers)."""
         if self.buffer_sync is not None:
             self.buffer_sync()
         self.weights.before_update()
+        mini_batches = max(1, self._backwards_since_update // self.micro_batches)
+        self._backwards_since_update = 0
         if self.updater is not None:
-            self.updater.step(self._params, self._delays.get(self.weights.current, 0))
+            self.updater.step(self._params, self._delays.get(self.weights.current, 0), mini_batches)
         self.weights.after_update()
         self.memory_count.updated()  # recounted when memory() is next read, not per update
 

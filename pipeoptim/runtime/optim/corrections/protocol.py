@@ -8,10 +8,10 @@ correction is added without touching the stage's forward or backward.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
 __all__ = ["DelayCorrection", "StageContext"]
@@ -34,6 +34,10 @@ class StageContext:
     (``plan.versions.steady_delays``). Warm-up updates have smaller delays."""
     micro_batches: int
     """Micro-batches M per mini-batch."""
+    module: nn.Module | None = field(default=None, compare=False, repr=False)
+    """The stage's units (its ``nn.Module``, on the stage's device), for a correction that
+    acts on the weights by what they are (QK-Clip rescales attention heads); None where a
+    rule is built without a stage."""
 
 
 class DelayCorrection(Protocol):

@@ -13,6 +13,7 @@ from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.runtime.optim.corrections.delay_momentum import DelayMomentum
 from pipeoptim.runtime.optim.corrections.pipemare_lr import PipeMareLr
 from pipeoptim.runtime.optim.corrections.protocol import DelayCorrection, StageContext
+from pipeoptim.runtime.optim.corrections.qk_clip import QKClip
 
 __all__ = ["CORRECTIONS", "CorrectionFactory", "build_correction"]
 
@@ -22,6 +23,7 @@ CorrectionFactory = Callable[[StageContext, Optimizer], DelayCorrection]
 CORRECTIONS: dict[str, CorrectionFactory] = {
     "pipemare-lr": lambda context, optimizer: PipeMareLr(context),
     "delay-momentum": DelayMomentum,
+    "qk-clip": QKClip,
 }
 """Delay corrections by name: a factory called once per stage with its context and
 optimizer."""
