@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pipeoptim.errors import PlanError, WorkLimitError
 from pipeoptim.plan.limits import estimate_work, fit_budget
 from pipeoptim.plan.memory_factors import method_memory_factors
-from pipeoptim.plan.methods import METHODS, get_method
+from pipeoptim.plan.methods import RANKED_BY_DEFAULT, get_method
 from pipeoptim.plan.partition import min_memory_partition
 from pipeoptim.plan.profile import Profile
 from pipeoptim.plan.units import format_bandwidth, format_bytes
@@ -180,11 +180,7 @@ def search_devices(
     batch = profile.batch_size if batch_size is None else batch_size
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise PlanError(f"--global-batch must be a whole number of samples >= 1 (got {batch!r})")
-    names = (
-        list(methods)
-        if methods is not None
-        else [n for n, m in METHODS.items() if not m.interleaved]
-    )
+    names = list(methods) if methods is not None else list(RANKED_BY_DEFAULT)
     jobs: list[tuple[int, int, str, int]] = []  # (P, D, method, M)
     excluded: dict[tuple[int, int], str] = {}
     for p, d in pairs:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from pipeoptim.errors import PlanError, WorkLimitError
 from pipeoptim.plan.limits import estimate_work, fit_budget, max_actions
 from pipeoptim.plan.memory_factors import method_memory_factors
-from pipeoptim.plan.methods import METHODS, get_method
+from pipeoptim.plan.methods import METHODS, RANKED_BY_DEFAULT, get_method
 from pipeoptim.plan.partition import optimal_partition
 from pipeoptim.plan.partition_cost import Partition
 from pipeoptim.plan.profile import Profile
@@ -274,13 +274,10 @@ def search(
     batch_size: int | None = None,
 ) -> list[Candidate]:
     """Every feasible candidate ranked best first, then the infeasible ones; ``cluster``
-    and ``batch_size`` (the mini-batch, default the profile's) as in
-    :func:`evaluate_candidate`."""
-    names = (
-        list(methods)
-        if methods is not None
-        else [n for n, m in METHODS.items() if not m.interleaved]
-    )
+       and ``batch_size`` (the mini-batch, default the profile's) as in
+       :func:`evaluate_candidate`.
+    ``methods`` defaults to :data:`~pipeoptim.plan.methods.RANKED_BY_DEFAULT`."""
+    names = list(methods) if methods is not None else list(RANKED_BY_DEFAULT)
     if num_stages > profile.num_layers:
         raise PlanError(
             f"cannot split {profile.num_layers} layers into {num_stages} stages; use at "

@@ -20,7 +20,7 @@ from pipeoptim.commands.plan_files import write_plan_files
 from pipeoptim.device_search import DeviceSearch, explain_devices, search_devices, shares
 from pipeoptim.errors import PlanError
 from pipeoptim.plan.graph import stage_graph_to_dict
-from pipeoptim.plan.methods import METHODS, get_method
+from pipeoptim.plan.methods import RANKED_BY_DEFAULT, get_method
 from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.plan.profile import Profile
 from pipeoptim.plan.units import format_bytes
@@ -85,7 +85,7 @@ def run_device_plan(
     )
     files = write_plan_files(args, plan, best.partition, profile, cap, summary)
     written = args.out is not None and str(args.out) in files.written
-    searched = methods or [n for n, m in METHODS.items() if not m.interleaved]
+    searched = methods or list(RANKED_BY_DEFAULT)
     dropped = dropped_notes(result, searched, args.micro_batches)
     if args.json:
         print_json(

@@ -345,6 +345,13 @@ _REGISTRY += [_bounded(_BASES["pipedream"], 1), _bounded(_BASES["pipeoptim"], 1)
 METHODS: dict[str, Method] = {m.name: m for m in _REGISTRY}
 CORRECTED: frozenset[str] = frozenset(m.name for m in _REGISTRY if m.delay_correction)
 """The registered methods with a delay correction."""
+RANKED_BY_DEFAULT: tuple[str, ...] = tuple(
+    m.name for m in _REGISTRY if not m.interleaved and m.max_delay is None
+)
+"""The methods the planners rank when not told which: all but the interleaved ones (they
+need a virtual-stage count) and the bounded-delay ones, whose cost, 1/A_k of the updates on
+the early stages at equal samples, is outside the κ·e risk model, and which the study never
+measured as the best row (docs/choosing-a-method.md); name them to rank them."""
 
 
 def get_method(name: str) -> Method:

@@ -214,3 +214,14 @@ def test_simulate_plan_keeps_the_links_it_was_planned_for(
     )
     free = json.loads(capsys.readouterr().out)["runs"]["pipeoptim"]
     assert free["steady_throughput"] > run["steady_throughput"]  # the links cost something
+
+
+def test_bounded_delay_methods_are_ranked_only_when_named() -> None:
+    """Their cost (fewer updates on the early stages) is outside the risk model, so the
+    default search leaves them out; named, they are simulated and ranked like any other."""
+    default = {c.method for c in search(uneven(), 4)}
+    assert "pipeoptim" in default
+    assert not default & {"pipedream+bounded", "pipeoptim+bounded"}
+    named = search(uneven(), 4, methods=["pipeoptim", "pipeoptim+bounded"])
+    bounded = next(c for c in named if c.method == "pipeoptim+bounded")
+    assert bounded.risk is not None and bounded.risk.distances == (1, 1, 1, 0)

@@ -16,7 +16,7 @@ from pipeoptim.device_search import (
     steady_mini_batches,
 )
 from pipeoptim.errors import PlanError
-from pipeoptim.plan.methods import METHODS
+from pipeoptim.plan.methods import METHODS, RANKED_BY_DEFAULT
 from pipeoptim.plan.partition import optimal_partition
 from pipeoptim.plan.partition_cost import evaluate_partition
 from pipeoptim.plan.profile import Profile
@@ -138,7 +138,7 @@ def test_factorisations_that_cannot_run_say_why() -> None:
     assert why["P=1 x D=16"] == "the global batch of 8 samples does not split into 16 replicas"
     # P=4 x D=4: 2 samples a replica, but micro-batching methods need at least 4
     assert result.factorisation(next(c for c in result.ranked if c.stages == 4)).best is not None
-    never_micro_batched = {name for name, m in METHODS.items() if not m.micro_batched}
+    never_micro_batched = {n for n in RANKED_BY_DEFAULT if not METHODS[n].micro_batched}
     assert "pipeoptim" in never_micro_batched and "xpipe" not in never_micro_batched
     assert {c.method for c in result.ranked if c.stages == 4} == never_micro_batched
 
