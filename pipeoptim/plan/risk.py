@@ -275,6 +275,7 @@ def uncorrected_distance(
     :data:`CLOSURE`."""
     spec = get_method(method)
     policy = spec.weight_policy
+    # per missed update: the share the correction keeps, of the A_k mini-batches it carries
     kept = (1.0 - correction_gain(spec.delay_correction, optimizer)) * accumulation
     if policy is WeightPolicy.FLUSH:
         return 0.0
@@ -320,9 +321,7 @@ def method_risk(
     rule = spec.prediction_rule or "optimizer"
     p = len(ds)
     es = [
-        uncorrected_distance(
-            method, optimizer, s, old, accumulation=spec.accumulation(k, p) if p else 1
-        )
+        uncorrected_distance(method, optimizer, s, old, accumulation=spec.accumulation(k, p))
         for k, (s, old) in enumerate(zip(ds, st, strict=True))
     ]
     worst = max(range(len(es)), key=lambda k: es[k], default=0)

@@ -331,13 +331,13 @@ def analyze_order(order: OrderArrays, policy: WeightPolicy, m: int = 1) -> Versi
                 f"backward of all {m} micro-batch(es) of its mini-batch"
             )
         gradient = np.minimum(gradient, backward[found]) if q else backward[found]
-    gradient = _accumulated_versions(gradient, u_pos, b_pos, f_index.find(b_keys), backward, first)
+    b_pass = f_index.find(b_keys)
+    gradient = _accumulated_versions(gradient, u_pos, b_pos, b_pass, backward, group_start, group)
     update_arrays = UpdateArrays(stage[u_pos], mb[u_pos], applied, gradient)
 
     # Per action, back in the order's indices.
     version = before.copy()
     version[f_pos] = forward
-    b_pass = f_index.find(b_keys)
     has_pass = b_pass >= 0
     version[b_pos[has_pass]] = backward[b_pass[has_pass]]
     i_pass = f_index.find(i_keys)
@@ -385,18 +385,18 @@ def _accumulated_versions(
     b_pos: IntArray,
     b_pass: IntArray,
     backward: IntArray,
-    first: BoolArray,
+    group_start: IntArray,
+    group: IntArray,
 ) -> IntArray:
     """The oldest backward version among every backward an update applies: those since the
     stage's previous update (more than its own mini-batch's under accumulation), given the
-    oldest of its own mini-batch (``gradient``). Positions are stage-grouped."""
+    oldest of its own mini-batch (``gradient``). Positions are stage-grouped: ``group`` is
+    each position's stage group, ``group_start`` each group's first position."""
     if not len(u_pos):
         return gradient
-    starts = np.flatnonzero(first)
-    group_of = np.cumsum(first) - 1
     previous = np.r_[-1, u_pos[:-1]]
-    same_stage = np.r_[False, group_of[u_pos[1:]] == group_of[u_pos[:-1]]]
-    previous = np.where(same_stage, previous, starts[group_of[u_pos]] - 1)
+    same_stage = np.r_[False, group[u_pos[1:]] == group[u_pos[:-1]]]
+    previous = np.where(same_stage, previous, group_start[group[u_pos]] - 1)
     lo = np.asarray(np.searchsorted(b_pos, previous, side="right"), dtype=np.int64)
     hi = np.asarray(np.searchsorted(b_pos, u_pos), dtype=np.int64)
     versions = np.where(b_pass >= 0, backward[np.maximum(b_pass, 0)], np.iinfo(np.int64).max)

@@ -170,6 +170,9 @@ class Stage:
         )
         self.context = rule.context
         """What the optimizer factory and the delay correction are told of this stage."""
+        self.accumulation = method.accumulation(index, num_stages)
+        """A_k: the mini-batches this stage accumulates per update (1 but under a bounded
+        delay, where :meth:`update` applies their mean gradient)."""
         # A stage of parameter-free layers (a lone ReLU) has nothing to update: all None.
         self.optimizer: Optimizer | None = rule.optimizer
         self.updater: StageUpdate | None = rule.update
@@ -319,12 +322,6 @@ class Stage:
     def versions(self, mb: int) -> MicroBatchVersions:
         """The versions micro-batch ``mb`` of this segment meets on this stage."""
         return self.weights.of(mb)
-
-    @property
-    def accumulation(self) -> int:
-        """A_k: the mini-batches this stage accumulates per update (1 but under a bounded
-        delay, where ``update`` applies their mean gradient)."""
-        return self.method.accumulation(self.index, self.context.num_stages)
 
     def version_base(self, first_mini_batch: int) -> int:
         """The run's version of this segment's W^(0), for traces: the segment's first
