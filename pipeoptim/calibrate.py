@@ -168,6 +168,8 @@ def costs_from_trace(trace: Trace, cluster: Cluster | None = None) -> CostModel:
     # own (CPU): the forward cost is what is left, the prediction its own cost, which the
     # simulator adds back on exactly the forwards its version analysis predicts.
     predict = _stage_floats(trace.meta.get("predict_s"))
+    # Ŵ a predicted forward's recomputed units hold until its backward (0: none)
+    held = {k: int(v) for k, v in _stage_floats(trace.meta.get("recompute_held_bytes")).items()}
     for e in trace.events:
         extra = predict.get(e.stage, 0.0) if e.kind == "F" and e.distance > 0 else 0.0
         durations[(e.stage, e.kind)].append(max(e.duration - extra, 0.0))
@@ -231,6 +233,7 @@ def costs_from_trace(trace: Trace, cluster: Cluster | None = None) -> CostModel:
         bandwidth=(math.inf,) * (stages - 1),
         samples_per_micro_batch=float(batch) / (replicas * shape.micro_batches),
         optimizer=plan.optimizer.family,
+        held_weight_bytes=tuple(held.get(k, 0) for k in range(stages)),
     )
     if replicas == 1:
         return costs

@@ -432,9 +432,10 @@ def cut_causal_lm(model: nn.Module) -> ModelUnits:
     the embedding, one unit per decoder layer, and the head (final norm and LM head).
 
     The units hold the model's own modules, so training them trains ``model``, and a tied
-    embedding stays one Parameter in the first and the last unit. The model's KV cache is
-    turned off (``config.use_cache = False``): the units train, they do not generate; the
-    recorded source config keeps the original setting for the export."""
+    embedding stays one Parameter in the first and the last unit. The units use no KV cache
+    (each block calls its layer with ``use_cache=False``: they train, they do not generate);
+    the model's config is left as it is, so the model still generates with its cache, a
+    second cut records the same source, and the export keeps the user's settings."""
     family = _family(model)
     _transformers()
     from transformers import masking_utils
@@ -445,7 +446,6 @@ def cut_causal_lm(model: nn.Module) -> ModelUnits:
         "class": type(model).__name__,
         "config": hf_model.config.to_dict(),
     }
-    hf_model.config.use_cache = False
     if any(p.is_meta for p in model.parameters()):
         hf_model.tie_weights()  # transformers 5.0 leaves a model built on meta untied
     if family in GPT2_FAMILY:

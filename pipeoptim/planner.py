@@ -20,6 +20,15 @@ keeping the profile's fitted fixed part of each time). With D data-parallel repl
 links and all-reduces follow the ``cluster``'s placement (:mod:`pipeoptim.sim.collectives`),
 and throughput counts all replicas; :mod:`pipeoptim.device_search` searches the P x D
 factorisations of a device count.
+
+When the memory cap binds (no partition fits as it is), the candidate tries, in order:
+sharding the optimizer state over the D replicas (ZeRO-1, only where D >= 2: the cheapest,
+one weight all-gather per update), then recomputing the stages that hold the most
+activations under the method (in 1F1B the early ones: stage k holds min(P - k, M)
+micro-batches), one more stage at a time (sharded too where D >= 2), until a partition
+fits; within each recomputed stage it then keeps only the units needed to fit, those that
+free the most first. The candidate records the choice and the throughput of the same
+partition without it (which would not fit), so the cost is stated.
 """
 
 from __future__ import annotations
@@ -30,17 +39,23 @@ from dataclasses import dataclass, replace
 
 from pipeoptim.errors import PlanError, WorkLimitError
 from pipeoptim.plan.limits import estimate_work, fit_budget, max_actions
-from pipeoptim.plan.memory_factors import method_memory_factors
+from pipeoptim.plan.memory_factors import (
+    method_holds_weights,
+    method_memory_factors,
+    resolve_factors,
+)
 from pipeoptim.plan.methods import METHODS, RANKED_BY_DEFAULT, get_method
-from pipeoptim.plan.partition import optimal_partition
-from pipeoptim.plan.partition_cost import Partition
+from pipeoptim.plan.partition import min_memory_partition, optimal_partition
+from pipeoptim.plan.partition_cost import Partition, evaluate_partition
 from pipeoptim.plan.profile import Profile
+from pipeoptim.plan.recompute import RecomputeEntry
+from pipeoptim.plan.recompute_costs import profile_unit_costs
 from pipeoptim.plan.replicas import check_batch_split, check_replicas
 from pipeoptim.plan.risk import MethodRisk, method_risk
 from pipeoptim.plan.units import format_bytes, format_distances
 from pipeoptim.sim.collectives import Cluster, edge_links, group_within_node
 from pipeoptim.sim.costs import CostModel
-from pipeoptim.sim.evaluate import compile_method, evaluate_program
+from pipeoptim.sim.evaluate import Evaluation, compile_method, evaluate_program
 
 
 @dataclass(frozen=True)
@@ -77,6 +92,42 @@ class Candidate:
     steady_bubble: float = 0.0
     """Idle fraction of the ranks in the steady state: 1 - mean stage busy time (all-reduce
     included) per mini-batch / ``update_period_s`` (``bubble_ratio`` counts warm-up too)."""
+    recompute: tuple[frozenset[int], ...] = ()
+    """Per stage the stage-local units it recomputes to fit the cap (empty: none)."""
+    shard_optimizer: bool = False
+    """Whether the optimizer state is sharded over the replicas to fit the cap."""
+    unfitted_throughput: float = 0.0
+    """Where recomputation or sharding was chosen: the steady-state throughput of the same
+    partition without them (which would not fit the cap)."""
+    unfitted_memory_bytes: int = 0
+    """Where recomputation or sharding was chosen: the peak stage memory without them."""
+
+    @property
+    def fitted(self) -> bool:
+        """Whether recomputation or sharding was chosen to fit the memory cap."""
+        return any(self.recompute) or self.shard_optimizer
+
+    @property
+    def slowdown(self) -> float:
+        """Throughput lost to the memory savings: 1 - throughput / unfitted throughput."""
+        if not self.fitted or self.unfitted_throughput <= 0:
+            return 0.0
+        return 1.0 - self.throughput / self.unfitted_throughput
+
+    def recompute_entries(self) -> list[RecomputeEntry] | None:
+        """The plan file's ``recompute``: per stage none, full or its units' global
+        indices (None: nothing recomputed)."""
+        if not any(self.recompute) or self.partition is None:
+            return None
+        out: list[RecomputeEntry] = []
+        for units, (start, end) in zip(self.recompute, self.partition.boundaries, strict=True):
+            if not units:
+                out.append("none")
+            elif len(units) == end - start:
+                out.append("full")
+            else:
+                out.append([str(start + i) for i in sorted(units)])
+        return out
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -135,19 +186,133 @@ def per_unit_profile(
 
 
 def _sync(
-    replicas: int, cluster: Cluster, num_stages: int, micro_batches: int
+    replicas: int, cluster: Cluster, num_stages: int, micro_batches: int, shard: bool = False
 ) -> list[tuple[float, float]] | None:
-    """Each stage's all-reduce as the partitioner charges it, shared among the update's
-    units: ``(seconds per gradient byte, fixed seconds)``, from the ring closed form."""
+    """Each stage's all-reduce (and, with ``shard``, its weight all-gather) as the
+    partitioner charges it, shared among the update's units: ``(seconds per gradient
+    byte, fixed seconds)``, from the ring closed forms."""
     if replicas == 1:
         return None
     d, m = replicas, micro_batches
+    rounds = 3 if shard else 2  # an all-reduce moves 2 (D-1)/D of the bytes, a gather 1
     out = []
     for k in range(num_stages):
         bw, lat = cluster.tier(group_within_node(k, num_stages, d, cluster))
-        per_byte = 0.0 if math.isinf(bw) else 2 * (d - 1) / d / bw
-        out.append((per_byte / m, 2 * (d - 1) * lat / m))
+        per_byte = 0.0 if math.isinf(bw) else rounds * (d - 1) / d / bw
+        out.append((per_byte / m, rounds * (d - 1) * lat / m))
     return out
+
+
+@dataclass(frozen=True)
+class _Fit:
+    partition: Partition
+    shard: bool
+
+
+def _fit_memory(
+    unit_profile: Profile,
+    method: str,
+    num_stages: int,
+    micro_batches: int,
+    replicas: int,
+    cap: int,
+    cluster: Cluster,
+    edges: Sequence[tuple[float, float]] | None,
+) -> _Fit | None:
+    """The first of sharding, then recomputing more and more stages (module doc) whose
+    partition fits ``cap``, with each recomputed stage cut down to the units it needs."""
+    p, d, m = num_stages, replicas, micro_batches
+    factors = method_memory_factors(method, p, m)
+    _, slots = resolve_factors(factors, p)
+    hold = method_holds_weights(method, p)
+    order = sorted(range(p), key=lambda k: (-slots[k], k))  # who holds the most first
+    attempts: list[tuple[bool, int]] = [(True, 0)] if d > 1 else []
+    attempts += [(d > 1, j) for j in range(1, p + 1)]
+    for shard, count in attempts:
+        flags = [k in order[:count] for k in range(p)]
+        try:
+            found = optimal_partition(
+                unit_profile,
+                p,
+                bandwidth_bytes_per_s=cluster.bandwidth,
+                latency_s=cluster.latency_s,
+                memory_cap_bytes=cap,
+                memory_factors=factors,
+                edges=edges,
+                sync=_sync(d, cluster, p, m, shard),
+                recompute_stages=flags if count else None,
+                hold_weights=hold,
+                optimizer_shards=d if shard else 1,
+            )
+        except PlanError as err:
+            if isinstance(err, WorkLimitError) or "memory" not in str(err):
+                raise
+            continue
+        sets = _fewest_units(unit_profile, found, cap, slots, hold) if count else None
+        partition = evaluate_partition(
+            unit_profile,
+            found.boundaries,
+            bandwidth_bytes_per_s=cluster.bandwidth,
+            latency_s=cluster.latency_s,
+            memory_factors=factors,
+            edges=edges,
+            sync=_sync(d, cluster, p, m, shard),
+            recompute=sets,
+            hold_weights=hold,
+            optimizer_shards=d if shard else 1,
+        )
+        return _Fit(partition, shard)
+    return None
+
+
+def _fewest_units(
+    unit_profile: Profile, found: Partition, cap: int, slots: list[int], hold: list[bool]
+) -> list[frozenset[int]]:
+    """Per recomputed stage of ``found`` the fewest units that bring it under ``cap``: its
+    memory falls by ``slots·(a_l - x_l) - [hold]·slots·w_l`` per recomputed unit ``l``
+    (``partition_cost``'s doc), so the units that free the most go first."""
+    units = profile_unit_costs(unit_profile)
+    out: list[frozenset[int]] = []
+    for k, chosen in enumerate(found.recompute or [frozenset()] * found.num_stages):
+        if not chosen:
+            out.append(frozenset())
+            continue
+        start = found.boundaries[k][0]
+        # the stage's memory without recomputation: the recomputed figure plus what it freed
+        frees = {
+            i: slots[k] * (units.activation_bytes[start + i] - units.input_bytes[start + i])
+            - (slots[k] * units.param_bytes[start + i] if hold[k] else 0)
+            for i in chosen
+        }
+        memory = found.stage_memory[k] + sum(frees.values())
+        picked: set[int] = set()
+        for i in sorted(frees, key=lambda i: (-frees[i], units.forward_s[start + i], i)):
+            if memory <= cap or frees[i] <= 0:
+                break
+            picked.add(i)
+            memory -= frees[i]
+        out.append(frozenset(picked) if memory <= cap else frozenset(chosen))
+    return out
+
+
+def _smallest_reach(
+    unit_profile: Profile, method: str, num_stages: int, micro_batches: int, replicas: int
+) -> int:
+    """The smallest peak stage memory any partition reaches with every saving available."""
+    factors = method_memory_factors(method, num_stages, micro_batches)
+    hold = method_holds_weights(method, num_stages)
+    shards = replicas if replicas > 1 else 1
+    return min(
+        min_memory_partition(
+            unit_profile,
+            num_stages,
+            memory_factors=factors,
+            recompute_stages=[full] * num_stages,
+            hold_weights=hold,
+            optimizer_shards=shards,
+        ).peak_memory_bytes
+        for full in (False, True)
+    )
 
 
 def evaluate_candidate(
@@ -191,9 +356,11 @@ def evaluate_candidate(
     links = (
         edge_links(num_stages, d, cluster) if d > 1 or cluster.gpus_per_node is not None else None
     )
+    unit_profile = per_unit_profile(profile, m, batch // d)
+    fit: _Fit | None = None
     try:
         partition = optimal_partition(
-            per_unit_profile(profile, m, batch // d),
+            unit_profile,
             num_stages,
             bandwidth_bytes_per_s=cluster.bandwidth,
             latency_s=cluster.latency_s,
@@ -205,19 +372,50 @@ def evaluate_candidate(
     except PlanError as err:
         if isinstance(err, WorkLimitError) or "memory" not in str(err):
             raise
-        return Candidate(method, m, None, infeasible=str(err), data_parallel=d, stages=num_stages)
-    costs = CostModel.from_profile(
-        profile,
-        partition.boundaries,
-        m,
-        batch_size=batch // d,
-        bandwidth=cluster.bandwidth,
-        latency_s=cluster.latency_s,
-    )
-    if links is not None:
-        costs = costs.with_data_parallel(d, cluster)
+        assert memory_cap_bytes is not None
+        cap = int(memory_cap_bytes)
+        fit = _fit_memory(unit_profile, method, num_stages, m, d, cap, cluster, links)
+        if fit is None:
+            reach = _smallest_reach(unit_profile, method, num_stages, m, d)
+            sharding = f" and sharding the optimizer state over {d} replicas" if d > 1 else ""
+            size = format_bytes(reach, round_up=True)
+            why = (
+                f"no partition of {profile.num_layers} layers into {num_stages} stages fits "
+                f"the memory cap of {format_bytes(cap)} ({cap} bytes) per device, even "
+                f"recomputing activations{sharding}; the smallest possible peak is "
+                f"{size} ({reach} bytes); raise --memory-cap to at least {size} or use "
+                f"more stages"
+            )
+            return Candidate(method, m, None, infeasible=why, data_parallel=d, stages=num_stages)
+        partition = fit.partition
+
+    def stage_costs(recompute: list[frozenset[int]] | None = None) -> CostModel:
+        costs = CostModel.from_profile(
+            profile,
+            partition.boundaries,
+            m,
+            batch_size=batch // d,
+            bandwidth=cluster.bandwidth,
+            latency_s=cluster.latency_s,
+            recompute=recompute,
+        )
+        return costs.with_data_parallel(d, cluster) if links is not None else costs
+
+    costs = stage_costs()
     # one compiled order (cached per method and shape) serves timing and versions
     program = compile_method(method, shape)
+    unfitted = 0.0
+    unfitted_memory = 0
+    if fit is not None:  # the same partition without the savings: what they cost
+        unfitted = _steady(evaluate_program(program, costs), short_run)
+        unfitted_memory = evaluate_partition(
+            unit_profile,
+            partition.boundaries,
+            memory_factors=method_memory_factors(method, num_stages, m),
+        ).peak_memory_bytes
+        costs = stage_costs(list(partition.recompute) if partition.recomputes else None)
+        if fit.shard:
+            costs = costs.with_sharded_optimizer(cluster)
     result = evaluate_program(program, costs)
     report = program.versions()
     stages = range(num_stages * shape.virtual_stages)
@@ -227,12 +425,7 @@ def evaluate_candidate(
         [report.max_distance(k) for k in stages],
         [report.max_staleness(k) for k in stages],
     )
-    steady = result.steady_throughput
-    if short_run and result.busy_s:
-        # A short run's last updates can still be faster than the run settles to: an
-        # async pipeline drains its in-flight slack before a slightly slower stage sets
-        # the pace. No stage trains faster than its own busy time allows: that caps it.
-        steady = min(steady, result.samples / max(result.busy_s.values()))
+    steady = _steady(result, short_run)
     return Candidate(
         method,
         m,
@@ -247,6 +440,47 @@ def evaluate_candidate(
         stages=num_stages,
         update_period_s=batch / steady if steady > 0 else 0.0,
         steady_bubble=_steady_bubble(result.busy_s, result.samples, steady),
+        recompute=partition.recompute,
+        shard_optimizer=fit is not None and fit.shard,
+        unfitted_throughput=unfitted,
+        unfitted_memory_bytes=unfitted_memory,
+    )
+
+
+def _steady(result: Evaluation, short_run: bool) -> float:
+    steady = result.steady_throughput
+    if short_run and result.busy_s:
+        # A short run's last updates can still be faster than the run settles to: an
+        # async pipeline drains its in-flight slack before a slightly slower stage sets
+        # the pace. No stage trains faster than its own busy time allows: that caps it.
+        steady = min(steady, result.samples / max(result.busy_s.values()))
+    return steady
+
+
+def memory_choice(c: Candidate, memory_cap_bytes: int | None) -> str | None:
+    """What the candidate does to fit the cap and what it costs, in one sentence (None:
+    nothing)."""
+    if not c.fitted or c.partition is None:
+        return None
+    parts = []
+    entries = c.recompute_entries() or []
+    stages = [k for k, e in enumerate(entries) if e != "none"]
+    if stages:
+        what = "; ".join(
+            f"stage {k} "
+            + ("all its units" if entries[k] == "full" else "units " + ",".join(entries[k]))
+            for k in stages
+        )
+        parts.append(f"recompute activations ({what})")
+    if c.shard_optimizer:
+        parts.append(f"shard the optimizer state over the {c.data_parallel} replicas (ZeRO-1)")
+    cap = f"the {format_bytes(memory_cap_bytes)} cap" if memory_cap_bytes else "the cap"
+    return (
+        f"Memory: no partition fits {cap} as it is, so {' and '.join(parts)}; peak stage "
+        f"memory {format_bytes(c.peak_memory_bytes)} instead of "
+        f"{format_bytes(c.unfitted_memory_bytes)}, at {100 * c.slowdown:.1f}% less "
+        f"throughput ({format_rate(c.throughput)} against {format_rate(c.unfitted_throughput)} "
+        f"samples/s for the same partition without it, which would not fit)."
     )
 
 
@@ -409,6 +643,9 @@ def explain(ranked: Sequence[Candidate], memory_cap_bytes: int | None = None) ->
         f"{format_rate(best.throughput)} samples/s, {describe_staleness(best)}, peak stage "
         f"memory {format_bytes(best.peak_memory_bytes)}{cap}."
     )
+    choice = memory_choice(best, memory_cap_bytes)
+    if choice:
+        text += " " + choice
     # as fast or faster per sample, ranked lower only because of the convergence risk
     passed = [
         c
@@ -498,3 +735,18 @@ def _risk_reason(c: Candidate) -> str:
             f"distance: e = {r.uncorrected:.2g})"
         )
     return f"{c.method} +{100 * r.risk:.0f}% samples (staleness {max(r.staleness, default=0)})"
+
+
+def memory_notes(c: Candidate) -> dict[str, object]:
+    """A plan's notes on what was done to fit the memory cap (empty: nothing)."""
+    if not c.fitted:
+        return {}
+    return {
+        "memory_fit": {
+            "recompute": c.recompute_entries(),
+            "shard_optimizer": c.shard_optimizer,
+            "samples_per_s_without": c.unfitted_throughput,
+            "peak_memory_bytes_without": c.unfitted_memory_bytes,
+            "slowdown": c.slowdown,
+        }
+    }

@@ -9,6 +9,7 @@ next one up) at each depth and seed, all stages in one process, then writes the 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -113,20 +114,37 @@ def _names(flag: str, text: str, allowed: tuple[str, ...] | None = None) -> tupl
     return names
 
 
-def _rates(entries: list[str]) -> dict[str, tuple[float, ...]]:
+def _rates(entries: list[str], optimizers: tuple[str, ...]) -> dict[str, tuple[float, ...]]:
+    """The candidate rates per optimizer: the defaults, replaced by each ``--lr-candidates``
+    entry, which must name an optimizer the study trains and list its rates ascending."""
     rates = dict(DEFAULT_RATES)
     for entry in entries:
         opt, sep, values = entry.partition("=")
+        opt = opt.strip()
         try:
             parsed = tuple(float(v) for v in values.split(","))
         except ValueError:
             parsed = ()
-        if not sep or not parsed or any(not v > 0 for v in parsed):
+        if not sep or not parsed or any(not (v > 0 and math.isfinite(v)) for v in parsed):
             raise RuntimeConfigError(
-                f"--lr-candidates takes OPT=LR,LR,... with positive rates (got {entry!r}); "
-                f"e.g. --lr-candidates adam=5e-4,1e-3,2e-3"
+                f"--lr-candidates takes OPT=LR,LR,... with positive finite rates (got "
+                f"{entry!r}); e.g. --lr-candidates adam=5e-4,1e-3,2e-3"
             )
-        rates[opt.strip()] = tuple(sorted(parsed))
+        if opt not in optimizers:
+            raise RuntimeConfigError(
+                f"--lr-candidates {entry} gives rates for {opt}, which this study does not "
+                f"train (--optimizers {','.join(optimizers)}); add {opt} to --optimizers or "
+                f"drop the entry"
+            )
+        ascending = tuple(sorted(set(parsed)))
+        if parsed != ascending:
+            raise RuntimeConfigError(
+                f"--lr-candidates {entry}: the rates must be ascending, each once (got "
+                f"{', '.join(f'{v:g}' for v in parsed)}); give {opt}="
+                f"{','.join(f'{v:g}' for v in ascending)} (the rate above the sweep's best is "
+                f"the next one in this order)"
+            )
+        rates[opt] = parsed
     return rates
 
 
@@ -183,16 +201,17 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
             f"model {args.model!r} has {len(data.train_x)} training samples, fewer than one "
             f"batch of {args.batch_size}; use a smaller --batch-size"
         )
+    optimizers = _names("--optimizers", args.optimizers, STUDIED)
     return StudyConfig(
         args.model,
         steps=args.epochs * per_epoch,
         eval_every=args.eval_every or per_epoch,
         methods=_names("--methods", args.methods, tuple(METHODS)),
-        optimizers=_names("--optimizers", args.optimizers, STUDIED),
+        optimizers=optimizers,
         stages=stages,
         seeds=args.seeds,
         batch_size=args.batch_size,
-        rates=_rates(args.lr_candidates),
+        rates=_rates(args.lr_candidates, optimizers),
         high_rate=not args.no_high_rate,
         sweep_stages=min(stages),
         warmup=args.warmup,
@@ -200,6 +219,42 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
         grad_clip=args.grad_clip,
         weight_decay=args.weight_decay,
     )
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The ``pipeoptim compare`` command of ``args``, as the report names what produced it
+    (every option that shapes the runs; not --workers, --quiet or the profile's path)."""
+    parts = [
+        "pipeoptim compare",
+        f"--model {args.model}",
+        f"--methods {args.methods}",
+        f"--optimizers {args.optimizers}",
+        f"--stages {args.stages}",
+        f"--seeds {args.seeds}",
+        f"--epochs {args.epochs}",
+        f"--batch-size {args.batch_size}",
+    ]
+    if args.eval_every is not None:
+        parts.append(f"--eval-every {args.eval_every}")
+    for flag, value, default in (
+        ("--warmup", args.warmup, 0.0),
+        ("--final-lr", args.final_lr, 1.0),
+        ("--weight-decay", args.weight_decay, 0.0),
+    ):
+        if value != default:
+            parts.append(f"{flag} {value:g}")
+    if args.grad_clip is not None:
+        parts.append(f"--grad-clip {args.grad_clip:g}")
+    for entry in args.lr_candidates:
+        opt, _, values = entry.partition("=")
+        parts.append(
+            f"--lr-candidates {opt.strip()}={','.join(f'{float(v):g}' for v in values.split(','))}"
+        )
+    if args.no_high_rate:
+        parts.append("--no-high-rate")
+    if args.profile is not None:
+        parts.append("--profile PROFILE")
+    return " ".join(parts)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -219,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
     rates, records = run_study(
         config, args.out / config.model, workers=args.workers, quiet=args.quiet
     )
-    path = write_study_report(args.out, [config], profiles)
+    path = write_study_report(args.out, [config], profiles, produced_by=command_line(args))
     diverged = sum(r.diverged_at is not None for r in records)
     print(
         f"{len(records)} runs ({diverged} diverged) in {time.perf_counter() - start:.0f} s; "

@@ -23,8 +23,9 @@ from pipeoptim.plan.graph import stage_graph_to_dict
 from pipeoptim.plan.methods import RANKED_BY_DEFAULT, get_method
 from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.plan.profile import Profile
+from pipeoptim.plan.recompute_costs import annotate_units, profile_unit_costs
 from pipeoptim.plan.units import format_bytes
-from pipeoptim.planner import Candidate
+from pipeoptim.planner import Candidate, memory_choice, memory_notes
 from pipeoptim.sim.collectives import Cluster
 
 __all__ = ["run_device_plan"]
@@ -62,6 +63,9 @@ def run_device_plan(
     best = result.best  # raises with every factorisation's reason when nothing runs
     assert best.partition is not None
     summary = explain_devices(result, profile)
+    choice = memory_choice(best, cap)
+    if choice:
+        summary += " " + choice
     plan = Plan(
         method=best.method,
         num_stages=best.stages,
@@ -71,8 +75,13 @@ def run_device_plan(
         model=args.model or profile.meta.get("model"),
         batch_size=result.batch_size,
         boundaries=[(a, b) for a, b in best.partition.boundaries],
-        stage_graph=stage_graph_to_dict(best.partition.stage_graph(profile)),
+        stage_graph=stage_graph_to_dict(
+            annotate_units(best.partition.stage_graph(profile), profile_unit_costs(profile))
+        ),
+        recompute=best.recompute_entries(),
+        shard_optimizer=best.shard_optimizer,
         notes={
+            **memory_notes(best),
             "predicted_samples_per_s": best.throughput,
             # steady state: a whole run's bubble depends on its length, which the plan
             # leaves to its consumer

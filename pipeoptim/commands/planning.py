@@ -30,12 +30,14 @@ from pipeoptim.plan.limits import MAX_PROFILE_BATCH, MAX_PROFILE_REPEATS
 from pipeoptim.plan.methods import METHODS, get_method
 from pipeoptim.plan.plan import OPTIMIZER_FAMILIES, OptimizerSpec, Plan
 from pipeoptim.plan.profile import Profile, conditions_warning
+from pipeoptim.plan.recompute_costs import annotate_units, profile_unit_costs
 from pipeoptim.plan.risk import depth_advice
 from pipeoptim.plan.units import format_bytes, format_distances, parse_bandwidth, parse_bytes
 from pipeoptim.planner import (
     Candidate,
     evaluate_candidate,
     explain,
+    memory_notes,
     micro_batch_options,
     search,
 )
@@ -324,8 +326,13 @@ def run_plan(args: argparse.Namespace) -> int:
         model=args.model or profile.meta.get("model"),
         batch_size=batch,
         boundaries=[(a, b) for a, b in best.partition.boundaries],
-        stage_graph=stage_graph_to_dict(best.partition.stage_graph(profile)),
+        stage_graph=stage_graph_to_dict(
+            annotate_units(best.partition.stage_graph(profile), profile_unit_costs(profile))
+        ),
+        recompute=best.recompute_entries(),
+        shard_optimizer=best.shard_optimizer,
         notes={
+            **memory_notes(best),
             "predicted_samples_per_s": best.throughput,
             "predicted_bubble_ratio": best.bubble_ratio,
             "memory_cap_bytes": cap,

@@ -35,7 +35,13 @@ from pipeoptim.commands.common import (
     format_table,
     print_json,
 )
-from pipeoptim.commands.sim_inputs import check_costs, job_costs, job_links
+from pipeoptim.commands.sim_inputs import (
+    check_costs,
+    job_costs,
+    job_links,
+    job_recompute,
+    job_shard,
+)
 from pipeoptim.errors import PlanError
 from pipeoptim.metrics import RunMetrics, compute_metrics
 from pipeoptim.plan.limits import (
@@ -152,6 +158,20 @@ def register(subparsers: Any) -> None:
         "plan's, a calibrated profile's, else 0)",
     )
     add_cluster_flags(p, data_parallel=True)
+    p.add_argument(
+        "--recompute",
+        default=None,
+        metavar="MODE",
+        help="activation recomputation: none, full, stages:0,1 (those stages in full) or "
+        "units:NAME,... (units by index, name or class); default: the plan's, else none",
+    )
+    p.add_argument(
+        "--shard-optimizer",
+        action="store_true",
+        default=False,
+        help="shard each stage's optimizer state over its --data-parallel replicas (ZeRO-1): "
+        "1/D of the state each, plus a weight all-gather per update (default: the plan's)",
+    )
     p.add_argument(
         "--no-contention", action="store_true", help="transfers never queue on a link (pure delays)"
     )
@@ -278,6 +298,8 @@ def run(args: argparse.Namespace) -> int:
             args.data_parallel = plan.data_parallel
     if args.data_parallel is None:
         args.data_parallel = 1
+    shard = job_shard(args, plan)
+    job_recompute(args, plan)  # a bad --recompute fails before any work
     links = job_links(args, plan, profile)
     cluster = cluster_from_args(
         args, links.get("bandwidth", math.inf), links["latency_s"], plan.notes if plan else {}
@@ -331,6 +353,8 @@ def run(args: argparse.Namespace) -> int:
         costs = job_costs(args, shape, plan, profile)
         if args.data_parallel > 1 or cluster.gpus_per_node is not None:
             costs = costs.with_data_parallel(args.data_parallel, cluster, num_ranks=num_ranks)
+        if shard:
+            costs = costs.with_sharded_optimizer(cluster, num_ranks=num_ranks)
         check_costs(costs, args)
         if args.engine == "fast":
             trace = evaluate_trace(method, shape, costs, jitter=args.jitter, seed=args.seed)
@@ -371,6 +395,9 @@ def run(args: argparse.Namespace) -> int:
                 },
                 "data_parallel": args.data_parallel,
                 "allreduce_s": {name: list(c.allreduce_s) for name, c in used.items()},
+                "gather_s": {name: list(c.gather_s) for name, c in used.items()},
+                "recompute_s": {name: list(c.recompute_s) for name, c in used.items()},
+                "shard_optimizer": shard,
                 "skipped": [{"method": n, "reason": why} for n, why in skipped],
                 "written": written,
                 "not_written": files.failed,

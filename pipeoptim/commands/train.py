@@ -9,6 +9,7 @@ sees the method train to > 90 % test accuracy in seconds on any CPU. Flags overr
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from pipeoptim.commands.common import add_json_flag, check_output_paths, print_j
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.methods import METHODS, get_method
 from pipeoptim.plan.plan import OptimizerSpec, Plan
+from pipeoptim.plan.recompute import check_shard_optimizer
 from pipeoptim.plan.risk import depth_advice
 from pipeoptim.runtime.comm.process_model import ProcessModel
 from pipeoptim.runtime.config import AMP_MODES, LR_SCHEDULES, check_offset
@@ -63,13 +65,29 @@ latest one and gives the same weights as an uninterrupted run with the same sett
 Without a checkpoint, --resume starts fresh.
 
 language model: --model gpt trains a small decoder-only transformer on a character corpus
-built offline from the Python standard library's own source files (AdamW, lr 2e-3 unless
+built offline from the Python standard library's own source files (AdamW, lr {gpt_lr} unless
 given; test loss and perplexity reported).
 
 user models: --model module:factory or path/to/file.py:factory, where factory() returns an
 nn.Sequential or a list of layers. It trains on digits (64 float features, 10 classes)
 unless the module also defines dataset() returning (train_x, train_y, test_x, test_y).
 """
+
+
+def _default_lr_text() -> str:
+    """The default rates as the help states them, from the tables build_config reads."""
+    others = sorted({v for f, v in DEFAULT_LR.items() if f not in ("sgd", "basis-rotation")})
+    by_model: dict[tuple[str, float], list[str]] = {}
+    for model, (family, lr) in MODEL_OPTIMIZER.items():
+        by_model.setdefault((family, lr), []).append(model)
+    models = "; ".join(
+        f"{lr:g} for {family} on {', '.join(names)} (their default optimizer)"
+        for (family, lr), names in by_model.items()
+    )
+    return (
+        f"{DEFAULT_LR['sgd']:g} for sgd, {DEFAULT_LR['basis-rotation']:g} for basis-rotation, "
+        f"else {' or '.join(f'{v:g}' for v in others)}; {models}"
+    )
 
 
 def register(subparsers: Any) -> None:
@@ -79,7 +97,7 @@ def register(subparsers: Any) -> None:
         description="Train with a pipeline-parallel method and print final loss, test "
         "accuracy and samples/s. Without arguments: PipeOptim, 4 stages, the digits MLP, "
         "local transport.",
-        epilog=_EPILOG,
+        epilog=_EPILOG.replace("{gpt_lr}", f"{GPT_DEFAULTS['lr']:g}"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
@@ -102,7 +120,7 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--lr",
         type=float,
-        help="learning rate (default 0.02 for sgd, 3e-3 for basis-rotation, else 1e-3)",
+        help=f"learning rate (default {_default_lr_text()})",
     )
     p.add_argument(
         "--micro-batches",
@@ -129,6 +147,14 @@ def register(subparsers: Any) -> None:
         metavar="D",
         help="D replicas of the pipeline (dist only: D x P processes), each training on 1/D of "
         "every batch and averaging gradients before each update (default: the plan's, or 1)",
+    )
+    p.add_argument(
+        "--shard-optimizer",
+        action="store_true",
+        default=None,
+        help="shard each stage's optimizer state across its D replicas (ZeRO-1): each keeps "
+        "and updates 1/D of it, then the weights are gathered; needs --data-parallel 2 or "
+        "more (default: the plan's, else off)",
     )
     p.add_argument("--device", default="auto", help="auto (cuda if present), cpu, cuda, cuda:N")
     p.add_argument("--checkpoint-dir", metavar="D", help="write per-stage checkpoints here")
@@ -183,6 +209,13 @@ def register(subparsers: Any) -> None:
         metavar="NORM",
         help="clip each stage's own gradient norm to NORM before its update",
     )
+    p.add_argument(
+        "--recompute",
+        metavar="WHAT",
+        help="recompute activations in the backward instead of keeping them: none, full (every "
+        "unit of every stage), stages:0,1 (those stages in full) or units:NAME,NAME (units by "
+        "index, name or class); default: the plan's, else none",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_json_flag(p)
     p.set_defaults(func=handler)
@@ -228,6 +261,11 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     else:  # P micro-batches, or the next count that divides the batch
         micro = next((m for m in range(stages, batch + 1) if batch % m == 0), stages)
         micro = micro if spec.micro_batched else 1
+    if args.lr is not None and not (args.lr > 0 and math.isfinite(args.lr)):
+        raise RuntimeConfigError(
+            f"--lr must be a positive finite number (got {args.lr}); e.g. --lr 0.05, or leave "
+            f"it out for the optimizer's default"
+        )
     model_family, model_lr = MODEL_OPTIMIZER.get(model, ("sgd", None))
     family = args.optimizer or (base.optimizer.family if base else model_family)
     same_family = base is not None and base.optimizer.family == family
@@ -244,6 +282,9 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     offset = args.prediction_offset
     same_method = base is not None and base.method == method
     virtual = base.virtual_stages if base and same_method else 2 if spec.interleaved else 1
+    replicas = args.data_parallel or (base.data_parallel if base else 1)
+    shard = args.shard_optimizer or (base.shard_optimizer if base else False)
+    check_shard_optimizer(shard, replicas, flag="--shard-optimizer", error=RuntimeConfigError)
     plan = Plan(
         method,
         stages,
@@ -255,7 +296,8 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         batch_size=batch,
         boundaries=base.boundaries if same_layout and base else None,
         devices=base.devices if base else None,
-        data_parallel=args.data_parallel or (base.data_parallel if base else 1),
+        data_parallel=replicas,
+        shard_optimizer=shard,
     )
     # D > 1 replicas are D x P processes: a plan (or --data-parallel) asking for them starts
     # them, as `pipeoptim plan --devices` promises; an explicit --transport local is refused
@@ -273,6 +315,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         seed=args.seed,
         device=args.device,
         quiet=args.quiet or args.json,
+        recompute=args.recompute,
         timeout=args.timeout,
         lr_schedule=args.lr_schedule,
         warmup=args.warmup,

@@ -15,9 +15,15 @@ from collections.abc import Callable
 import numpy as np
 
 from pipeoptim.errors import PlanError
-from pipeoptim.plan.methods import METHODS
+from pipeoptim.plan.methods import METHODS, WeightPolicy
 
-__all__ = ["MEMORY_METHODS", "MemoryFactors", "method_memory_factors", "resolve_factors"]
+__all__ = [
+    "MEMORY_METHODS",
+    "MemoryFactors",
+    "method_holds_weights",
+    "method_memory_factors",
+    "resolve_factors",
+]
 
 MemoryFactors = Callable[[int, int], tuple[int, int]]
 """``(stage_index, num_stages) -> (weight_copies, activation_slots)`` of one stage."""
@@ -131,3 +137,15 @@ def resolve_factors(
         copies.append(int(wc))
         slots.append(int(sl))
     return copies, slots
+
+
+def method_holds_weights(method: str, num_stages: int) -> list[bool]:
+    """Per stage whether a recomputation under ``method`` holds the recomputed units'
+    weights per activation slot: where the method runs forwards on predicted weights
+    (PREDICT policy, every stage but the last, whose prediction distance is 0); stashing
+    and flushing methods keep the version their backward needs anyway."""
+    key = method.strip().lower()
+    if key not in MEMORY_METHODS:
+        raise PlanError(f"unknown method {method!r}; valid methods are {', '.join(MEMORY_METHODS)}")
+    predicts = METHODS[key].weight_policy is WeightPolicy.PREDICT
+    return [predicts and k < num_stages - 1 for k in range(num_stages)]

@@ -35,10 +35,12 @@ from pipeoptim.plan.partition_cost import (
     evaluate_partition,
 )
 from pipeoptim.plan.profile import Profile
+from pipeoptim.plan.recompute_costs import UnitCosts, profile_unit_costs
 from pipeoptim.plan.units import format_bytes, parse_bytes
 
 __all__ = [
     "equal_layer_partition",
+    "freeing_units",
     "min_memory_partition",
     "optimal_partition",
 ]
@@ -118,24 +120,111 @@ def _prefix(values: Sequence[float] | Sequence[int], dtype: type[Any]) -> npt.ND
 
 
 class _Prefixes:
-    """Prefix sums of the profile, so a stage's totals are differences of two entries."""
+    """Prefix sums of the profile, so a stage's totals are differences of two entries.
 
-    def __init__(self, profile: Profile, copies: list[int], slots: list[int]) -> None:
+    A recomputing stage (``recompute[k]``) recomputes each of its units whose
+    recomputation frees memory (:func:`freeing_units`): such a unit keeps its input, not its
+    activations, runs its forward again and, where ``hold[k]``, holds its weights per slot.
+    Each unit's choice is its own (memory is a sum over units), so the stage's totals stay
+    prefix differences. Optimizer state is sharded ``shards`` ways (``partition_cost``'s
+    doc)."""
+
+    def __init__(
+        self,
+        profile: Profile,
+        copies: list[int],
+        slots: list[int],
+        recompute: Sequence[bool] | None = None,
+        hold: Sequence[bool] | None = None,
+        shards: int = 1,
+    ) -> None:
         layers = profile.layers
         self.copies = copies
         self.slots = slots
+        n = len(copies)
+        self.recompute = list(recompute) if recompute is not None else [False] * n
+        self.hold = list(hold) if hold is not None else [False] * n
         self.compute: FloatArray = _prefix([la.compute_s for la in layers], np.float64)
         self.act = np.asarray([la.activation_bytes for la in layers], dtype=np.int64)
         self.param: IntArray = _prefix([la.param_bytes for la in layers], np.int64)
-        self.state: IntArray = _prefix([la.optimizer_state_bytes for la in layers], np.int64)
+        d = max(1, shards)
+        self.state: IntArray = _prefix(
+            [-(-la.optimizer_state_bytes // d) for la in layers], np.int64
+        )
         self.act_sum: IntArray = _prefix(self.act.tolist(), np.int64)
+        self._saving: dict[bool, tuple[IntArray, FloatArray]] = {}
+        if any(self.recompute):
+            units = profile_unit_costs(profile)
+            for held in {self.hold[k] for k in range(n) if self.recompute[k]}:
+                frees = _frees(units, held)
+                chosen = frees > 0
+                self._saving[held] = (
+                    _prefix(np.where(chosen, frees, 0).tolist(), np.int64),
+                    _prefix(np.where(chosen, units.forward_s, 0.0).tolist(), np.float64),
+                )
+
+    def time(self, k: int) -> FloatArray:
+        """Prefix of the compute seconds of stage ``k``'s layers (recomputation included)."""
+        if self.recompute[k]:
+            out: FloatArray = self.compute + self._saving[self.hold[k]][1]
+            return out
+        return self.compute
 
     def memory(self, k: int) -> IntArray:
         """``F`` with stage memory of layers ``[i, j)`` on stage ``k`` = ``F[j] - F[i]``."""
-        out: IntArray = (
-            (self.copies[k] + 1) * self.param + self.state + self.slots[k] * self.act_sum
-        )
+        act = self.act_sum
+        if self.recompute[k]:
+            act = act - self._saving[self.hold[k]][0]
+        out: IntArray = (self.copies[k] + 1) * self.param + self.state + self.slots[k] * act
         return out
+
+
+def _frees(units: UnitCosts, hold: bool) -> IntArray:
+    """Per unit the bytes per activation slot its recomputation frees: its activations
+    less its input, less its weights where the recomputation holds Ŵ."""
+    frees = np.asarray(units.activation_bytes, dtype=np.int64) - np.asarray(
+        units.input_bytes, dtype=np.int64
+    )
+    if hold:
+        frees = frees - np.asarray(units.param_bytes, dtype=np.int64)
+    return frees
+
+
+def freeing_units(profile: Profile, start: int, end: int, hold: bool = False) -> frozenset[int]:
+    """The stage-local units of layers ``[start, end)`` whose recomputation frees memory
+    (what a recomputing stage of the partitioner recomputes)."""
+    frees = _frees(profile_unit_costs(profile), hold)[start:end]
+    return frozenset(int(i) for i in np.flatnonzero(frees > 0))
+
+
+def _options(
+    recompute_stages: Sequence[bool] | None, num_stages: int
+) -> list[frozenset[int]] | None:
+    """Placeholders: the full sets are filled in once the boundaries are known."""
+    if recompute_stages is None or not any(recompute_stages):
+        return None
+    if len(recompute_stages) != num_stages:
+        raise PlanError(
+            f"recompute_stages needs one flag per stage (got {len(recompute_stages)} for "
+            f"{num_stages} stages)"
+        )
+    return []
+
+
+def _full_sets(
+    profile: Profile,
+    recompute_stages: Sequence[bool] | None,
+    bounds: Sequence[tuple[int, int]],
+    hold_weights: Sequence[bool] | None,
+) -> list[frozenset[int]] | None:
+    if _options(recompute_stages, len(bounds)) is None:
+        return None
+    assert recompute_stages is not None
+    holds = list(hold_weights) if hold_weights is not None else [False] * len(bounds)
+    return [
+        freeing_units(profile, start, end, holds[k]) if r else frozenset()
+        for k, (r, (start, end)) in enumerate(zip(recompute_stages, bounds, strict=True))
+    ]
 
 
 def min_memory_partition(
@@ -145,15 +234,20 @@ def min_memory_partition(
     memory_factors: MemoryFactors | None = None,
     bandwidth_bytes_per_s: float | str = math.inf,
     latency_s: float = 0.0,
+    recompute_stages: Sequence[bool] | None = None,
+    hold_weights: Sequence[bool] | None = None,
+    optimizer_shards: int = 1,
 ) -> Partition:
     """The partition with the smallest peak stage memory (ignoring time).
 
     What the planner reports when no partition fits a memory cap: the lowest cap that could
-    work with this many stages.
+    work with this many stages. ``recompute_stages`` (per stage: recompute all its units),
+    ``hold_weights`` and ``optimizer_shards`` as in :func:`optimal_partition`.
     """
     _check_stages(profile.num_layers, num_stages)
     copies, slots = resolve_factors(memory_factors, num_stages)
-    pre = _Prefixes(profile, copies, slots)
+    _options(recompute_stages, num_stages)
+    pre = _Prefixes(profile, copies, slots, recompute_stages, hold_weights, optimizer_shards)
     worst = int(np.iinfo(np.int64).max)
 
     def block(k: int, rows: IntArray) -> IntArray:
@@ -169,6 +263,9 @@ def min_memory_partition(
         bandwidth_bytes_per_s=bandwidth_bytes_per_s,
         latency_s=latency_s,
         memory_factors=memory_factors,
+        recompute=_full_sets(profile, recompute_stages, bounds, hold_weights),
+        hold_weights=hold_weights,
+        optimizer_shards=optimizer_shards,
     )
 
 
@@ -182,6 +279,9 @@ def optimal_partition(
     memory_factors: MemoryFactors | None = None,
     edges: Sequence[tuple[float, float]] | None = None,
     sync: Sync | None = None,
+    recompute_stages: Sequence[bool] | None = None,
+    hold_weights: Sequence[bool] | None = None,
+    optimizer_shards: int = 1,
 ) -> Partition:
     """The contiguous partition into ``num_stages`` stages with the fastest slowest stage.
 
@@ -191,7 +291,10 @@ def optimal_partition(
     :func:`~pipeoptim.plan.memory_factors.method_memory_factors`. ``edges`` gives each of the
     ``num_stages - 1`` stage edges its ``(bandwidth, latency)`` in place of the one link;
     ``sync`` adds ``per_byte_k * param bytes + fixed_k`` seconds to stage ``k`` (the cost
-    model's doc). Ties between equally fast
+    model's doc). ``recompute_stages`` marks the stages that recompute all their units,
+    ``hold_weights`` those where that holds Ŵ per activation slot (prediction), and
+    ``optimizer_shards`` divides the optimizer state (ZeRO-1), as in the cost model's doc.
+    Ties between equally fast
     partitions are broken deterministically. Raises :class:`PlanError` when ``num_stages``
     is not in ``1..num_layers`` or when no partition fits the cap (the message gives the
     smallest cap that would fit).
@@ -203,7 +306,8 @@ def optimal_partition(
     links = check_edges(edges, bandwidth, latency, num_stages)
     syncs = check_sync(sync, num_stages)
     copies, slots = resolve_factors(memory_factors, num_stages)
-    pre = _Prefixes(profile, copies, slots)
+    _options(recompute_stages, num_stages)
+    pre = _Prefixes(profile, copies, slots, recompute_stages, hold_weights, optimizer_shards)
     params = pre.param.astype(np.float64)
 
     # comm terms as vectors over layer index: recv[i] for a stage starting at i, send[j] for
@@ -219,8 +323,9 @@ def optimal_partition(
         cols = rows + 1
         recv = vectors[links[k - 1]][rows] if k > 0 else 0.0
         send = vectors[links[k]][cols] if k < num_stages - 1 else 0.0
-        end_term = pre.compute[cols] + send
-        start_term = pre.compute[rows] - recv
+        compute = pre.time(k)
+        end_term = compute[cols] + send
+        start_term = compute[rows] - recv
         if syncs is not None:  # the stage's all-reduce: linear in its bytes
             per_byte, fixed = syncs[k]
             end_term = end_term + per_byte * params[cols] + fixed
@@ -236,7 +341,14 @@ def optimal_partition(
     bounds = _minmax_dp(num_layers, num_stages, block, math.inf)
     if bounds is None:
         assert cap is not None
-        best = min_memory_partition(profile, num_stages, memory_factors=memory_factors)
+        best = min_memory_partition(
+            profile,
+            num_stages,
+            memory_factors=memory_factors,
+            recompute_stages=recompute_stages,
+            hold_weights=hold_weights,
+            optimizer_shards=optimizer_shards,
+        )
         peak, stage = best.peak_memory_bytes, best.peak_memory_stage
         start, end = best.boundaries[stage]
         raise PlanError(
@@ -254,6 +366,9 @@ def optimal_partition(
         memory_factors=memory_factors,
         edges=edges,
         sync=sync,
+        recompute=_full_sets(profile, recompute_stages, bounds, hold_weights),
+        hold_weights=hold_weights,
+        optimizer_shards=optimizer_shards,
     )
 
 

@@ -10,6 +10,19 @@ Cost model (``a_l`` = output activation bytes of layer ``l``, ``bw`` =
     memory_k = (weight_copies_k + 1)·Σ param_bytes + Σ optimizer_state_bytes
              + activation_slots_k·Σ_{l=i}^{j-1} a_l      # "+ 1": the gradients
 
+Memory-saving options (``R_k``: the units stage ``k`` recomputes, sums as in
+:mod:`pipeoptim.plan.recompute_costs`; ``D``: the optimizer-state shards)::
+
+    time_k   += Σ_{l ∈ R_k} forward_s_l                       # one more forward per backward
+    memory_k  = (weight_copies_k + 1)·Σ param_bytes
+              + Σ ceil(optimizer_state_bytes_l / D)            # ZeRO-1: 1/D per replica
+              + activation_slots_k·kept_k                      # kept: inputs of R_k, not a_l
+              + [hold_k]·activation_slots_k·Σ_{l ∈ R_k} param_bytes_l   # PREDICT's Ŵ per slot
+
+``hold_k`` is true where the method predicts on stage ``k``
+(:func:`~pipeoptim.plan.memory_factors.method_holds_weights`). The all-gather of sharded
+weights is a ``sync`` term like the all-reduce.
+
 Communication is counted in full on both ends of a link and is not overlapped with compute
 (a conservative, per-batch model). ``weight_copies_k`` and
 ``activation_slots_k`` depend on the training method: see
@@ -41,6 +54,7 @@ from pipeoptim.errors import PlanError
 from pipeoptim.plan.graph import stage_graph, stage_memory_bytes, validate_boundaries
 from pipeoptim.plan.memory_factors import MemoryFactors, resolve_factors
 from pipeoptim.plan.profile import Profile
+from pipeoptim.plan.recompute_costs import profile_unit_costs, stage_recompute
 from pipeoptim.plan.units import parse_bandwidth
 
 __all__ = [
@@ -48,6 +62,7 @@ __all__ = [
     "Sync",
     "check_edges",
     "check_link",
+    "check_recompute_sets",
     "check_sync",
     "evaluate_partition",
     "stage_comm_s",
@@ -170,6 +185,17 @@ class Partition:
     activation_slots: tuple[int, ...] = ()
     """Per-stage activation slots the memory figures assume."""
 
+    recompute: tuple[frozenset[int], ...] = ()
+    """Per stage the stage-local units it recomputes (empty: none)."""
+
+    optimizer_shards: int = 1
+    """Replicas the optimizer state is sharded over (1: not sharded)."""
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether any stage recomputes."""
+        return any(self.recompute)
+
     @property
     def num_stages(self) -> int:
         """Number of stages."""
@@ -194,7 +220,11 @@ class Partition:
         """The stage graph of this partition (see :func:`pipeoptim.plan.graph.stage_graph`)."""
         copies = list(self.weight_copies) or 1
         slots = list(self.activation_slots) or 1
-        return stage_graph(profile, self.boundaries, weight_copies=copies, activation_slots=slots)
+        graph = stage_graph(profile, self.boundaries, weight_copies=copies, activation_slots=slots)
+        if self.recomputes or self.optimizer_shards > 1:  # the memory these figures assume
+            for k, memory in enumerate(self.stage_memory):
+                graph.nodes[k]["memory_bytes"] = memory
+        return graph
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict of all fields."""
@@ -208,6 +238,8 @@ class Partition:
             "weight_copies": list(self.weight_copies),
             "activation_slots": list(self.activation_slots),
             "stage_sync_s": list(self.stage_sync_s),
+            "recompute": [sorted(r) for r in self.recompute],
+            "optimizer_shards": self.optimizer_shards,
         }
 
 
@@ -220,11 +252,16 @@ def evaluate_partition(
     memory_factors: MemoryFactors | None = None,
     edges: Sequence[tuple[float, float]] | None = None,
     sync: Sync | None = None,
+    recompute: Sequence[frozenset[int]] | None = None,
+    hold_weights: Sequence[bool] | None = None,
+    optimizer_shards: int = 1,
 ) -> Partition:
     """Cost of a given partition under the module's model (times and memory per stage).
 
     ``memory_factors`` defaults to one weight copy and one activation slot per stage;
-    ``edges`` and ``sync`` as in :func:`~pipeoptim.plan.partition.optimal_partition`.
+    ``edges`` and ``sync`` as in :func:`~pipeoptim.plan.partition.optimal_partition`;
+    ``recompute`` (per stage its recomputed stage-local units), ``hold_weights`` (per stage:
+    the recomputation holds Ŵ per slot) and ``optimizer_shards`` as in the module doc.
     """
     stages = validate_boundaries(boundaries, profile.num_layers)
     bandwidth, latency = check_link(bandwidth_bytes_per_s, latency_s)
@@ -232,10 +269,20 @@ def evaluate_partition(
     links = check_edges(edges, bandwidth, latency, num_stages)
     syncs = check_sync(sync, num_stages)
     copies, slots = resolve_factors(memory_factors, num_stages)
+    sets = check_recompute_sets(recompute, stages)
+    holds = list(hold_weights) if hold_weights is not None else [False] * num_stages
+    units = profile_unit_costs(profile) if any(sets) else None
+    d = max(1, int(optimizer_shards))
     compute, comm, memory, synced = [], [], [], []
     for k, (start, end) in enumerate(stages):
         layers = profile.layers[start:end]
-        compute.append(math.fsum(layer.compute_s for layer in layers))
+        act = sum(layer.activation_bytes for layer in layers)
+        extra_s, held = 0.0, 0
+        if units is not None and sets[k]:
+            r = stage_recompute(units, start, end, sets[k])
+            act, extra_s = r.kept_activation_bytes, r.forward_s
+            held = slots[k] * r.param_bytes if holds[k] else 0
+        compute.append(math.fsum(layer.compute_s for layer in layers) + extra_s)
         before = links[k - 1] if k > 0 else (bandwidth, latency)
         after = links[k] if k < num_stages - 1 else (bandwidth, latency)
         comm.append(_comm(profile, start, end, k, num_stages, before, after))
@@ -245,11 +292,12 @@ def evaluate_partition(
         memory.append(
             stage_memory_bytes(
                 sum(layer.param_bytes for layer in layers),
-                sum(layer.optimizer_state_bytes for layer in layers),
-                sum(layer.activation_bytes for layer in layers),
+                sum(-(-layer.optimizer_state_bytes // d) for layer in layers),
+                act,
                 copies[k],
                 slots[k],
             )
+            + held
         )
     times = tuple(c + m for c, m in zip(compute, comm, strict=True))
     if synced:
@@ -264,4 +312,29 @@ def evaluate_partition(
         weight_copies=tuple(copies),
         activation_slots=tuple(slots),
         stage_sync_s=tuple(synced),
+        recompute=tuple(sets) if any(sets) else (),
+        optimizer_shards=d,
     )
+
+
+def check_recompute_sets(
+    recompute: Sequence[frozenset[int]] | None, stages: Sequence[tuple[int, int]]
+) -> list[frozenset[int]]:
+    """One set of stage-local unit indices per stage, each within its stage."""
+    if recompute is None:
+        return [frozenset()] * len(stages)
+    if len(recompute) != len(stages):
+        raise PlanError(
+            f"recompute needs one set of units per stage (got {len(recompute)} for "
+            f"{len(stages)} stages)"
+        )
+    out = []
+    for k, (units, (start, end)) in enumerate(zip(recompute, stages, strict=True)):
+        bad = [u for u in units if not 0 <= u < end - start]
+        if bad:
+            raise PlanError(
+                f"stage {k} holds {end - start} units (stage-local 0..{end - start - 1}); "
+                f"it cannot recompute unit {bad[0]}"
+            )
+        out.append(frozenset(units))
+    return out

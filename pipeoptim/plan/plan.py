@@ -8,6 +8,7 @@ graph with costs. It saves to and loads from JSON.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -28,6 +29,11 @@ from pipeoptim.filecheck import (
 from pipeoptim.jsonfile import read_json
 from pipeoptim.plan.graph import StageGraphFile
 from pipeoptim.plan.methods import Method, get_method
+from pipeoptim.plan.recompute import (
+    RecomputeEntry,
+    check_recompute_entries,
+    check_shard_optimizer,
+)
 from pipeoptim.plan.replicas import check_replicas
 from pipeoptim.plan.schedules import Shape
 
@@ -77,6 +83,8 @@ class PlanFile(PlanHeader, total=False):
     )
     stage_graph: StageGraphFile | None
     devices: list[StrictStr] | None
+    recompute: list[StrictStr | list[StrictStr | NonNegativeWhole]] | None
+    shard_optimizer: bool
     notes: dict[str, Any]
 
 
@@ -98,8 +106,11 @@ class OptimizerSpec:
             raise PlanError(
                 f"unknown optimizer {self.family!r}; choose one of: {', '.join(OPTIMIZER_FAMILIES)}"
             )
-        if not self.lr > 0:
-            raise PlanError(f"learning rate must be positive (got {self.lr}); pass e.g. --lr 0.05")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise PlanError(
+                f"the learning rate must be a positive finite number (got {self.lr}); give "
+                f"e.g. lr=0.05 (pipeoptim train: --lr 0.05)"
+            )
 
 
 @dataclass
@@ -134,6 +145,12 @@ class Plan:
     """Stage graph with costs (``plan.graph.stage_graph_to_dict``), where a planner made one."""
     devices: list[str] | None = None
     """Device per rank (``cpu``, ``cuda:0``...); None picks cuda where present, else cpu."""
+    recompute: list[RecomputeEntry] | None = None
+    """Activation recomputation, one entry per stage: ``"none"``, ``"full"`` or a list of
+    unit selectors (``plan.recompute``); None recomputes nothing."""
+    shard_optimizer: bool = False
+    """Shard each stage's optimizer state across its D data-parallel replicas (ZeRO-1);
+    needs ``data_parallel`` >= 2."""
     notes: dict[str, Any] = field(default_factory=dict)
     """Free-form provenance (predicted throughput, memory cap, bandwidth...)."""
 
@@ -143,6 +160,10 @@ class Plan:
         if self.boundaries is not None:
             self.boundaries = [(int(a), int(b)) for a, b in self.boundaries]
             check_boundaries(self.boundaries, self.num_stages * self.virtual_stages)
+        self.recompute = check_recompute_entries(
+            self.recompute, self.num_stages * self.virtual_stages
+        )
+        check_shard_optimizer(self.shard_optimizer, self.data_parallel)
 
     @property
     def method_spec(self) -> Method:

@@ -32,6 +32,7 @@ from pipeoptim.runtime.model.materialize import materialize_units, meta_units
 from pipeoptim.runtime.model.ties import TieExchange, find_ties, refuse_for, untie_copies
 from pipeoptim.runtime.optim.builder import reads_delays
 from pipeoptim.runtime.optim.corrections.qk_clip import QKClip
+from pipeoptim.runtime.optim.sharded import optimizer_class_name
 from pipeoptim.runtime.optim.update import (
     FAMILY_OF_CLASS,
 )
@@ -109,6 +110,8 @@ class Assembly:
         wanted = reads_delays(method, options.stage.optimizer)
         delays = steady_delays(method, self.shape) if wanted else {}
         self.stages: dict[int, Stage] = {}
+        # ZeRO-1: each stage's optimizer is built over its replicas' group (``sharded.py``)
+        shard_group = self.replicas.data_group if options.stage.shard_optimizer else None
         for k, r in sorted(self.rank_of.items()):
             if r not in ranks:
                 continue
@@ -123,6 +126,7 @@ class Assembly:
                 device=self.device,
                 first_unit=a,
                 delay=delays.get(k, 0),
+                shard_group=shard_group,
             )
         self.model_record: dict[str, Any] = {}
         """The model's own tensor names and source (``ModelUnits``), written into
@@ -190,7 +194,7 @@ class Assembly:
         opt = next((s.optimizer for s in self.stages.values() if s.optimizer is not None), None)
         if opt is None:
             return
-        family = FAMILY_OF_CLASS.get(type(opt).__name__, self.plan.optimizer.family)
+        family = FAMILY_OF_CLASS.get(optimizer_class_name(opt), self.plan.optimizer.family)
         lr = float(opt.param_groups[0]["lr"])
         self.plan.optimizer = OptimizerSpec(family, lr if lr > 0 else self.plan.optimizer.lr)
 
@@ -213,7 +217,7 @@ class Assembly:
             "boundaries": [list(b) for b in self.bounds],
             "units": units,
             "seed": self.seed,
-            **({"optimizer_class": type(opt).__name__} if opt is not None else {}),
+            **({"optimizer_class": optimizer_class_name(opt)} if opt is not None else {}),
             # only when set, so checkpoints written before the option resume unchanged
             **({"predicted_backward": True} if self.options.stage.predicted_backward else {}),
         }

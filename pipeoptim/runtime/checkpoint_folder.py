@@ -252,13 +252,19 @@ class CheckpointFolder:
 
     def write(self, steps_per_epoch: int) -> None:
         """Checkpoint every stage of this process at the current step (replica 0 writes;
-        the others hold the same state and only record the step)."""
+        the others hold the same state and only record the step). Where the optimizer state
+        is sharded (``optim/sharded.py``) every replica takes part in gathering it whole, so
+        the files are those of the unsharded run and resume at any D."""
         parts, state = self.parts, self.state
+        sharded = parts.options.stage.shard_optimizer and parts.replicas.replicas > 1
+        if parts.replicas.replica != 0 and not sharded:
+            state.last_checkpoint = state.step
+            return
+        states = {k: stage.state_dict() for k, stage in sorted(parts.stages.items())}
         if parts.replicas.replica != 0:
             state.last_checkpoint = state.step
             return
         epoch, pos = divmod(state.step, steps_per_epoch)
-        states = {k: stage.state_dict() for k, stage in parts.stages.items()}
         extra = {
             "epoch": epoch,
             "data_position": {"epoch": epoch, "batch": pos},

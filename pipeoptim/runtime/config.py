@@ -18,6 +18,7 @@ from typing import Any
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.plan import OptimizerSpec, Plan
+from pipeoptim.plan.recompute import parse_recompute_flag
 from pipeoptim.plan.replicas import check_replicas as plan_replicas
 from pipeoptim.runtime.comm.process_model import ProcessModel
 
@@ -100,6 +101,9 @@ class TrainConfig:
     """Clip each stage's gradient norm to this value before its update."""
     keep_checkpoints: int = 2
     """Checkpoints kept in ``checkpoint_dir`` (a resume falls back past a damaged one)."""
+    recompute: str | None = None
+    """``--recompute``: ``none``, ``full``, ``stages:0,1`` or ``units:NAME,...``
+    (``plan.recompute.parse_recompute_flag``); None: the plan's ``recompute``."""
 
     def __post_init__(self) -> None:
         self.plan.model = self.plan.model or "mlp"
@@ -129,10 +133,18 @@ class TrainConfig:
                 f"unknown --lr-schedule {self.lr_schedule!r}; choose one of: "
                 f"{', '.join(LR_SCHEDULES)}"
             )
+        if self.warmup is not None and self.lr_schedule != "warmup-cosine":
+            raise RuntimeConfigError(
+                f"--warmup {self.warmup} sets the warm-up of --lr-schedule warmup-cosine, but "
+                f"the schedule is {self.lr_schedule}; add --lr-schedule warmup-cosine, or drop "
+                f"--warmup"
+            )
         if self.amp is not None and self.amp not in AMP_MODES:
             raise RuntimeConfigError(
                 f"unknown --amp {self.amp!r}; choose bf16 (CPU and CUDA) or fp16 (CUDA)"
             )
+        if self.recompute is not None:
+            parse_recompute_flag(self.recompute, error=RuntimeConfigError)
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise RuntimeConfigError(f"--grad-clip must be positive (got {self.grad_clip})")
         if self.checkpoint_every is not None and not self.checkpoint_dir:

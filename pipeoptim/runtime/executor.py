@@ -36,12 +36,21 @@ from typing import Any, TypeAlias
 import torch
 from torch import Tensor
 
+from pipeoptim.errors import StageError
 from pipeoptim.plan.actions import Action, Kind
 from pipeoptim.runtime.comm.transport import MessageKey, Parts, Transport
 from pipeoptim.runtime.feed import TrainFeed
 from pipeoptim.runtime.model.ties import TieExchange
-from pipeoptim.runtime.payload import Gradients, Payload, payload_bytes, to_device
+from pipeoptim.runtime.payload import (
+    Gradients,
+    Payload,
+    boundary_mismatch,
+    boundary_refusal,
+    payload_bytes,
+    to_device,
+)
 from pipeoptim.runtime.segments import Segment, SegmentPlan
+from pipeoptim.runtime.stage.loss import evaluation_weight
 from pipeoptim.runtime.stage.stage import Stage
 from pipeoptim.trace import MemorySample, TraceEvent
 
@@ -97,6 +106,9 @@ class EvalSums:
     samples: int = 0
     targets: int = 0
     classifier: bool = True
+    weight: Tensor | int = 0
+    """What the loss sum is divided by: samples, or counted targets per sample position
+    where targets are ignored (``stage.loss.evaluation_weight``)."""
 
 
 Mark = float | torch.cuda.Event
@@ -352,7 +364,7 @@ class RankExecutor:
                 assert isinstance(out, Tensor)  # the last stage returns its loss
                 self._record_loss(g, out, stage.correct, y.numel())  # numel: a shape, no sync
             else:
-                self._inputs[(k + 1, mb)] = out
+                self._inputs[(k + 1, mb)] = self._fits_boundary(stage, mb, out)
             v = stage.versions(mb)
             return (
                 stage.version_base(self._first) + v.forward_version,
@@ -381,6 +393,20 @@ class RankExecutor:
             self.ties.exchange(k, self._first + mb)
         stage.update()
         return version, 0, 0
+
+    def _fits_boundary(self, stage: Stage, mb: int, out: Payload) -> Payload:
+        """``out``, refused where it differs from the boundary the dry run found: the
+        receiving rank allocates that shape before the message arrives (issue 33 item 2), so
+        the same refusal holds whatever the transport (``payload.boundary_mismatch``)."""
+        mismatch = boundary_mismatch(out, self.boundaries[stage.index], self._size(mb))
+        if mismatch is not None:
+            raise StageError(boundary_refusal(stage, self._where(mb), *mismatch))
+        return out
+
+    def _where(self, mb: int) -> str:
+        if self.evaluating:
+            return f"evaluation batch {self._eval_first + mb}"
+        return f"micro-batch {self._global(mb)}"
 
     def _gradient_done(self, k: int, mb: int) -> None:
         """A micro-batch's weight gradients are in: a stage sharing weights with other
@@ -434,7 +460,7 @@ class RankExecutor:
         x = self._stage_input(k, mb, lambda: self._eval_batch(mb))
         out = stage.forward_eval(x)
         if not stage.is_last:
-            self._inputs[(k + 1, mb)] = out
+            self._inputs[(k + 1, mb)] = self._fits_boundary(stage, mb, out)
             return
         y = self._take_target(mb)
         n = self._size(mb)
@@ -444,7 +470,9 @@ class RankExecutor:
         if sums is None:
             zero = torch.zeros((), device=stage.device)
             sums = self.eval_sums = EvalSums(zero, zero.long(), classifier=correct is not None)
-        sums.loss = sums.loss + loss.float() * n
+        weight = evaluation_weight(y, n)  # tokens where targets are ignored (loss.py)
+        sums.loss = sums.loss + loss.float() * weight
+        sums.weight = sums.weight + weight
         if correct is not None:
             sums.correct = sums.correct + correct
         sums.classifier = sums.classifier and correct is not None
@@ -568,6 +596,9 @@ class RankResult:
     weight_copies: dict[int, int] = field(default_factory=dict)
     predict_s: dict[int, float] = field(default_factory=dict)
     """Median seconds of a prediction per predicting stage (CPU runs)."""
+    recompute_held_bytes: dict[int, int] = field(default_factory=dict)
+    """Bytes of Ŵ a predicted forward's recomputed units hold until its backward, per
+    stage that holds any (``stage/recompute.py``)."""
     meta: dict[str, Any] = field(default_factory=dict)
     """What the rank knows about the run for the trace (boundaries, threads...)."""
     train_seconds: float = 0.0
@@ -581,7 +612,15 @@ class RankResult:
     @classmethod
     def from_json(cls, text: str | bytes) -> RankResult:
         d = json.loads(text)
-        for key in ("losses", "correct", "targets", "weight_copies", "predict_s"):
+        keys = (
+            "losses",
+            "correct",
+            "targets",
+            "weight_copies",
+            "predict_s",
+            "recompute_held_bytes",
+        )
+        for key in keys:
             d[key] = {int(k): v for k, v in d[key].items()}
         d["events"] = [TraceEvent(**e) for e in d["events"]]
         d["memory"] = [MemorySample(**m) for m in d["memory"]]

@@ -14,6 +14,7 @@ mini-batches (the only host syncs of training), and stops on a non-finite one.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
@@ -504,7 +505,9 @@ class FitLoop:
         for ex in self._executors:
             sums = ex.eval_sums
             if sums is not None:
-                loss = float(sums.loss) / max(sums.samples, 1)
+                # weighted by tokens where targets are ignored (stage.loss.evaluation_weight)
+                weight = float(sums.weight)
+                loss = float(sums.loss) / weight if weight > 0 else math.nan
                 acc = int(sums.correct) / sums.targets if sums.classifier else None
                 out = {
                     "loss": loss,
@@ -529,6 +532,9 @@ class FitLoop:
         res.meta = self.meta()
         res.predict_s = {
             k: seconds for k, s in stages.items() if (seconds := s.prediction_s) is not None
+        }
+        res.recompute_held_bytes = {
+            k: held for k, s in stages.items() if (held := s.recompute_held_bytes)
         }
         res.notes = [*self.state.notes, *sorted({n for s in stages.values() for n in s.notes})]
         return res

@@ -8,7 +8,8 @@ not each repeat the keyword list (and cannot drift from it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch.nn.functional as F
 from torch._C._distributed_c10d import Store
@@ -43,6 +44,11 @@ class StageOptions:
     """Each predicted forward keeps its Ŵ for its backward (predicting methods)."""
     seed: int = 0
     """The run's seed; stage k's random stream is seeded ``seed * 1000 + k + 1``."""
+    recompute: Mapping[int, frozenset[int]] = field(default_factory=dict)
+    """Stage -> the stage-local indices of the units whose activations it recomputes in the
+    backward instead of keeping them (absent: none; ``plan.recompute``)."""
+    shard_optimizer: bool = False
+    """Each stage's optimizer state is sharded across its data-parallel replicas (ZeRO-1)."""
 
     def stage_seed(self, index: int) -> int:
         """The seed of stage ``index``'s own random stream."""

@@ -12,19 +12,26 @@ only; integer and boolean ones (masks, ids) travel forward and take none.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, TypeAlias
+from typing import Any, Protocol, TypeAlias
 
 import torch
 from torch import Tensor
 
 from pipeoptim.errors import StageError
-from pipeoptim.runtime.stage.loss import LossFn, checked_loss, checked_scalar
+from pipeoptim.runtime.stage.loss import (
+    LossFn,
+    checked_loss,
+    checked_scalar,
+    nothing_counted_is_zero,
+)
 
 __all__ = [
     "MAX_PARTS",
     "Gradients",
     "Payload",
     "batch_len",
+    "boundary_mismatch",
+    "boundary_refusal",
     "checked_payload_loss",
     "checked_tuple",
     "describe",
@@ -57,6 +64,79 @@ def describe(x: object) -> str:
         tensors = " tensors" if all(isinstance(t, Tensor) for t in x) else ""
         return f"a tuple of {len(x)}{tensors}: {inner}"
     return type(x).__name__
+
+
+class Spec(Protocol):
+    """One tensor of a stage boundary, per sample (``executor.TensorSpec``)."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+
+def _shape_words(shape: Sequence[int], dtype: torch.dtype) -> str:
+    return f"{tuple(shape)} {dtype}"
+
+
+def boundary_mismatch(
+    out: Payload, spec: Spec | tuple[Spec, ...], n: int
+) -> tuple[str, str] | None:
+    """Where ``out`` differs from the boundary the dry run found (``spec``, per sample) for
+    ``n`` samples: (what ``out`` is, what the dry run gave), in words; None where it
+    matches. The receiving rank allocates ``spec`` before the message arrives, so a tensor
+    whose shape depends on the data could not travel."""
+    if isinstance(out, Tensor):
+        if (
+            not isinstance(spec, tuple)
+            and out.dim() > 0
+            and out.shape[0] == n
+            and out.shape[1:] == spec.shape
+            and out.dtype == spec.dtype
+        ):
+            return None
+    elif (
+        isinstance(spec, tuple)
+        and len(out) == len(spec)
+        and all(
+            t.dim() > 0 and t.shape[0] == n and t.shape[1:] == p.shape and t.dtype == p.dtype
+            for t, p in zip(out, spec, strict=True)
+        )
+    ):
+        return None
+    parts = (out,) if isinstance(out, Tensor) else out
+    batches = sorted({int(t.shape[0]) for t in parts if t.dim() > 0})
+    samples = f" for {batches[0]} samples" if batches and batches != [n] else ""
+    if isinstance(out, Tensor):
+        got = f"a tensor of per-sample shape {_shape_words(out.shape[1:], out.dtype)}{samples}"
+    else:
+        inner = ", ".join(_shape_words(t.shape[1:], t.dtype) for t in out)
+        got = f"a tuple of {len(out)} tensors (per sample {inner}){samples}"
+    if isinstance(spec, tuple):
+        inner = ", ".join(_shape_words(p.shape, p.dtype) for p in spec)
+        want = f"a tuple of {len(spec)} (per sample {inner})"
+    else:
+        want = _shape_words(spec.shape, spec.dtype)
+    if samples:
+        want += f" for the micro-batch's {n} samples"
+    return got, want
+
+
+def boundary_refusal(stage: Any, where: str, got: str, want: str) -> str:
+    """The refusal of a :func:`boundary_mismatch` of ``stage`` (a ``Stage``) at ``where``."""
+    unit = stage.first_unit + len(stage.module) - 1
+    name = type(stage.module[-1]).__name__
+    return (
+        f"stage {stage.index}, unit {unit} ({name}) hands the next stage {got} at {where}, "
+        f"where the dry run gave {want}: what crosses a stage boundary keeps the shape "
+        f"the first batch gave it, since the receiving rank allocates that before the "
+        f"message arrives (across processes a changed shape would arrive cut short or "
+        f"padded with garbage), in one process as in many; pad every batch to one length "
+        f"(e.g. a tokenizer's padding='max_length') rather than trimming it in the model, "
+        f"or keep the shape-changing units within one stage (the shape that leaves the "
+        f"stage fixed)"
+    )
 
 
 def output_problem(h: object) -> str | None:
@@ -131,7 +211,7 @@ def checked_payload_loss(
             f"{target.dtype}); the last unit returns a tuple, which the loss is given as it "
             f"is: loss_fn(output_tuple, target)"
         ) from err
-    return checked_scalar(loss)
+    return nothing_counted_is_zero(checked_scalar(loss), target)
 
 
 def checked_tuple(out: tuple[Any, ...], stage: int, unit: int, name: str) -> tuple[Tensor, ...]:

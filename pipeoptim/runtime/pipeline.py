@@ -33,9 +33,20 @@ from torch._C._distributed_c10d import Store
 from pipeoptim.errors import NonFiniteLossError, RuntimeConfigError
 from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.plan import OptimizerSpec, Plan
+from pipeoptim.plan.recompute import (
+    UnitLabels,
+    check_shard_optimizer,
+    recompute_units,
+    resolve_recompute,
+)
 from pipeoptim.plan.risk import depth_advice
 from pipeoptim.runtime.assembly import Assembly, RunState
-from pipeoptim.runtime.checkpoint.export import export_checkpoint, merge_stages, write_export
+from pipeoptim.runtime.checkpoint.export import (
+    check_export_target,
+    export_checkpoint,
+    merge_stages,
+    write_export,
+)
 from pipeoptim.runtime.checkpoint.state_check import refusal
 from pipeoptim.runtime.checkpoint.store import DEFAULT_KEEP, latest_step
 from pipeoptim.runtime.checkpoint_folder import CheckpointFolder
@@ -64,6 +75,21 @@ from pipeoptim.runtime.stage.stage import Stage
 from pipeoptim.trace import Trace
 
 __all__ = ["Pipeline"]
+
+
+def unit_labels(layers: object) -> UnitLabels:
+    """What ``recompute`` may name each unit by: its key in an ``nn.Sequential`` (else its
+    index) and its class."""
+    if isinstance(layers, ModelUnits):
+        units: list[Any] = list(layers.units)
+        names = [str(i) for i in range(len(units))]
+    elif isinstance(layers, nn.Sequential):
+        units, names = list(layers), list(layers._modules)
+    elif isinstance(layers, (list, tuple)):
+        units, names = list(layers), [str(i) for i in range(len(layers))]
+    else:
+        units, names = [], []
+    return UnitLabels(tuple(names), tuple(type(u).__name__ for u in units))
 
 
 def _units(layers: nn.Module | Sequence[nn.Module] | ModelUnits) -> ModelUnits:
@@ -149,7 +175,10 @@ class Pipeline:
         predicted_backward: bool = False,
         data_parallel: int | None = None,
         init_weights: InitWeights | None = None,
+        recompute: object = None,
+        shard_optimizer: bool | None = None,
     ) -> None:
+        labels = unit_labels(layers)
         self.model_units = _units(layers)
         """The units and what the model says of them (names for export, initialiser)."""
         units = self.model_units.units
@@ -207,7 +236,20 @@ class Pipeline:
         )
         limit = segment_limit(method_, shape)
         bounds = stage_boundaries(
-            len(units), shape.num_stages, run_plan.boundaries, run_plan.model or "the model"
+            len(units),
+            shape.num_stages,
+            run_plan.boundaries,
+            run_plan.model,
+            virtual_stages=shape.virtual_stages,
+            method=run_plan.method,
+        )
+        if recompute is None and isinstance(plan, Plan):
+            recompute = plan.recompute
+        run_plan.recompute = resolve_recompute(recompute, bounds, labels, error=RuntimeConfigError)
+        if shard_optimizer is None:
+            shard_optimizer = plan.shard_optimizer if isinstance(plan, Plan) else False
+        run_plan.shard_optimizer = check_shard_optimizer(
+            shard_optimizer, run_plan.data_parallel, error=RuntimeConfigError
         )
         stage_options = StageOptions(
             optimizer=optimizer if optimizer is not None else run_plan.optimizer,
@@ -218,6 +260,12 @@ class Pipeline:
             prediction_offset=run_plan.prediction_offset,
             predicted_backward=predicted_backward,
             seed=seed,
+            recompute={
+                k: units_of
+                for k, entry in enumerate(run_plan.recompute or [])
+                if (units_of := recompute_units(entry, *bounds[k], labels))
+            },
+            shard_optimizer=run_plan.shard_optimizer,
         )
         options = PipelineOptions(
             stage_options, ProcessModel.parse(transport), device, timeout, store, init_weights
@@ -515,11 +563,15 @@ class Pipeline:
         ``dist``, every rank calls it and stage 0's rank writes from the latest checkpoint,
         which must be of this step (set ``checkpoint_dir``: a fit writes one at its end)."""
         self._check_usable()
+        root = self.options.checkpoint_dir
+        check_export_target(out, fmt, root)  # before any work, on every rank
         if self.parts.process_model.one_process:
             states = {k: s.module.state_dict() for k, s in self.stages.items()}
             merged = merge_stages(states, self.parts.bounds, self.model_units.names)
-            return write_export(merged, out, fmt, self.model_units.source)
-        root = self.options.checkpoint_dir
+            return write_export(merged, out, fmt, self.model_units.source, checkpoint_dir=root)
+        # The fit's last checkpoint is published by rank 0 once every stage file is written;
+        # other ranks (another replica's, which write none) get here sooner (issue 33 item 8).
+        dist.barrier()
         record = latest_step(root) if root else None
         if record is None or int(record["step"]) != self.state.step:
             have = f"its latest is step {record['step']}" if record else "there is none"
@@ -529,10 +581,18 @@ class Pipeline:
                 f"a checkpoint at its end) or export with transport='local'"
             )
         written: Path | None = None
+        failure: str | None = None
         if 0 in self.stages and self.replica == 0:
             assert root is not None  # a record was found in it
-            written = export_checkpoint(root, out, fmt=fmt, step=self.state.step)
-        dist.barrier()
+            try:
+                written = export_checkpoint(root, out, fmt=fmt, step=self.state.step)
+            except RuntimeConfigError as err:
+                failure = str(err)
+        outcomes: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(outcomes, failure)  # every rank ends as the writer did
+        refused = next((o for o in outcomes if o is not None), None)
+        if refused is not None:
+            raise RuntimeConfigError(refused)
         return written or Path(out)
 
     def close(self) -> None:

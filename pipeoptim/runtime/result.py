@@ -118,6 +118,11 @@ def build_trace(plan: Plan, results: list[RankResult], meta: dict[str, Any]) -> 
         "predict_s": {
             str(k): v for k, v in sorted((k, v) for r in results for k, v in r.predict_s.items())
         },
+        # bytes of Ŵ a predicted forward's recomputed units hold, per stage (calibration)
+        "recompute_held_bytes": {
+            str(k): v
+            for k, v in sorted((k, v) for r in results for k, v in r.recompute_held_bytes.items())
+        },
         **next((r.meta for r in results if r.meta), {}),  # what a rank knows of the run
         **meta,
     }

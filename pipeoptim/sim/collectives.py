@@ -20,6 +20,11 @@ optimizer step (the next forward on the stage reads the weights the step writes,
 cannot overlap it). Ring all-reduce in the alpha-beta model: ``n`` bytes over ``D`` ranks
 take ``2 (D - 1) alpha + 2 (D - 1) / D * n / beta`` (a reduce-scatter and an all-gather of
 ``D - 1`` steps each, every step moving ``n / D`` bytes), 0 for ``D = 1``.
+
+With the optimizer state sharded (ZeRO-1), each replica updates its 1/D of the stage and
+the updated weights are then gathered: a ring all-gather of the stage's weights, ``(D - 1)
+alpha + (D - 1) / D * n / beta``, after the step, inside the update (the next forward reads
+the gathered weights).
 """
 
 from __future__ import annotations
@@ -33,10 +38,12 @@ from pipeoptim.plan.replicas import check_replicas
 
 __all__ = [
     "Cluster",
+    "allgather_times",
     "allreduce_times",
     "edge_links",
     "edge_within_node",
     "group_within_node",
+    "ring_allgather_s",
     "ring_allreduce_s",
 ]
 
@@ -49,6 +56,16 @@ def ring_allreduce_s(num_bytes: float, replicas: int, bandwidth: float, latency_
     if d == 1:
         return 0.0
     return 2 * (d - 1) * latency_s + 2 * (d - 1) / d * num_bytes / bandwidth  # bytes/inf = 0
+
+
+def ring_allgather_s(num_bytes: float, replicas: int, bandwidth: float, latency_s: float) -> float:
+    """Seconds a ring all-gather of ``num_bytes`` (the whole, each rank holding ``1/D``)
+    over ``replicas`` ranks takes: ``(D - 1) latency + (D - 1) / D * bytes / bandwidth``;
+    0 for one replica."""
+    d = check_replicas(replicas, "the replica count")
+    if d == 1:
+        return 0.0
+    return (d - 1) * latency_s + (d - 1) / d * num_bytes / bandwidth
 
 
 def _link(name: str, bandwidth: float, latency_s: float, fix: str) -> None:
@@ -206,4 +223,21 @@ def allreduce_times(
     return tuple(
         ring_allreduce_s(n, replicas, *cluster.tier(group_within_node(k % p, p, replicas, cluster)))
         for k, n in enumerate(grad_bytes)
+    )
+
+
+def allgather_times(
+    param_bytes: Sequence[int],
+    replicas: int,
+    cluster: Cluster,
+    num_ranks: int | None = None,
+) -> tuple[float, ...]:
+    """Seconds of the weight all-gather of every stage's sharded update
+    (``param_bytes[k]``: one weight copy of the stage) over its data-parallel group, at the
+    group's tier; stage s on pipeline rank ``s mod num_ranks``."""
+    check_replicas(replicas, "the replica count")
+    p = _ranks_of(len(param_bytes), num_ranks)
+    return tuple(
+        ring_allgather_s(n, replicas, *cluster.tier(group_within_node(k % p, p, replicas, cluster)))
+        for k, n in enumerate(param_bytes)
     )

@@ -22,6 +22,19 @@ costs nothing when both stages sit on one rank.
 Data parallelism (:meth:`CostModel.with_data_parallel`): D replicas of the pipeline, each on
 its share of the batch, are timed as one replica whose updates also all-reduce the stage's
 gradients (:mod:`pipeoptim.sim.collectives`); throughput counts all D.
+
+Activation recomputation (``recompute=`` of :meth:`CostModel.from_profile` and
+:meth:`CostModel.from_stage_graph`, the formula of :mod:`pipeoptim.plan.recompute_costs`):
+a stage's ``activation_bytes`` become what it keeps (the recomputed units' inputs instead
+of their activations), every backward (a split one's input half) runs the recomputed
+units' forward again (``recompute_s``), a split backward holds the rebuilt activations
+from its I to its W (``rebuilt_activation_bytes``), and under prediction every in-flight
+micro-batch that ran on predicted weights holds the recomputed units' Ŵ
+(``held_weight_bytes``, counted by :mod:`pipeoptim.sim.memory` as stash).
+
+Sharded optimizer state (:meth:`CostModel.with_sharded_optimizer`, ZeRO-1): each replica
+keeps ``ceil(optimizer_state_bytes / D)``, steps 1/D of the weights (``update_s / D``)
+and then all-gathers them (``gather_s``, inside the update like the all-reduce).
 """
 
 from __future__ import annotations
@@ -34,8 +47,19 @@ from typing import TYPE_CHECKING, Any
 
 from pipeoptim.errors import PlanError
 from pipeoptim.plan.profile import optimizer_state_factor
+from pipeoptim.plan.recompute import check_shard_optimizer
+from pipeoptim.plan.recompute_costs import (
+    UNIT_KEYS,
+    UnitCosts,
+    annotate_units,
+    graph_unit_costs,
+    labels_from_names,
+    profile_unit_costs,
+    stage_recompute,
+    stage_unit_sets,
+)
 from pipeoptim.plan.replicas import check_replicas
-from pipeoptim.sim.collectives import Cluster, allreduce_times, edge_links
+from pipeoptim.sim.collectives import Cluster, allgather_times, allreduce_times, edge_links
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -43,7 +67,7 @@ if TYPE_CHECKING:
     from pipeoptim.plan.plan import Plan
     from pipeoptim.plan.profile import Profile
 
-__all__ = ["CostModel", "parse_uniform"]
+__all__ = ["UNIT_KEYS", "CostModel", "annotate_units", "graph_recompute_sets", "parse_uniform"]
 
 
 def _expand(name: str, values: float | Sequence[float], count: int) -> list[float]:
@@ -152,6 +176,21 @@ class CostModel:
     layers (``LayerProfile.weight_grad_fraction``, weighted by their backward times). The
     default 0.5 is the zero-bubble paper's T_I = T_W (for a matrix multiply both parts are
     one multiply of the same size)."""
+    recompute_s: tuple[float, ...] = ()
+    """Seconds each backward (a split backward's input half I) spends running the
+    recomputed units' forward again, per stage (empty: no recomputation)."""
+    rebuilt_activation_bytes: tuple[int, ...] = ()
+    """Bytes a split backward holds from its I to its W: the recomputed units' activations,
+    made again by the I (per stage; empty: none)."""
+    held_weight_bytes: tuple[int, ...] = ()
+    """Bytes of the recomputed units' weights, per stage: under the PREDICT policy every
+    in-flight micro-batch that ran on predicted weights holds one copy until its backward
+    (the recomputation must meet the Ŵ its forward read). Empty: none."""
+    gather_s: tuple[float, ...] = ()
+    """Seconds of each stage's weight all-gather per update under sharded optimizer state
+    (:meth:`with_sharded_optimizer`); empty: none."""
+    shard_optimizer: bool = False
+    """Whether the optimizer state is sharded over the D replicas (ZeRO-1)."""
 
     def __post_init__(self) -> None:
         s = len(self.forward_s)
@@ -176,6 +215,12 @@ class CostModel:
         check_replicas(self.data_parallel, "data_parallel")
         ar = self.allreduce_s if len(self.allreduce_s) else (0.0,) * s
         object.__setattr__(self, "allreduce_s", _floats("allreduce_s", ar, s))
+        for name in ("recompute_s", "gather_s"):
+            given = getattr(self, name)
+            object.__setattr__(self, name, _floats(name, given if len(given) else (0.0,) * s, s))
+        for name in ("rebuilt_activation_bytes", "held_weight_bytes"):
+            given = getattr(self, name)
+            object.__setattr__(self, name, _ints(name, given if len(given) else (0,) * s, s))
         object.__setattr__(self, "weight_grad_fraction", _fractions(self.weight_grad_fraction, s))
 
     # ------------------------------------------------------------------ derived
@@ -190,8 +235,17 @@ class CostModel:
 
     @property
     def update_total_s(self) -> tuple[float, ...]:
-        """Seconds of every stage's update with its all-reduce: what a U action takes."""
-        return tuple(u + a for u, a in zip(self.update_s, self.allreduce_s, strict=True))
+        """Seconds of every stage's update with its all-reduce (and its all-gather when the
+        optimizer state is sharded): what a U action takes."""
+        return tuple(
+            u + a + g
+            for u, a, g in zip(self.update_s, self.allreduce_s, self.gather_s, strict=True)
+        )
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether any stage recomputes (a backward runs a forward again)."""
+        return any(self.recompute_s) or any(self.rebuilt_activation_bytes)
 
     @property
     def weight_grad_fractions(self) -> tuple[float, ...]:
@@ -226,11 +280,15 @@ class CostModel:
         return self.latency_s[edge] + (0.0 if size == 0 or math.isinf(bw) else size / bw)
 
     def bottleneck_s(self) -> float:
-        """Largest per-stage ``forward + backward + update``: the async steady-state period."""
+        """Largest per-stage ``forward + backward (+ recomputation) + update``: the async
+        steady-state period."""
         return max(
-            f + b + u
-            for f, b, u in zip(self.forward_s, self.backward_s, self.update_total_s, strict=True)
-        )
+            f + b + r + u
+            for f, b, r, u in zip(
+                self.forward_s, self.backward_s, self.recompute_s, self.update_total_s,
+                strict=True,
+            )
+        )  # fmt: skip
 
     def with_links(
         self, *, latency_s: float | None = None, bandwidth: float | None = None
@@ -261,6 +319,26 @@ class CostModel:
             allreduce_s=allreduce_times(self.grad_bytes, replicas, cluster, num_ranks),
         )
 
+    def with_sharded_optimizer(
+        self, cluster: Cluster, *, num_ranks: int | None = None
+    ) -> CostModel:
+        """The model with each stage's optimizer state sharded over its ``data_parallel``
+        replicas (ZeRO-1): ``ceil(optimizer_state_bytes / D)`` per replica, ``update_s / D``
+        (each replica steps its shard) and every update's all-gather of the stage's
+        weights on ``cluster`` (:func:`~pipeoptim.sim.collectives.allgather_times`). Call it
+        after :meth:`with_data_parallel`; it refuses D < 2."""
+        d = self.data_parallel
+        check_shard_optimizer(True, d, flag="--shard-optimizer")
+        if self.shard_optimizer:
+            return self
+        return replace(
+            self,
+            optimizer_state_bytes=tuple(-(-b // d) for b in self.optimizer_state_bytes),
+            update_s=tuple(u / d for u in self.update_s),
+            gather_s=allgather_times(self.param_bytes, d, cluster, num_ranks),
+            shard_optimizer=True,
+        )
+
     def scaled(self, factor: float) -> CostModel:
         """Times (not bytes) multiplied by ``factor``: a faster or slower device. Link
         times, the all-reduce among them, stay as they are."""
@@ -270,6 +348,7 @@ class CostModel:
             backward_s=tuple(v * factor for v in self.backward_s),
             update_s=tuple(v * factor for v in self.update_s),
             predict_s=tuple(v * factor for v in self.predict_s),
+            recompute_s=tuple(v * factor for v in self.recompute_s),
         )
 
     # ------------------------------------------------------------------ constructors
@@ -339,9 +418,12 @@ class CostModel:
 
         ``stages[k]`` has ``forward_s, backward_s, param_bytes, optimizer_state_bytes,
         activation_bytes`` and optionally ``forward_fixed_s, backward_fixed_s, update_s,
-        predict_s, weight_grad_s``; ``edge_bytes[k]`` is what crosses edge ``k`` for that
-        batch. A stage's weight-gradient share is ``weight_grad_s / backward_s`` (0.5
-        without ``weight_grad_s``, or without a backward), unless ``weight_grad_fraction``
+        predict_s, weight_grad_s`` and, where it recomputes (:func:`_with_recompute`),
+        ``kept_activation_bytes, rebuilt_activation_bytes, recompute_forward_s,
+        recompute_forward_fixed_s, recompute_param_bytes``; ``edge_bytes[k]`` is what
+        crosses edge ``k`` for that batch. A stage's weight-gradient share is
+        ``weight_grad_s / backward_s`` (0.5 without ``weight_grad_s``, or without a
+        backward), unless ``weight_grad_fraction``
         (one number or one per stage) is given.
         ``batch_size`` is the samples of one mini-batch (default: ``profile_batch``, i.e.
         the profile was measured on one mini-batch); a micro-batch has
@@ -377,6 +459,23 @@ class CostModel:
                 return _floats(key, given, s)
             return tuple(float(st.get(key, 0.0)) if same else 0.0 for st in stages)
 
+        def rescaled(st: Mapping[str, Any], key: str) -> int:
+            return round(int(st.get(key, 0)) * scale)
+
+        recomputing = any("kept_activation_bytes" in st for st in stages)
+        extra: dict[str, Any] = {}
+        if recomputing:
+            extra = {
+                "recompute_s": tuple(scaled(st, "recompute_forward") for st in stages),
+                "rebuilt_activation_bytes": tuple(
+                    rescaled(st, "rebuilt_activation_bytes") for st in stages
+                ),
+                "held_weight_bytes": tuple(
+                    int(st.get("recompute_param_bytes", 0)) for st in stages
+                ),
+            }
+        kept = "kept_activation_bytes" if recomputing else "activation_bytes"
+
         return cls(
             forward_s=tuple(scaled(st, "forward") for st in stages),
             backward_s=tuple(scaled(st, "backward") for st in stages),
@@ -384,7 +483,9 @@ class CostModel:
             predict_s=measured("predict_s", predict_s),
             param_bytes=tuple(int(st["param_bytes"]) for st in stages),
             optimizer_state_bytes=tuple(state),
-            activation_bytes=tuple(round(int(st["activation_bytes"]) * scale) for st in stages),
+            activation_bytes=tuple(
+                round(int(st.get(kept, st["activation_bytes"])) * scale) for st in stages
+            ),
             send_forward_bytes=tuple(sent),
             send_backward_bytes=tuple(sent),
             latency_s=(latency_s,) * (s - 1),
@@ -396,6 +497,7 @@ class CostModel:
                 if weight_grad_fraction is None
                 else _fractions(weight_grad_fraction, s)
             ),
+            **extra,
         )
 
     @classmethod
@@ -412,9 +514,13 @@ class CostModel:
         Each stage's weight-gradient share is its layers' W seconds over their backward
         seconds (``LayerProfile.weight_grad_fraction``). ``options`` as for
         :meth:`from_stages` (``batch_size``, ``optimizer``, ``update_s``, ``predict_s``,
-        ``latency_s``, ``bandwidth``, ``weight_grad_fraction``).
+        ``latency_s``, ``bandwidth``, ``weight_grad_fraction``). ``recompute``: per stage
+        the stage-local indices of the units it recomputes (None: none; see
+        :func:`pipeoptim.plan.recompute_costs.stage_unit_sets`).
         """
         from pipeoptim.plan.graph import validate_boundaries
+
+        recompute: Sequence[frozenset[int]] | None = options.pop("recompute", None)
 
         ranges = validate_boundaries(boundaries, profile.num_layers)
         stages = []
@@ -434,6 +540,8 @@ class CostModel:
                     "activation_bytes": sum(x.activation_bytes for x in layers),
                 }
             )
+        if recompute is not None:
+            _with_recompute(stages, profile_unit_costs(profile), ranges, recompute)
         edges = [profile.layers[end - 1].activation_bytes for _, end in ranges[:-1]]
         return cls.from_stages(
             stages,
@@ -448,9 +556,17 @@ class CostModel:
     def from_stage_graph(
         cls, graph: nx.DiGraph, micro_batches: int = 1, **options: Any
     ) -> CostModel:
-        """From :func:`pipeoptim.plan.graph.stage_graph` output (nodes 0..S-1, edge ``bytes``)."""
+        """From :func:`pipeoptim.plan.graph.stage_graph` output (nodes 0..S-1, edge ``bytes``).
+
+        ``recompute`` (an option): per stage the stage-local units it recomputes, which
+        needs the per-unit costs a planned stage graph carries (:func:`graph_unit_costs`)."""
+        recompute: Sequence[frozenset[int]] | None = options.pop("recompute", None)
         nodes = sorted(graph.nodes)
         stages = [dict(graph.nodes[k]) for k in nodes]
+        if recompute is not None:
+            units = graph_unit_costs(graph)
+            ranges = [(int(st["start"]), int(st["end"])) for st in stages]
+            _with_recompute(stages, units, ranges, recompute)
         edges = [int(graph.edges[a, b].get("bytes", 0)) for a, b in itertools.pairwise(nodes)]
         return cls.from_stages(
             stages,
@@ -475,7 +591,10 @@ class CostModel:
         if plan.stage_graph is not None:
             from pipeoptim.plan.graph import stage_graph_from_dict
 
-            return cls.from_stage_graph(stage_graph_from_dict(plan.stage_graph), m, **options)
+            graph = stage_graph_from_dict(plan.stage_graph)
+            if plan.recompute is not None and "recompute" not in options:
+                options["recompute"] = graph_recompute_sets(graph, plan.recompute)
+            return cls.from_stage_graph(graph, m, **options)
         if profile is None:
             raise PlanError(
                 "the plan has no stage graph with costs, so the simulator has no stage costs; "
@@ -488,7 +607,42 @@ class CostModel:
             from pipeoptim.plan.plan import even_boundaries
 
             bounds = even_boundaries(profile.num_layers, stages)
+        if plan.recompute is not None and "recompute" not in options:
+            labels = labels_from_names([x.name for x in profile.layers])
+            options["recompute"] = stage_unit_sets(plan.recompute, bounds, labels)
         return cls.from_profile(profile, bounds, m, **options)
+
+
+def graph_recompute_sets(graph: nx.DiGraph, requested: object) -> list[frozenset[int]] | None:
+    """What ``requested`` recomputes on ``graph``'s stages (units named as its
+    ``layer_names`` name them)."""
+    nodes = [graph.nodes[k] for k in sorted(graph.nodes)]
+    names = [str(n) for node in nodes for n in node.get("layer_names", [])]
+    ranges = [(int(node["start"]), int(node["end"])) for node in nodes]
+    if len(names) != (ranges[-1][1] if ranges else 0):
+        names = [str(i) for i in range(ranges[-1][1] if ranges else 0)]
+    return stage_unit_sets(requested, ranges, labels_from_names(names))
+
+
+def _with_recompute(
+    stages: list[dict[str, Any]],
+    units: UnitCosts,
+    ranges: Sequence[tuple[int, int]],
+    recompute: Sequence[frozenset[int]],
+) -> None:
+    """Add each stage's recomputation sums (at the profile batch) to its dict."""
+    if len(recompute) != len(stages):
+        raise PlanError(
+            f"recompute needs one set of units per stage (got {len(recompute)} for "
+            f"{len(stages)} stages)"
+        )
+    for st, (start, end), local in zip(stages, ranges, recompute, strict=True):
+        r = stage_recompute(units, start, end, frozenset(local))
+        st["kept_activation_bytes"] = r.kept_activation_bytes
+        st["rebuilt_activation_bytes"] = r.rebuilt_activation_bytes
+        st["recompute_forward_s"] = r.forward_s
+        st["recompute_forward_fixed_s"] = r.forward_fixed_s
+        st["recompute_param_bytes"] = r.param_bytes
 
 
 def _stage_share(stage: Mapping[str, Any]) -> float:

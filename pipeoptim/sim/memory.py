@@ -18,6 +18,13 @@ What a stage holds (bytes), following the method's weight policy as
   reads them; the input half I frees nothing), and the W, not the I, then plays the
   backward's part for the gradient buffer and the stash.
 
+With activation recomputation (:mod:`pipeoptim.plan.recompute_costs`) ``activations``
+are what a micro-batch keeps (the recomputed units' inputs in place of their
+activations), a split backward holds the rebuilt activations from the start of its I to
+the end of its W, and under PREDICT every in-flight micro-batch whose forward ran on
+predicted weights holds a copy of the recomputed units' weights (counted in ``stash``)
+from its forward's start to its backward's end.
+
 Peaks therefore match :class:`~pipeoptim.plan.versions.VersionReport`: weight copies peak at
 ``weight_copies[stage]`` and activations at ``max_in_flight[stage]`` micro-batches.
 """
@@ -75,18 +82,25 @@ class _StageState:
         "act",
         "current",
         "grads",
+        "held",
+        "holding",
         "inflight",
         "last",
         "opt",
         "param",
         "peak",
         "predicted",
+        "rebuilding",
+        "rebuilt",
         "stash",
         "total",
     )
 
-    def __init__(self, param: int, opt: int, act: int) -> None:
+    def __init__(self, param: int, opt: int, act: int, held: int = 0, rebuilt: int = 0) -> None:
         self.param, self.opt, self.grads, self.act = param, opt, 0, act
+        self.held, self.rebuilt = held, rebuilt
+        self.holding: set[int] = set()  # micro-batches holding the recomputed units' Ŵ
+        self.rebuilding = 0  # split backwards between their I and their W
         self.inflight = 0
         self.current = 0
         self.stash: dict[int, int] = {}  # version -> micro-batches holding it
@@ -102,10 +116,10 @@ class _StageState:
     def detail(self) -> dict[str, int]:
         return {
             "weights": self.param,
-            "stash": (self.copies() - 1) * self.param,
+            "stash": (self.copies() - 1) * self.param + len(self.holding) * self.held,
             "gradients": self.grads,
             "optimizer": self.opt,
-            "activations": self.inflight * self.act,
+            "activations": self.inflight * self.act + self.rebuilding * self.rebuilt,
         }
 
     def refresh(self) -> bool:
@@ -130,6 +144,8 @@ def memory_report(
     """Walk each rank's actions in order with their times and account memory per stage."""
     policy = program.policy or WeightPolicy.FLUSH
     keeps = policy in (WeightPolicy.STASH, WeightPolicy.DOUBLE_BUFFER)
+    holds = policy is WeightPolicy.PREDICT  # a recomputation must meet the forward's Ŵ
+    mb = program.mb
     version, _, predicted = program.flat_versions()
     starts, ends = timing.starts, timing.ends
     out: list[MemorySample] = []
@@ -138,7 +154,11 @@ def memory_report(
         stages = sorted({program.stage[i] for i in range(lo, hi)})
         state = {
             k: _StageState(
-                costs.param_bytes[k], costs.optimizer_state_bytes[k], costs.activation_bytes[k]
+                costs.param_bytes[k],
+                costs.optimizer_state_bytes[k],
+                costs.activation_bytes[k],
+                costs.held_weight_bytes[k] if holds else 0,
+                costs.rebuilt_activation_bytes[k],
             )
             for k in stages
         }
@@ -181,12 +201,22 @@ def memory_report(
                     st.stash[version[i]] = st.stash.get(version[i], 0) + 1
                 if predicted[i]:
                     st.predicted = True
+                    if st.held:
+                        st.holding.add(mb[i])
                 if st.refresh():
                     emit(starts[i])
             elif c == KIND_I:
+                if st.rebuilt:  # the I recomputes: the rebuilt activations stay until the W
+                    st.rebuilding += 1
+                    if st.refresh():
+                        emit(starts[i])
                 continue  # the activations stay until the W
             elif c in (KIND_B, KIND_W):
                 st.inflight -= 1
+                if st.holding:
+                    st.holding.discard(mb[i])
+                if c == KIND_W and st.rebuilt:
+                    st.rebuilding -= 1
                 st.grads = st.param
                 if keeps:
                     # STASH and DOUBLE_BUFFER run the backward on the stashed version.

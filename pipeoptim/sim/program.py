@@ -392,7 +392,8 @@ class Program:
         """Seconds per cost code: ``[F..., B..., U..., I..., W..., predicted F...]`` of
         every stage (an update with its stage's all-reduce, :attr:`CostModel.update_total_s`;
         I and W the halves of the backward, :attr:`CostModel.backward_input_s` and
-        :attr:`CostModel.backward_weight_s`).
+        :attr:`CostModel.backward_weight_s`; a recomputing stage's B and I also run the
+        recomputed forward, :attr:`CostModel.recompute_s`).
 
         A predicted forward (code ``5 * num_stages + stage``, see :meth:`duration_codes`)
         costs its forward plus the prediction."""
@@ -403,11 +404,16 @@ class Program:
             )
         s = self.num_stages
         extra = [f + p for f, p in zip(costs.forward_s[:s], costs.predict_s[:s], strict=True)]
+        backward, backward_input = costs.backward_s[:s], costs.backward_input_s[:s]
+        if costs.recomputes:  # the backward (a split one's I) runs the forward again first
+            again = costs.recompute_s[:s]
+            backward = tuple(b + r for b, r in zip(backward, again, strict=True))
+            backward_input = tuple(b + r for b, r in zip(backward_input, again, strict=True))
         return [
             *costs.forward_s[:s],
-            *costs.backward_s[:s],
+            *backward,
             *costs.update_total_s[:s],
-            *costs.backward_input_s[:s],
+            *backward_input,
             *costs.backward_weight_s[:s],
             *extra,
         ]

@@ -82,18 +82,23 @@ def _steps_text(config: StudyConfig) -> str:
 
 
 def write_study_report(
-    out: Path, configs: Sequence[StudyConfig], profiles: Mapping[str, Profile] | None = None
+    out: Path,
+    configs: Sequence[StudyConfig],
+    profiles: Mapping[str, Profile] | None = None,
+    *,
+    produced_by: str = "python examples/convergence/run.py",
 ) -> Path:
     """Write ``README.md``, ``curves.html`` and ``risk_fit.json`` under ``out`` from each
     model's ``out/<model>/runs.jsonl``; returns the markdown file. ``profiles[model]`` is the
     hardware the time to target is simulated on (``pipeoptim profile`` of the same model;
     default: this machine, one thread per stage, profiled once into
-    ``out/<model>/profile.json`` and reused)."""
+    ``out/<model>/profile.json`` and reused). ``produced_by``: the command the report
+    names as its producer (``pipeoptim compare`` passes its own)."""
     from pipeoptim.viz.report import offline_page
 
     md = ["# Convergence study: results", ""]
     md += [
-        "Produced by `python examples/convergence/run.py` (every stage in one process: the "
+        f"Produced by `{produced_by}` (every stage in one process: the "
         "local transport, bitwise equal to the distributed run). Each evaluation drains the "
         "pipeline, as a checkpoint does, so the first P−1 mini-batches after it run with a "
         "smaller prediction distance.",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from pipeoptim.errors import RuntimeConfigError
@@ -74,6 +74,21 @@ class RunSpec:
         return f"/warmup={self.warmup:g}/final={self.final_lr:g}/clip={clip}"
 
     @property
+    def options(self) -> str:
+        """Every other field that changes the run's result, where it differs from its
+        default ("" for none): whatever a key does not name would let a rerun with another
+        value reuse this run (a new field is keyed here without further code)."""
+        parts = []
+        for f in fields(self):
+            if f.name in _NAMED_IN_KEY:
+                continue
+            value = getattr(self, f.name)
+            if value != f.default:
+                shown = f"{value:g}" if isinstance(value, float) else str(value)
+                parts.append(f"/{f.name}={shown}")
+        return "".join(parts)
+
+    @property
     def label(self) -> str:
         """The method as the tables name it (``pipeoptim+Ŵbackward`` for the variant)."""
         name = f"{self.method}+Ŵbackward" if self.predicted_backward else self.method
@@ -85,7 +100,7 @@ class RunSpec:
         return (
             f"{self.model}/{self.label}/{self.optimizer}/lr={self.lr:g}/P={self.stages}/"
             f"seed={self.seed}/steps={self.steps}/B={self.batch_size}/eval={self.eval_every}"
-            f"{self.recipe}"
+            f"{self.recipe}{self.options}"
         )
 
     @property
@@ -93,6 +108,30 @@ class RunSpec:
         from pipeoptim.plan.methods import get_method
 
         return self.stages if get_method(self.method).micro_batched else 1
+
+
+_NAMED_IN_KEY = frozenset(
+    {
+        "model",
+        "method",
+        "optimizer",
+        "lr",
+        "stages",
+        "seed",
+        "steps",
+        "eval_every",
+        "batch_size",
+        "predicted_backward",
+        "trained_optimizer",
+        "warmup",
+        "final_lr",
+        "grad_clip",
+        # measuring the closure reads the weights, it changes nothing trained
+        "closure",
+    }
+)
+"""RunSpec fields that :attr:`RunSpec.key` names in its fixed part (or that change nothing
+trained); every other field goes into :attr:`RunSpec.options`."""
 
 
 @dataclass(frozen=True)

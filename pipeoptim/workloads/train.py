@@ -17,12 +17,13 @@ import sys
 from torch._C._distributed_c10d import Store
 
 from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.plan.recompute import parse_recompute_flag, resolve_recompute
 from pipeoptim.plan.replicas import check_batch_split
 from pipeoptim.runtime import launch
 from pipeoptim.runtime.config import TrainConfig, run_length
 from pipeoptim.runtime.model.layout import stage_boundaries
 from pipeoptim.runtime.optim.lr import scheduler_factory
-from pipeoptim.runtime.pipeline import Pipeline
+from pipeoptim.runtime.pipeline import Pipeline, unit_labels
 from pipeoptim.runtime.result import FitResult
 from pipeoptim.workloads.data import DatasetLoader
 from pipeoptim.workloads.loader import build_model, model_loss
@@ -36,6 +37,7 @@ def build_run(
     """``config`` as a library user would write it: the built-in model as a Pipeline, and
     its training and test data as loaders."""
     layers, data = build_model(config.model, config.seed)
+    _check_layout(config, len(layers))  # in the command line's words, before the Pipeline's
     train_data = DatasetLoader(data.train_x, data.train_y, config.batch_size, seed=config.seed)
     test_data = DatasetLoader(data.test_x, data.test_y, config.batch_size, shuffle=False)
     per_epoch = len(train_data)
@@ -60,8 +62,16 @@ def build_run(
         store=store,
         run_identity=config.identity(),
         hyperparameters=config.hyperparameters(),
+        recompute=_recompute(config),
     )
     return pipe, train_data, test_data
+
+
+def _recompute(config: TrainConfig) -> object:
+    """``--recompute`` as ``Pipeline(recompute=)`` takes it (None: the plan's)."""
+    if config.recompute is None:
+        return None
+    return parse_recompute_flag(config.recompute, error=RuntimeConfigError)
 
 
 def check_run(config: TrainConfig) -> None:
@@ -69,11 +79,32 @@ def check_run(config: TrainConfig) -> None:
     and the data), made once by the launcher before any process starts."""
     layers, data = build_model(config.model, config.seed)
     shape = config.plan.shape(1)
-    stage_boundaries(len(layers), shape.num_stages, config.plan.boundaries, config.model)
+    bounds = _check_layout(config, len(layers))
     check_batch_split(
         config.batch_size, config.plan.data_parallel, shape.micro_batches, error=RuntimeConfigError
     )
+    requested = _recompute(config)
+    resolve_recompute(
+        config.plan.recompute if requested is None else requested,
+        bounds,
+        unit_labels(layers),
+        error=RuntimeConfigError,
+    )
     DatasetLoader(data.train_x, data.train_y, config.batch_size, seed=config.seed)
+
+
+def _check_layout(config: TrainConfig, num_layers: int) -> list[tuple[int, int]]:
+    """The plan's stage layout against the built-in model, refused with ``--stages``."""
+    shape = config.plan.shape(1)
+    return stage_boundaries(
+        num_layers,
+        shape.num_stages,
+        config.plan.boundaries,
+        config.model,
+        virtual_stages=shape.virtual_stages,
+        method=config.plan.method,
+        stages_flag="--stages ",
+    )
 
 
 RUNNER = launch.Runner(build_run, check_run, "pipeoptim.workloads.train")

@@ -184,7 +184,7 @@ def test_source_loss_and_cache() -> None:
     assert cut.source["class"] == "GPT2LMHeadModel"
     assert cut.source["config"]["n_layer"] == 2
     assert cut.source["config"]["use_cache"] is True  # the export keeps the user's setting
-    assert model.config.use_cache is False  # the units train, no KV cache
+    assert model.config.use_cache is True  # left as the user set it (issue 33, item 14)
     assert cut.loss_fn is causal_lm_loss
 
 

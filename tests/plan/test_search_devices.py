@@ -92,25 +92,28 @@ def test_a_slow_inter_node_link_moves_the_choice_to_deeper_pipelines() -> None:
 
 
 def test_the_memory_cap_forces_a_deeper_pipeline() -> None:
+    """Where the cap binds, each factorisation first shards its optimizer state over its D
+    replicas (free links: the all-gather costs nothing), and only a cap that sharding
+    cannot meet forces a deeper pipeline."""
     prof = model(1000 * MB)  # 16 GB of weights; free links: the all-reduce costs nothing
     picks = {
         cap: search_devices(prof, 16, batch_size=64, memory_cap_bytes=cap).best
         for cap in (None, 40 * GiB, 20 * GiB, 12 * GiB)
     }
-    assert [(c.stages, c.data_parallel) for c in picks.values()] == [
-        (1, 16),
-        (2, 8),
-        (4, 4),
-        (8, 2),
+    assert [(c.stages, c.data_parallel, c.shard_optimizer) for c in picks.values()] == [
+        (1, 16, False),
+        (1, 16, True),
+        (2, 8, True),
+        (4, 4, True),
     ]
+    assert all(c.slowdown == 0 and not any(c.recompute) for c in picks.values())
     assert all(c.peak_memory_bytes <= 20 * GiB for c in list(picks.values())[2:])
     result = search_devices(prof, 16, batch_size=64, memory_cap_bytes=20 * GiB)
     text = explain_devices(result, prof)
-    assert text.startswith("Run 4 pipeline stage(s) x 4 data-parallel replica(s) on 16 devices")
+    assert text.startswith("Run 2 pipeline stage(s) x 8 data-parallel replica(s) on 16 devices")
     assert "within the 20.00 GiB cap" in text
-    for label in ("P=1 x D=16", "P=2 x D=8"):
-        assert f"{label} cannot run: no partition fits the memory cap of 20.00 GiB" in text
-    assert "P=8 x D=2 (" in text and "x slower" in text
+    assert "P=1 x D=16 cannot run: no partition fits the memory cap of 20.00 GiB" in text
+    assert "P=4 x D=4 (" in text and "x slower" in text
 
 
 def test_explanation_says_where_the_step_goes() -> None:

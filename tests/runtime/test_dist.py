@@ -111,11 +111,17 @@ def one_thread(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 @pytest.mark.parametrize(
-    ("method", "stages", "micro"),
-    [("2bw", 2, 2), ("pipeoptim", 4, 1), ("pipeoptim+bounded", 3, 1)],
+    ("method", "stages", "micro", "recompute"),
+    [
+        ("2bw", 2, 2, None),
+        ("pipeoptim", 4, 1, None),
+        ("pipeoptim+bounded", 3, 1, None),
+        ("pipeoptim", 3, 1, "full"),  # activation recomputation (test_recompute.py)
+        ("1f1b", 2, 2, "units:Linear"),
+    ],
 )
 def test_dist_transport_equals_local_bit_for_bit(
-    tmp_path: Path, one_thread: None, method: str, stages: int, micro: int
+    tmp_path: Path, one_thread: None, method: str, stages: int, micro: int, recompute: str | None
 ) -> None:
     runs: dict[str, FitResult] = {}
     for transport in ("local", "dist"):
@@ -124,6 +130,7 @@ def test_dist_transport_equals_local_bit_for_bit(
             stages,
             micro,
             transport,
+            recompute=recompute,
             max_steps=14,
             checkpoint_every=6,
             checkpoint_dir=str(tmp_path / transport),

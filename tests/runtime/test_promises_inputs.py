@@ -602,6 +602,11 @@ CONSTRUCTOR = {
     "predicted_backward": _mix([False, True]),
     "init_weights": _mix([None, _init_weights], (3, "normal")),
     "plan": _mix([None, Plan("1f1b", 2, micro_batches=2), Plan("pipeoptim", 3)]),
+    "recompute": _mix(
+        [None, "none", "full", ["0"], "units:Linear", {0: "full"}],
+        ("most", ["Conv2d"], {9: "full"}, 3, [True]),
+    ),
+    "shard_optimizer": _mix([None, False], (True, "yes")),
 }
 """Every argument but ``store``, ``progress`` and the run identity (internal to the CLI).
 ``transport="dist"`` is left out: it joins a process group (tests/runtime/test_dist.py)."""

@@ -65,7 +65,8 @@ def test_every_run_carries_the_recipe_and_the_key_names_it() -> None:
         0.01,
     )
     assert spec.optimizer == "adamw" and spec.trained_optimizer == "nadam"
-    assert spec.key.endswith("/warmup=0.1/final=0.1/clip=1")
+    # every option that changes the result is in the key, the weight decay too (issue 33)
+    assert spec.key.endswith("/warmup=0.1/final=0.1/clip=1/weight_decay=0.01")
     assert "pipeoptim (nadam)" in spec.key and spec.closure  # a predicting row, seed 0
     plain = RunSpec("mlp", "gpipe", "sgd", 0.1, 2, 0, 4, 2)
     assert plain.key == "mlp/gpipe/sgd/lr=0.1/P=2/seed=0/steps=4/B=32/eval=2"  # as before

@@ -20,10 +20,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.errors import OutputPathError, RuntimeConfigError
 from pipeoptim.runtime.checkpoint.store import CheckpointStore, latest_step
 
-__all__ = ["EXPORT_FORMATS", "export_checkpoint", "merge_stages", "write_export"]
+_CHECKPOINT_NAMES = ("latest.json", ".lock")
+"""What a checkpoint folder holds besides its ``step-*`` folders (``store.py``)."""
+
+__all__ = [
+    "EXPORT_FORMATS",
+    "check_export_target",
+    "export_checkpoint",
+    "merge_stages",
+    "write_export",
+]
 
 EXPORT_FORMATS = ("pt", "safetensors", "hf")
 """``.pt`` (torch.save of the state dict), ``.safetensors`` (needs the safetensors package), or
@@ -75,12 +84,75 @@ def _format_of(out: Path, requested: str | None) -> str:
     )
 
 
-def write_export(
-    state: dict[str, Tensor], out: str | Path, fmt: str | None, source: Mapping[str, Any]
-) -> Path:
-    """Write ``state`` to ``out`` as ``fmt`` (None: from the suffix)."""
+def check_export_target(
+    out: str | Path, fmt: str | None, checkpoint_dir: str | Path | None = None
+) -> str:
+    """The format ``out`` is written in (``fmt``, or from the suffix), after refusing an
+    output that cannot be written as that format, before any work: a folder where a file
+    goes (``model.pt/``), a file where a folder goes (``--format hf`` onto a file, which
+    ``save_pretrained`` would skip, writing nothing), a path under a file, and a path in
+    ``checkpoint_dir`` that is the checkpoint's own (its ``latest.json``, a step's files,
+    the folder itself): an export never writes over what it reads."""
     path = Path(out)
-    kind = _format_of(path, fmt)
+    text = str(out)
+    try:
+        if checkpoint_dir is not None:
+            root = Path(checkpoint_dir).resolve()
+            target = path.resolve()
+            if target == root:
+                raise OutputPathError(
+                    f"the export output {text!r} is the checkpoint folder it reads; write "
+                    f"the export elsewhere, e.g. {str(path / 'model.pt')!r}"
+                )
+            if target.is_relative_to(root):
+                first = target.relative_to(root).parts[0]
+                if first in _CHECKPOINT_NAMES or first.startswith("step-"):
+                    raise OutputPathError(
+                        f"the export output {text!r} would overwrite the checkpoint's own "
+                        f"{first!r} in {str(checkpoint_dir)!r}, which the export reads; give "
+                        f"a path outside it, e.g. {str(root.parent / 'model.pt')!r}"
+                    )
+        kind = _format_of(path, fmt)
+        for parent in path.absolute().parents:
+            if parent.exists():
+                if not parent.is_dir():
+                    raise OutputPathError(
+                        f"the export output {text!r} lies under {str(parent)!r}, which is "
+                        f"a file, not a folder; choose another path"
+                    )
+                break
+        if kind == "hf" and path.exists() and not path.is_dir():
+            raise OutputPathError(
+                f"the export output {text!r} is a file, and the hf format writes a folder "
+                f"(config.json and the weights, as save_pretrained does); give a folder "
+                f"path, new or existing, e.g. {str(path.with_suffix('')) + '-hf'!r}"
+            )
+        if kind != "hf" and path.is_dir():
+            raise OutputPathError(
+                f"the export output {text!r} is a folder, and the {kind} format writes one "
+                f"file; give a file path, e.g. {str(path / ('model.' + kind))!r}, or "
+                f"the hf format (--format hf, fmt='hf') for a from_pretrained folder"
+            )
+    except OSError as err:
+        raise OutputPathError(
+            f"the export output {text!r} cannot be used ({err.strerror or err}); choose "
+            f"another path"
+        ) from None
+    return kind
+
+
+def write_export(
+    state: dict[str, Tensor],
+    out: str | Path,
+    fmt: str | None,
+    source: Mapping[str, Any],
+    *,
+    checkpoint_dir: str | Path | None = None,
+) -> Path:
+    """Write ``state`` to ``out`` as ``fmt`` (None: from the suffix), after
+    :func:`check_export_target` (``checkpoint_dir``: a folder the output must not overwrite)."""
+    path = Path(out)
+    kind = check_export_target(path, fmt, checkpoint_dir)
     if kind == "hf":
         if source.get("library") != "transformers":
             raise RuntimeConfigError(
@@ -90,26 +162,43 @@ def write_export(
             )
         from pipeoptim.hf import save_pretrained_folder
 
-        return save_pretrained_folder(dict(source), state, path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
-    if kind == "safetensors":
         try:
-            from safetensors.torch import save_file
-        except ImportError:
-            raise RuntimeConfigError(
-                "writing .safetensors needs the safetensors package: pip install "
-                "'pipeoptim[hf]' (or safetensors), or export to a .pt file"
+            written = save_pretrained_folder(dict(source), state, path)
+        except OSError as err:
+            raise OutputPathError(
+                f"cannot write the export folder {str(path)!r}: {err.strerror or err}; "
+                f"choose another path"
             ) from None
-        # safetensors refuses two names over one storage: give each name its own tensor
-        seen: set[int] = set()
-        for k, v in tensors.items():
-            if v.untyped_storage().data_ptr() in seen:
-                tensors[k] = v.clone()
-            seen.add(tensors[k].untyped_storage().data_ptr())
-        save_file(tensors, str(path))
-    else:
-        torch.save(tensors, path)
+        if not (written / "config.json").is_file():  # save_pretrained only logs its refusals
+            raise OutputPathError(
+                f"the export folder {str(path)!r} holds no config.json after writing it: "
+                f"nothing was written there; choose another folder"
+            )
+        return written
+    tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if kind == "safetensors":
+            try:
+                from safetensors.torch import save_file
+            except ImportError:
+                raise RuntimeConfigError(
+                    "writing .safetensors needs the safetensors package: pip install "
+                    "'pipeoptim[hf]' (or safetensors), or export to a .pt file"
+                ) from None
+            # safetensors refuses two names over one storage: give each name its own tensor
+            seen: set[int] = set()
+            for k, v in tensors.items():
+                if v.untyped_storage().data_ptr() in seen:
+                    tensors[k] = v.clone()
+                seen.add(tensors[k].untyped_storage().data_ptr())
+            save_file(tensors, str(path))
+        else:
+            torch.save(tensors, path)
+    except OSError as err:
+        raise OutputPathError(
+            f"cannot write the export {str(path)!r}: {err.strerror or err}; choose another path"
+        ) from None
     return path
 
 
@@ -121,8 +210,10 @@ def export_checkpoint(
     step: int | None = None,
 ) -> Path:
     """The checkpoint of ``step`` (default: the latest) in ``checkpoint_dir`` as one file (or
-    an ``hf`` folder) at ``out``; returns the path written."""
+    an ``hf`` folder) at ``out``; returns the path written. The output is checked first
+    (:func:`check_export_target`): nothing is read before it is known to be writable."""
     root = Path(checkpoint_dir)
+    check_export_target(out, fmt, root)
     record = latest_step(root)
     if record is None:
         raise RuntimeConfigError(
@@ -163,4 +254,4 @@ def export_checkpoint(
         states[k] = module
     model = payloads[0].get("model") or {}
     merged = merge_stages(states, config["boundaries"], model.get("names"))
-    return write_export(merged, out, fmt, model.get("source") or {})
+    return write_export(merged, out, fmt, model.get("source") or {}, checkpoint_dir=root)

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.runtime.model.replay import is_recomputing
 
 __all__ = [
     "CHUNK_BYTES",
@@ -198,8 +199,9 @@ class AttentionLogits:
 
     def active(self, training: bool) -> bool:
         """Whether this forward records: recording started, the module in training mode and
-        autograd on (the dry run and evaluation run under ``torch.no_grad``)."""
-        return self.recording and training and torch.is_grad_enabled()
+        autograd on (the dry run and evaluation run under ``torch.no_grad``), and not a
+        recomputation (``replay.py``: that forward was recorded when it first ran)."""
+        return self.recording and training and torch.is_grad_enabled() and not is_recomputing()
 
     def record(
         self,

@@ -14,11 +14,21 @@ index, so the weights do not depend on which process holds which stage: the same
 materialised whole in one process gets the same values. Units are initialised from the last to
 the first, so a tensor several units share ends with the value its first unit's initialiser
 gives it (the same on every process; the tie exchange aligns stages on other processes to it).
+
+Nothing is left to chance memory (issue 33 item 1): every new tensor starts as NaN (an integer
+one as a byte pattern), and one still holding it after ``init_weights`` is refused by name.
+Non-persistent buffers (a rotary ``inv_freq``) are in no state dict, so an ``init_weights``
+that loads one cannot fill them: before it runs, each is recomputed by its module's own
+initialisation, a ``transformers`` rotary embedding's rope rule or the module's
+``reset_parameters()`` (the torch convention for modules built on the meta device).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -71,19 +81,34 @@ def materialize_units(
     for i in wanted:
         for module in units[i].modules():
             _convert(module, device, memo)
+    fresh = {id(real) for _, real in memo.values()}
+    _poison(memo)
+    devices = [device.index or 0] if device.type == "cuda" else []
+    reset: set[int] = set()
     for i in reversed(wanted):
-        devices = [device.index or 0] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            # A stream of its own, so the weights init_weights draws do not depend on it.
+            torch.manual_seed(unit_seed(seed, i) ^ 0x5EED)
+            _reset_buffers(units[i], i, fresh, reset)
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(unit_seed(seed, i))
             with torch.no_grad():
                 try:
-                    init_weights(i, units[i])
+                    returned = init_weights(i, units[i])
                 except Exception as err:
                     raise RuntimeConfigError(
                         f"init_weights failed on unit {i} ({type(units[i]).__name__}): "
                         f"{type(err).__name__}: {err}; it is called as init_weights(index, "
                         f"unit) with the unit on {device}, to fill its tensors in place"
                     ) from err
+        if isinstance(returned, nn.Module) and returned is not units[i]:
+            raise RuntimeConfigError(
+                f"init_weights returned a new {type(returned).__name__} for unit {i} "
+                f"({type(units[i]).__name__}), which the pipeline ignores: it keeps the unit "
+                f"it built and gave you; fill that unit's tensors in place instead, e.g. "
+                f"unit.load_state_dict(new.state_dict()) or with torch.no_grad(): "
+                f"p.copy_(...), and return nothing"
+            )
         left = [n for n, t in units[i].state_dict(keep_vars=True).items() if t.is_meta]
         if left:
             raise RuntimeConfigError(
@@ -91,6 +116,154 @@ def materialize_units(
                 f"tensors {left[:4]}: init_weights must fill the unit's tensors in place, "
                 f"not replace them with new meta ones"
             )
+    for i in wanted:
+        _check_initialised(units[i], i, fresh)
+
+
+_INT_POISON = {
+    torch.uint8: 0xA5,
+    torch.int8: -91,
+    torch.int16: -23131,
+    torch.int32: -1515870811,
+    torch.int64: -6510615555426900571,
+}
+"""What an integer tensor holds until it is initialised: a pattern no initialiser writes
+by chance (0xA5 in every byte)."""
+
+
+def _poison(memo: dict[int, tuple[Tensor, Tensor]]) -> None:
+    """Fill every new tensor with a value no initialiser leaves by accident (NaN; a byte
+    pattern for integers), so one that nothing writes is found (:func:`_check_initialised`)
+    instead of training on whatever memory ``torch.empty`` returned."""
+    with torch.no_grad():
+        for _, real in memo.values():
+            if real.is_floating_point() or real.is_complex():
+                real.fill_(math.nan)
+            elif real.dtype in _INT_POISON:
+                real.fill_(_INT_POISON[real.dtype])
+
+
+def _unset(t: Tensor) -> Tensor:
+    """Whether ``t`` still holds the poison: anywhere (a float tensor: NaN), or everywhere
+    (an integer one). A 0-d boolean tensor."""
+    if t.is_floating_point() or t.is_complex():
+        return torch.isnan(t).any()
+    if t.dtype in _INT_POISON and t.numel() > 0:
+        return (t == _INT_POISON[t.dtype]).all()
+    return torch.zeros((), dtype=torch.bool, device=t.device)
+
+
+def _tensors(unit: nn.Module, fresh: set[int]) -> list[tuple[str, Tensor, bool]]:
+    """The unit's tensors this materialisation created: (name, tensor, non-persistent
+    buffer), each once."""
+    out: list[tuple[str, Tensor, bool]] = []
+    seen: set[int] = set()
+    for prefix, module in unit.named_modules(remove_duplicate=False):
+        for table, buffers in ((module._parameters, False), (module._buffers, True)):
+            for name, t in table.items():
+                if t is None or id(t) not in fresh or id(t) in seen:
+                    continue
+                seen.add(id(t))
+                transient = buffers and name in module._non_persistent_buffers_set
+                out.append((f"{prefix}.{name}" if prefix else name, t, transient))
+    return out
+
+
+def _check_initialised(unit: nn.Module, index: int, fresh: set[int]) -> None:
+    """Refuse a unit with a tensor nothing initialised (it still holds the poison), naming
+    the tensors and how to fill them."""
+    held = _tensors(unit, fresh)
+    if not held:
+        return
+    flags = torch.stack([_unset(t.detach()) for _, t, _ in held]).tolist()  # one sync
+    unset = [
+        (name, transient) for (name, _, transient), bad in zip(held, flags, strict=True) if bad
+    ]
+    if not unset:
+        return
+    names = [name for name, _ in unset]
+    shown = ", ".join(repr(n) for n in names[:6]) + (
+        f" and {len(names) - 6} more" if len(names) > 6 else ""
+    )
+    transient = [name for name, is_buffer in unset if is_buffer]
+    why = (
+        f"{', '.join(repr(n) for n in transient[:4])} "
+        f"{'is a non-persistent buffer' if len(transient) == 1 else 'are non-persistent buffers'}"
+        f" (register_buffer(..., persistent=False)): in no state dict, so loading one does "
+        f"not fill it, and the pipeline recomputes such a buffer only through its module's "
+        f"reset_parameters() (the torch convention for modules built on the meta device) or a "
+        f"Hugging Face rotary embedding's own rule; give the module a reset_parameters() "
+        f"that computes it, or compute it in init_weights"
+        if transient
+        else "init_weights wrote no value into it (a state dict without it loaded with "
+        "strict=False? an initialiser that skips this module type?); load or initialise "
+        "every tensor of the unit in place"
+    )
+    raise RuntimeConfigError(
+        f"unit {index} ({type(unit).__name__}) was built on the meta device and, after "
+        f"init_weights, {shown} {'is' if len(names) == 1 else 'are'} still uninitialised "
+        f"(its values would be whatever memory was free): {why}"
+    )
+
+
+def _reset_buffers(unit: nn.Module, index: int, fresh: set[int], done: set[int]) -> None:
+    """Recompute the non-persistent buffers of the unit's modules by the module's own
+    initialisation, before ``init_weights`` (which may overwrite them): a Hugging Face rotary
+    embedding's rope function (as ``transformers``' own ``_init_weights`` does), else the
+    module's ``reset_parameters()``. A module shared by several units is reset once."""
+    for module in unit.modules():
+        if id(module) in done:
+            continue
+        names = [
+            n
+            for n in module._non_persistent_buffers_set
+            if module._buffers.get(n) is not None and id(module._buffers[n]) in fresh
+        ]
+        if not names:
+            continue
+        done.add(id(module))
+        reset = _rotary_rule(module) or getattr(module, "reset_parameters", None)
+        if not callable(reset):
+            continue  # left to init_weights; refused after it if it writes nothing
+        try:
+            with torch.no_grad():
+                reset()
+        except Exception as err:
+            raise RuntimeConfigError(
+                f"unit {index} ({type(unit).__name__}): {type(module).__name__}"
+                f".reset_parameters(), which recomputes its non-persistent buffers "
+                f"{sorted(names)} after the meta device, failed: {type(err).__name__}: {err}; "
+                f"make it work on a module whose tensors are real but uninitialised, or "
+                f"compute the buffers in init_weights"
+            ) from err
+
+
+def _rotary_rule(module: nn.Module) -> Callable[[], None] | None:
+    """The re-initialisation of a ``transformers`` rotary embedding's ``inv_freq`` (and
+    ``original_inv_freq``), as ``PreTrainedModel._init_weights`` does it; None for another
+    module. Looked up without importing ``transformers``."""
+    if "RotaryEmbedding" not in type(module).__name__:
+        return None
+    if not all(hasattr(module, a) for a in ("inv_freq", "original_inv_freq", "rope_type")):
+        return None
+    rope = sys.modules.get("transformers.modeling_rope_utils")
+    rules: dict[str, Any] = {
+        "axial": getattr(module, "compute_axial_rope_parameters", None),
+        "ntk_alpha": getattr(module, "compute_ntk_alpha_rope_parameters", None),
+        "default": getattr(module, "compute_default_rope_parameters", None),
+        **(getattr(rope, "ROPE_INIT_FUNCTIONS", None) or {}),
+    }
+    rule = rules.get(str(getattr(module, "rope_type", "")))
+    if rule is None:
+        return None
+    hf: Any = module
+
+    def apply() -> None:
+        value, _ = rule(hf.config)
+        hf.inv_freq.copy_(value)
+        hf.original_inv_freq.copy_(value)
+
+    return apply
 
 
 def _convert(

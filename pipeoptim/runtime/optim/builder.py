@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -21,6 +22,7 @@ from pipeoptim.plan.plan import OptimizerSpec
 from pipeoptim.runtime.optim.corrections.protocol import DelayCorrection, StageContext
 from pipeoptim.runtime.optim.corrections.registry import build_correction
 from pipeoptim.runtime.optim.predict import WeightPredictor, predictor_for
+from pipeoptim.runtime.optim.sharded import local_optimizer, shard_optimizer, shard_predictor
 from pipeoptim.runtime.optim.update import (
     OptimizerFactory,
     SchedulerFactory,
@@ -71,12 +73,17 @@ def build_stage_rule(
     scaler: torch.amp.GradScaler | None,
     grad_clip: float | None,
     note: Callable[[str], None],
+    shard_group: dist.ProcessGroup | None = None,
 ) -> StageRule:
     """The stage's optimizer (from the spec or the user's factory, checked), its update with
-    the method's delay correction, and its predictor where the method predicts."""
+    the method's delay correction, and its predictor where the method predicts. With
+    ``shard_group`` (the stage's data-parallel replicas) the optimizer's state is sharded
+    across them (``sharded.py``: ZeRO-1) and the predictor reads this replica's shard."""
     if not params:
         return StageRule(context, None, None, None)
     opt = build_optimizer(optimizer, params, context.index, context)
+    if shard_group is not None:
+        opt = shard_optimizer(opt, shard_group, stage=context.index)
     update = StageUpdate(
         opt,
         stage=context.index,
@@ -89,5 +96,6 @@ def build_stage_rule(
     )
     predictor = None
     if method.weight_policy is WeightPolicy.PREDICT:
-        predictor = predictor_for(opt, method.prediction_rule or "optimizer")
+        rule = method.prediction_rule or "optimizer"
+        predictor = shard_predictor(predictor_for(local_optimizer(opt), rule), opt)
     return StageRule(context, opt, update, predictor)

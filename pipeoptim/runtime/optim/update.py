@@ -29,9 +29,20 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 from pipeoptim.errors import RuntimeConfigError, StageError
 from pipeoptim.plan.plan import OptimizerSpec
 from pipeoptim.runtime.optim.basis_rotation import BasisRotation
-from pipeoptim.runtime.optim.corrections.protocol import DelayCorrection, StageContext
+from pipeoptim.runtime.optim.corrections.protocol import (
+    DelayCorrection,
+    FollowsScheduler,
+    RescalesLr,
+    StageContext,
+)
 from pipeoptim.runtime.optim.optimizers import MuonWithAdamW
 from pipeoptim.runtime.optim.predict import check_distance
+from pipeoptim.runtime.optim.sharded import (
+    full_state_dict,
+    load_full_state,
+    optimizer_class_name,
+    unsharded_twin,
+)
 
 __all__ = [
     "OPTIMIZERS",
@@ -214,6 +225,7 @@ class StageUpdate:
         self.scaler = scaler
         self.grad_clip = grad_clip
         self.correction = correction
+        self._follow_scheduler()  # a scheduler's constructor may have written the momentum
         self.grad_sync: Callable[[Sequence[Tensor]], None] | None = None
         """Set under data parallelism: averages the gradients over the stage's replicas
         before each update (``replicas.GradientAverager``)."""
@@ -262,6 +274,7 @@ class StageUpdate:
         if self.scheduler is not None:
             for _ in range(mini_batches):
                 self.scheduler.step()
+            self._follow_scheduler()
         opt.zero_grad(set_to_none=True)
         self._future_lrs = None
 
@@ -273,7 +286,28 @@ class StageUpdate:
         shared = {id(t) for t in self.tied}
         return [[p for p in params if id(p) not in shared], *([t] for t in self.tied)]
 
-    def future_lrs(self, s: int) -> list[list[float]] | None:
+    def _follow_scheduler(self) -> None:
+        """Let a correction that sets what a scheduler also writes (the momentum) apply to
+        the scheduler's values (:class:`FollowsScheduler`)."""
+        if self.scheduler is not None and isinstance(self.correction, FollowsScheduler):
+            self.correction.after_scheduler(self.optimizer)
+
+    def future_lrs(self, s: int, delays: Sequence[int] | None = None) -> list[list[float]] | None:
+        """Learning rates of the next s updates as the steps will use them (None: use lr·s):
+        the scheduler's, divided where the correction rescales the rate (PipeMare:
+        :class:`RescalesLr`, with ``delays[i]`` the τ of the i-th next update; None: the
+        stage's steady delay)."""
+        rates = self._scheduled_lrs(s)
+        correction = self.correction
+        if not isinstance(correction, RescalesLr) or s == 0:
+            return rates
+        steady = int(getattr(correction, "steady_delay", 0))
+        divisors = correction.lr_divisors(list(delays)[:s] if delays is not None else [steady] * s)
+        if rates is None:  # constant (or unknown) rates: the current one s times
+            rates = [[float(g["lr"])] * s for g in self.optimizer.param_groups]
+        return [[lr / d for lr, d in zip(row[:s], divisors, strict=True)] for row in rates]
+
+    def _scheduled_lrs(self, s: int) -> list[list[float]] | None:
         """Learning rates of the next s updates under the scheduler (None: use lr·s)."""
         if self.scheduler is None or self._lrs_unknown:
             return None
@@ -290,11 +324,13 @@ class StageUpdate:
         return cached
 
     def state_dict(self) -> dict[str, Any]:
-        """Optimizer, scheduler, loss scaler and correction state."""
+        """Optimizer, scheduler, loss scaler and correction state. A sharded optimizer's
+        state is gathered whole (a collective: every replica of the stage calls this), so
+        the state reads as the unsharded run's and resumes at any D."""
         return {
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": full_state_dict(self.optimizer),
             # what a resume checks before loading: another class's state does not fit
-            "optimizer_class": type(self.optimizer).__name__,
+            "optimizer_class": optimizer_class_name(self.optimizer),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
             "correction": None if self.correction is None else self.correction.state_dict(),
@@ -306,7 +342,7 @@ class StageUpdate:
         before the class was recorded is tried on the optimizer and put back, so a foreign
         one (SGD's into Adam) is refused here too instead of failing half loaded."""
         saved = state.get("optimizer")
-        where, mine = f"stage {self.stage}", type(self.optimizer).__name__
+        where, mine = f"stage {self.stage}", optimizer_class_name(self.optimizer)
         if saved is None:
             n = sum(len(g["params"]) for g in self.optimizer.param_groups)
             raise RuntimeConfigError(
@@ -345,9 +381,10 @@ class StageUpdate:
     def _try_load(self, saved: dict[str, Any], where: str, mine: str) -> None:
         """Load ``saved`` into the optimizer and put its own state back (a state saved
         before the optimizer class was recorded): an error is the refusal."""
-        own = self.optimizer.state_dict()
+        probe = unsharded_twin(self.optimizer)  # a sharded one is tried on a stateless twin
+        own = probe.state_dict()
         try:
-            self.optimizer.load_state_dict(copy.deepcopy(saved))
+            probe.load_state_dict(copy.deepcopy(saved))
         except Exception as err:
             raise RuntimeConfigError(
                 f"{where}: the saved optimizer state does not fit this stage's {mine} "
@@ -355,7 +392,8 @@ class StageUpdate:
                 f"the Pipeline with that one, or start fresh; nothing was loaded"
             ) from None
         finally:
-            self.optimizer.load_state_dict(own)
+            if probe is self.optimizer:
+                probe.load_state_dict(own)
 
     def load_state_dict(self, state: dict[str, Any]) -> list[str]:
         """Load :meth:`state_dict`, after :meth:`check_state`. Where this stage was built
@@ -367,7 +405,7 @@ class StageUpdate:
         saved = state["optimizer"]["param_groups"]
         # A copy: torch.optim keeps same-device tensors as given, which would alias a
         # state dict that is still in use elsewhere.
-        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+        load_full_state(self.optimizer, copy.deepcopy(state["optimizer"]))
         for i, (group, old) in enumerate(zip(self.optimizer.param_groups, saved, strict=True)):
             old_base, new_base = float(old.get("initial_lr", old["lr"])), self._base_lrs[i]
             if old_base != new_base and old_base > 0:

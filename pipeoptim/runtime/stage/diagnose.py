@@ -75,11 +75,37 @@ def _arity(unit: nn.Module, h: object, index: int) -> str:
     )
 
 
+OUT_OF_MEMORY = ("can't allocate memory", "out of memory", "Cannot allocate memory")
+"""What the CPU allocator's and CUDA's errors say when memory runs out."""
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is the allocator's (CPU or CUDA) out-of-memory error."""
+    return isinstance(error, MemoryError | torch.OutOfMemoryError) or any(
+        text in str(error) for text in OUT_OF_MEMORY
+    )
+
+
+def out_of_memory_message(stage: int, x: Payload, error: BaseException) -> str:
+    """The error of a stage whose pass ran out of memory, with what frees memory."""
+    cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return (
+        f"stage {stage} ran out of memory on an input {_shape(x)}: {cause}; hold less: "
+        f"recompute activations in the backward (recompute='full' or a list of units, "
+        f"--recompute full), shard the optimizer state across data-parallel replicas "
+        f"(shard_optimizer=True, --shard-optimizer), use more stages or smaller "
+        f"micro-batches, or let `pipeoptim plan --memory-cap` choose"
+    )
+
+
 def describe_failure(
     units: Sequence[nn.Module], x: Payload, *, stage: int, first_unit: int, error: BaseException
 ) -> str:
     """Which unit of a stage fails on ``x`` and why: runs the units one by one (no autograd)
-    to find it, since a whole-stage call only says that something failed."""
+    to find it, since a whole-stage call only says that something failed. Running out of
+    memory is said as such (running the units again would only fail elsewhere)."""
+    if out_of_memory(error):
+        return out_of_memory_message(stage, x, error)
     h: object = x
     with torch.no_grad():
         for i, unit in enumerate(units):

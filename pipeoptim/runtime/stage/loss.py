@@ -13,10 +13,21 @@ from torch import Tensor
 
 from pipeoptim.errors import StageError
 
-__all__ = ["LossFn", "checked_loss", "count_correct"]
+__all__ = [
+    "IGNORE_INDEX",
+    "LossFn",
+    "checked_loss",
+    "count_correct",
+    "evaluation_weight",
+    "nothing_counted_is_zero",
+]
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 """(output of the last stage, targets) -> scalar loss (the mean over the micro-batch)."""
+
+IGNORE_INDEX = -100
+"""The target id a token-mean loss skips: ``F.cross_entropy``'s and ``F.nll_loss``'s default
+``ignore_index``, Hugging Face's and ``pipeoptim.hf.causal_lm_loss``'s."""
 
 
 def checked_loss(loss_fn: LossFn, out: Tensor, target: Tensor, where: str, stage: int) -> Tensor:
@@ -30,7 +41,35 @@ def checked_loss(loss_fn: LossFn, out: Tensor, target: Tensor, where: str, stage
             f"{tuple(target.shape)} {target.dtype}{_target_range(target)}); check the targets "
             f"and the loss function"
         ) from err
-    return checked_scalar(loss)
+    return nothing_counted_is_zero(checked_scalar(loss), target)
+
+
+def nothing_counted_is_zero(loss: Tensor, target: Tensor) -> Tensor:
+    """``loss``, or 0 where every target is ignored (integer targets all
+    :data:`IGNORE_INDEX`): a token-mean loss is then 0/0, NaN, for a micro-batch (or an
+    evaluation batch) that counts no token. That micro-batch contributes 0 to the
+    mini-batch's loss and nothing to the gradient (``torch.where`` passes the NaN branch a
+    zero gradient, and the loss's backward gives ignored targets none), the way it would
+    count in the mini-batch's own token mean. Computed on the device, no host sync; where a
+    target is counted the loss is returned bit for bit."""
+    if target.is_floating_point() or target.dtype == torch.bool or target.numel() == 0:
+        return loss
+    counted = (target != IGNORE_INDEX).any()
+    return torch.where(counted, loss, torch.zeros((), dtype=loss.dtype, device=loss.device))
+
+
+def evaluation_weight(target: Tensor, samples: int) -> Tensor | int:
+    """What an evaluation batch's loss (its mean over its counted targets) weighs in the mean
+    over the data: its counted targets per target position of a sample, so that the
+    evaluation loss is the token mean over all the data (sum of token losses / non-ignored
+    targets), a batch of only ignored targets weighing 0. Where nothing is ignored that is
+    the batch's sample count exactly (the mean over samples, bit for bit as before); float
+    targets weigh their samples. On the device: no host sync."""
+    if target.is_floating_point() or target.dtype == torch.bool or target.numel() == 0:
+        return samples
+    per_sample = max(1, target.numel() // max(1, samples))
+    counted = (target != IGNORE_INDEX).sum(dtype=torch.float64) / per_sample
+    return counted.float()
 
 
 def checked_scalar(loss: object) -> Tensor:

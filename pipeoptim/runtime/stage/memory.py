@@ -17,6 +17,8 @@ from typing import Any
 from torch import Tensor
 from torch.optim import Optimizer
 
+from pipeoptim.runtime.optim.sharded import local_optimizer
+
 __all__ = ["StageMemory", "nbytes"]
 
 
@@ -42,15 +44,18 @@ class StageMemory:
         self._activations: dict[int, int] = {}  # mb -> bytes saved for its backward
         self._act_total = 0  # the sum of _activations, kept as it changes
         self._gradients = 0  # gradients held since the last update (counted once per update)
+        self._held: dict[int, int] = {}  # mb -> bytes of Ŵ its recomputed units hold
+        self._held_total = 0
         self.by_shape: dict[tuple[Any, ...], int] = {}
         """Activation bytes of a forward by input (shape, dtype): counted once, then reused."""
         self.refresh()
 
     def refresh(self) -> None:
-        """Recount the sizes that change only at an update (weights, optimizer state)."""
+        """Recount the sizes that change only at an update (weights, optimizer state). A
+        sharded optimizer counts this replica's shard only: the state it holds."""
         opt = 0
         if self._optimizer is not None:
-            for st in self._optimizer.state.values():
+            for st in local_optimizer(self._optimizer).state.values():
                 opt += nbytes(v for v in st.values() if isinstance(v, Tensor))
         if self._predictor_tensors is not None:
             opt += nbytes(self._predictor_tensors())
@@ -67,6 +72,15 @@ class StageMemory:
 
     def release_activations(self, mb: int) -> None:
         self._act_total -= self._activations.pop(mb, 0)
+
+    def hold(self, mb: int, n: int) -> None:
+        """Micro-batch ``mb``'s recomputed units hold ``n`` bytes of predicted weights until
+        its backward (``recompute.py``): counted as weight copies."""
+        self._held[mb] = self._held.get(mb, 0) + n
+        self._held_total += n
+
+    def release_held(self, mb: int) -> None:
+        self._held_total -= self._held.pop(mb, 0)
 
     def activation_bytes(self, mb: int) -> int:
         """Bytes the forward of ``mb`` saved for its backward (0 once it ran)."""
@@ -90,7 +104,8 @@ class StageMemory:
         weights = self._static["weights"]
         return {
             **self._static,
-            "stash": weights * (weight_copies - 1),  # every copy but the live one
+            # every copy but the live one, and the Ŵ recomputed units hold
+            "stash": weights * (weight_copies - 1) + self._held_total,
             "gradients": self._gradients,
             "activations": self._act_total,
         }

@@ -49,6 +49,14 @@ class ForwardSaves:
             self.live_of[buffer.untyped_storage().data_ptr()] = (buffer, w)
         self.weight_ptrs.update(self.live_of)
 
+    def keep(self, t: Tensor) -> None:
+        """Count a tensor the forward keeps outside autograd's saves (a recomputed unit's
+        input, which the recomputation reads), once per storage."""
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in self.weight_ptrs and ptr not in self._counted:
+            self._counted.add(ptr)
+            self.activation_bytes += t.untyped_storage().nbytes()
+
     def pack(self, t: Tensor) -> Tensor | Recast:
         if self.recast_dtype is not None and t.dtype == self.recast_dtype:
             source = cast_source(t, self.aliases)

@@ -32,6 +32,7 @@ __all__ = [
     "Root",
     "WeightHalf",
     "input_half",
+    "reentrant_refusal",
     "run_units_kept",
     "split_refusal",
     "unit_params",
@@ -82,6 +83,50 @@ def unit_params(module: nn.Module, params: Sequence[Tensor]) -> list[list[Tensor
     return units
 
 
+def reentrant_refusal(out: Any, module: nn.Module, stage: int, first_unit: int) -> str | None:
+    """The error for a split backward over a graph that holds a reentrant checkpoint
+    (``torch.utils.checkpoint(use_reentrant=True)``: its backward runs a backward of its own,
+    which cannot compute input gradients alone), naming the unit; None where there is none.
+    Walks the forward's graph once (the stage does it on its first forward of a shape)."""
+    roots = [out] if isinstance(out, Tensor) else [t for t in out if isinstance(t, Tensor)]
+    todo = [t.grad_fn for t in roots if t.grad_fn is not None]
+    seen: set[int] = set()
+    found: list[Any] = []
+    while todo:
+        node = todo.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if type(node).__name__ == "CheckpointFunctionBackward":
+            found.append(node)
+        todo.extend(n for n, _ in node.next_functions if n is not None)
+    if not found:
+        return None
+    units = list(module) if isinstance(module, nn.Sequential) else [module]
+    named = "a unit"
+    for node in found:
+        fn = getattr(node, "run_function", None)
+        # a module, a bound method, or a functools.partial of one (Hugging Face's layers)
+        inner = getattr(fn, "func", fn)
+        found_in = [fn, inner, getattr(inner, "__self__", None), *getattr(fn, "args", ())]
+        owner = next((m for m in found_in if isinstance(m, nn.Module)), None)
+        for i, unit in enumerate(units):
+            if owner is not None and any(owner is m for m in unit.modules()):
+                named = f"unit {first_unit + i} ({type(unit).__name__})"
+                break
+        else:
+            continue
+        break
+    return (
+        f"stage {stage}: {named} uses reentrant activation checkpointing "
+        f"(torch.utils.checkpoint with use_reentrant=True), whose backward cannot be split "
+        f"into the input half and the weight half a zero-bubble schedule runs; checkpoint "
+        f"with use_reentrant=False (Hugging Face: model.gradient_checkpointing_enable("
+        f"gradient_checkpointing_kwargs={{'use_reentrant': False}})), or let pipeoptim "
+        f"recompute the unit (recompute=..., --recompute), or use 1f1b"
+    )
+
+
 def run_units_kept(
     module: nn.Sequential,
     x: Payload,
@@ -89,18 +134,24 @@ def run_units_kept(
     *,
     stage: int,
     failure: Callable[[Payload, Exception], str],
+    steps: Sequence[tuple[list[int], Callable[..., Any]]] | None = None,
 ) -> tuple[Payload, KeptUnits | None]:
     """The units of ``module`` on ``x`` one by one (what the stage's chain does), keeping the
     output of each unit with weights; None in place of the kept outputs where two units hand
     on the same tensor (an in-place unit with weights). A tuple's tensors are kept where the
     unit computed them; one it hands on unchanged is not its output. ``failure`` words a
-    unit's error."""
+    unit's error. ``steps`` (where the stage recomputes some units, ``recompute.py``): what
+    runs each unit, or each run of recomputed units as one region, whose output is kept
+    with the weights of all its units."""
+    if steps is None:
+        steps = [([i], unit) for i, unit in enumerate(module)]
     kept: KeptUnits | None = []
     seen = {id(t): t.grad_fn for t in x} if isinstance(x, tuple) else {id(x): x.grad_fn}
     h: Any = x
     try:
-        for unit, params in zip(module, units, strict=True):
-            h = unit(*h) if isinstance(h, tuple) else unit(h)
+        for covered, step in steps:
+            h = step(*h) if isinstance(h, tuple) else step(h)
+            params = [p for i in covered for p in units[i]]
             if not params:
                 continue
             if isinstance(h, tuple):

@@ -77,6 +77,7 @@ from pipeoptim.runtime.stage.diagnose import describe_failure
 from pipeoptim.runtime.stage.loss import LossFn, count_correct
 from pipeoptim.runtime.stage.memory import StageMemory
 from pipeoptim.runtime.stage.precision import Precision, unpack
+from pipeoptim.runtime.stage.recompute import Recomputation, RegionWeights
 from pipeoptim.runtime.stage.rng import StageRandom
 from pipeoptim.runtime.stage.saved import ForwardSaves
 from pipeoptim.runtime.stage.split_backward import (
@@ -84,6 +85,7 @@ from pipeoptim.runtime.stage.split_backward import (
     Root,
     WeightHalf,
     input_half,
+    reentrant_refusal,
     run_units_kept,
     split_refusal,
     unit_params,
@@ -134,6 +136,8 @@ class Stage:
         first_unit: int = 0,
         predicted_backward: bool = False,
         delay: int = 0,
+        shard_group: Any = None,
+        recompute: frozenset[int] = frozenset(),
     ) -> None:
         self.index = index
         self.is_last = index == num_stages - 1
@@ -167,6 +171,7 @@ class Stage:
             scaler=self.precision.scaler,
             grad_clip=grad_clip,
             note=self._note,
+            shard_group=shard_group,  # the replicas' group: optimizer state sharded (ZeRO-1)
         )
         self.context = rule.context
         """What the optimizer factory and the delay correction are told of this stage."""
@@ -219,6 +224,10 @@ class Stage:
         chained = isinstance(self.module, UnitChain)
         units = nn.ModuleList(self.module) if chained else self.module
         self.random = StageRandom(units, self.device, seed)
+        self.recompute: Recomputation | None = (
+            Recomputation(self.module, recompute, self._params, index) if recompute else None
+        )
+        """The units whose activations the backward recomputes (``recompute.py``)."""
         self.buffer_sync: Callable[[], None] | None = None
         """Set under data parallelism where the stage has floating-point buffers: gives
         every replica replica 0's buffers at each update (``replicas.BufferBroadcast``)."""
@@ -236,6 +245,7 @@ class Stage:
         device: torch.device | str,
         first_unit: int,
         delay: int,
+        shard_group: Any = None,
     ) -> Stage:
         """Stage ``index`` of a run built with the run's :class:`StageOptions` (the
         Pipeline's path; the keyword form serves a stage built alone)."""
@@ -256,6 +266,8 @@ class Stage:
             first_unit=first_unit,
             predicted_backward=options.predicted_backward,
             delay=delay,
+            shard_group=shard_group,
+            recompute=options.recompute.get(index, frozenset()),
         )
 
     def _note(self, text: str) -> None:
@@ -284,6 +296,16 @@ class Stage:
     def grad_sync(self, sync: Callable[[Sequence[Tensor]], None] | None) -> None:
         if self.updater is not None:
             self.updater.grad_sync = sync
+
+    @property
+    def recompute_held_bytes(self) -> int:
+        """Bytes of Ŵ a predicted forward's recomputed units hold until its backward (0: the
+        stage does not predict, or recomputes nothing)."""
+        if self.recompute is None or self.policy is not WeightPolicy.PREDICT:
+            return 0
+        if self.predicted_backward or self.predictor is None:
+            return 0  # a predicted backward's Ŵ is the copy its graph holds anyway
+        return self.recompute.held_bytes()
 
     @property
     def peak_weight_copies(self) -> int:
@@ -361,6 +383,21 @@ class Stage:
         except Exception as err:
             raise StageError(self._failure(x, err)) from err
         return out
+
+    def _run_recomputed(
+        self,
+        region: RegionWeights,
+        aliases: list[Tensor] | None,
+        x: Payload,
+        saves: ForwardSaves | None,
+    ) -> Payload:
+        """The stage's units on ``x``, some recomputed (``recompute.py``)."""
+        assert self.recompute is not None
+        keep = saves.keep if saves is not None else None
+        try:
+            return self.recompute.run(x, aliases, region, keep)
+        except Exception as err:
+            raise StageError(self._failure(x, err)) from err
 
     def _failure(self, x: Payload, err: Exception) -> str:
         with self.precision.autocast():
@@ -460,10 +497,33 @@ class Stage:
                         saves.aliases[w.grad_fn] = src if held else now
             units: KeptUnits | None = None
             out: Payload
+            recomputed: tuple[RegionWeights, list[Tensor] | None] | None = None
+            steps = None
+            if self.recompute is not None:
+                region = (
+                    RegionWeights(None)
+                    if direct
+                    else self.recompute.hold_prediction(sources, recast)
+                    if predicted
+                    else RegionWeights(sources)
+                )
+                if region.held:
+                    self.memory_count.hold(mb, region.held_bytes())
+                aliases = None if weights is None else [weights[n] for n in self._names]
+                recomputed = (region, aliases)
+                keep = saves.keep if saves is not None else None
+                steps = self.recompute.steps(aliases, region, keep)
             if self._split and weights is None and self._unit_params is not None:
                 out, units = run_units_kept(
-                    self.module, x_in, self._unit_params, stage=self.index, failure=self._failure
+                    self.module,
+                    x_in,
+                    self._unit_params,
+                    stage=self.index,
+                    failure=self._failure,
+                    steps=steps,
                 )
+            elif recomputed is not None:
+                out = self._run_recomputed(*recomputed, x_in, saves)
             else:
                 out = self._run_units(weights, x_in)
             if self.is_last:
@@ -473,6 +533,10 @@ class Stage:
                 out = self.loss(out, target, f"micro-batch {mb}") / self.micro_batches
             elif not isinstance(out, Tensor):
                 out = self._tuple_out(out)
+        if self._split and shape_key not in by_shape:
+            refusal = reentrant_refusal(out, self.module, self.index, self.first_unit)
+            if refusal is not None:
+                raise StageError(refusal)
         if saves is not None:
             if isinstance(out, Tensor):
                 saves.pack(out)
@@ -512,6 +576,7 @@ class Stage:
         x_in, out = self._saved.pop(mb)
         self._units_out.pop(mb, None)
         self.memory_count.release_activations(mb)
+        self.memory_count.release_held(mb)
         if self.closure is not None:
             self.closure.backward(self.index, mb, self._params)
         self.weights.held.discard(mb)
@@ -598,6 +663,7 @@ class Stage:
         del half
         self._saved.pop(mb)
         self.memory_count.release_activations(mb)
+        self.memory_count.release_held(mb)
         self.weights.held.discard(mb)
         self._retire(v)
 
@@ -627,7 +693,10 @@ class Stage:
     # -- prediction ------------------------------------------------------------------------
     def _lrs(self, s: int) -> list[list[float]] | None:
         """Learning rates of the next s updates under the scheduler (None: use lr·s)."""
-        return None if self.updater is None else self.updater.future_lrs(s)
+        if self.updater is None:
+            return None
+        # τ of each update the prediction looks ahead to: a correction may rescale its rate
+        return self.updater.future_lrs(s, [self._delays.get(self.version + i, 0) for i in range(s)])
 
     def _write_prediction(self, s: int) -> list[Tensor]:
         """Ŵ in the stage's prediction buffer (the one extra weight copy, reused)."""

@@ -30,37 +30,65 @@ def delay_momentum(base: float, delay: int, num_stages: int) -> float:
 
 class DelayMomentum:
     """Sets each param group's momentum to :func:`delay_momentum` of the stage's steady
-    delay, once, at construction (as AsyncPP does). The optimizer checkpoints the values
-    with its param groups, so nothing is kept here."""
+    delay, at construction (as AsyncPP does), and again on whatever base momentum an LR
+    scheduler writes later: OneCycleLR and CyclicLR cycle the momentum by default
+    (``cycle_momentum=True``), and each of their steps would otherwise put the undelayed
+    value back. So under such a scheduler the momentum of step t is
+    ``β0(t) + τ_k(0.99 − β0(t))/P`` with β0(t) the scheduler's; under any other it is set
+    once. A value is re-corrected only where it differs from the one this rule wrote last
+    (kept per group, and checkpointed), so the rule is never applied twice to one value."""
 
     def __init__(self, context: StageContext, optimizer: Optimizer) -> None:
+        self.delay, self.num_stages = context.delay, context.num_stages
+        self.optimizer = optimizer
+        self.written: list[float] = []
+        """The momentum this rule wrote last into each param group."""
         for group in optimizer.param_groups:
-            if "betas" in group:
-                beta1, beta2 = group["betas"]
-                group["betas"] = (
-                    delay_momentum(float(beta1), context.delay, context.num_stages),
-                    beta2,
-                )
-            elif float(group.get("momentum", 0.0)) > 0.0:
-                group["momentum"] = delay_momentum(
-                    float(group["momentum"]), context.delay, context.num_stages
-                )
-            else:
+            if "betas" not in group and not float(group.get("momentum", 0.0)) > 0.0:
                 raise RuntimeConfigError(
                     f"stage {context.index}: {context.method} sets the momentum from the "
                     f"stage's delay, but {type(optimizer).__name__} has no momentum to set "
                     f"(no betas, momentum 0); use NAdam (the paper's, --optimizer nadam), "
                     f"Adam, AdamW or SGD with momentum"
                 )
+            self.written.append(self._write(group, _momentum(group)))
+
+    def _write(self, group: dict[str, Any], base: float) -> float:
+        value = delay_momentum(base, self.delay, self.num_stages)
+        if "betas" in group:
+            group["betas"] = (value, group["betas"][1])
+        else:
+            group["momentum"] = value
+        return value
+
+    def after_scheduler(self, optimizer: Optimizer) -> None:
+        """Correct the momentum of each group the scheduler wrote since this rule did."""
+        for i, group in enumerate(optimizer.param_groups):
+            now = _momentum(group)
+            if now != self.written[i]:
+                self.written[i] = self._write(group, now)
 
     def before_step(self, optimizer: Optimizer, params: Sequence[Tensor], delay: int) -> None:
-        return None
+        self.after_scheduler(optimizer)  # a scheduler stepped outside the stage's update
 
     def after_step(self, optimizer: Optimizer, params: Sequence[Tensor], delay: int) -> None:
         return None
 
     def state_dict(self) -> dict[str, Any]:
-        return {}
+        return {"written": list(self.written)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        return None
+        """Restore what the rule wrote last; a state saved before it was kept (``{}``)
+        leaves the values of the loaded optimizer, which the rule had set."""
+        written = state.get("written")
+        if written is None:
+            self.written = [_momentum(g) for g in self.optimizer.param_groups]
+        else:
+            self.written = [float(v) for v in written]
+
+
+def _momentum(group: dict[str, Any]) -> float:
+    """The group's momentum: Adam-family ``betas[0]``, else ``momentum``."""
+    if "betas" in group:
+        return float(group["betas"][0])
+    return float(group.get("momentum", 0.0))

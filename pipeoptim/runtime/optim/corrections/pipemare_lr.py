@@ -32,7 +32,8 @@ class PipeMareLr:
     """PipeMare's rescheduling: ``lr_k(t) = lr(t) / τ^(1 − min((t+1)/T, 1))`` for the update
     of delay τ ≥ 2 (τ ≤ 1 keeps the rate), t counting this stage's updates from 0. The rate
     is divided just for the step and put back after it, so the user's scheduler keeps
-    driving ``lr(t)``."""
+    driving ``lr(t)``. A prediction sums the same divided rates of the updates it looks
+    ahead to (:meth:`lr_divisors`, read by ``StageUpdate.future_lrs``)."""
 
     def __init__(
         self, context: StageContext, anneal_updates: int = PIPEMARE_ANNEAL_UPDATES
@@ -43,15 +44,25 @@ class PipeMareLr:
                 f"{anneal_updates}); pass anneal_updates=1000 or so"
             )
         self.anneal_updates = anneal_updates
+        self.steady_delay = context.delay
+        """τ_k in steady state: the delay assumed for an update whose own is not given."""
         self.updates = 0
         self._saved: list[float] = []
 
     def factor(self, delay: int) -> float:
         """The divisor ``τ^p(t)`` of the next update."""
+        return self._divisor(self.updates, delay)
+
+    def _divisor(self, t: int, delay: int) -> float:
         if delay <= 1:
             return 1.0
-        p = 1.0 - min((self.updates + 1) / self.anneal_updates, 1.0)
+        p = 1.0 - min((t + 1) / self.anneal_updates, 1.0)
         return math.pow(delay, p)
+
+    def lr_divisors(self, delays: Sequence[int]) -> list[float]:
+        """The divisors of the next ``len(delays)`` updates, ``delays[i]`` the i-th's τ: what
+        the prediction divides the scheduled rates by, so it sums the rates the steps use."""
+        return [self._divisor(self.updates + i, delay) for i, delay in enumerate(delays)]
 
     def before_step(self, optimizer: Optimizer, params: Sequence[Tensor], delay: int) -> None:
         divisor = self.factor(delay)

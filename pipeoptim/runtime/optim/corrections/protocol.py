@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-__all__ = ["DelayCorrection", "StageContext"]
+__all__ = ["DelayCorrection", "FollowsScheduler", "RescalesLr", "StageContext"]
 
 
 @dataclass(frozen=True)
@@ -63,3 +63,26 @@ class DelayCorrection(Protocol):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
+
+
+@runtime_checkable
+class RescalesLr(Protocol):
+    """A correction that changes the learning rate its step uses (PipeMare divides it by
+    τ^p(t)). A prediction must sum the rates the update will use, so the stage's
+    :meth:`~pipeoptim.runtime.optim.update.StageUpdate.future_lrs` divides the scheduled
+    rates of the next updates by these."""
+
+    def lr_divisors(self, delays: Sequence[int]) -> list[float]:
+        """The divisor of each of the next ``len(delays)`` updates, ``delays[i]`` being τ of
+        the i-th next one (the first: the update the stage makes next)."""
+
+
+@runtime_checkable
+class FollowsScheduler(Protocol):
+    """A correction that sets a hyper-parameter an LR scheduler may also write (OneCycleLR
+    and CyclicLR cycle the momentum by default): called once the scheduler was built and
+    after each of its steps, so the correction applies to what the scheduler set instead of
+    being erased by it."""
+
+    def after_scheduler(self, optimizer: Optimizer) -> None:
+        """Re-apply the correction to the values the scheduler just wrote (if any)."""
