@@ -325,17 +325,22 @@ class CostModel:
         """The model with each stage's optimizer state sharded over its ``data_parallel``
         replicas (ZeRO-1): ``ceil(optimizer_state_bytes / D)`` per replica, ``update_s / D``
         (each replica steps its shard) and every update's all-gather of the stage's
-        weights on ``cluster`` (:func:`~pipeoptim.sim.collectives.allgather_times`). Call it
-        after :meth:`with_data_parallel`; it refuses D < 2."""
+        weights on ``cluster`` (:func:`~pipeoptim.sim.collectives.allgather_times`). A
+        predicting method's replicas each predict their shard of Ŵ and broadcast it
+        (``runtime/optim/sharded.py``): the same gather is added to ``predict_s``, which
+        the simulator charges on predicted forwards only. Call it after
+        :meth:`with_data_parallel`; it refuses D < 2."""
         d = self.data_parallel
         check_shard_optimizer(True, d, flag="--shard-optimizer")
         if self.shard_optimizer:
             return self
+        gather = allgather_times(self.param_bytes, d, cluster, num_ranks)
         return replace(
             self,
             optimizer_state_bytes=tuple(-(-b // d) for b in self.optimizer_state_bytes),
             update_s=tuple(u / d for u in self.update_s),
-            gather_s=allgather_times(self.param_bytes, d, cluster, num_ranks),
+            predict_s=tuple(p + g for p, g in zip(self.predict_s, gather, strict=True)),
+            gather_s=gather,
             shard_optimizer=True,
         )
 

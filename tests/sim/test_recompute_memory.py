@@ -164,6 +164,8 @@ def test_sharding_divides_the_state_and_adds_the_gather() -> None:
         gather = ring_allgather_s(sum(PARAMS[start:end]), 4, 1e9, 1e-4)
         assert gather == pytest.approx(3 * 1e-4 + 3 / 4 * sum(PARAMS[start:end]) / 1e9)
         assert sharded.gather_s[k] == gather
+        # a predicting replica broadcasts its shard of Ŵ at each predicted forward
+        assert sharded.predict_s[k] == dp.predict_s[k] + gather
         assert sharded.update_total_s[k] == pytest.approx(
             base.update_s[k] / 4 + dp.allreduce_s[k] + gather
         )
