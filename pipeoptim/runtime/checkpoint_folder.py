@@ -271,6 +271,9 @@ class CheckpointFolder:
             # known once the first batch is read; a resume checks it before loading
             "batch_size": parts.plan.batch_size,
             "hyperparameters": self.hyperparameters,
+            # the units each stage holds, for pipeoptim export: a run's identity names the
+            # plan's boundaries, None where the units were split evenly
+            "boundaries": [list(b) for b in parts.bounds],
             # the model's own names and source, for pipeoptim export (only when known)
             **({"model": parts.model_record} if parts.model_record else {}),
         }

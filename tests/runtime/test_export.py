@@ -74,6 +74,23 @@ def test_the_cli_exports_a_checkpoint_in_the_models_own_names(tmp_path: Path) ->
     assert all(torch.equal(direct[k], state[k]) for k in state)
 
 
+def test_a_pipeoptim_train_checkpoint_of_an_even_split_exports(tmp_path: Path) -> None:
+    """`pipeoptim train` names no boundaries for an even split (its run identity holds the
+    plan's, None): the checkpoint records the units each stage held, and export reads them."""
+    from pipeoptim.workloads.loader import build_model
+
+    ckpt, out = tmp_path / "ckpt", tmp_path / "mlp.pt"
+    argv = ["train", "--max-steps", "3", "--quiet", "--checkpoint-dir", str(ckpt)]
+    assert main(argv) == 0
+    assert main(["export", "--checkpoint-dir", str(ckpt), "--out", str(out)]) == 0
+    layers, _ = build_model("mlp", 0)
+    model = nn.Sequential(*layers)
+    model.load_state_dict(torch.load(out, weights_only=True), strict=True)
+    stage = torch.load(ckpt / "step-00000003" / "stage-0.pt", weights_only=True)
+    first = stage["state"]["module"]
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in first.items())
+
+
 def test_export_errors_name_the_fix(tmp_path: Path) -> None:
     with pytest.raises(RuntimeConfigError, match="no checkpoint"):
         export_checkpoint(tmp_path, tmp_path / "m.pt")

@@ -221,12 +221,17 @@ def export_checkpoint(
             f"folder a run with checkpoint_dir wrote"
         )
     config = record.get("config") if isinstance(record, dict) else None
+    # the units of each stage: recorded beside the run's identity (whose boundaries are the
+    # plan's, None for an even split); a checkpoint written before that holds only those
+    bounds = record.get("boundaries") if isinstance(record, dict) else None
+    if not isinstance(bounds, list) and isinstance(config, dict):
+        bounds = config.get("boundaries")
     fields_ok = (
         isinstance(config, dict)
         and isinstance(record.get("step"), int)
         and isinstance(record.get("num_stages"), int)
-        and isinstance(config.get("boundaries"), list)
-        and len(config["boundaries"]) == record["num_stages"]
+        and isinstance(bounds, list)
+        and len(bounds) == record["num_stages"]
     )
     if not fields_ok:
         raise RuntimeConfigError(
@@ -253,5 +258,6 @@ def export_checkpoint(
             )
         states[k] = module
     model = payloads[0].get("model") or {}
-    merged = merge_stages(states, config["boundaries"], model.get("names"))
+    assert isinstance(bounds, list)
+    merged = merge_stages(states, bounds, model.get("names"))
     return write_export(merged, out, fmt, model.get("source") or {}, checkpoint_dir=root)
