@@ -498,3 +498,31 @@ def test_hugging_face_reentrant_gradient_checkpointing_is_refused_under_zb() -> 
     pipe = Pipeline(cut_causal_lm(model), method="zb-h1", stages=2, micro_batches=2)
     with pytest.raises(Exception, match=r"unit \d+ \(DecoderBlock\) uses reentrant"):
         pipe.fit(token_batches(), epochs=1)
+
+
+class _OutOfMemoryInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1")
+
+
+class RunsOutInBackward(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = _OutOfMemoryInBackward.apply(x)  # type: ignore[no-untyped-call]
+        return out
+
+
+@pytest.mark.parametrize(("name", "micro"), [("pipeoptim", None), ("zb-h1", 2)])
+def test_running_out_of_memory_in_a_backward_says_so_with_the_remedies(
+    name: str, micro: int | None
+) -> None:
+    layers = [nn.Linear(8, 8), nn.Linear(8, 8), RunsOutInBackward(), nn.Linear(8, 3)]
+    pipe = Pipeline(layers, method=name, stages=2, micro_batches=micro)
+    data = [(torch.randn(4, 8), torch.randint(0, 3, (4,))) for _ in range(2)]
+    with pytest.raises(Exception, match=r"stage 1 ran out of memory in a backward") as err:
+        pipe.fit(data, epochs=1)
+    assert "recompute" in str(err.value) and "--memory-cap" in str(err.value)

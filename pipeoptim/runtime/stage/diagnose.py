@@ -86,11 +86,15 @@ def out_of_memory(error: BaseException) -> bool:
     )
 
 
-def out_of_memory_message(stage: int, x: Payload, error: BaseException) -> str:
-    """The error of a stage whose pass ran out of memory, with what frees memory."""
+def out_of_memory_message(
+    stage: int, x: Payload, error: BaseException, during: str = "forward"
+) -> str:
+    """The error of a stage whose pass (``during``: forward, backward) ran out of memory,
+    with what frees memory."""
     cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    where = "" if during == "forward" else f" in a {during}"
     return (
-        f"stage {stage} ran out of memory on an input {_shape(x)}: {cause}; hold less: "
+        f"stage {stage} ran out of memory{where} on an input {_shape(x)}: {cause}; hold less: "
         f"recompute activations in the backward (recompute='full' or a list of units, "
         f"--recompute full), shard the optimizer state across data-parallel replicas "
         f"(shard_optimizer=True, --shard-optimizer), use more stages or smaller "

@@ -73,7 +73,11 @@ from pipeoptim.runtime.payload import (
     payload_bytes,
 )
 from pipeoptim.runtime.stage.chain import UnitChain, as_chain
-from pipeoptim.runtime.stage.diagnose import describe_failure
+from pipeoptim.runtime.stage.diagnose import (
+    describe_failure,
+    out_of_memory,
+    out_of_memory_message,
+)
 from pipeoptim.runtime.stage.loss import LossFn, count_correct
 from pipeoptim.runtime.stage.memory import StageMemory
 from pipeoptim.runtime.stage.precision import Precision, unpack
@@ -582,7 +586,7 @@ class Stage:
         self.weights.held.discard(mb)
         if isinstance(out, Tensor):
             if out.requires_grad:
-                with self.random.stream():
+                with self._backward_pass(x_in):
                     if self.is_last:
                         torch.autograd.backward(self.precision.scaled(out))
                     elif grad is not None:
@@ -591,12 +595,25 @@ class Stage:
         else:
             roots, grads = output_roots(out, grad, self.precision.scaled, self.index)
             if roots:
-                with self.random.stream():
+                with self._backward_pass(x_in):
                     torch.autograd.backward(roots, grads)
         self._retire(v)
         if isinstance(x_in, Tensor):
             return self.precision.true_gradient(x_in.grad if x_in.requires_grad else None)
         return self._input_gradients(x_in, [t.grad if t.requires_grad else None for t in x_in])
+
+    @contextmanager
+    def _backward_pass(self, x: Payload) -> Iterator[None]:
+        """A backward (or half of one) of the micro-batch whose input is ``x``, under the
+        stage's RNG stream; running out of memory there (a recomputation rebuilds its
+        activations in the backward) is said as such, with what frees memory."""
+        with self.random.stream():
+            try:
+                yield
+            except Exception as err:
+                if out_of_memory(err):
+                    raise StageError(out_of_memory_message(self.index, x, err, "backward")) from err
+                raise
 
     def _retire(self, v: MicroBatchVersions) -> None:
         """A micro-batch's backward is complete (its B, or the W of a split one): release
@@ -638,7 +655,7 @@ class Stage:
         half: WeightHalf = []
         g_in: Gradients | None = None
         if root is not None:
-            with self.random.stream():
+            with self._backward_pass(x_in):
                 g_in, half = input_half(root, root_grad, x_in, units, self._params)
         self._weight_half[mb] = half
         # held until W, with the activations
@@ -658,7 +675,7 @@ class Stage:
         if half is None:
             raise RuntimeError(f"stage {self.index}: W of micro-batch {mb} before its I")
         v = self.versions(mb)
-        with self.random.stream():
+        with self._backward_pass(self._saved[mb][0]):
             weight_half(half)
         del half
         self._saved.pop(mb)
