@@ -15,6 +15,7 @@ import argparse
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 from pipeoptim.study.grid import StudyConfig, run_study
 from pipeoptim.study.report import write_study_report
@@ -22,6 +23,20 @@ from pipeoptim.study.report import write_study_report
 RESULTS = Path(__file__).resolve().parent / "results"
 
 DIGITS_EPOCH = 44  # 1,437 training samples in mini-batches of 32
+
+LM_RECIPE: dict[str, Any] = {
+    "seeds": 1,
+    "rates": {"adamw": (2e-3,)},
+    "high_rate": False,
+    "eval_samples": 1024,
+    "warmup": 0.1,
+    "final_lr": 0.1,
+    "grad_clip": 1.0,
+    "weight_decay": 0.01,
+}
+"""The language-model studies' recipe (gpt-deep, gpt-deeper): one seed at the gpt's best
+AdamW rate, 10 % warm-up, cosine to 0.1x, clipping 1.0, weight decay 0.01."""
+
 STUDIES = {
     # 15 epochs, 21 under Adam: gpipe needs up to 5 epochs to reach 95 % test accuracy at
     # the chosen SGD and AdamW rates and 6-7 at Adam's, and the curves run at least 3x that.
@@ -82,14 +97,7 @@ STUDIES = {
         optimizers=("adamw",),
         stages=(8, 16, 4),
         sweep_stages=8,
-        seeds=1,
-        rates={"adamw": (2e-3,)},
-        high_rate=False,
-        eval_samples=1024,
-        warmup=0.1,
-        final_lr=0.1,
-        grad_clip=1.0,
-        weight_decay=0.01,
+        **LM_RECIPE,
         pairs=(
             ("gpipe", "nadam"),
             ("pipeoptim", "nadam"),
@@ -134,14 +142,7 @@ STUDIES = {
         optimizers=("adamw",),
         stages=(8, 32),
         sweep_stages=8,
-        seeds=1,
-        rates={"adamw": (2e-3,)},
-        high_rate=False,
-        eval_samples=1024,
-        warmup=0.1,
-        final_lr=0.1,
-        grad_clip=1.0,
-        weight_decay=0.01,
+        **LM_RECIPE,
         pairs=(
             ("gpipe", "muon"),
             ("pipeoptim", "muon"),

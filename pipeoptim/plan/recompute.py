@@ -175,8 +175,9 @@ def resolve_recompute(
         if isinstance(entry, list):
             start, end = boundaries[k]
             for s in entry:
-                outside = [i for i in labels.select(s, error=error) if not start <= i < end]
-                if outside and len(outside) == len(labels.select(s, error=error)):
+                named = labels.select(s, error=error)
+                outside = [i for i in named if not start <= i < end]
+                if outside and len(outside) == len(named):
                     raise error(
                         f"recompute of stage {k} names unit {s!r} (unit "
                         f"{outside[0]}), which stage {k} does not hold (units {start}.."

@@ -526,3 +526,25 @@ def test_running_out_of_memory_in_a_backward_says_so_with_the_remedies(
     with pytest.raises(Exception, match=r"stage 1 ran out of memory in a backward") as err:
         pipe.fit(data, epochs=1)
     assert "recompute" in str(err.value) and "--memory-cap" in str(err.value)
+
+
+class TwiceOneLinear(nn.Module):
+    """One Linear reached under two names of one unit (named once per name by torch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = self.a
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.b(torch.tanh(self.a(x)))
+        return out
+
+
+def test_a_unit_holds_one_copy_of_a_weight_it_names_twice() -> None:
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 16), TwiceOneLinear(), nn.Linear(16, 4)]
+    pipe = Pipeline(layers, method="pipeoptim", stages=2, recompute="full")
+    stage = pipe.stages[0]
+    weights = sum(p.numel() * 4 for p in stage.module.parameters())  # each tensor once
+    assert stage.recompute_held_bytes == weights

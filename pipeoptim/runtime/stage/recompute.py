@@ -39,7 +39,7 @@ from pipeoptim.runtime.payload import Payload
 from pipeoptim.runtime.stage.chain import UnitChain
 from pipeoptim.runtime.stage.weights import alias
 
-__all__ = ["Recomputation", "RegionWeights"]
+__all__ = ["Recomputation", "RegionWeights", "Steps", "run_steps"]
 
 
 def _storage_view(t: Tensor) -> Tensor:
@@ -138,9 +138,6 @@ class RegionWeights:
     share has a copy each: the first recomputation overwrites its own with the live one)."""
     recast: bool = False
 
-    def held_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.held.values())
-
 
 class Recomputation:
     """Which units of a stage recompute, and how a forward runs them.
@@ -172,20 +169,16 @@ class Recomputation:
         ]
         """Per unit: (its parameter's name in the unit, the stage's parameter index)."""
         self.params = params
-
-    def held_bytes(self) -> int:
-        """Bytes of the Ŵ copies :meth:`hold_prediction` makes for one forward."""
-        return sum(
-            self.params[j].numel() * self.params[j].element_size()
-            for u in self.units
-            for _, j in self.unit_weights[u]
+        self.held_keys = sorted({(u, j) for u in units for _, j in self.unit_weights[u]})
+        """(unit, stage parameter index) of every copy of Ŵ a predicted forward holds."""
+        self.held_bytes = sum(
+            params[j].numel() * params[j].element_size() for _, j in self.held_keys
         )
+        """Bytes of those copies: what a predicted forward holds until its backward."""
 
     def hold_prediction(self, sources: Sequence[Tensor], recast: bool) -> RegionWeights:
         """Copies of Ŵ (``sources``: the prediction buffer) for the recomputed units."""
-        held = {
-            (u, j): sources[j].clone() for u in sorted(self.units) for _, j in self.unit_weights[u]
-        }
+        held = {(u, j): sources[j].clone() for u, j in self.held_keys}
         return RegionWeights(sources, held, recast)
 
     def steps(
@@ -193,14 +186,14 @@ class Recomputation:
         weights: Sequence[Tensor] | None,
         region: RegionWeights,
         keep: Callable[[Tensor], None] | None = None,
-    ) -> list[tuple[list[int], Callable[..., Any]]]:
+    ) -> Steps:
         """How a forward runs the stage's units: (unit indices, what runs them on their
         arguments) in order, an unrecomputed unit alone, and each run of consecutive
         recomputed units as one region, which keeps only its first unit's input.
         Unrecomputed units read ``weights`` (an alias per stage parameter; None: the
         module's parameters), recomputed ones ``region``; ``keep`` is told each input a
         region keeps."""
-        out: list[tuple[list[int], Callable[..., Any]]] = []
+        out: Steps = []
         i = 0
         while i < len(self.chain):
             if i not in self.units:
@@ -213,20 +206,6 @@ class Recomputation:
             segment = list(range(i, end))
             out.append((segment, self._checkpointed(segment, region, keep)))
             i = end
-        return out
-
-    def run(
-        self,
-        x: Payload,
-        weights: Sequence[Tensor] | None,
-        region: RegionWeights,
-        keep: Callable[[Tensor], None] | None = None,
-    ) -> Payload:
-        """The stage's units on ``x`` (see :meth:`steps`)."""
-        h: Any = x
-        for _, step in self.steps(weights, region, keep):
-            h = step(*_args(h))
-        out: Payload = h
         return out
 
     def _direct(self, i: int, weights: Sequence[Tensor] | None) -> Callable[..., Any]:
@@ -276,6 +255,19 @@ class Recomputation:
             return checkpoint(forward, *a, use_reentrant=False, context_fn=contexts)
 
         return run
+
+
+Steps = list[tuple[list[int], Callable[..., Any]]]
+"""What :meth:`Recomputation.steps` returns: (unit indices, what runs them), in order."""
+
+
+def run_steps(steps: Steps, x: Payload) -> Payload:
+    """The stage's units on ``x``, as ``steps`` run them."""
+    h: Any = x
+    for _, step in steps:
+        h = step(*_args(h))
+    out: Payload = h
+    return out
 
 
 def _args(h: Any) -> tuple[Any, ...]:

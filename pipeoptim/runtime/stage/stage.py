@@ -81,7 +81,7 @@ from pipeoptim.runtime.stage.diagnose import (
 from pipeoptim.runtime.stage.loss import LossFn, count_correct
 from pipeoptim.runtime.stage.memory import StageMemory
 from pipeoptim.runtime.stage.precision import Precision, unpack
-from pipeoptim.runtime.stage.recompute import Recomputation, RegionWeights
+from pipeoptim.runtime.stage.recompute import Recomputation, RegionWeights, Steps, run_steps
 from pipeoptim.runtime.stage.rng import StageRandom
 from pipeoptim.runtime.stage.saved import ForwardSaves
 from pipeoptim.runtime.stage.split_backward import (
@@ -309,7 +309,7 @@ class Stage:
             return 0
         if self.predicted_backward or self.predictor is None:
             return 0  # a predicted backward's Ŵ is the copy its graph holds anyway
-        return self.recompute.held_bytes()
+        return self.recompute.held_bytes
 
     @property
     def peak_weight_copies(self) -> int:
@@ -388,18 +388,11 @@ class Stage:
             raise StageError(self._failure(x, err)) from err
         return out
 
-    def _run_recomputed(
-        self,
-        region: RegionWeights,
-        aliases: list[Tensor] | None,
-        x: Payload,
-        saves: ForwardSaves | None,
-    ) -> Payload:
-        """The stage's units on ``x``, some recomputed (``recompute.py``)."""
-        assert self.recompute is not None
-        keep = saves.keep if saves is not None else None
+    def _run_recomputed(self, steps: Steps, x: Payload) -> Payload:
+        """The stage's units on ``x`` as ``steps`` run them, some recomputed
+        (``recompute.py``)."""
         try:
-            return self.recompute.run(x, aliases, region, keep)
+            return run_steps(steps, x)
         except Exception as err:
             raise StageError(self._failure(x, err)) from err
 
@@ -501,7 +494,6 @@ class Stage:
                         saves.aliases[w.grad_fn] = src if held else now
             units: KeptUnits | None = None
             out: Payload
-            recomputed: tuple[RegionWeights, list[Tensor] | None] | None = None
             steps = None
             if self.recompute is not None:
                 region = (
@@ -512,9 +504,8 @@ class Stage:
                     else RegionWeights(sources)
                 )
                 if region.held:
-                    self.memory_count.hold(mb, region.held_bytes())
+                    self.memory_count.hold(mb, self.recompute.held_bytes)
                 aliases = None if weights is None else [weights[n] for n in self._names]
-                recomputed = (region, aliases)
                 keep = saves.keep if saves is not None else None
                 steps = self.recompute.steps(aliases, region, keep)
             if self._split and weights is None and self._unit_params is not None:
@@ -526,8 +517,8 @@ class Stage:
                     failure=self._failure,
                     steps=steps,
                 )
-            elif recomputed is not None:
-                out = self._run_recomputed(*recomputed, x_in, saves)
+            elif steps is not None:
+                out = self._run_recomputed(steps, x_in)
             else:
                 out = self._run_units(weights, x_in)
             if self.is_last:
