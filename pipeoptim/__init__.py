@@ -7,7 +7,17 @@ first used, so planning and simulating never import torch.
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["FitResult", "Pipeline", "Plan"]
+_OBSERVE = (
+    "Callback",
+    "JsonlLogger",
+    "TensorBoardLogger",
+    "WandbLogger",
+    "StepEnd",
+    "EvalEnd",
+    "FitStart",
+    "FitEnd",
+)
+__all__ = ["FitResult", "Pipeline", "Plan", *_OBSERVE]
 
 
 def __getattr__(name: str) -> Any:
@@ -15,6 +25,10 @@ def __getattr__(name: str) -> Any:
         from pipeoptim.runtime import pipeline, result
 
         return getattr(pipeline if name == "Pipeline" else result, name)
+    if name in _OBSERVE:
+        from pipeoptim.runtime import observe
+
+        return getattr(observe, name)
     if name == "Plan":
         from pipeoptim.plan.plan import Plan
 

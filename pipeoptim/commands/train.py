@@ -216,6 +216,16 @@ def register(subparsers: Any) -> None:
         "unit of every stage), stages:0,1 (those stages in full) or units:NAME,NAME (units by "
         "index, name or class); default: the plan's, else none",
     )
+    p.add_argument(
+        "--log",
+        action="append",
+        default=[],
+        metavar="SCHEME:TARGET",
+        help="log the run (repeatable): tensorboard:DIR (the [tensorboard] extra), "
+        "wandb:PROJECT (the [wandb] extra; offline unless WANDB_MODE=online) or jsonl:FILE; "
+        "at each log point: loss, learning rate, samples/s, evaluation, and per "
+        "stage memory, waits, prediction distance and weight copies",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_json_flag(p)
     p.set_defaults(func=handler)
@@ -316,6 +326,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         device=args.device,
         quiet=args.quiet or args.json,
         recompute=args.recompute,
+        log=tuple(args.log),
         timeout=args.timeout,
         lr_schedule=args.lr_schedule,
         warmup=args.warmup,

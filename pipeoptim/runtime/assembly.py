@@ -27,6 +27,7 @@ from pipeoptim.runtime.comm.replicas import (
     ReplicaGroups,
     ReplicaMax,
 )
+from pipeoptim.runtime.comm.stop_channel import StopChannel
 from pipeoptim.runtime.comm.transport import Transport
 from pipeoptim.runtime.model.materialize import materialize_units, meta_units
 from pipeoptim.runtime.model.ties import TieExchange, find_ties, refuse_for, untie_copies
@@ -144,6 +145,11 @@ class Assembly:
             self.tie_exchange.align()
         self._join_replicas()
         self._record_optimizer()
+        self.stop_channel: StopChannel | None = None
+        """Where a callback's stop travels between processes (None in one process)."""
+        if not self.process_model.one_process:  # a collective: every rank makes the group
+            decider = self.rank_of[self.last]  # replica 0's rank of the last stage
+            self.stop_channel = StopChannel(dist.new_group(backend="gloo"), decider)
 
     def _tie_transport(self) -> DistTransport | None:
         """The messages of weights shared across stages, over a process group of their own

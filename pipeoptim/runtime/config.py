@@ -21,6 +21,7 @@ from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.plan.recompute import parse_recompute_flag
 from pipeoptim.plan.replicas import check_replicas as plan_replicas
 from pipeoptim.runtime.comm.process_model import ProcessModel
+from pipeoptim.runtime.observe.loggers.spec import check_logger_spec
 
 __all__ = [
     "AMP_MODES",
@@ -104,6 +105,9 @@ class TrainConfig:
     recompute: str | None = None
     """``--recompute``: ``none``, ``full``, ``stages:0,1`` or ``units:NAME,...``
     (``plan.recompute.parse_recompute_flag``); None: the plan's ``recompute``."""
+    log: tuple[str, ...] = ()
+    """``--log`` (repeatable): ``tensorboard:DIR``, ``wandb:PROJECT`` or ``jsonl:FILE``
+    (``observe.loggers.spec``), each a logger of the run."""
 
     def __post_init__(self) -> None:
         self.plan.model = self.plan.model or "mlp"
@@ -145,6 +149,8 @@ class TrainConfig:
             )
         if self.recompute is not None:
             parse_recompute_flag(self.recompute, error=RuntimeConfigError)
+        for logged in self.log:
+            check_logger_spec(logged)
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise RuntimeConfigError(f"--grad-clip must be positive (got {self.grad_clip})")
         if self.checkpoint_every is not None and not self.checkpoint_dir:
@@ -199,7 +205,7 @@ class TrainConfig:
     @classmethod
     def from_json(cls, text: str) -> TrainConfig:
         d = json.loads(text)
-        return cls(**{**d, "plan": Plan.from_dict(d["plan"])})
+        return cls(**{**d, "plan": Plan.from_dict(d["plan"]), "log": tuple(d.get("log", ()))})
 
 
 def run_length(epochs: int | None, max_steps: int | None, steps_per_epoch: int) -> int:

@@ -38,6 +38,7 @@ from torch import Tensor
 
 from pipeoptim.errors import StageError
 from pipeoptim.plan.actions import Action, Kind
+from pipeoptim.runtime.comm.stop_channel import StopChannel
 from pipeoptim.runtime.comm.transport import MessageKey, Parts, Transport
 from pipeoptim.runtime.feed import TrainFeed
 from pipeoptim.runtime.model.ties import TieExchange
@@ -49,7 +50,7 @@ from pipeoptim.runtime.payload import (
     payload_bytes,
     to_device,
 )
-from pipeoptim.runtime.segments import Segment, SegmentPlan
+from pipeoptim.runtime.segments import Segment, SegmentPlan, step_of
 from pipeoptim.runtime.stage.loss import evaluation_weight
 from pipeoptim.runtime.stage.stage import Stage
 from pipeoptim.trace import MemorySample, TraceEvent
@@ -250,11 +251,41 @@ class RankExecutor:
         self.eval_sums: EvalSums | None = None
         self.ties: TieExchange | None = None
         """Sums the gradients of weights shared across stages before their updates."""
+        self.wait_s = 0.0
+        """Seconds this rank has waited in receives (read and reset at each log point)."""
+        self.last_distance: dict[int, int] = {}
+        """The prediction distance of each stage's last forward."""
+        self.stopped_after: int | None = None
+        """The last mini-batch of the segment when a stop cut it short (``truncate``)."""
+        self._gates: list[tuple[int, int]] = []  # (log point, horizon) not yet passed
+        self._channel: StopChannel | None = None
+        self._steps = 0  # mini-batches in the segment
+        self.on_log_update: Callable[[int], None] | None = None
+        """Called with the global mini-batch after this rank's first stage updates on a log
+        point inside a segment (every ``log_every``): a process without the last stage
+        logs its stages' signals there."""
+        self.log_every = 1
+        self.replan: Callable[[int], SegmentPlan] | None = None
+        """The plan of a segment of the same start and the given length (``truncate``)."""
 
-    def begin(self, segment: Segment, plan: SegmentPlan) -> None:
+    def begin(
+        self,
+        segment: Segment,
+        plan: SegmentPlan,
+        gates: Sequence[tuple[int, int]] = (),
+        channel: StopChannel | None = None,
+    ) -> None:
+        """Start a segment. ``gates`` (under dist, where a callback may stop): for each log
+        point inside it, (its mini-batch, its horizon): before any work past a horizon this
+        rank waits for the decision at that point over ``channel``."""
         self._first, self._m = segment.first_step, plan.shape.micro_batches
         self._actions, self._pos = plan.actions.get(self.rank, []), 0
         self._eval_sizes = []
+        self.stopped_after = None
+        self._steps = plan.shape.mini_batches
+        self._gates, self._channel = list(gates), channel
+        if self._gates and channel is not None:
+            channel.post(self._gates[0][0])
         for k, stage in self.stages.items():
             stage.begin_segment(plan.passes(k))
         self._post_ahead()
@@ -306,8 +337,67 @@ class RankExecutor:
         """Run to the end of the segment, blocking on receives (one rank per process)."""
         while not self.done:
             self.step()
+        self.drain_gates()
+
+    def truncate(self, last_step: int) -> None:
+        """End the segment after mini-batch ``last_step`` (global): drop every action of a
+        later one. Nothing of those ran on any rank (``segments.stop_horizons``), and the
+        actions left are the schedule of the shorter segment, so the weights are those of
+        a run that ended there."""
+        first, m = self._first, self._m
+        last_step = min(last_step, first + self._steps - 1)
+        if self.stopped_after is not None and self.stopped_after <= last_step:
+            return
+        done = self._actions[: self._pos]
+        rest_before = self._actions[self._pos :]
+        shorter = self.replan(last_step + 1 - first) if self.replan is not None else None
+        mine = shorter.actions.get(self.rank, []) if shorter is not None else None
+        if mine is not None and mine[: self._pos] == done:
+            # the shorter segment's own schedule: where it differs from the longer one cut
+            # short (a bounded delay's last, partial accumulation is applied), it is right
+            self._actions = mine
+        else:
+            rest = [a for a in self._actions[self._pos :] if first + step_of(a, m) <= last_step]
+            self._actions = done + rest
+        kept = set(self._actions[self._pos :])
+        for k, stage in self.stages.items():
+            stage.forget_passes(
+                [
+                    a.mb
+                    for a in rest_before
+                    if a.kind is Kind.FORWARD and a.stage == k and a not in kept
+                ]
+            )
+        self.stopped_after = last_step
+        self._gates = []
+
+    def _pass_gates(self, a: Action) -> None:
+        """Wait for the stop decisions this action must not run ahead of (dist)."""
+        assert self._channel is not None
+        step = self._first + step_of(a, self._m)
+        while self._gates and step > self._gates[0][1]:
+            point, horizon = self._gates.pop(0)
+            if self._channel.wait(point):
+                self.truncate(horizon)
+                return
+            if self._gates:
+                self._channel.post(self._gates[0][0])
+
+    def drain_gates(self) -> None:
+        """At the segment's end: take the decisions not yet waited for (each one was sent)."""
+        while self._gates and self._channel is not None:
+            point, horizon = self._gates.pop(0)
+            if self._channel.wait(point):
+                self.stopped_after = min(horizon, self._first + self._steps - 1)
+                self._gates = []
+            elif self._gates:
+                self._channel.post(self._gates[0][0])
 
     def step(self) -> None:
+        if self._gates:
+            self._pass_gates(self._actions[self._pos])
+            if self.done:  # the stop dropped what was left
+                return
         a = self._actions[self._pos]
         self._pos += 1
         rec = self.recorder
@@ -366,10 +456,11 @@ class RankExecutor:
             else:
                 self._inputs[(k + 1, mb)] = self._fits_boundary(stage, mb, out)
             v = stage.versions(mb)
+            distance = self.last_distance[k] = stage.distance(mb)
             return (
                 stage.version_base(self._first) + v.forward_version,
                 stage.activation_bytes(mb),
-                stage.distance(mb),
+                distance,
             )
         if a.kind is Kind.BACKWARD_WEIGHT:  # local: the weight half sends nothing
             stage.backward_weight(mb)
@@ -392,6 +483,10 @@ class RankExecutor:
         if self.ties is not None and self.ties.holds(k):
             self.ties.exchange(k, self._first + mb)
         stage.update()
+        log = self.on_log_update
+        due = (mb + 1) % self.log_every == 0 and mb + 1 < self._steps
+        if log is not None and due and k == min(self.stages):
+            log(self._first + mb)
         return version, 0, 0
 
     def _fits_boundary(self, stage: Stage, mb: int, out: Payload) -> Payload:
@@ -503,7 +598,9 @@ class RankExecutor:
             self.transport.send(t, self.rank_of[k - 1], (grad, k - 1, self._message_mb(mb)))
         elif a.kind in (Kind.RECV_F, Kind.RECV_B):
             spec = self._recv_spec(a)
+            waited = time.perf_counter()
             t = self.transport.recv(*spec) if len(spec) == 4 else self.transport.recv_parts(*spec)
+            self.wait_s += time.perf_counter() - waited
             (self._inputs if a.kind is Kind.RECV_F else self._grads)[(k, mb)] = t
         else:
             raise RuntimeError(f"rank {self.rank}: action {a} is for a stage it does not hold")
@@ -538,7 +635,11 @@ class RankExecutor:
     def _post_ahead(self) -> None:
         if not self._posts_receives:
             return
+        # no receive past a stop decision not yet taken: it might never be sent
+        horizon = self._gates[0][1] if self._gates else None
         for a in self._actions[self._pos : self._pos + LOOKAHEAD]:
+            if horizon is not None and self._first + step_of(a, self._m) > horizon:
+                break
             if a.kind in (Kind.RECV_F, Kind.RECV_B):
                 spec = self._recv_spec(a)
                 if len(spec) == 4:

@@ -15,6 +15,8 @@ mini-batches (the only host syncs of training), and stops on a non-finite one.
 from __future__ import annotations
 
 import math
+import statistics
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
@@ -48,10 +50,27 @@ from pipeoptim.runtime.feed import (
     readers_disagree,
     steps_per_epoch,
 )
+from pipeoptim.runtime.observe.callbacks import (
+    Callbacks,
+    CheckpointWritten,
+    EvalEnd,
+    FitEnd,
+    FitStart,
+    StepEnd,
+    Stop,
+)
+from pipeoptim.runtime.observe.signals import StageSignals, read_learning_rate
 from pipeoptim.runtime.payload import Payload, batch_len, head
 from pipeoptim.runtime.probe import probe_stage, probe_stages, stand_in
 from pipeoptim.runtime.result import EvalResult, FitResult, build_trace, merge
-from pipeoptim.runtime.segments import Segment, eval_plan, plan_segments, segment_plan
+from pipeoptim.runtime.segments import (
+    Segment,
+    SegmentPlan,
+    eval_plan,
+    plan_segments,
+    segment_plan,
+    stop_horizons,
+)
 from pipeoptim.trace import Trace
 
 __all__ = ["HISTORY", "FitLoop", "FitOptions"]
@@ -100,6 +119,15 @@ class FitLoop:
         """The trace of the last completed fit (None: none yet)."""
         self.probed_training = False
         """The dry run checked that the loss trains (a fit's probe; evaluate's does not)."""
+        self.callbacks = Callbacks([], None)
+        """The user's callbacks and loggers (``observe/``), set by the Pipeline."""
+        self._stop = Stop()
+        self._control = False  # a callback may stop: log points carry stop decisions
+        self._horizons: dict[int, int] = {}  # this segment's log points -> horizon (global)
+        self._segment_last = 0  # the current segment's last mini-batch
+        self._stop_sent = False
+        self._last_log: tuple[float, int] = (0.0, 0)  # (time, mini-batches) at the last log
+        self._segment_first = 0
 
     # -- the dry run -----------------------------------------------------------------------
     def _probe(self, x: Payload, y: Tensor, training: bool = False) -> dict[str, Any]:
@@ -261,6 +289,7 @@ class FitLoop:
             ex.targets_read = options.targets == "read"
             ex.target_feed = target_feed if last in ex.stages else None
         res.start_step = res.end_step = start
+        self._begin_watching(start, total, batch)
         if last in parts.stages and options.progress and replicas.replica == 0:
             samples = max(total - start, 0) * batch
             self._bar = tqdm(total=samples, unit="sample", unit_scale=True, leave=False)
@@ -271,27 +300,197 @@ class FitLoop:
             eval_every if eval_data is not None else None,
             options.segment_limit,
         ]
+        evaluated_at: int | None = None
         try:
-            for seg in plan_segments(start, total, every):
-                self._run_segment(seg.first_step, seg.num_steps)
-                state.step = res.end_step = seg.first_step + seg.num_steps
+            stopped_at_start = self._control and self._stopping()  # asked in on_fit_start
+            for seg in [] if stopped_at_start else plan_segments(start, total, every):
+                end = self._run_segment(seg.first_step, seg.num_steps)
+                state.step = res.end_step = end
                 res.train_seconds = time.perf_counter() - t0
                 self._flush_metrics()
                 at_end = state.step == total
+                written = False
                 if folder is not None and (
                     at_end or state.step % (options.checkpoint_every or total) == 0
                 ):
-                    self._check_finite_weights()
-                    folder.write(spe)
+                    self._write_checkpoint(folder, spe)
+                    written = True
                 due = eval_every is not None and state.step % eval_every == 0
                 if eval_data is not None and due and not at_end:
                     self.evaluate(eval_data)
-        finally:
+                    evaluated_at = state.step
+                if not at_end and self._stopping():
+                    if folder is not None and not written:  # a stop ends as the end does
+                        self._write_checkpoint(folder, spe)
+                    break
+        except BaseException as err:
             res.train_seconds = time.perf_counter() - t0
             self.close_bar()
-        if eval_data is not None:
-            self.evaluate(eval_data)
-        return self.merged()
+            self._end_watching(None, err)
+            raise
+        res.train_seconds = time.perf_counter() - t0
+        self.close_bar()
+        try:
+            if eval_data is not None and evaluated_at != state.step:
+                self.evaluate(eval_data, final=True)
+            result = self.merged()
+        except BaseException as err:
+            self._end_watching(None, err)
+            raise
+        self._end_watching(result, None)
+        return result
+
+    # -- callbacks -------------------------------------------------------------------------
+    def _begin_watching(self, start: int, total: int, batch: int) -> None:
+        """A fit starts: whether stops travel at log points, and on_fit_start."""
+        p = self.parts
+        self._stop = Stop()
+        self._stop_sent = False
+        logs_updates = bool(self.callbacks) and p.last not in p.stages
+        for ex in self._executors:
+            ex.stopped_after = None
+            ex.on_log_update = self._on_update if logs_updates else None
+            ex.log_every = self.options.log_every
+        wanted = bool(self.callbacks) and self.callbacks.may_stop
+        channel = p.stop_channel
+        self._control = (
+            channel.any(wanted, "agreeing whether a callback may stop") if channel else wanted
+        )
+        self._last_log = (time.perf_counter(), start)
+        if not self.callbacks:
+            return
+        world = dist.get_world_size() if channel is not None else 1
+        rank = dist.get_rank() if channel is not None else 0
+        info = FitStart(start, total, batch, self.run_config(), rank, world, tuple(p.stages))
+        self.callbacks.call("on_fit_start", info)
+
+    def _end_watching(self, result: FitResult | None, error: BaseException | None) -> None:
+        if not self.callbacks:
+            return
+        said = None if error is None else f"{type(error).__name__}: {error}"
+        info = FitEnd(self.state.step, self._stop.reason, said, result)
+        try:
+            self.callbacks.call("on_fit_end", info)
+        except Exception:
+            if error is None:
+                raise
+            # the fit's own error is the one to raise; the callback's is chained to it
+            error.__context__ = error.__context__ or sys.exc_info()[1]
+
+    @property
+    def decides(self) -> bool:
+        """Whether this process's callbacks' stop counts (it reads the losses, replica 0)."""
+        channel = self.parts.stop_channel
+        if channel is not None:
+            return channel.decides
+        return True
+
+    def _stopping(self) -> bool:
+        """At a segment's end: whether a callback asked to stop (every process agrees)."""
+        channel = self.parts.stop_channel
+        stopped = self._stop.requested or any(
+            ex.stopped_after is not None for ex in self._executors
+        )
+        if channel is not None and self._control:
+            stopped = channel.agree(stopped if channel.decides else False)
+            if stopped and not self._stop.requested:
+                self._stop.request("a callback on the process that reads the losses")
+        return stopped
+
+    def _write_checkpoint(self, folder: CheckpointFolder, spe: int) -> None:
+        self._check_finite_weights()
+        folder.write(spe)
+        if self.callbacks:
+            root = str(self.options.checkpoint_dir)
+            self.callbacks.call("on_checkpoint", CheckpointWritten(self.state.step, root))
+
+    def run_config(self) -> dict[str, Any]:
+        """The run's configuration, as a logger records its hyper-parameters."""
+        p = self.parts
+        plan = p.plan
+        return {
+            "method": plan.method,
+            "num_stages": p.shape.num_stages,
+            "num_ranks": p.shape.num_ranks,
+            "micro_batches": p.shape.micro_batches,
+            "batch_size": plan.batch_size,
+            "optimizer": plan.optimizer.family,
+            "lr": plan.optimizer.lr,
+            "seed": p.seed,
+            "data_parallel": p.replicas.replicas,
+            "boundaries": [list(b) for b in p.bounds],
+            "transport": p.process_model.value,
+            "hyperparameters": self.hyperparameters,
+        }
+
+    def stage_signals(self) -> dict[int, StageSignals]:
+        """This process's stages at a log point (host numbers; waits reset)."""
+        p = self.parts
+        out: dict[int, StageSignals] = {}
+        cuda = p.device.type == "cuda"
+        for ex in self._executors:
+            waited, ex.wait_s = ex.wait_s, 0.0
+            for k, stage in sorted(ex.stages.items()):
+                closure = None
+                probe = stage.closure
+                if probe is not None:
+                    ratios = [c.ratio for c in probe.samples if c.stage == k and c.stale_gap > 0]
+                    closure = statistics.median(ratios) if ratios else None
+                held = sum(stage.memory().values())
+                if cuda and len(ex.stages) == 1:
+                    held = int(torch.cuda.memory_allocated(p.device))
+                out[k] = StageSignals(
+                    stage=k,
+                    rank=ex.rank,
+                    lr=read_learning_rate(stage.optimizer),
+                    memory_bytes=held,
+                    wait_s=waited,
+                    distance=ex.last_distance.get(k, 0),
+                    closure=closure,
+                    weight_copies=stage.weight_copies(),
+                    updates=stage.version_base(self._segment_first) + stage.version,
+                )
+        return out
+
+    def _log_point(self, step: int, losses: dict[int, float], mid_segment: bool) -> None:
+        """on_step_end at a log point; inside a segment, the stop decision goes out."""
+        res, now = self.result, time.perf_counter()
+        then, done = self._last_log
+        steps = step + 1 - done
+        seconds = now - then
+        batch = self.spec.batch_size if self.spec is not None else 0
+        samples = steps * batch / seconds if seconds > 0 and steps > 0 else None
+        tokens = None
+        if losses and samples is not None:
+            counted = sum(res.targets.get(s, 0) for s in losses)
+            if counted > batch * len(losses):  # more than one target per sample: tokens
+                tokens = counted / seconds * steps / len(losses)
+        self._last_log = (now, step + 1)
+        info = StepEnd(
+            step=step,
+            losses=losses,
+            all_losses=res.losses,
+            samples_per_s=samples,
+            tokens_per_s=tokens,
+            stages=self.stage_signals(),
+            decides=self.decides,
+            stop=self._stop,
+        )
+        self.callbacks.call("on_step_end", info)
+        if mid_segment and self._control and self.decides and not self._stop_sent:
+            self._send_stop(step)
+
+    def _send_stop(self, step: int) -> None:
+        """The decision at a log point inside a segment: cut the segment where asked."""
+        stop = self._stop.requested
+        channel = self.parts.stop_channel
+        if channel is not None:
+            channel.send(step, stop)
+        if stop:
+            self._stop_sent = True
+            horizon = min(self._horizons.get(step, self._segment_last), self._segment_last)
+            for ex in self._executors:
+                ex.truncate(horizon)
 
     def _readers_agree(
         self,
@@ -353,18 +552,42 @@ class FitLoop:
             f"or more)"
         )
 
-    def _run_segment(self, first_step: int, num_steps: int) -> None:
+    def _run_segment(self, first_step: int, num_steps: int) -> int:
+        """Run one segment; returns the step it ended at (earlier where a callback stopped)."""
         s = self.parts.shape
         plan = segment_plan(
             self.parts.method, Shape(s.num_ranks, s.micro_batches, num_steps, s.virtual_stages)
         )
         seg = Segment(0, first_step, num_steps)
+        self._segment_first = first_step
+        self._segment_last = first_step + num_steps - 1
+        gates: list[tuple[int, int]] = []
+        self._horizons = {}
+        if self._control and not self._stop.requested:
+            every = self.options.log_every
+            points = tuple(range(every - 1, num_steps - 1, every))  # inside the segment
+            horizons = stop_horizons(plan, points) if points else {}
+            self._horizons = {first_step + t: first_step + h for t, h in horizons.items()}
+            if not self.decides:
+                gates = sorted(self._horizons.items())
+
+        def replan(steps: int) -> SegmentPlan:
+            return segment_plan(
+                self.parts.method, Shape(s.num_ranks, s.micro_batches, steps, s.virtual_stages)
+            )
+
         self.state.busy = True  # an error from here on leaves passes in flight
         for ex in self._executors:
-            ex.begin(seg, plan)
+            ex.begin(seg, plan, gates, self.parts.stop_channel if gates else None)
+            ex.replan = replan if self._control else None
         self._drive()
+        channel = self.parts.stop_channel
+        if channel is not None and self._stop_sent:
+            channel.flush()
         self.state.busy = False
         self.recorder.resolve()
+        cut = [ex.stopped_after for ex in self._executors if ex.stopped_after is not None]
+        return min(cut) + 1 if cut else first_step + num_steps
 
     def _drive(self) -> None:
         """Run every rank of this process to the end of the current schedule."""
@@ -378,11 +601,19 @@ class FitLoop:
     def _on_step(self, step: int, loss: Tensor, correct: Tensor | None, targets: int) -> None:
         self._pending.append((step, loss, correct, targets))
         if len(self._pending) >= self.options.log_every:
-            self._flush_metrics()
+            self._flush_metrics(mid_segment=True)
 
-    def _flush_metrics(self) -> None:
-        """Read the pending losses from the device (one sync) and check them."""
+    def _on_update(self, step: int) -> None:
+        """A log point of a process without the last stage (its stages' signals only)."""
+        if self.callbacks:
+            self._log_point(step, {}, mid_segment=False)
+
+    def _flush_metrics(self, mid_segment: bool = False) -> None:
+        """Read the pending losses from the device (one sync) and check them; then the
+        callbacks' log point."""
         if not self._pending:
+            if not mid_segment and self.callbacks and self.parts.last not in self.parts.stages:
+                self._on_update(self.state.step - 1)  # a segment's end, off the last stage
             return
         pending, self._pending = self._pending, []
         losses = torch.stack([p[1].float() for p in pending])
@@ -406,6 +637,9 @@ class FitLoop:
         if self._bar is not None:
             self._bar.update(len(pending) * (self.spec.batch_size if self.spec else 1))
             self._bar.set_postfix(step=pending[-1][0], loss=f"{values[-1]:.4f}")
+        if self.callbacks or (mid_segment and self._control):
+            read = {step: values[i] for i, (step, *_) in enumerate(pending)}
+            self._log_point(pending[-1][0], read, mid_segment)
 
     def _over_replicas(self, losses: Tensor, right: Tensor | None) -> tuple[Tensor, Tensor | None]:
         """The whole batch's mean losses and correct counts from every replica's share
@@ -456,8 +690,23 @@ class FitLoop:
             self._bar = None
 
     # -- evaluation ------------------------------------------------------------------------
-    def evaluate(self, data: Iterable[Any]) -> EvalResult:
+    def evaluate(self, data: Iterable[Any], final: bool = False) -> EvalResult:
         """Loss (and accuracy) of the live weights on ``data``: a forward-only schedule."""
+        result = self._evaluate(data)
+        if self.callbacks:
+            info = EvalEnd(
+                self.state.step,
+                result.loss,
+                result.accuracy,
+                result.samples,
+                final,
+                self.decides,
+                self._stop,
+            )
+            self.callbacks.call("on_eval_end", info)
+        return result
+
+    def _evaluate(self, data: Iterable[Any]) -> EvalResult:
         parts = self.parts
         reader = EvalReader(data, self.spec) if 0 in parts.stages else None
         modes = {k: s.module.training for k, s in parts.stages.items()}

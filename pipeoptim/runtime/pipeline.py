@@ -65,6 +65,7 @@ from pipeoptim.runtime.executor import Boundary, RankResult, Recorder
 from pipeoptim.runtime.fit_loop import FitLoop, FitOptions
 from pipeoptim.runtime.model.layout import stage_boundaries
 from pipeoptim.runtime.model.units import InitWeights, ModelUnits
+from pipeoptim.runtime.observe.callbacks import Callbacks, check_callbacks
 from pipeoptim.runtime.optim.prediction_closure import PredictionClosure
 from pipeoptim.runtime.optim.update import OptimizerFactory, SchedulerFactory
 from pipeoptim.runtime.options import PipelineOptions, StageOptions
@@ -141,6 +142,13 @@ class Pipeline:
     replica reads them on resume, so put ``checkpoint_dir`` on a shared file system across
     nodes); evaluation runs the whole data on every replica; the replicas draw the same
     dropout masks (one RNG stream per stage, as a resume restores it).
+    ``loggers`` and ``callbacks``: objects with some of the hooks ``on_fit_start``,
+    ``on_step_end``, ``on_eval_end``, ``on_checkpoint``, ``on_fit_end``
+    (:class:`~pipeoptim.runtime.observe.callbacks.Callback`), called in that order, loggers
+    first, at the points where the fit already reads the losses (every ``log_every``), so
+    they add no host synchronisation; ``TensorBoardLogger``, ``WandbLogger`` and
+    ``JsonlLogger`` are in :mod:`pipeoptim.runtime.observe`. A callback may end the fit
+    (``info.request_stop()``): it drains, checkpoints and evaluates as an end does.
     """
 
     def __init__(
@@ -177,7 +185,13 @@ class Pipeline:
         init_weights: InitWeights | None = None,
         recompute: object = None,
         shard_optimizer: bool | None = None,
+        loggers: Sequence[Any] | None = None,
+        callbacks: Sequence[Any] | None = None,
     ) -> None:
+        watchers = [
+            *check_callbacks(loggers, "loggers"),
+            *check_callbacks(callbacks, "callbacks"),
+        ]
         labels = unit_labels(layers)
         self.model_units = _units(layers)
         """The units and what the model says of them (names for export, initialiser)."""
@@ -297,6 +311,7 @@ class Pipeline:
         if not self.parts.process_model.one_process:
             dist.barrier()  # a shared time origin for the trace
         self.loop = FitLoop(self.parts, self.state, self.options, self.hyperparameters)
+        self.loop.callbacks = Callbacks(watchers, self)
 
     # -- what the parts hold ---------------------------------------------------------------
     @property

@@ -23,11 +23,11 @@ lowered (:func:`segment_plan`; :func:`eval_plan` for evaluation), which the exec
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from pipeoptim.errors import RuntimeConfigError, ScheduleError
-from pipeoptim.plan.actions import SPLIT_BACKWARD, Action
+from pipeoptim.plan.actions import SPLIT_BACKWARD, Action, Kind
 from pipeoptim.plan.limits import estimate_work
 from pipeoptim.plan.methods import Method, WeightPolicy
 from pipeoptim.plan.passes import add_communication
@@ -43,6 +43,7 @@ __all__ = [
     "plan_segments",
     "segment_limit",
     "segment_plan",
+    "stop_horizons",
 ]
 
 
@@ -101,6 +102,10 @@ class SegmentPlan:
     versions: VersionReport | None
     actions: dict[int, list[Action]]
     rank_of: dict[int, int]
+    horizons: dict[tuple[int, ...], dict[int, int]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+    """:func:`stop_horizons` of this plan, by the steps asked (computed once)."""
 
     def passes(self, stage: int) -> dict[int, MicroBatchVersions]:
         if self.versions is None:
@@ -142,6 +147,66 @@ def segment_plan(method: Method, shape: Shape) -> SegmentPlan:
         add_communication(order),
         stage_ranks(order),
     )
+
+
+def step_of(action: Action, micro_batches: int) -> int:
+    """The segment's mini-batch an action belongs to (an update names its mini-batch)."""
+    return action.mb if action.kind is Kind.UPDATE else action.mb // micro_batches
+
+
+def stop_horizons(plan: SegmentPlan, steps: tuple[int, ...]) -> dict[int, int]:
+    """For each segment step t of ``steps`` (ascending), the last mini-batch any rank can
+    have begun while the last stage has not gone past its forward of t's last micro-batch:
+    where the loss of t is read. A stop asked there ends the segment after that mini-batch,
+    with nothing of a later one run anywhere (``RankExecutor.truncate``).
+
+    Found by running the lowered action lists on their messages alone (every receive waits
+    for its send), the last stage's rank held at that forward and every other rank run as
+    far as it can. Messages the lists do not show (targets, tied weights) are not waited
+    for, so the horizon can only come out later than the true one, never earlier.
+    """
+    cached = plan.horizons.get(steps)
+    if cached is not None:
+        return cached
+    m = plan.shape.micro_batches
+    last = max(plan.rank_of)
+    last_rank = plan.rank_of[last]
+    lists = plan.actions
+    pos = dict.fromkeys(lists, 0)
+    sent: set[tuple[Kind, int, int]] = set()
+    begun = -1
+    out: dict[int, int] = {}
+
+    def runnable(a: Action) -> bool:
+        if a.kind is Kind.RECV_F:
+            return (Kind.SEND_F, a.stage - 1, a.mb) in sent
+        if a.kind is Kind.RECV_B:
+            return (Kind.SEND_B, a.stage + 1, a.mb) in sent
+        return True
+
+    for t in steps:
+        target = Action(last, Kind.FORWARD, t * m + m - 1)
+        held = lists[last_rank].index(target, pos[last_rank]) + 1
+        progressed = True
+        while progressed:
+            progressed = False
+            for rank, actions in lists.items():
+                end = held if rank == last_rank else len(actions)
+                i = pos[rank]
+                while i < end and runnable(actions[i]):
+                    a = actions[i]
+                    if a.kind in (Kind.SEND_F, Kind.SEND_B):
+                        sent.add((a.kind, a.stage, a.mb))
+                    elif a.kind is Kind.FORWARD and a.stage == 0:
+                        begun = max(begun, a.mb // m)
+                    i += 1
+                progressed = progressed or i > pos[rank]
+                pos[rank] = i
+        if pos[last_rank] < held:
+            raise RuntimeError(f"the schedule cannot reach {target} on rank {last_rank}")
+        out[t] = max(begun, t)
+    plan.horizons[steps] = out
+    return out
 
 
 @lru_cache(maxsize=8)

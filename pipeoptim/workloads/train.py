@@ -22,6 +22,7 @@ from pipeoptim.plan.replicas import check_batch_split
 from pipeoptim.runtime import launch
 from pipeoptim.runtime.config import TrainConfig, run_length
 from pipeoptim.runtime.model.layout import stage_boundaries
+from pipeoptim.runtime.observe.loggers.spec import logger_from_spec
 from pipeoptim.runtime.optim.lr import scheduler_factory
 from pipeoptim.runtime.pipeline import Pipeline, unit_labels
 from pipeoptim.runtime.result import FitResult
@@ -63,6 +64,7 @@ def build_run(
         run_identity=config.identity(),
         hyperparameters=config.hyperparameters(),
         recompute=_recompute(config),
+        loggers=[logger_from_spec(spec) for spec in config.log],
     )
     return pipe, train_data, test_data
 
@@ -91,6 +93,8 @@ def check_run(config: TrainConfig) -> None:
         error=RuntimeConfigError,
     )
     DatasetLoader(data.train_x, data.train_y, config.batch_size, seed=config.seed)
+    for spec in config.log:  # the package is there and the target writable
+        logger_from_spec(spec)
 
 
 def _check_layout(config: TrainConfig, num_layers: int) -> list[tuple[int, int]]:

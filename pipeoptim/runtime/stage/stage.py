@@ -345,6 +345,10 @@ class Stage:
         if self.updater is not None and self.updater.correction is not None:
             self._delays = gradient_delays(passes.values(), self.policy, self.accumulation)
 
+    def forget_passes(self, mbs: list[int]) -> None:
+        """The forwards of ``mbs`` will not run: a stop cut the segment short."""
+        self.weights.forget(mbs)
+
     def versions(self, mb: int) -> MicroBatchVersions:
         """The versions micro-batch ``mb`` of this segment meets on this stage."""
         return self.weights.of(mb)

@@ -142,6 +142,17 @@ class WeightVersions:
             if version in self.stash and self._pending_f[version] + self._inflight[version] <= 0:
                 del self.stash[version]
 
+    def forget(self, mbs: list[int]) -> None:
+        """Forwards that will not run (a segment a stop cut short): their versions are no
+        longer needed for them, and a frozen one nobody else needs is dropped."""
+        if not self.tracks:
+            return
+        for mb in mbs:
+            version = self.passes[mb].forward_version
+            self._pending_f[version] -= 1
+            if version in self.stash and self._pending_f[version] + self._inflight[version] <= 0:
+                self._aliases.pop(tuple(t.data_ptr() for t in self.stash.pop(version)), None)
+
     def prediction_buffer(self) -> list[Tensor]:
         """The stage's one buffer for Ŵ (the extra weight copy), made on first use."""
         if self.predicted is None:
