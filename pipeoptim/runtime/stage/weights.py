@@ -151,7 +151,7 @@ class WeightVersions:
             version = self.passes[mb].forward_version
             self._pending_f[version] -= 1
             if version in self.stash and self._pending_f[version] + self._inflight[version] <= 0:
-                self._aliases.pop(tuple(t.data_ptr() for t in self.stash.pop(version)), None)
+                del self.stash[version]
 
     def prediction_buffer(self) -> list[Tensor]:
         """The stage's one buffer for Ŵ (the extra weight copy), made on first use."""
