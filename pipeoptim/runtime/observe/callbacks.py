@@ -82,8 +82,18 @@ class FitStart:
     """The stages this process holds."""
 
 
+class _Stoppable:
+    """A record whose hook may end the fit."""
+
+    stop: Stop
+
+    def request_stop(self, reason: str = "a callback asked to stop") -> None:
+        """End the fit (see the module's notes on where it ends)."""
+        self.stop.request(reason)
+
+
 @dataclass(frozen=True)
-class StepEnd:
+class StepEnd(_Stoppable):
     """A log point: mini-batches trained so far and what the fit loop read there."""
 
     step: int
@@ -104,13 +114,9 @@ class StepEnd:
     """Whether this process's stop counts (it reads the losses: the last stage, replica 0)."""
     stop: Stop = field(repr=False, compare=False, default_factory=Stop)
 
-    def request_stop(self, reason: str = "a callback asked to stop") -> None:
-        """End the fit (see the module's notes on where it ends)."""
-        self.stop.request(reason)
-
 
 @dataclass(frozen=True)
-class EvalEnd:
+class EvalEnd(_Stoppable):
     """An evaluation done (the same values on every process)."""
 
     step: int
@@ -122,9 +128,6 @@ class EvalEnd:
     """The fit's last evaluation (after training ended)."""
     decides: bool
     stop: Stop = field(repr=False, compare=False, default_factory=Stop)
-
-    def request_stop(self, reason: str = "a callback asked to stop") -> None:
-        self.stop.request(reason)
 
 
 @dataclass(frozen=True)
