@@ -146,8 +146,14 @@ class Assembly:
         self._join_replicas()
         self._record_optimizer()
         self.stop_channel: StopChannel | None = None
-        """Where a callback's stop travels between processes (None in one process)."""
-        if not self.process_model.one_process:  # a collective: every rank makes the group
+        """Where a callback's stop travels between processes (None in one process; made by
+        :meth:`open_stop_channel` once every rank has met)."""
+
+    def open_stop_channel(self) -> None:
+        """The stop channel's group, a collective of every rank: made after the ranks first
+        met (a barrier), so a rank that died while building is reported as a lost peer by
+        that barrier rather than waited for here."""
+        if not self.process_model.one_process and self.stop_channel is None:
             decider = self.rank_of[self.last]  # replica 0's rank of the last stage
             self.stop_channel = StopChannel(dist.new_group(backend="gloo"), decider)
 

@@ -309,6 +309,8 @@ class Pipeline:
         self.closed = False
         """close() left the process group: a dist Pipeline cannot train or evaluate again."""
         if not self.parts.process_model.one_process:
+            dist.barrier()  # every rank was built (a dead one is a lost peer here)
+            self.parts.open_stop_channel()
             dist.barrier()  # a shared time origin for the trace
         self.loop = FitLoop(self.parts, self.state, self.options, self.hyperparameters)
         self.loop.callbacks = Callbacks(watchers, self)

@@ -39,6 +39,7 @@ from pipeoptim.plan.profile import Profile
 from pipeoptim.runtime.checkpoint import store as checkpoint
 from pipeoptim.runtime.checkpoint.store import latest_step
 from pipeoptim.runtime.config import TrainConfig
+from pipeoptim.runtime.observe import Callback
 from pipeoptim.workloads.train import train
 
 
@@ -607,6 +608,8 @@ CONSTRUCTOR = {
         ("most", ["Conv2d"], {9: "full"}, 3, [True]),
     ),
     "shard_optimizer": _mix([None, False], (True, "yes")),
+    "loggers": _mix([None, []], ("tensorboard:runs", [3], 5)),
+    "callbacks": _mix([None, [], [Callback()]], ("on_step_end", [object()], 7)),
 }
 """Every argument but ``store``, ``progress`` and the run identity (internal to the CLI).
 ``transport="dist"`` is left out: it joins a process group (tests/runtime/test_dist.py)."""

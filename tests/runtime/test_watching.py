@@ -115,7 +115,7 @@ def test_wandb_offline_run_holds_the_fits_scalars_and_configuration(tmp_path: Pa
     result = pipe.fit(data(), max_steps=6)
     assert logger.run_dir is not None
     (run_file,) = logger.run_dir.glob("run-*.wandb")
-    rows = wandb_reader.history(run_file)
+    rows = wandb_reader.history(wandb_reader.written(run_file))
     losses = {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
     assert losses == dict(enumerate(result.losses))
     assert [r["step"] for r in rows if "stage1/lr" in r] == [2, 5]

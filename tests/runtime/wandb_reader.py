@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,17 @@ def records(path: Path) -> list[Any]:
             out.append(record)
             piece = b""
     return out
+
+
+def written(path: Path, seconds: float = 60.0) -> Path:
+    """``path`` once W&B's service has written the run's end into it (it writes in the
+    background: ``run.finish()`` can return before the file holds the run)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if path.exists() and any(r.WhichOneof("record_type") == "exit" for r in records(path)):
+            return path
+        time.sleep(0.1)
+    raise AssertionError(f"W&B did not finish writing {path} in {seconds:.0f} s")
 
 
 def history(path: Path) -> list[dict[str, Any]]:

@@ -3,7 +3,9 @@
 Offline by default: a run is written under ``dir`` (``wandb/offline-run-*``) with no
 network, and ``wandb sync DIR/wandb/offline-run-*`` uploads it later. Set ``mode="online"``
 (or ``WANDB_MODE=online`` after ``wandb login``) to stream it live. Under ``torchrun`` each
-process is one run of a group named after the fit (``group``), named ``rank{r}``.
+process is one run of a group named after the fit (``group``), named ``rank{r}``. W&B's
+own service writes the run file in the background: it can still be filling it for a moment
+after the fit returns.
 """
 
 from __future__ import annotations
