@@ -14,6 +14,14 @@ all-reduce of the stage's gradients. The all-reduce is modelled as the simulator
 parameter-sized copy) on :func:`run_cluster`; the rest of the measured update is the
 optimizer step, which does not depend on D. So the run's own prediction keeps its measured
 update time, and a prediction for another D (:func:`what_if`) swaps the all-reduce only.
+
+The ranks' clocks are put on one clock by their messages first (each rank takes its origin
+after a barrier; on a loaded machine they differ by milliseconds: :mod:`pipeoptim.tracefit`).
+Where the ranks shared their host's cores (the trace's machine record, ``meta["machine"]``,
+else fitted), the costs are what :func:`machine_fit` fits: every action's work under
+processor sharing, each message's fixed cost at both ends, each link's fastest message,
+and the machine, which the simulator then shares among the busy ranks. With a core per
+rank they are the per-stage medians as before.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from dataclasses import dataclass, replace
 
 from pipeoptim.errors import PipeoptimError
 from pipeoptim.metrics import RunMetrics, compute_metrics
+from pipeoptim.plan.machine import Machine
 from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.plan import Plan
 from pipeoptim.plan.profile import LayerProfile, Profile
@@ -35,6 +44,9 @@ from pipeoptim.sim.collectives import Cluster, allreduce_times
 from pipeoptim.sim.costs import CostModel
 from pipeoptim.sim.evaluate import evaluate_trace
 from pipeoptim.trace import Trace, TraceEvent
+from pipeoptim.tracefit.clocks import align_clocks
+from pipeoptim.tracefit.costs import profile_meta, shared_costs, with_profile_machine
+from pipeoptim.tracefit.fit import MachineFit, fit_machine
 
 
 @dataclass(frozen=True)
@@ -99,7 +111,7 @@ def run_cluster(trace: Trace) -> Cluster:
     run on one machine talk over the same transport as its pipeline links)."""
     plan = _plan_of(trace)
     notes = plan.notes
-    latencies = link_latencies(trace, plan.shape(1).num_stages)
+    latencies = link_latencies(align_clocks(trace).trace, plan.shape(1).num_stages)
     measured = statistics.median(latencies) if latencies else 0.0
     if not cluster_recorded(trace):
         return Cluster(math.inf, measured)
@@ -143,6 +155,43 @@ def with_allreduce(costs: CostModel, replicas: int, cluster: Cluster, num_ranks:
     )
 
 
+def run_machine(trace: Trace) -> Machine | None:
+    """The host the run's ranks shared, as its trace records it (None: not recorded)."""
+    data = trace.meta.get("machine")
+    if data is None:
+        return None
+    try:
+        return Machine.from_dict(data, "the trace's machine record")
+    except PipeoptimError as err:
+        raise PipeoptimError(f"{err} (in the trace's meta)") from None
+
+
+def machine_fit(trace: Trace) -> MachineFit | None:
+    """The machine model fitted from a multi-process run (:mod:`pipeoptim.tracefit`): its
+    recorded machine, or one host holding every rank with its cores fitted; None for a
+    one-process run (every stage takes turns in one process: nothing to share)."""
+    if trace.meta.get("transport") == "local":
+        return None
+    ranks = len({e.rank for e in trace.events})
+    if ranks == 0:
+        return None
+    threads = trace.meta.get("threads")
+    default = Machine(1, ranks, threads if isinstance(threads, int) and threads >= 1 else 1)
+    predict = _stage_floats(trace.meta.get("predict_s"))
+    return fit_machine(trace, run_machine(trace), default, predict)
+
+
+def fitted_costs(trace: Trace) -> list[str]:
+    """Which costs calibration fitted from ``trace`` beyond the per-stage action times."""
+    fit = machine_fit(trace)
+    if fit is None:
+        return ["one process: per-stage median action times"]
+    lines = fit.describe()
+    if not fit.machine.shares_cores:  # the medians of before: no work or message cost fitted
+        return [lines[0], "per-stage median action times, sends folded into the passes", lines[3]]
+    return lines
+
+
 def costs_from_trace(trace: Trace, cluster: Cluster | None = None) -> CostModel:
     """Per-stage medians of the measured actions, as simulator costs.
 
@@ -151,6 +200,11 @@ def costs_from_trace(trace: Trace, cluster: Cluster | None = None) -> CostModel:
     pipeline bubble, not cost, and is left out. Each link's latency is the median delay
     from a send's start to the end of its receive, counted from when the receiver was
     ready (:func:`link_latencies`).
+
+    A split backward's halves (I and W) make the stage's backward together, the W's share of
+    it its weight-gradient fraction. Where the ranks shared their cores (:func:`machine_fit`),
+    the fitted work, message costs, latencies and machine replace these medians
+    (:func:`pipeoptim.tracefit.costs.shared_costs`).
 
     Under data parallelism (:func:`run_replicas` D > 1) a micro-batch is B/(D·M) samples
     of the global batch B, and each stage's measured update is split into its gradient
@@ -219,9 +273,13 @@ def costs_from_trace(trace: Trace, cluster: Cluster | None = None) -> CostModel:
         return most[(rank_of[k], key)] // per_rank[rank_of[k]]
 
     batch = trace.meta.get("batch_size") or 1
+    split = [cost(k, "I") + cost(k, "W") for k in range(stages)]  # a split backward's halves
     costs = CostModel(
         forward_s=tuple(cost(k, "F") + cost(k, "SEND_F") for k in range(stages)),
-        backward_s=tuple(cost(k, "B") + cost(k, "SEND_B") for k in range(stages)),
+        backward_s=tuple(cost(k, "B") + split[k] + cost(k, "SEND_B") for k in range(stages)),
+        weight_grad_fraction=tuple(
+            cost(k, "W") / split[k] if split[k] > 0 else 0.5 for k in range(stages)
+        ),
         update_s=tuple(cost(k, "U") for k in range(stages)),
         predict_s=tuple(predict.get(k, 0.0) for k in range(stages)),
         param_bytes=tuple(static(k, "weights") for k in range(stages)),
@@ -229,12 +287,15 @@ def costs_from_trace(trace: Trace, cluster: Cluster | None = None) -> CostModel:
         activation_bytes=tuple(size(k, "F") for k in range(stages)),
         send_forward_bytes=tuple(size(k, "SEND_F") for k in range(stages - 1)),
         send_backward_bytes=tuple(size(k + 1, "SEND_B") for k in range(stages - 1)),
-        latency_s=tuple(link_latencies(trace, stages)),
+        latency_s=tuple(link_latencies(align_clocks(trace).trace, stages)),
         bandwidth=(math.inf,) * (stages - 1),
         samples_per_micro_batch=float(batch) / (replicas * shape.micro_batches),
         optimizer=plan.optimizer.family,
         held_weight_bytes=tuple(held.get(k, 0) for k in range(stages)),
     )
+    fit = machine_fit(trace)
+    if fit is not None and fit.machine.shares_cores:
+        costs = shared_costs(costs, fit)
     if replicas == 1:
         return costs
     costs = with_allreduce(costs, replicas, cluster or run_cluster(trace), plan.num_stages)
@@ -470,6 +531,7 @@ def calibrated_profile(
             "link_latency_s": statistics.median(latencies) if latencies else 0.0,
             "predict_estimated": estimated,
             **({"threads": trace.meta["threads"]} if "threads" in trace.meta else {}),
+            **profile_meta(costs),
         },
     )
 
@@ -561,9 +623,9 @@ def what_if(
         batch_size=batch / d,  # one replica's share of the global batch
         latency_s=float(calibrated.meta.get("link_latency_s", 0.0)),
     )
-    if bounds == run_bounds:
-        latencies = link_latencies(trace, len(bounds))
-        costs = replace(costs, latency_s=tuple(latencies))
+    if bounds == run_bounds:  # the run's own links: their measured (or fitted) latencies
+        costs = replace(costs, latency_s=costs_from_trace(trace, cluster).latency_s)
+    costs = with_profile_machine(costs, calibrated.meta, len(run_bounds), shape.num_ranks)
     if d > 1:
         costs = with_allreduce(costs, d, cluster, shape.num_ranks)
     if spec.prediction_rule is not None and calibrated.meta.get("predict_estimated"):

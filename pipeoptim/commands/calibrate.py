@@ -12,6 +12,7 @@ from pipeoptim.calibrate import (
     calibrated_profile,
     cluster_recorded,
     costs_from_trace,
+    fitted_costs,
     format_comparison,
     run_cluster,
     run_replicas,
@@ -56,7 +57,10 @@ def register(sub: Any) -> None:
         description=(
             "Read a trace written by `pipeoptim train --trace FILE`, turn the measured "
             "per-stage action times (medians, with the executor's gaps and send costs) and "
-            "memory into simulator costs, simulate the run's method and shape, and print "
+            "memory into simulator costs (where the ranks shared fewer cores than they "
+            "asked for: each action's work under processor sharing and each message's fixed "
+            "cost at both ends, fitted from the run), simulate the run's method and shape, "
+            "say which costs were fitted, and print "
             "predicted against measured: time per mini-batch, throughput, bubble ratio, peak "
             "memory, with the relative error. --predict asks what other methods, stage "
             "counts (--stages), micro-batch counts (--micro-batches) and replica counts "
@@ -248,6 +252,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     results = _what_if(args, measured, profile, cluster)
     measured_s = rows[0].measured  # time per mini-batch, steady state
     local = measured.meta.get("transport") == ProcessModel.ONE_PROCESS.value
+    fitted = fitted_costs(measured)
     notes = [_LOCAL_NOTE] if local else []
     notes += _allreduce_notes(args, measured, cluster)
     notes += [f"{r.method}: {note}" for r in results for note in r.notes]
@@ -275,6 +280,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
                 "method": measured.meta.get("method"),
                 "rows": [r.to_dict() for r in rows],
                 "transport": measured.meta.get("transport"),
+                "fitted": fitted,
                 "data_parallel": run_replicas(measured),
                 "allreduce_s": predicted.meta.get("allreduce_s", {}),
                 "notes": notes,
@@ -299,6 +305,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
         )
         return files.finish("calibrate")
     print(format_table(["quantity", "measured", "predicted", "error"], format_comparison(rows)))
+    print("fitted from the run:")
+    for line in fitted:
+        print(f"  {line}")
     if results:
         print()
         print("what if, from the measured costs:")

@@ -13,7 +13,7 @@ import statistics
 from collections.abc import Mapping
 from typing import Any
 
-from pipeoptim.calibrate import calibrate, calibrated_profile, compare
+from pipeoptim.calibrate import calibrate, calibrated_profile, compare, fitted_costs
 from pipeoptim.errors import PlanError
 from pipeoptim.metrics import COMPUTE_KINDS, RunMetrics, compute_metrics
 from pipeoptim.plan.methods import get_method
@@ -23,8 +23,14 @@ from pipeoptim.planner import Candidate, explain, search
 from pipeoptim.sim.costs import CostModel
 from pipeoptim.sim.evaluate import evaluate_trace
 from pipeoptim.trace import Trace
+from pipeoptim.tracefit.costs import with_profile_machine
 
-__all__ = ["SYNCHRONOUS_RIVALS", "calibrate_runs", "plan_methods", "time_per_mini_batch"]
+__all__ = [
+    "SYNCHRONOUS_RIVALS",
+    "calibrate_runs",
+    "plan_methods",
+    "time_per_mini_batch",
+]
 
 SYNCHRONOUS_RIVALS = ("zb-h1", "1f1b")
 """The synchronous methods the recommendation is measured against: the strongest of them
@@ -123,6 +129,8 @@ def _cross(source: Trace, target: Trace, profile: Profile) -> Trace:
         batch_size=float(calibrated.batch_size),
         latency_s=float(calibrated.meta.get("link_latency_s", 0.0)),
     )
+    run_ranks = Plan.from_dict(source.meta["plan"], source="the measured trace's plan").num_stages
+    costs = with_profile_machine(costs, calibrated.meta, run_ranks, shape.num_ranks)
     predicted = evaluate_trace(get_method(plan.method), shape, costs)
     predicted.meta["batch_size"] = target.meta.get("batch_size")
     return predicted
@@ -148,6 +156,7 @@ def calibrate_runs(
             "median_action_s": statistics.median(
                 [e.duration for e in trace.events if e.kind in COMPUTE_KINDS] or [0.0]
             ),
+            "fitted": fitted_costs(trace),
         }
     cross = []
     for source, target in ((a, b) for a in measured for b in measured if a != b):

@@ -242,26 +242,30 @@ def _row(r: Mapping[str, Any]) -> list[str]:
 
 
 def _calibration_notes(results: Mapping[str, Any]) -> list[str]:
-    """Why the measured runs can be slower than the one-device-per-stage prediction: shared
-    cores, and actions so short that each message's fixed cost counts."""
+    """How the calibration modelled the runs: what it fitted from each (shared cores, the
+    fixed cost of a message, the ranks' clocks), and where the actions were short."""
     cpus, stages = results["profile"]["cpus"], results["options"]["stages"]
     notes = []
     if cpus < stages:
         notes.append(
             f"This machine has fewer cores ({cpus}) than the real runs have processes "
-            f"({stages}): the ranks take turns on the cores, so a rank often waits for a core, "
-            f"not for its neighbour. The simulator models one device per stage, and the "
-            f"calibration takes each action's median time, so it predicts the runs faster "
-            f"than they ran."
+            f"({stages}): the ranks take turns on the cores. The calibrated simulator models "
+            f"it: the busy ranks share the cores (processor sharing), and every message "
+            f"costs its sender and its receiver a fixed time, both fitted from the run."
         )
     runs = results["calibrate"]["runs"]
+    for method, run in runs.items():
+        fitted = run.get("fitted")
+        if fitted:
+            notes.append(f"Fitted from the {method} run: " + "; ".join(fitted) + ".")
     shortest = min(float(r["median_action_s"]) for r in runs.values())
     if shortest < 1e-3:
         notes.append(
             f"The median action of a real run took {1e3 * shortest:.2f} ms: at that size the "
-            f"fixed cost of each message between the ranks fills much of the run, and "
-            f"calibration can miss by tens of percent (benchmarks/bench_fidelity.py measures "
-            f"a larger model)."
+            f"fixed cost of each message and the executor's own time between actions are "
+            f"much of the run, so they are fitted, not neglected; the bubble ratio compares "
+            f"unlike things here (the real run's idle time holds its sends, receives and the "
+            f"executor's time; the simulator counts them as work of the actions)."
         )
     return notes
 

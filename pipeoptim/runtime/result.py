@@ -9,9 +9,11 @@ report alike.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pipeoptim.plan.machine import Machine, this_machine_cores
 from pipeoptim.plan.plan import Plan
 from pipeoptim.runtime.executor import RankResult
 from pipeoptim.trace import Trace
@@ -126,11 +128,29 @@ def build_trace(plan: Plan, results: list[RankResult], meta: dict[str, Any]) -> 
         **next((r.meta for r in results if r.meta), {}),  # what a rank knows of the run
         **meta,
     }
+    full.setdefault("machine", _machine_record(plan, full))
     return Trace(
         events=sorted((e for r in results for e in r.events), key=lambda e: (e.start, e.rank)),
         memory=sorted((m for r in results for m in r.memory), key=lambda m: (m.time, m.rank)),
         meta=full,
     )
+
+
+def _machine_record(plan: Plan, meta: dict[str, Any]) -> dict[str, int]:
+    """The host the ranks shared, for calibration (:class:`~pipeoptim.plan.machine.Machine`):
+    this host's cores, the ranks on it (torchrun's LOCAL_WORLD_SIZE, else every rank of a
+    multi-process run, which ``pipeoptim train`` spawns on this machine; 1 for one process)
+    and each rank's threads."""
+    replicas = meta.get("data_parallel")
+    spawned = plan.shape(1).num_ranks * (replicas if isinstance(replicas, int) else 1)
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    ranks = 1 if meta.get("transport") == "local" else int(local) if local else spawned
+    threads = meta.get("threads")
+    return Machine(
+        cores=this_machine_cores(),
+        ranks_per_host=max(1, ranks),
+        threads_per_rank=threads if isinstance(threads, int) and threads >= 1 else 1,
+    ).to_dict()
 
 
 def merge(plan: Plan, results: list[RankResult], meta: dict[str, Any]) -> FitResult:

@@ -4,7 +4,9 @@ Pure Python plus SimPy; never imports torch. Both engines read one
 :class:`~pipeoptim.sim.costs.CostModel` and one compiled order
 (:class:`~pipeoptim.sim.program.Program`) and agree exactly when there is no jitter and no
 link contention. Data-parallel replicas of the pipeline (PP x DP) are one replica's run
-whose updates carry the all-reduce (:mod:`pipeoptim.sim.collectives`). The SimPy engine
+whose updates carry the all-reduce (:mod:`pipeoptim.sim.collectives`). Ranks that share a
+host's cores run by processor sharing in both engines (:mod:`pipeoptim.sim.sharing`),
+still bit-equal. The SimPy engine
 emits the shared :class:`~pipeoptim.trace.Trace`; :func:`pipeoptim.metrics.compute_metrics`
 reads it.
 """

@@ -35,6 +35,15 @@ micro-batch that ran on predicted weights holds the recomputed units' Ŵ
 Sharded optimizer state (:meth:`CostModel.with_sharded_optimizer`, ZeRO-1): each replica
 keeps ``ceil(optimizer_state_bytes / D)``, steps 1/D of the weights (``update_s / D``)
 and then all-gathers them (``gather_s``, inside the update like the all-reduce).
+
+Messages and shared cores: a message between two ranks costs the sender
+``message_send_s`` (added to the action whose output it carries) and the receiver
+``message_receive_s`` (added to the action that consumes it), whatever its size; the link
+adds its latency and bytes in between. ``machine`` (:class:`~pipeoptim.plan.machine.Machine`)
+is the host the ranks share: where their threads outnumber its cores the busy ranks share
+them (:mod:`pipeoptim.sim.sharing`). Both default to nothing, today's model of a device
+per rank and free messages, to the bit. :meth:`scaled` leaves both as they are (they are
+the host's, not the device's).
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from pipeoptim.errors import PlanError
+from pipeoptim.plan.machine import Machine
 from pipeoptim.plan.profile import optimizer_state_factor
 from pipeoptim.plan.recompute import check_shard_optimizer
 from pipeoptim.plan.recompute_costs import (
@@ -191,6 +201,17 @@ class CostModel:
     (:meth:`with_sharded_optimizer`); empty: none."""
     shard_optimizer: bool = False
     """Whether the optimizer state is sharded over the D replicas (ZeRO-1)."""
+    message_send_s: float = 0.0
+    """Fixed seconds the sending rank spends on each message to another rank (posting it
+    to the transport), whatever its size: added to the action whose output it carries, so
+    it occupies the rank (and its share of the cores). 0: messages cost only their link."""
+    message_receive_s: float = 0.0
+    """Fixed seconds the receiving rank spends on each message from another rank (taking it
+    from the transport): added to the action that consumes it, after the link delivered it."""
+    machine: Machine | None = None
+    """The host the ranks share (:class:`~pipeoptim.plan.machine.Machine`). Where its busy
+    ranks can ask for more cores than it has, the engines run them by processor sharing
+    (:mod:`pipeoptim.sim.sharing`); None, or enough cores, is a core (or device) per rank."""
 
     def __post_init__(self) -> None:
         s = len(self.forward_s)
@@ -222,6 +243,22 @@ class CostModel:
             given = getattr(self, name)
             object.__setattr__(self, name, _ints(name, given if len(given) else (0,) * s, s))
         object.__setattr__(self, "weight_grad_fraction", _fractions(self.weight_grad_fraction, s))
+        for name in ("message_send_s", "message_receive_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                value = None
+            if value is None or not math.isfinite(value) or value < 0:
+                raise PlanError(
+                    f"{name} is the fixed seconds of one message at one end and must be a "
+                    f"finite number >= 0 (got {getattr(self, name)!r}); give e.g. 5e-05, or "
+                    f"0 for messages that cost only their link"
+                )
+            object.__setattr__(self, name, float(value))
+        if self.machine is not None and not isinstance(self.machine, Machine):
+            raise PlanError(
+                f"machine must be a pipeoptim.plan.machine.Machine or None (got "
+                f"{self.machine!r}); build one with Machine(cores, ranks_per_host, threads)"
+            )
 
     # ------------------------------------------------------------------ derived
     @property
@@ -241,6 +278,16 @@ class CostModel:
             u + a + g
             for u, a, g in zip(self.update_s, self.allreduce_s, self.gather_s, strict=True)
         )
+
+    @property
+    def charges_messages(self) -> bool:
+        """Whether a message between ranks costs its ends any time."""
+        return self.message_send_s > 0 or self.message_receive_s > 0
+
+    @property
+    def shares_cores(self) -> bool:
+        """Whether the ranks take turns on their host's cores (:attr:`machine`)."""
+        return self.machine is not None and self.machine.shares_cores
 
     @property
     def recomputes(self) -> bool:

@@ -27,11 +27,13 @@ import simpy
 from pipeoptim.errors import ScheduleError, WorkLimitError
 from pipeoptim.plan.actions import Action
 from pipeoptim.plan.limits import check_work, estimate_work, max_actions
+from pipeoptim.plan.machine import Machine
 from pipeoptim.plan.methods import Method, WeightPolicy, get_method
 from pipeoptim.plan.schedules import Shape
 from pipeoptim.sim.costs import CostModel
 from pipeoptim.sim.memory import memory_report
 from pipeoptim.sim.program import Program, Timing
+from pipeoptim.sim.sharing import HostCores
 from pipeoptim.trace import Trace
 
 __all__ = ["build_trace", "run_simpy", "simulate", "simulate_order"]
@@ -42,6 +44,40 @@ _DONE = object()
 
 def _arrive(arrival: simpy.Event, _: simpy.Event) -> None:
     arrival.succeed()
+
+
+class _SharedHost:
+    """A host whose busy ranks share its cores: the SimPy face of
+    :class:`~pipeoptim.sim.sharing.HostCores` (the same arithmetic as the fast evaluator).
+
+    A rank asks for ``work`` seconds and gets an event that fires when it is done; after
+    every change the host schedules one timeout for its next finish (an earlier one that
+    another start made stale finds nothing due and changes nothing)."""
+
+    def __init__(self, env: simpy.Environment, machine: Machine) -> None:
+        self.env = env
+        self.cores = HostCores(machine)
+        self.waiting: dict[int, simpy.Event] = {}
+
+    def run(self, rank: int, work: float) -> simpy.Event:
+        done = self.waiting[rank] = self.env.event()
+        self._release(self.cores.start(rank, work, self.env.now))
+        self._wake()
+        return done
+
+    def _wake(self) -> None:
+        if self.cores.tags:  # the host's clock is env.now: its delay lands on the finish
+            self.env.timeout(self.cores.delay()).callbacks.append(self._tick)
+
+    def _tick(self, _: simpy.Event) -> None:
+        done = self.cores.finish(self.env.now)
+        if done:
+            self._release(done)
+            self._wake()
+
+    def _release(self, done: list[tuple[int, float]]) -> None:
+        for rank, _end in done:
+            self.waiting.pop(rank).succeed()
 
 
 def _transfer(
@@ -74,8 +110,15 @@ class _Run:
         transfers: Sequence[float],
         contention: bool,
         full_duplex: bool,
+        machine: Machine | None = None,
     ) -> None:
         self.env = simpy.Environment()
+        # the hosts whose ranks share cores (none: every rank holds its own for d seconds)
+        self.hosts: dict[int, _SharedHost] = {}
+        if machine is not None and machine.shares_cores:
+            for r in program.ranks:
+                self.hosts.setdefault(machine.host_of(r), _SharedHost(self.env, machine))
+        self.machine = machine
         n = program.size
         self.program = program
         self.durations = durations
@@ -110,8 +153,9 @@ class _Run:
                         link = links[key] = simpy.Resource(self.env, capacity=1)
                     self.links[d] = link
 
-    def rank(self, lo: int, hi: int) -> Generator[simpy.Event, Any, None]:
+    def rank(self, rank: int, lo: int, hi: int) -> Generator[simpy.Event, Any, None]:
         env = self.env
+        host = self.hosts.get(self.machine.host_of(rank)) if self.machine else None
         timeout, event = env.timeout, env.event
         dep, durations, starts, ends = self.program.dep, self.durations, self.starts, self.ends
         slots, feeds, delays, links, log = self.slots, self.feeds, self.delay, self.links, self.log
@@ -127,7 +171,7 @@ class _Run:
             starts[i] = now
             d = durations[i]
             if d > 0.0:
-                yield timeout(d)
+                yield timeout(d) if host is None else host.run(rank, d)
                 now = env.now
             ends[i] = now
             c = feeds[i]
@@ -160,30 +204,20 @@ def run_simpy(
     *,
     contention: bool = True,
     full_duplex: bool = True,
+    machine: Machine | None = None,
 ) -> Timing:
     """Run the compiled order on a fresh :class:`simpy.Environment`; raises
-    :class:`ScheduleError` when the ranks deadlock."""
-    run = _Run(program, durations, transfers, contention, full_duplex)
-    for lo, hi in program.rank_bounds:
-        if hi > lo:
-            run.env.process(run.rank(lo, hi))
-    run.env.run()
-    ends, dep = run.ends, program.dep
-    blocked = []
+    :class:`ScheduleError` when the ranks deadlock. ``machine``: the host the ranks share,
+    whose busy ranks share its cores where they outnumber them (:mod:`pipeoptim.sim.sharing`)."""
+    run = _Run(program, durations, transfers, contention, full_duplex, machine)
     for r, (lo, hi) in zip(program.ranks, program.rank_bounds, strict=True):
-        stuck = next((i for i in range(lo, hi) if ends[i] < 0.0), None)
-        if stuck is not None:
-            blocked.append(
-                f"rank {r} waits at {program.describe(stuck)} for {program.describe(dep[stuck])}"
-            )
-    if blocked:
-        raise ScheduleError(
-            "schedule deadlocks: every rank waits for an action another rank has not run.\n"
-            + "\n".join(blocked)
-            + "\nReorder the ranks' actions so dependencies run first."
-        )
+        if hi > lo:
+            run.env.process(run.rank(r, lo, hi))
+    run.env.run()
+    if min(run.ends, default=0.0) < 0.0:
+        raise program.stuck_error(run.ends)
     run.log.sort()
-    return Timing(run.starts, ends, run.log)
+    return Timing(run.starts, run.ends, run.log)
 
 
 def build_trace(
@@ -227,6 +261,11 @@ def build_trace(
         "stage_ranks": {str(k): r for k, r in sorted(program.stage_rank.items())},
         "makespan": timing.makespan,
     }
+    if costs.machine is not None:  # the machine the ranks shared, as a runtime trace has it
+        info["machine"] = costs.machine.to_dict()
+    if costs.charges_messages:
+        info["message_send_s"] = costs.message_send_s
+        info["message_receive_s"] = costs.message_receive_s
     if costs.data_parallel > 1:
         info["replica_batch_size"] = m * costs.samples_per_micro_batch
         info["allreduce_s"] = {str(k): v for k, v in enumerate(costs.allreduce_s)}
@@ -304,6 +343,7 @@ def _simulate(
         program.transfer_times(costs),
         contention=contention,
         full_duplex=full_duplex,
+        machine=costs.machine,
     )
     return build_trace(
         program,

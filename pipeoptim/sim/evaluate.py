@@ -10,7 +10,7 @@ cached) and evaluate it under many cost models with :func:`evaluate_program`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import TYPE_CHECKING, cast
@@ -23,7 +23,9 @@ from pipeoptim.plan.methods import Method, get_method
 from pipeoptim.plan.orders import IntArray
 from pipeoptim.plan.schedules import Shape
 from pipeoptim.sim.costs import CostModel
-from pipeoptim.sim.program import FloatArray, Program, Steps, Timing
+from pipeoptim.sim.program import FloatArray, Program, Timing
+from pipeoptim.sim.sharing import shared_schedule
+from pipeoptim.sim.steps import Steps
 
 if TYPE_CHECKING:
     from pipeoptim.trace import Trace
@@ -35,6 +37,7 @@ __all__ = [
     "evaluate_program",
     "evaluate_trace",
     "list_schedule",
+    "schedule",
     "summarize",
 ]
 
@@ -88,75 +91,108 @@ def list_schedule(program: Program, durations: list[float], transfers: list[floa
     transfer)``, ``end = start + duration``.
     """
     steps = program.steps()
-    starts, ends = _walk(steps, durations, transfers)
-    return _in_action_order(steps, starts, ends)
+    at = steps.order_array
+    step_transfers = np.asarray(transfers, dtype=np.float64)[at]
+    ends = _walk(steps, np.asarray(durations, dtype=np.float64)[at].tolist(), step_transfers)
+    return _Walked(steps, ends, step_transfers.__getitem__).timing()
 
 
-def _walk(
-    steps: Steps, durations: Sequence[float] | FloatArray, transfers: Sequence[float]
-) -> tuple[list[float], list[float]]:
-    """Start and end of every step, from every action's duration and transfer (action order).
+def _walk(steps: Steps, durations: list[float], transfers: FloatArray) -> list[float]:
+    """The end of every step (slot ``j + 1``; slot 0 the sentinel, ended at 0) from each
+    step's duration and transfer.
 
     Times are kept in step order, so the loop reads and writes memory nearly in sequence.
-    Step -1 (a rank's first action, or no input) reads the sentinel at the end, which
-    ended at 0.
+    The start is not kept: :class:`_Walked` computes it from the ends, with the same float
+    operations.
     """
-    at = steps.order_array
-    step_durations = np.asarray(durations, dtype=np.float64)[at].tolist()
-    step_transfers = np.asarray(transfers, dtype=np.float64)[at].tolist()
-    n = len(step_durations)
-    starts = [0.0] * n
-    ends = [0.0] * (n + 1)
-    j = 0
+    ends = [0.0]
+    append = ends.append
     for prev, dep, duration, transfer in zip(
-        steps.previous, steps.input, step_durations, step_transfers, strict=True
+        steps.previous, steps.input, durations, transfers.tolist(), strict=True
     ):
         t = ends[prev]
         arrive = ends[dep] + transfer
         if arrive > t:
             t = arrive
-        starts[j] = t
-        ends[j] = t + duration
-        j += 1  # noqa: SIM113 (enumerate's tuple costs 20% of this loop)
-    ends.pop()
-    return starts, ends
+        append(t + duration)
+    return ends
 
 
 def _walk_coded(
     steps: Steps, codes: list[int], durations: list[float], transfers: list[float]
-) -> tuple[list[float], list[float]]:
+) -> list[float]:
     """:func:`_walk` with durations and transfers looked up in small per-code tables, so
     an evaluation builds no per-action list (the same float operations)."""
-    n = len(codes)
-    starts = [0.0] * n
-    ends = [0.0] * (n + 1)
-    j = 0
+    ends = [0.0]
+    append = ends.append
     for prev, dep, code, link in zip(steps.previous, steps.input, codes, steps.link, strict=True):
         t = ends[prev]
         arrive = ends[dep] + transfers[link]
         if arrive > t:
             t = arrive
-        starts[j] = t
-        ends[j] = t + durations[code]
-        j += 1  # noqa: SIM113 (enumerate's tuple costs 20% of this loop)
-    ends.pop()
-    return starts, ends
+        append(t + durations[code])
+    return ends
 
 
-def _in_action_order(steps: Steps, starts: list[float], ends: list[float]) -> Timing:
-    where = steps.position_array
-    return Timing(
-        cast(list[float], np.asarray(starts)[where].tolist()),
-        cast(list[float], np.asarray(ends)[where].tolist()),
-    )
+class _Walked:
+    """A walk's ends (by slot), read by action; starts where they are asked for.
+
+    A step's start is the later of its rank's previous end and its input's end plus the
+    transfer: the walk's own float operations, so recomputing it here gives the walk's
+    value to the bit without the walk storing it.
+    """
+
+    def __init__(
+        self, steps: Steps, ends: list[float], transfer_of: Callable[[IntArray], FloatArray]
+    ) -> None:
+        self.steps, self.ends, self.transfer_of = steps, ends, transfer_of
+        """``transfer_of(steps)``: the transfer seconds of those steps' inputs."""
+
+    def ends_of(self, actions: list[int]) -> list[float]:
+        ends, slots = self.ends, (self.steps.position_array[actions] + 1).tolist()
+        return [ends[j] for j in slots]
+
+    def first_starts(self, program: Program) -> list[float]:
+        """The start of every rank's first action."""
+        ends, steps = self.ends, self.steps
+        at = steps.position_array[[lo for lo, hi in program.rank_bounds if hi > lo]]
+        return [
+            max(ends[prev], ends[dep] + transfer)
+            for prev, dep, transfer in zip(
+                steps.previous_slots[at].tolist(),
+                steps.input_slots[at].tolist(),
+                self.transfer_of(at).tolist(),
+                strict=True,
+            )
+        ]
+
+    def timing(self) -> Timing:
+        """Start and end of every action, in action order."""
+        steps = self.steps
+        ends = np.asarray(self.ends)
+        every = np.arange(len(steps.order_array), dtype=np.int64)
+        starts = np.maximum(
+            ends[steps.previous_slots], ends[steps.input_slots] + self.transfer_of(every)
+        )
+        where = steps.position_array
+        return Timing(
+            cast(list[float], starts[where].tolist()),
+            cast(list[float], ends[where + 1].tolist()),
+        )
 
 
 def summarize(
-    program: Program, costs: CostModel, timing: Timing, durations: list[float]
+    program: Program, costs: CostModel, timing: Timing, durations: Sequence[float] | FloatArray
 ) -> Evaluation:
-    """Busy time, bubbles and throughput of a timing."""
+    """Busy time (the sum of ``durations``), bubbles and throughput of a timing."""
     busy, rank_busy = _busy(program, np.asarray(durations, dtype=np.float64))
-    return _summary(program, costs, timing.starts, timing.ends, busy, rank_busy, None)
+    firsts = [timing.starts[lo] for lo, hi in program.rank_bounds if hi > lo]
+    ends = timing.ends
+
+    def ends_of(actions: list[int]) -> list[float]:
+        return [ends[i] for i in actions]
+
+    return _summary(program, costs, firsts, ends_of, busy, rank_busy)
 
 
 def _busy(program: Program, durations: FloatArray) -> tuple[dict[int, float], dict[int, float]]:
@@ -174,29 +210,24 @@ def _busy(program: Program, durations: FloatArray) -> tuple[dict[int, float], di
 def _summary(
     program: Program,
     costs: CostModel,
-    starts: list[float],
-    ends: list[float],
+    firsts: list[float],
+    ends_of: Callable[[list[int]], list[float]],
     busy: dict[int, float],
     rank_busy: dict[int, float],
-    position: IntArray | None,
 ) -> Evaluation:
-    """:func:`summarize` of times held in action order, or in step order (``position``
-    gives each action's step)."""
-
-    def step(i: int) -> int:
-        return i if position is None else int(position[i])
-
-    firsts = [starts[step(lo)] for lo, hi in program.rank_bounds if hi > lo]
+    """:func:`summarize` of the start of every rank's first action and ``ends_of``, the
+    ends of a list of actions."""
     first = min(firsts, default=0.0)
     # a rank's last action ends last on it (ranks run one action at a time)
-    makespan = max((ends[step(hi - 1)] for lo, hi in program.rank_bounds if hi > lo), default=0.0)
+    lasts = [hi - 1 for lo, hi in program.rank_bounds if hi > lo]
+    makespan = max(ends_of(lasts), default=0.0)
     span = makespan - first
     bubble = {r: (1.0 - b / span if span > 0 else 0.0) for r, b in rank_busy.items()}
     overall = 1.0 - sum(rank_busy.values()) / (span * len(rank_busy)) if span > 0 else 0.0
     per_micro = costs.global_samples_per_micro_batch  # all replicas
     samples = program.first_stage_micro_batches() * per_micro
     throughput = samples / span if span > 0 else 0.0
-    ups = [ends[step(i)] for i in program.last_stage_updates()]
+    ups = ends_of(program.last_stage_updates())
     steady = steady_state_throughput(ups, program.micro_batches * per_micro)
     return Evaluation(
         makespan=makespan,
@@ -219,24 +250,63 @@ def evaluate_program(
     seed: int = 0,
     keep_timing: bool = False,
 ) -> Evaluation:
-    """Evaluate a compiled order under ``costs`` (``jitter``/``seed`` as in the engine)."""
+    """Evaluate a compiled order under ``costs`` (``jitter``/``seed`` as in the engine).
+
+    Where the ranks share their host's cores (:attr:`CostModel.shares_cores`) the walk is
+    event-driven (:func:`~pipeoptim.sim.sharing.shared_schedule`) and a rank's busy time is
+    the time its actions spanned (what a trace's metrics count), not their work."""
+    if costs.shares_cores:
+        return _evaluate_shared(program, costs, jitter, seed, keep_timing)
     steps = program.steps()
     if jitter:
         durations = np.asarray(program.durations(costs, jitter, seed))
-        starts, ends = _walk(steps, durations, program.transfer_times(costs))
+        transfers = np.asarray(program.transfer_times(costs))[steps.order_array]
+        ends = _walk(steps, durations[steps.order_array].tolist(), transfers)
+        walked = _Walked(steps, ends, transfers.__getitem__)
         busy, rank_busy = _busy(program, durations)
     else:
-        starts, ends = _walk_coded(
-            steps,
-            program.step_cost_codes(costs),
-            program.duration_table(costs),
-            program.transfer_table(costs),
+        table = program.transfer_table(costs)
+        ends = _walk_coded(
+            steps, program.step_cost_codes(costs), program.duration_table(costs), table
         )
+        links = np.asarray(table)
+
+        def transfer_of(at: IntArray) -> FloatArray:
+            return cast(FloatArray, links[steps.link_array[at]])
+
+        walked = _Walked(steps, ends, transfer_of)
         busy, rank_busy = program.busy_seconds(costs)
-    result = _summary(program, costs, starts, ends, busy, rank_busy, steps.position_array)
+    result = _summary(program, costs, walked.first_starts(program), walked.ends_of, busy, rank_busy)
     if keep_timing:
-        result = replace(result, timing=_in_action_order(steps, starts, ends))
+        result = replace(result, timing=walked.timing())
     return result
+
+
+def _evaluate_shared(
+    program: Program, costs: CostModel, jitter: float, seed: int, keep_timing: bool
+) -> Evaluation:
+    assert costs.machine is not None
+    timing = shared_schedule(
+        program,
+        program.durations(costs, jitter, seed),
+        program.transfer_times(costs),
+        costs.machine,
+    )
+    spans = np.asarray(timing.ends) - np.asarray(timing.starts)
+    result = summarize(program, costs, timing, spans)
+    return replace(result, timing=timing) if keep_timing else result
+
+
+def schedule(
+    program: Program, durations: list[float], transfers: list[float], costs: CostModel
+) -> Timing:
+    """Start and end of every action under ``costs``' machine: :func:`list_schedule`, or
+    processor sharing where the ranks share cores (the SimPy engine's times either way,
+    without jitter's and links' queueing)."""
+    if costs.shares_cores:
+        assert costs.machine is not None
+        return shared_schedule(program, durations, transfers, costs.machine)
+    return list_schedule(program, durations, transfers)
 
 
 def evaluate_method(
@@ -269,7 +339,7 @@ def evaluate_trace(
     program = compile_method(method, shape)
     durations = program.durations(costs, jitter, seed)
     transfers = program.transfer_times(costs)
-    timing = list_schedule(program, durations, transfers)
+    timing = schedule(program, durations, transfers, costs)
     timing.transfers = [
         (i, timing.ends[program.dep[i]], timing.ends[program.dep[i]] + transfers[i])
         for i in range(program.size)

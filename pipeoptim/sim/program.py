@@ -6,14 +6,9 @@ compilation (which action waits for which, over which link), one way to draw dur
 lists of ints and floats indexed by a global action number keep both hot loops cheap: no
 :class:`Action` hashing, no object per action.
 
-Dependencies are those of :func:`pipeoptim.plan.schedules.dependencies` (F of stage k after
-F of k-1; B of k after B of k+1 and its own F; U after its mini-batch's backwards). A split
-backward's input half I waits like a B (for the I or B of stage k+1, whose gradient crosses
-the edge, and its own F), its weight half W for its own I (same rank, no message), and U
-for the W's of its mini-batch where its backwards are split. A
-dependency on the same rank earlier in its order is implied by the rank running actions one
-after the other, so only cross-rank dependencies are kept; one on the same rank *later* in
-the order can never be met and is reported at compile time.
+Dependencies are compiled by :mod:`pipeoptim.sim.dependencies` (only cross-rank ones are
+kept: a rank runs its actions one after the other) and the cost-independent topological
+order both engines' times are walked in by :mod:`pipeoptim.sim.steps`.
 """
 
 from __future__ import annotations
@@ -24,7 +19,7 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import NamedTuple, cast
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
@@ -40,11 +35,12 @@ from pipeoptim.plan.orders import (
     KIND_U,
     KIND_W,
     IntArray,
-    KeyIndex,
     OrderArrays,
 )
 from pipeoptim.plan.versions import VersionReport, analyze_order
 from pipeoptim.sim.costs import CostModel
+from pipeoptim.sim.dependencies import compile_dependencies
+from pipeoptim.sim.steps import Steps, topological_steps
 from pipeoptim.trace import TraceEvent
 
 __all__ = ["KIND_B", "KIND_CODES", "KIND_F", "KIND_I", "KIND_U", "KIND_W", "Program", "Timing"]
@@ -57,21 +53,9 @@ then the predicted forwards."""
 FloatArray = npt.NDArray[np.float64]
 
 
-class Steps(NamedTuple):
-    """A topological order of a program's actions (see :meth:`Program.steps`)."""
-
-    order_array: IntArray
-    """The action run at each step."""
-    position_array: IntArray
-    """The step of each action (the inverse of ``order_array``)."""
-    previous: list[int]
-    """The step of the same rank's previous action; -1 for a rank's first action."""
-    input: list[int]
-    """The step of the action's cross-rank input; -1 for none."""
-    cost_code: list[int]
-    """The action's :meth:`Program.cost_code_array` entry (index into a duration table)."""
-    link: list[int]
-    """The link its input crosses: ``edge + 1`` (0 for none; index into a transfer table)."""
+def _code_key(costs: CostModel) -> tuple[bool, bool]:
+    """Which cost codes ``costs`` needs: (predicted forwards cost more, messages cost)."""
+    return any(costs.predict_s), costs.charges_messages
 
 
 @dataclass
@@ -117,17 +101,20 @@ class Program:
         self.rank_array = a.rank_of()
         self.stage_rank: dict[int, int] = self._stage_ranks()
         self.num_stages = max(self.stage_rank, default=-1) + 1
-        self.dep_array: IntArray = np.full(self.size, -1, dtype=np.int64)
+        dep, edge = compile_dependencies(
+            a.kind, a.mb, a.stage, self.rank_array, self.num_stages, micro_batches, self._name
+        )
+        self.dep_array: IntArray = dep
         """Index of the one cross-rank action each action waits for, or -1."""
-        self.edge_array: IntArray = np.full(self.size, -1, dtype=np.int64)
+        self.edge_array: IntArray = edge
         """Link of that wait: ``2*k`` forward over edge k, ``2*k+1`` backward, -1 none."""
-        self._compile_dependencies()
         self._versions: VersionReport | None = None
         self._flat_versions: tuple[list[int], list[int], list[bool]] | None = None
         self._steps: Steps | None = None
-        self._codes: dict[bool, IntArray] = {}  # cost codes, with or without predictions
-        self._predicted_step_codes: list[int] | None = None
-        self._code_counts: dict[bool, IntArray] = {}
+        # cost codes by (predicting, charging messages): see duration_codes
+        self._codes: dict[tuple[bool, bool], IntArray] = {}
+        self._step_codes: dict[tuple[bool, bool], list[int]] = {}
+        self._code_counts: dict[tuple[bool, bool], IntArray] = {}
         self._first_stage_micro_batches: int | None = None
         self._last_updates: list[int] | None = None
 
@@ -184,149 +171,20 @@ class Program:
         stages = np.flatnonzero(owner >= 0)
         return dict(zip(stages.tolist(), owner[stages].tolist(), strict=True))
 
-    def _compile_dependencies(self) -> None:
-        """Vectorised :func:`~pipeoptim.plan.schedules.dependencies`: a dependency on
-        another rank becomes the action's ``dep``; one on the same rank must come earlier
-        in its order, or the rank would wait forever."""
-        s, m = max(self.num_stages, 1), self.micro_batches
-        stage, kind, mb = self.arrays.stage, self.arrays.kind, self.arrays.mb
-        rank = self.rank_array
-        passes = np.flatnonzero(kind != KIND_U)
-        index = KeyIndex(((mb[passes] * s + stage[passes]) << 3) | kind[passes])
-        twice = index.duplicate()
-        if twice is not None:
-            i, first = int(passes[twice[0]]), int(passes[twice[1]])
-            raise ScheduleError(
-                f"{self._name(i)} appears twice in the order (also as action {first}); "
-                f"every F, B, I and W runs once per stage and micro-batch"
-            )
-
-        def find(at: IntArray, j: IntArray, k: IntArray, code: int, *other: int) -> IntArray:
-            """The action of kind ``code`` (else of the first ``other`` kind found)."""
-            found = index.find(((j * s + k) << 3) | code)
-            for alt in other:
-                found = np.where(found >= 0, found, index.find(((j * s + k) << 3) | alt))
-            return np.where(found >= 0, passes[np.maximum(found, 0)], -1)
-
-        late: list[tuple[int, int]] = []  # (action, a same-rank input it runs before)
-
-        def link(at: IntArray, d: IntArray, edge: IntArray | None) -> None:
-            has = d >= 0
-            at, d = at[has], d[has]
-            cross = rank[d] != rank[at]
-            if edge is not None:
-                self.dep_array[at[cross]] = d[cross]
-                self.edge_array[at[cross]] = edge[has][cross]
-            wrong = ~cross & (d > at)
-            if wrong.any():
-                q = int(np.argmax(wrong))
-                late.append((int(at[q]), int(d[q])))
-
-        f = np.flatnonzero((kind == KIND_F) & (stage > 0))
-        link(f, find(f, mb[f], stage[f] - 1, KIND_F), 2 * (stage[f] - 1))
-        b = np.flatnonzero((kind == KIND_B) | (kind == KIND_I))  # a backward's input gradient
-        link(b, find(b, mb[b], stage[b], KIND_F), None)
-        b = b[stage[b] < s - 1]
-        link(b, find(b, mb[b], stage[b] + 1, KIND_B, KIND_I), 2 * stage[b] + 1)
-        w = np.flatnonzero(kind == KIND_W)
-        link(w, find(w, mb[w], stage[w], KIND_I), None)
-        u = np.flatnonzero(kind == KIND_U)
-        for q in range(m):
-            link(u, find(u, mb[u] * m + q, stage[u], KIND_B, KIND_W), None)
-        if late:
-            i, d = min(late)
-            r = int(rank[i])
-            raise ScheduleError(
-                f"rank {r} runs {self._name(i)} before {self._name(d)}, which it needs; "
-                f"the rank would wait forever. Put {self._name(d)} first in rank {r}'s order"
-            )
-
     def steps(self) -> Steps:
-        """A topological order of the actions, with each step's inputs as earlier steps.
+        """A topological order of the actions, with each step's inputs as earlier steps
+        (:mod:`pipeoptim.sim.steps`).
 
         The order depends only on the schedule, not on costs, so it is computed once; a
         schedule whose ranks wait for each other in a cycle raises :class:`ScheduleError`
-        here. Actions are ordered by their step on a unit-time clock (:meth:`_levels`), so
-        an engine walking the steps reads and writes its times nearly in sequence.
+        here.
         """
         if self._steps is None:
-            n = self.size
-            inputs = np.where(self.dep_array >= 0, self.dep_array, n)  # n: the sentinel
-            levels = self._levels(inputs)
-            at = self._worklist() if levels is None else np.argsort(levels, kind="stable")
-            position = np.empty(n + 1, dtype=np.int64)
-            position[at] = np.arange(n, dtype=np.int64)
-            position[n] = -1
-            previous = np.arange(-1, n - 1, dtype=np.int64)
-            previous[[lo for lo, hi in self.rank_bounds if hi > lo]] = n
-            self._steps = Steps(
-                at, position[:n], position[previous[at]].tolist(),
-                position[inputs[at]].tolist(), self.cost_code_array()[at].tolist(),
-                (self.edge_array[at] + 1).tolist(),
+            self._steps = topological_steps(
+                self.dep_array, self.edge_array, self.cost_code_array(), self.rank_bounds,
+                self._deadlock,
             )  # fmt: skip
         return self._steps
-
-    def _levels(self, inputs: IntArray, max_sweeps: int = 32) -> IntArray | None:
-        """Each action's step on a clock where every action takes one step: one more than
-        the later of its rank's previous action and its cross-rank input.
-
-        Sorting by it is a topological order. Computed by sweeping the ranks, down then up
-        (forwards flow down, backwards up), each rank in one vectorised pass:
-        ``level[i] = i + max over j <= i of (input level[j] + 1 - j)``. None when the
-        sweeps do not settle (a cycle, or an unusual order): the worklist decides then.
-        ``inputs`` is each action's cross-rank input, ``size`` where it has none.
-        """
-        n = self.size
-        level = np.zeros(n + 1, dtype=np.int64)
-        level[n] = -1  # the sentinel input: level -1 + 1 = 0 imposes nothing
-        spans = [(lo, hi, np.arange(hi - lo, dtype=np.int64)) for lo, hi in self.rank_bounds]
-        spans = [span for span in spans if span[1] > span[0]]
-        for sweep in range(max_sweeps):
-            changed = False
-            for lo, hi, local in spans if sweep % 2 == 0 else spans[::-1]:
-                new = local + np.maximum.accumulate(level[inputs[lo:hi]] + 1 - local)
-                if not np.array_equal(new, level[lo:hi]):
-                    level[lo:hi] = new
-                    changed = True
-            if not changed:
-                return level[:n]
-        return None
-
-    def _worklist(self) -> IntArray:
-        """A topological order by running each rank until it blocks; raises on a deadlock."""
-        n = self.size
-        done = [False] * n
-        dep = self.dep
-        pos = [lo for lo, _ in self.rank_bounds]
-        stop = [hi for _, hi in self.rank_bounds]
-        waiter = [-1] * n  # the rank (position) blocked on each action, if any
-        more: dict[int, list[int]] = {}
-        ready = [p for p in range(len(pos)) if pos[p] < stop[p]]
-        steps: list[int] = []
-        add = steps.append
-        # A rank runs until it blocks, and is woken by the action it waits for. Linear in
-        # the actions (sweeping every rank until nothing moves is quadratic in the ranks).
-        while ready:
-            p = ready.pop()
-            i, e = pos[p], stop[p]
-            while i < e:
-                d = dep[i]
-                if d >= 0 and not done[d]:
-                    if waiter[d] < 0:
-                        waiter[d] = p
-                    else:  # a second rank waits for the same action (rare)
-                        more.setdefault(d, []).append(p)
-                    break
-                done[i] = True
-                add(i)
-                if waiter[i] >= 0:
-                    ready.append(waiter[i])
-                    ready.extend(more.pop(i, ()))
-                i += 1
-            pos[p] = i
-        if len(steps) < n:
-            raise self._deadlock(pos, stop)
-        return np.asarray(steps, dtype=np.int64)
 
     def _deadlock(self, pos: list[int], stop: list[int]) -> ScheduleError:
         lines = [
@@ -339,6 +197,28 @@ class Program:
             + "\n".join(lines)
             + "\nReorder the ranks' actions so each one's inputs run first."
         )
+
+    def stuck_error(self, ends: Sequence[float]) -> ScheduleError:
+        """The deadlock of a run that left actions unfinished (``ends`` below 0)."""
+        lines = []
+        for r, (lo, hi) in zip(self.ranks, self.rank_bounds, strict=True):
+            stuck = next((i for i in range(lo, hi) if ends[i] < 0.0), None)
+            if stuck is not None:
+                waits = self.dep[stuck]
+                lines.append(f"rank {r} waits at {self._name(stuck)} for {self._name(waits)}")
+        return ScheduleError(
+            "schedule deadlocks: every rank waits for an action another rank has not run.\n"
+            + "\n".join(lines)
+            + "\nReorder the ranks' actions so dependencies run first."
+        )
+
+    def consumers(self) -> list[int]:
+        """The action on another rank each action's output feeds (-1: none)."""
+        feeds = [-1] * self.size
+        for i, d in enumerate(self.dep):
+            if d >= 0:
+                feeds[d] = i
+        return feeds
 
     def _name(self, i: int) -> str:
         return self.arrays.name(i)
@@ -365,7 +245,7 @@ class Program:
     def duration_array(self, costs: CostModel) -> FloatArray:
         """:meth:`durations` without jitter, as an array."""
         table = np.array(self.duration_table(costs))
-        return cast(FloatArray, table[self.duration_codes(any(costs.predict_s))])
+        return cast(FloatArray, table[self.duration_codes(*_code_key(costs))])
 
     def transfer_times(self, costs: CostModel) -> list[float]:
         """Seconds each action's cross-rank input spends on its link (0.0 when none)."""
@@ -377,16 +257,29 @@ class Program:
         W...] table."""
         return self.arrays.kind * self.num_stages + self.arrays.stage
 
-    def duration_codes(self, predicting: bool) -> IntArray:
+    def duration_codes(self, predicting: bool, messages: bool = False) -> IntArray:
         """Per action its index into :meth:`duration_table`: the cost code, moved to the
         predicted-forward entries (``5 * num_stages + stage``) for forwards the version
-        analysis predicts when ``predicting`` (the costs have a prediction time)."""
-        if predicting not in self._codes:
+        analysis predicts when ``predicting`` (the costs have a prediction time), and when
+        ``messages`` (the costs charge each message) into the block of its messages: one
+        block of ``6 * num_stages`` codes each for an action that sends a message to another
+        rank, receives one, or both (:meth:`message_roles`)."""
+        key = (predicting, messages)
+        if key not in self._codes:
             codes = self.cost_code_array()
             if predicting:
                 codes[self.versions().actions.predicted] += _KINDS * self.num_stages
-            self._codes[predicting] = codes
-        return self._codes[predicting]
+            if messages:
+                codes += self.message_roles() * ((_KINDS + 1) * self.num_stages)
+            self._codes[key] = codes
+        return self._codes[key]
+
+    def message_roles(self) -> IntArray:
+        """Per action 1 if its output goes to another rank (it sends a message), plus 2 if
+        it waits for an input from another rank (it receives one)."""
+        roles = np.where(self.dep_array >= 0, 2, 0)
+        roles[self.dep_array[self.dep_array >= 0]] += 1
+        return roles
 
     def duration_table(self, costs: CostModel) -> list[float]:
         """Seconds per cost code: ``[F..., B..., U..., I..., W..., predicted F...]`` of
@@ -396,7 +289,10 @@ class Program:
         recomputed forward, :attr:`CostModel.recompute_s`).
 
         A predicted forward (code ``5 * num_stages + stage``, see :meth:`duration_codes`)
-        costs its forward plus the prediction."""
+        costs its forward plus the prediction. Where the costs charge messages
+        (:attr:`CostModel.charges_messages`), three more blocks follow: the same seconds
+        plus :attr:`CostModel.message_send_s`, plus :attr:`CostModel.message_receive_s`,
+        and plus both (the sending and receiving rank's fixed time per message)."""
         if costs.num_stages < self.num_stages:
             raise ScheduleError(
                 f"the cost model has {costs.num_stages} stages but the schedule has "
@@ -409,7 +305,7 @@ class Program:
             again = costs.recompute_s[:s]
             backward = tuple(b + r for b, r in zip(backward, again, strict=True))
             backward_input = tuple(b + r for b, r in zip(backward_input, again, strict=True))
-        return [
+        table = [
             *costs.forward_s[:s],
             *backward,
             *costs.update_total_s[:s],
@@ -417,22 +313,30 @@ class Program:
             *costs.backward_weight_s[:s],
             *extra,
         ]
+        if not costs.charges_messages:
+            return table
+        send, receive = costs.message_send_s, costs.message_receive_s
+        return [
+            *table,
+            *(d + send for d in table),
+            *(d + receive for d in table),
+            *(d + send + receive for d in table),
+        ]
 
     def busy_seconds(self, costs: CostModel) -> tuple[dict[int, float], dict[int, float]]:
         """Compute seconds per stage and per rank without jitter, from how often each rank
         runs each cost code (counted once per program)."""
         s = self.num_stages
-        predicting = any(costs.predict_s)
-        if predicting not in self._code_counts:
-            codes = self.duration_codes(predicting)
-            self._code_counts[predicting] = np.stack(
-                [np.bincount(codes[lo:hi], minlength=(_KINDS + 1) * s)
-                 for lo, hi in self.rank_bounds]
-            ) if self.rank_bounds else np.zeros((0, (_KINDS + 1) * s), dtype=np.int64)  # fmt: skip
-        counts = self._code_counts[predicting]
+        key = _code_key(costs)
         table = np.array(self.duration_table(costs))
+        if key not in self._code_counts:
+            codes = self.duration_codes(*key)
+            self._code_counts[key] = np.stack(
+                [np.bincount(codes[lo:hi], minlength=len(table)) for lo, hi in self.rank_bounds]
+            ) if self.rank_bounds else np.zeros((0, len(table)), dtype=np.int64)  # fmt: skip
+        counts = self._code_counts[key]
         per_code = counts * table  # seconds per (rank, code)
-        per_stage = per_code.sum(axis=0).reshape(_KINDS + 1, s).sum(axis=0)
+        per_stage = per_code.sum(axis=0).reshape(-1, s).sum(axis=0)
         stage = {k: float(per_stage[k]) for k in sorted(self.stage_rank)}
         rank = {
             r: float(per_code[p].sum())
@@ -443,12 +347,13 @@ class Program:
 
     def step_cost_codes(self, costs: CostModel) -> list[int]:
         """:meth:`duration_codes` in step order (:meth:`steps`)."""
-        if not any(costs.predict_s):
+        key = _code_key(costs)
+        if key == (False, False):
             return self.steps().cost_code
-        if self._predicted_step_codes is None:
+        if key not in self._step_codes:
             order = self.steps().order_array
-            self._predicted_step_codes = self.duration_codes(True)[order].tolist()
-        return self._predicted_step_codes
+            self._step_codes[key] = self.duration_codes(*key)[order].tolist()
+        return self._step_codes[key]
 
     def transfer_table(self, costs: CostModel) -> list[float]:
         """Seconds per link code of :attr:`Steps.link`: 0.0 for none, then for every edge

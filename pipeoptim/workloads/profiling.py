@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.plan.machine import Machine, this_machine_cores
 from pipeoptim.plan.profile import Profile
 from pipeoptim.runtime.comm.placement import rank_threads
 from pipeoptim.runtime.profiling.layer_memory import trainable_bytes
@@ -46,6 +47,8 @@ def profile_builtin(
     train --transport dist`` gives them), and the profile is taken with as many, unless
     ``threads`` says otherwise; as many of the other ranks as can run at once (one per
     further core) are stood in for by busy processes training a copy of the model.
+    ``meta["machine"]`` records the host the ranks will share (its cores, the ranks, each
+    one's threads: :class:`~pipeoptim.plan.machine.Machine`).
     """
     if batch_size < 1:
         raise RuntimeConfigError(f"--batch-size must be at least 1 (got {batch_size})")
@@ -72,7 +75,8 @@ def profile_builtin(
         neighbours=_neighbours(ranks) if on_cpu else 0,
         stream_bytes=_stage_bytes(layers, ranks),
     )
-    meta = {**profile.meta, "model": model, "ranks": ranks}
+    machine = Machine(this_machine_cores(), ranks or 1, profile.meta.get("threads") or 1)
+    meta = {**profile.meta, "model": model, "ranks": ranks, "machine": machine.to_dict()}
     return dataclasses.replace(profile, meta=meta)
 
 

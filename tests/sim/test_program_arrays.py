@@ -16,6 +16,7 @@ from pipeoptim.plan.orders import OrderArrays
 from pipeoptim.plan.zero_bubble import zb_h1, zb_v
 from pipeoptim.sim import CostModel, Program, evaluate_program, list_schedule, run_simpy
 from pipeoptim.sim.evaluate import summarize
+from pipeoptim.sim.steps import levels
 
 
 def _shapes(name: str) -> list:
@@ -61,10 +62,10 @@ def test_steps_are_a_topological_order(name: str, shape) -> None:
     assert sorted(order) == list(range(program.size))
     for j, i in enumerate(order):
         lo = next(lo for lo, hi in program.rank_bounds if lo <= i < hi)
-        assert steps.previous[j] == (-1 if i == lo else steps.position_array[i - 1])
-        assert steps.previous[j] < j and steps.input[j] < j
+        assert steps.previous[j] == (0 if i == lo else steps.position_array[i - 1] + 1)
+        assert steps.previous[j] <= j and steps.input[j] <= j  # slots: step + 1, 0 none
         d = program.dep[i]
-        assert steps.input[j] == (-1 if d < 0 else steps.position_array[d])
+        assert steps.input[j] == (0 if d < 0 else steps.position_array[d] + 1)
 
 
 @pytest.mark.parametrize(("name", "shape"), CASES)
@@ -163,7 +164,7 @@ def test_a_deadlocked_order_falls_back_to_the_worklist_and_names_the_waits() -> 
     }
     program = Program(order)
     inputs = np.where(program.dep_array >= 0, program.dep_array, program.size)
-    assert program._levels(inputs) is None  # the sweeps never settle on a cycle
+    assert levels(inputs, program.rank_bounds) is None  # the sweeps never settle on a cycle
     with pytest.raises(ScheduleError, match="rank 0 waits at 0B0 for 1B0"):
         program.steps()
 
