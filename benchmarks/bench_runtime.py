@@ -18,11 +18,20 @@ Runs, interleaved round by round so machine noise hits all alike:
 * ``pipeoptim gpipe``, ``1f1b``, ``zb-h1``, ``pipedream``, ``pipeoptim``:
   ``Pipeline(transport="dist")`` over gloo, one process per stage (zb-h1: the zero-bubble
   schedule, each backward split into an input and a weight pass);
-* ``limit``: the whole model in one process with one thread, times the number of ranks:
-  what P stages could do with no pipeline cost at all.
+* ``pipeoptim pipeoptim +loggers``: the same with the TensorBoard and JSON-lines loggers
+  attached (every pipeoptim run reads its losses every ``LOG_EVERY`` mini-batches, the
+  loggers' log points);
+* ``limit``: each rank's share of the model trained alone, every rank at the same time in
+  its own process with the same threads, no communication (a stage's input and its output's
+  gradient are fixed tensors): what P stages could do with no pipeline cost at all, on a
+  machine whose cores are all busy. The throughput is the slowest rank's.
 
 Each run trains ``--warmup`` mini-batches, then times ``--steps`` more. The table gives
-the median samples/s over the rounds and the ratio to PyTorch's Schedule1F1B.
+the median samples/s over the rounds and the ratio to PyTorch's Schedule1F1B; then the
+asynchronous methods' share of the limit, and where each pipeoptim run's time goes on each
+rank, from its own trace of the timed steps: compute (F, B, U and their halves), the
+communication actions (sends, and receives including their waits) and the interpreter
+between actions (the wall time no action covers).
 """
 
 from __future__ import annotations
@@ -33,8 +42,10 @@ import platform
 import socket
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -110,18 +121,25 @@ def _torch_rank(rank: int, ranks: int, port: int, args: dict[str, Any], out: Any
     for _ in range(args["steps"]):
         step()
     dist.barrier()
-    if rank == 0:
-        out.put(args["steps"] * args["batch"] / (time.perf_counter() - start))
+    out.put((rank, args["steps"] * args["batch"] / (time.perf_counter() - start), {}))
     dist.destroy_process_group()
 
 
+LOG_EVERY = 10
+"""Mini-batches between the loss reads of every pipeoptim run (the loggers' log points)."""
+
+
 def _pipeoptim_rank(rank: int, ranks: int, port: int, args: dict[str, Any], out: Any) -> None:
-    from pipeoptim import Pipeline
+    from pipeoptim import JsonlLogger, Pipeline, TensorBoardLogger
     from pipeoptim.plan.plan import OptimizerSpec
 
     _init(rank, ranks, port, args["threads"])
-    method = args["run"].split()[-1]
+    method = args["run"].split()[1]
     micro = args["micro_batches"] if method in ("gpipe", "1f1b", "zb-h1") else None
+    loggers: list[Any] = []
+    if args["run"].endswith("+loggers"):  # each rank writes its own files (rank{r})
+        folder = Path(tempfile.mkdtemp(prefix="bench-runtime-logs-"))
+        loggers = [TensorBoardLogger(folder / "tb"), JsonlLogger(folder / "run.jsonl")]
     pipe = Pipeline(
         blocks(),
         method,
@@ -131,7 +149,8 @@ def _pipeoptim_rank(rank: int, ranks: int, port: int, args: dict[str, Any], out:
         transport="dist",
         device="cpu",
         targets="read",
-        log_every=10**9,
+        log_every=LOG_EVERY,
+        loggers=loggers,
     )
     pipe.fit(data(args["batch"], args["warmup"]), max_steps=args["warmup"])
     dist.barrier()
@@ -139,41 +158,73 @@ def _pipeoptim_rank(rank: int, ranks: int, port: int, args: dict[str, Any], out:
     total = args["warmup"] + args["steps"]
     pipe.fit(data(args["batch"], total), max_steps=total)
     dist.barrier()
-    if rank == 0:
-        out.put(args["steps"] * args["batch"] / (time.perf_counter() - start))
+    wall = time.perf_counter() - start
+    out.put((rank, args["steps"] * args["batch"] / wall, _breakdown(pipe, rank, wall)))
     pipe.close()
 
 
-def _spawned(target: Callable[..., None], ranks: int, args: dict[str, Any]) -> float:
+COMPUTE = ("F", "B", "U", "I", "W")
+
+
+def _breakdown(pipe: Any, rank: int, wall: float) -> dict[str, float]:
+    """Seconds of the timed fit on this rank: compute, sends, receives (waits included), and
+    the rest of its wall time (the interpreter between actions, the fit's own work)."""
+    events = [e for e in pipe.rank_result().events if e.rank == rank]
+    end = max(e.end for e in events)
+    timed = [e for e in events if e.start >= end - wall]
+    out = {"compute": 0.0, "send": 0.0, "receive": 0.0}
+    for e in timed:
+        key = "compute" if e.kind in COMPUTE else "send" if e.kind.startswith("SEND") else "receive"
+        out[key] += e.end - e.start
+    out["between actions"] = max(0.0, wall - sum(out.values()))
+    out["actions"] = float(len(timed))
+    return out
+
+
+def _limit_rank(rank: int, ranks: int, port: int, args: dict[str, Any], out: Any) -> None:
+    """One rank's share of the model trained alone, at the same time as the others."""
+    _init(rank, ranks, port, args["threads"])
+    module = split(blocks(), ranks)[rank]
+    opt = torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9)
+    x, y = data(args["batch"], 1)[0]
+    grad = torch.randn(args["batch"], WIDTH, generator=torch.Generator().manual_seed(2))
+
+    def step() -> None:
+        output = module(x)
+        if rank == ranks - 1:
+            nn.functional.cross_entropy(output, y).backward()
+        else:
+            output.backward(grad)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(args["warmup"]):
+        step()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(args["steps"]):
+        step()
+    seconds = time.perf_counter() - start  # this rank's own time, before it waits for others
+    dist.barrier()
+    out.put((rank, args["steps"] * args["batch"] / seconds, {}))
+    dist.destroy_process_group()
+
+
+def _spawned(
+    target: Callable[..., None], ranks: int, args: dict[str, Any]
+) -> tuple[float, dict[int, dict[str, float]]]:
+    """The run's samples/s (its slowest rank's) and each rank's breakdown."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=target, args=(r, ranks, port, args, out)) for r in range(ranks)]
     for p in procs:
         p.start()
-    rate = float(out.get(timeout=600))
+    reports = [out.get(timeout=600) for _ in range(ranks)]
     for p in procs:
         p.join(timeout=60)
-    return rate
-
-
-def limit(ranks: int, args: dict[str, Any]) -> float:
-    """The whole model in this process on one thread, times the rank count."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model = nn.Sequential(*blocks())
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        x, y = data(args["batch"], 1)[0]
-        for i in range(args["warmup"] + args["steps"]):
-            if i == args["warmup"]:
-                start = time.perf_counter()
-            nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return ranks * args["steps"] * args["batch"] / (time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(threads)
+    rate = min(float(r) for _, r, _ in reports)
+    return rate, {rank: parts for rank, _, parts in reports}
 
 
 RUNS = (
@@ -184,6 +235,7 @@ RUNS = (
     "pipeoptim zb-h1",
     "pipeoptim pipedream",
     "pipeoptim pipeoptim",
+    "pipeoptim pipeoptim +loggers",
     "limit",
 )
 
@@ -215,16 +267,19 @@ def main() -> None:
     }
     runs = [r for r in a.runs.split(",") if r]
     rates: dict[str, list[float]] = {r: [] for r in runs}
+    parts: dict[str, list[dict[int, dict[str, float]]]] = {r: [] for r in runs}
     for round_ in range(a.rounds):
         for run in runs:
             job = {**args, "run": run}
             if run == "limit":
-                rate = limit(a.ranks, job)
+                target: Callable[..., None] = _limit_rank
             elif run.startswith("torch"):
-                rate = _spawned(_torch_rank, a.ranks, job)
+                target = _torch_rank
             else:
-                rate = _spawned(_pipeoptim_rank, a.ranks, job)
+                target = _pipeoptim_rank
+            rate, breakdown = _spawned(target, a.ranks, job)
             rates[run].append(rate)
+            parts[run].append(breakdown)
             print(f"round {round_ + 1}: {run}: {rate:,.0f} samples/s", file=sys.stderr)
     print(
         f"# {platform.processor() or platform.machine()}, {cores} cores, torch "
@@ -238,9 +293,31 @@ def main() -> None:
         med = statistics.median(values)
         ratio = f"{med / base:.2f}x" if base else "-"
         print(f"| {run} | {med:,.0f} | {ratio} |")
-    if "limit" in rates and "pipeoptim pipeoptim" in rates:
-        share = statistics.median(rates["pipeoptim pipeoptim"]) / statistics.median(rates["limit"])
-        print(f"\npipeoptim at {share:.2f}x the {a.ranks}-stage limit (goal >= 0.95x)")
+    if "limit" in rates:
+        top = statistics.median(rates["limit"])
+        print(f"\nshare of the {a.ranks}-stage limit (all cores busy; goal >= 0.95x):")
+        for run in ("pipeoptim pipedream", "pipeoptim pipeoptim", "pipeoptim 1f1b"):
+            if run in rates:
+                print(f"  {run}: {statistics.median(rates[run]) / top:.2f}x")
+    bare, logged = "pipeoptim pipeoptim", "pipeoptim pipeoptim +loggers"
+    if bare in rates and logged in rates:
+        cost = statistics.median(rates[logged]) / statistics.median(rates[bare])
+        print(f"\nwith the loggers attached: {cost:.2f}x the samples/s without them")
+    print("\nwhere the time goes, per rank, median over rounds (seconds of the timed steps):")
+    print("| run | rank | compute | send | receive (waits included) | between actions | actions |")
+    print("|---|---|---|---|---|---|---|")
+    for run, rounds in parts.items():
+        if not run.startswith("pipeoptim"):
+            continue
+        for rank in sorted(rounds[0]):
+            cells = [
+                statistics.median(r[rank][key] for r in rounds)
+                for key in ("compute", "send", "receive", "between actions", "actions")
+            ]
+            print(
+                f"| {run} | {rank} | {cells[0]:.3f} | {cells[1]:.3f} | {cells[2]:.3f} | "
+                f"{cells[3]:.3f} | {cells[4]:.0f} |"
+            )
 
 
 if __name__ == "__main__":
