@@ -93,6 +93,23 @@ def _init(rank: int, ranks: int, port: int, threads: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=ranks)
 
 
+def _timed(step: Callable[[], None], args: dict[str, Any], *, until_all: bool) -> float:
+    """Seconds of ``args["steps"]`` steps after ``args["warmup"]``, every rank starting
+    together; ``until_all``: until the last rank is done, else this rank's own."""
+    for _ in range(args["warmup"]):
+        step()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(args["steps"]):
+        step()
+    if until_all:
+        dist.barrier()
+    seconds = time.perf_counter() - start
+    if not until_all:
+        dist.barrier()
+    return seconds
+
+
 def _torch_rank(rank: int, ranks: int, port: int, args: dict[str, Any], out: Any) -> None:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -114,14 +131,8 @@ def _torch_rank(rank: int, ranks: int, port: int, args: dict[str, Any], out: Any
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    for _ in range(args["warmup"]):
-        step()
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(args["steps"]):
-        step()
-    dist.barrier()
-    out.put((rank, args["steps"] * args["batch"] / (time.perf_counter() - start), {}))
+    seconds = _timed(step, args, until_all=True)
+    out.put((rank, args["steps"] * args["batch"] / seconds, {}))
     dist.destroy_process_group()
 
 
@@ -198,14 +209,7 @@ def _limit_rank(rank: int, ranks: int, port: int, args: dict[str, Any], out: Any
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    for _ in range(args["warmup"]):
-        step()
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(args["steps"]):
-        step()
-    seconds = time.perf_counter() - start  # this rank's own time, before it waits for others
-    dist.barrier()
+    seconds = _timed(step, args, until_all=False)  # this rank's own time
     out.put((rank, args["steps"] * args["batch"] / seconds, {}))
     dist.destroy_process_group()
 
