@@ -15,7 +15,6 @@ mini-batches (the only host syncs of training), and stops on a non-finite one.
 from __future__ import annotations
 
 import math
-import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -428,14 +427,12 @@ class FitLoop:
         p = self.parts
         out: dict[int, StageSignals] = {}
         cuda = p.device.type == "cuda"
+        # the measurement's own per-stage summary (one probe serves every stage it is on)
+        probes = {id(st.closure): st.closure for st in p.stages.values() if st.closure}
+        closures = {c.stage: c.median_ratio for pr in probes.values() for c in pr.summary()}
         for ex in self._executors:
             waited, ex.wait_s = ex.wait_s, 0.0
             for k, stage in sorted(ex.stages.items()):
-                closure = None
-                probe = stage.closure
-                if probe is not None:
-                    ratios = [c.ratio for c in probe.samples if c.stage == k and c.stale_gap > 0]
-                    closure = statistics.median(ratios) if ratios else None
                 held = sum(stage.memory().values())
                 if cuda and len(ex.stages) == 1:
                     held = int(torch.cuda.memory_allocated(p.device))
@@ -446,7 +443,7 @@ class FitLoop:
                     memory_bytes=held,
                     wait_s=waited,
                     distance=ex.last_distance.get(k, 0),
-                    closure=closure,
+                    closure=closures.get(k),
                     weight_copies=stage.weight_copies(),
                     updates=stage.version_base(self._segment_first) + stage.version,
                 )

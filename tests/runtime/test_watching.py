@@ -267,3 +267,14 @@ def test_the_train_commands_log_flag(tmp_path: Path) -> None:
     target = tmp_path / "run.jsonl"
     args = parser.parse_args(["train", "--log", f"jsonl:{target}", "--log", "jsonl:b.jsonl"])
     assert build_config(args).log == (f"jsonl:{target}", "jsonl:b.jsonl")
+
+
+def test_the_closure_signal_is_the_measurements_median_per_stage() -> None:
+    seen = Recorder()
+    pipe = Pipeline(model(), "pipeoptim", stages=2, log_every=5, callbacks=[seen])
+    probe = pipe.measure_prediction_closure()
+    pipe.fit(data(), max_steps=6)  # the last log point is the segment's end
+    last = [i for h, i in seen.calls if h == "on_step_end"][-1]
+    (summary,) = probe.summary()  # stage 0 predicts; the last stage does not
+    assert last.stages[0].closure == summary.median_ratio
+    assert last.stages[1].closure is None

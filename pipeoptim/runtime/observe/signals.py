@@ -12,7 +12,6 @@ holds (live, stashed versions, the prediction buffer); and the updates it has ma
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -61,10 +60,6 @@ def read_learning_rate(optimizer: Any) -> float | None:
     if isinstance(lr, torch.Tensor):
         return float(lr) if lr.device.type == "cpu" else None
     return float(lr) if isinstance(lr, (int, float)) else None
-
-
-def median_closure(ratios: list[float]) -> float | None:
-    return statistics.median(ratios) if ratios else None
 
 
 def scalar_items(values: dict[str, float | None]) -> dict[str, float]:
