@@ -198,7 +198,10 @@ class BufferBroadcast:
             offset = 0
             for b in buffers:
                 n = b.numel() * b.element_size()
-                b.copy_(flat[offset : offset + n].view(b.dtype).view(b.shape))
+                # Through .data: graphs still in flight (an asynchronous method's later
+                # forwards) saved the running statistics, which a training backward never
+                # reads; a tracked write would fail their version check.
+                b.data.copy_(flat[offset : offset + n].view(b.dtype).view(b.shape))
                 offset += n
 
 

@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
@@ -37,6 +36,7 @@ from pipeoptim.errors import StageError
 from pipeoptim.runtime.model.replay import recomputing
 from pipeoptim.runtime.payload import Payload
 from pipeoptim.runtime.stage.chain import UnitChain
+from pipeoptim.runtime.stage.swap import ParameterSlots
 from pipeoptim.runtime.stage.weights import alias
 
 __all__ = ["Recomputation", "RegionWeights", "Steps", "run_steps"]
@@ -168,6 +168,8 @@ class Recomputation:
             for u in chain
         ]
         """Per unit: (its parameter's name in the unit, the stage's parameter index)."""
+        self.slots = [ParameterSlots(u, params) for u in chain]
+        """Per unit: where it holds each stage parameter (a forward on aliases fills them)."""
         self.params = params
         self.held_keys = sorted({(u, j) for u in units for _, j in self.unit_weights[u]})
         """(unit, stage parameter index) of every copy of Ŵ a predicted forward holds."""
@@ -212,8 +214,8 @@ class Recomputation:
         unit = self.chain[i]
         if weights is None:
             return unit
-        mine = {n: weights[j] for n, j in self.unit_weights[i]}
-        return lambda *a: functional_call(unit, mine, a)
+        slots = self.slots[i]
+        return lambda *a: slots.call(unit, weights, a)
 
     def _checkpointed(
         self,
@@ -224,12 +226,12 @@ class Recomputation:
         """Units ``segment`` (consecutive) as one checkpointed region."""
         sources, held, params = region.sources, region.held, self.params
         modules = [self.chain[i] for i in segment]
-        reads: list[dict[str, Tensor]] = []
+        slots = [self.slots[i] for i in segment]
+        reads: list[dict[int, Tensor]] = []  # per unit: stage parameter index -> its weights
         if sources is not None:
             reads = [
-                {n: held.get((i, j), sources[j]) for n, j in self.unit_weights[i]} for i in segment
+                {j: held.get((i, j), sources[j]) for _, j in self.unit_weights[i]} for i in segment
             ]
-        names = [dict(self.unit_weights[i]) for i in segment]
 
         def forward(*a: Any) -> Any:
             h: Any = a
@@ -238,8 +240,9 @@ class Recomputation:
                 if sources is None:
                     h = unit(*args)
                 else:
-                    mine = {n: alias(params[names[u][n]], t) for n, t in reads[u].items()}
-                    h = functional_call(unit, mine, args)
+                    # fresh aliases each run: the recomputation's graph is its own
+                    mine = {j: alias(params[j], t) for j, t in reads[u].items()}
+                    h = slots[u].call(unit, mine, args)
             return h
 
         pairs = list({id(t): (t, params[j]) for (i, j), t in held.items() if i in segment}.values())

@@ -15,9 +15,17 @@ forward/backward that ties together one part per concern:
 * :mod:`~pipeoptim.runtime.stage.rng`: the stage's own random stream;
 * :mod:`~pipeoptim.runtime.stage.split_backward`: the I and W halves of zero-bubble schedules.
 
-PREDICT writes the prediction ``Ŵ = W - lr·s·Δ`` into the prediction buffer, runs the forward
-on it, and re-points what the graph saves of Ŵ at the live weights, so the backward runs on the
-current weights, as DESIGN.md specifies. Under mixed precision a saved cast of a weight is
+PREDICT writes the prediction ``Ŵ = W - lr·s·Δ`` into the prediction buffer (once per distance
+between two updates), runs the forward on it, and re-points what the graph saves of Ŵ at the
+live weights, so the backward runs on the current weights, as DESIGN.md specifies; where every
+predicted forward meets one update before its backward (XPipe), the buffer becomes the live
+weights at that update instead, and the forward runs with no saved-tensor hook.
+
+A forward on a version other than the live one runs the module on aliases of that version's
+storage, put in the module's parameter slots (:mod:`~pipeoptim.runtime.stage.swap`), one alias
+per weight and version; a forward that no update separates from its backward runs on the
+module's own parameters (issue 34: per micro-batch, ``functional_call`` and fresh aliases cost
+XPipe 1.8x GPipe's step at 16 stages). Under mixed precision a saved cast of a weight is
 re-cast at backward from the weights the policy says the backward uses (the live ones for
 predicting methods, the stashed version for PipeDream). Weights derived by other computations
 (``torch.nn.utils.parametrize``, weight norm) cannot be re-derived generically: for predicting
@@ -44,7 +52,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.func import functional_call
 from torch.nn.utils import parametrize
 from torch.optim import Optimizer
 
@@ -95,6 +102,7 @@ from pipeoptim.runtime.stage.split_backward import (
     unit_params,
     weight_half,
 )
+from pipeoptim.runtime.stage.swap import ParameterSlots
 from pipeoptim.runtime.stage.weights import WeightVersions, alias
 
 __all__ = ["Stage"]
@@ -157,9 +165,7 @@ class Stage:
         self.grad_clip = grad_clip
         self.notes: list[str] = []
         """What this stage does differently from DESIGN.md's rule, said once each."""
-        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-        self._names = [n for n, _ in named]
-        self._params = [p for _, p in named]
+        self._params = [p for p in self.module.parameters() if p.requires_grad]
         self.precision = Precision(amp, self.device, stage=index, has_weights=bool(self._params))
         if method.split_backward and self.policy is not WeightPolicy.FLUSH:
             raise StageError(split_refusal(method.name, self.policy))
@@ -195,6 +201,14 @@ class Stage:
                     f"from the predicted weights, not from the current ones"
                 )
         self.weights = WeightVersions(self.policy, self._params, index)
+        self._slots = ParameterSlots(self.module, self._params)
+        """Where the module holds each weight: a forward on another version fills them."""
+        self._prediction_key: tuple[int, int] | None = None
+        """(updates made, s) of the Ŵ in the prediction buffer; None: none is valid."""
+        self._reads_buffer = False
+        """This segment's predicted forwards leave their graphs on the prediction buffer,
+        which becomes the live weights at the next update (``weights.py``), instead of
+        re-pointing what they save at the live weights with a hook."""
         self._saved: dict[int, tuple[Payload, Payload]] = {}  # mb -> (input, output or loss)
         self._group_order: list[int] | None = None  # the stage's param index, group order
         self._delays: dict[int, int] = {}  # local update -> its delay (with a correction)
@@ -341,6 +355,8 @@ class Stage:
             raise RuntimeError(f"stage {self.index}: a segment began with passes in flight")
         self._updates_before_segment += self.weights.current
         self.weights.begin_segment(passes)
+        self._prediction_key = None
+        self._reads_buffer = self._buffer_becomes_live(passes)
         self._delays = {}
         if self.updater is not None and self.updater.correction is not None:
             self._delays = gradient_delays(passes.values(), self.policy, self.accumulation)
@@ -348,6 +364,20 @@ class Stage:
     def forget_passes(self, mbs: list[int]) -> None:
         """The forwards of ``mbs`` will not run: a stop cut the segment short."""
         self.weights.forget(mbs)
+
+    def _buffer_becomes_live(self, passes: dict[int, MicroBatchVersions]) -> bool:
+        """Whether the predicted forwards of a segment of ``passes`` can leave their graphs
+        on the prediction buffer: every one meets exactly one update before its backward
+        (at which the buffer becomes the live weights) and every other pass none (so no
+        graph reads the live storage the parameters leave). In fp32 only: under autocast a
+        saved cast of Ŵ is re-cast from the live weights by the hook anyway."""
+        if self.predictor is None or self.predicted_backward or self.precision.dtype is not None:
+            return False
+        offset = self.prediction_offset
+        return all(
+            v.distance == (1 if prediction_distance(v.distance, offset) > 0 else 0)
+            for v in passes.values()
+        )
 
     def versions(self, mb: int) -> MicroBatchVersions:
         """The versions micro-batch ``mb`` of this segment meets on this stage."""
@@ -374,20 +404,16 @@ class Stage:
         return prediction_distance(self.versions(mb).distance, self.prediction_offset)
 
     # -- passes ----------------------------------------------------------------------------
-    def _run_units(self, weights: dict[str, Tensor] | None, x: Payload) -> Payload:
-        """The stage's units on ``x``, with ``weights`` swapped in (None: its parameters); a
-        tuple ``x`` is the first unit's positional arguments."""
+    def _run_units(self, weights: Sequence[Tensor] | None, x: Payload) -> Payload:
+        """The stage's units on ``x``, with ``weights`` (one per parameter, in the stage's
+        order) in the module's slots (None: its parameters); a tuple ``x`` is the first
+        unit's positional arguments."""
+        args = (x,) if isinstance(x, Tensor) else x
         try:
-            if isinstance(x, Tensor):
-                out: Payload = (
-                    self.module(x)
-                    if weights is None
-                    else functional_call(self.module, weights, (x,))
-                )
+            if weights is None:
+                out: Payload = self.module(*args)
             else:
-                out = (
-                    self.module(*x) if weights is None else functional_call(self.module, weights, x)
-                )
+                out = self._slots.call(self.module, weights, args)
         except Exception as err:
             raise StageError(self._failure(x, err)) from err
         return out
@@ -429,6 +455,16 @@ class Stage:
             return None
         return input_gradients(x_in, found, self.precision.true_gradient)
 
+    def _on_parameters(self, v: MicroBatchVersions, s: int) -> bool:
+        """Whether a forward runs the module on its own parameters, with no alias per
+        parameter: where no update comes between it and its backward and it reads the live
+        weights. Always under flush methods; under asynchronous ones a forward of s = 0 on
+        the live weights (XPipe's that predict nothing). Its backward reads what the forward
+        read, as an alias of the live storage would."""
+        if self.policy is WeightPolicy.FLUSH:
+            return True
+        return s == 0 and v.distance == 0 and v.forward_version == self.weights.current
+
     def forward(self, mb: int, x: Payload, target: Tensor | None = None) -> Payload:
         """Run micro-batch ``mb``; returns the (detached) output, or on the last stage the
         loss already divided by M. ``x`` and the output may be tuples of tensors (a unit's
@@ -454,20 +490,20 @@ class Stage:
             shape_key = tuple((tuple(t.shape), t.dtype) for t in x)
         s = self.distance(mb)
         sources = store.sources(v.forward_version, mb)
-        # Flush methods never update between a forward and its backward: the module runs on
-        # its own parameters, with no alias per parameter.
-        direct = self.policy is WeightPolicy.FLUSH
+        direct = self._on_parameters(v, s)
         amp_dtype = self.precision.dtype
         recast = amp_dtype is not None and not direct
         held = s > 0 and self.predicted_backward
         # A predicted forward runs on Ŵ in the stage's prediction buffer; what the graph
-        # saves of it is re-pointed at the live weights, which the backward is to read.
+        # saves of it is re-pointed at the live weights, which the backward is to read, or
+        # the buffer becomes the live weights at the next update (_buffer_becomes_live).
         predicted = s > 0 and not held
+        repoint = predicted and not self._reads_buffer
         # Activation bytes are counted by a saved-tensor hook on the first forward of each
         # input shape, then reused (the hook runs on every pass only to re-cast under amp
         # and to re-point a predicted forward's saved weights).
         by_shape = self.memory_count.by_shape
-        hooked = recast or predicted or shape_key not in by_shape
+        hooked = recast or repoint or shape_key not in by_shape
         saves = ForwardSaves(sources, amp_dtype if recast else None) if hooked else None
         with (
             self.random.stream(),
@@ -482,18 +518,27 @@ class Stage:
                 sources = self._held_prediction(s)
                 if saves is not None:
                     saves.add_weights(sources)
+            elif repoint:
+                sources = self._write_prediction(s)
+                assert saves is not None  # a re-pointing forward is always hooked
+                saves.repoint(sources, live)
             elif predicted:
                 sources = self._write_prediction(s)
-                assert saves is not None  # a predicted forward is always hooked
-                saves.repoint(sources, live)
+                store.on_buffer[mb] = store.current
+                if saves is not None:
+                    saves.add_weights(sources)
             if s > 0 and self.closure is not None:
                 self.closure.forward(self.index, mb, s, sources, self._params)
-            weights: dict[str, Tensor] | None = None
+            weights: list[Tensor] | None = None
             if not direct:
-                weights = {}
-                for n, p, src, now in zip(self._names, self._params, sources, live, strict=True):
-                    weights[n] = w = alias(p, src)
-                    if saves is not None:
+                # a held Ŵ is this forward's own; other storage is read by many forwards
+                weights = (
+                    [alias(p, src) for p, src in zip(self._params, sources, strict=True)]
+                    if held
+                    else store.aliases(sources)
+                )
+                if saves is not None:
+                    for w, src, now in zip(weights, sources, live, strict=True):
                         # a saved cast is re-cast at backward from the weights it is to read
                         saves.aliases[w.grad_fn] = src if held else now
             units: KeptUnits | None = None
@@ -509,9 +554,8 @@ class Stage:
                 )
                 if region.held:
                     self.memory_count.hold(mb, self.recompute.held_bytes)
-                aliases = None if weights is None else [weights[n] for n in self._names]
                 keep = saves.keep if saves is not None else None
-                steps = self.recompute.steps(aliases, region, keep)
+                steps = self.recompute.steps(weights, region, keep)
             if self._split and weights is None and self._unit_params is not None:
                 out, units = run_units_kept(
                     self.module,
@@ -579,6 +623,7 @@ class Stage:
         if self.closure is not None:
             self.closure.backward(self.index, mb, self._params)
         self.weights.held.discard(mb)
+        self.weights.on_buffer.pop(mb, None)
         if isinstance(out, Tensor):
             if out.requires_grad:
                 with self._backward_pass(x_in):
@@ -695,6 +740,7 @@ class Stage:
         if self.buffer_sync is not None:
             self.buffer_sync()
         self.weights.before_update()
+        self._prediction_key = None  # the weights and the optimizer state move
         mini_batches = max(1, self._backwards_since_update // self.micro_batches)
         self._backwards_since_update = 0
         if self.updater is not None:
@@ -711,17 +757,24 @@ class Stage:
         return self.updater.future_lrs(s, [self._delays.get(self.version + i, 0) for i in range(s)])
 
     def _write_prediction(self, s: int) -> list[Tensor]:
-        """Ŵ in the stage's prediction buffer (the one extra weight copy, reused)."""
+        """Ŵ in the stage's prediction buffer (the one extra weight copy, reused). Between
+        two updates Ŵ depends on s alone (the weights, the optimizer state and the rates of
+        the next updates stand still), so the micro-batches that predict the same distance
+        (XPipe's, of one mini-batch) share one write."""
         assert self.predictor is not None
+        key = (self._updates_before_segment + self.weights.current, s)
+        buffer = self.weights.prediction_buffer()
+        if key == self._prediction_key:
+            return buffer
         timed = self.device.type == "cpu"  # on CUDA reading a clock here would need a sync
         started = time.perf_counter() if timed else 0.0
-        buffer = self.weights.prediction_buffer()
         kept = self.predictor.kept_computations
         self.predictor.predict_into(self._in_group_order(buffer), s, self._lrs(s))
         if self.predictor.kept_computations != kept:
             self.memory_count.stale()  # a newly kept Δ counts in the predictor's bytes
         if timed:
             self.prediction_seconds.append(time.perf_counter() - started)
+        self._prediction_key = key
         return buffer
 
     def _held_prediction(self, s: int) -> list[Tensor]:
@@ -794,6 +847,7 @@ class Stage:
         # The optimizer first: it checks its part before it takes anything.
         changes = self.updater.load_state_dict(state) if self.updater is not None else []
         self.module.load_state_dict(state["module"])
+        self._prediction_key = None  # other weights and optimizer state
         if self.predictor is not None and state.get("predictor") is not None:
             self.predictor.load_state_dict(state["predictor"])
         self.random.state = state["rng"].clone()

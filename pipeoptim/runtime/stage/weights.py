@@ -11,6 +11,19 @@ gradient flows to the parameter). Two things follow:
   needs the current version (PipeDream's stash, 2BW's previous buffer), the parameter moves
   to a fresh copy and the old storage stays frozen with the graphs that alias it.
 
+An alias reads its storage and nothing else, so the forwards that read the same storage
+share one alias per weight (:meth:`WeightVersions.aliases`): every micro-batch of a mini-batch
+on 2BW's previous buffer, every predicted forward on the prediction buffer. Each backward
+walks only its own graph, so a shared alias passes each micro-batch's gradient on by itself,
+as its own alias did. The store drops an alias with the version it reads.
+
+A predicted forward's backward reads the live weights. Where each predicted forward meets
+exactly one update before its backward (XPipe with M >= P), the prediction buffer becomes the
+live weights at that update (:meth:`WeightVersions.before_update`): it takes their values, the
+parameters move onto its storage and the optimizer updates them there, so the graphs read
+the current weights where they read Ŵ, with no saved-tensor hook on their passes; the old
+storage is the next buffer. One copy per update instead of a hook on every saved tensor.
+
 Per policy (DESIGN.md, "Weight-version semantics"): FLUSH runs everything on the live
 weights. STASH forwards on the live weights, which are frozen at the next update if the
 mini-batch is still in flight (one copy per version in flight). DOUBLE_BUFFER runs every
@@ -77,13 +90,20 @@ class WeightVersions:
         self._inflight: Counter[int] = Counter()  # forwards awaiting backward, by version
         self.predicted: list[Tensor] | None = None  # Ŵ of a predicted forward (reused)
         self.held: set[int] = set()  # micro-batches whose graph holds their own Ŵ
+        self.on_buffer: dict[int, int] = {}
+        """Predicted micro-batches in flight whose graph reads the prediction buffer itself,
+        by the version their forward ran at: the buffer becomes the live weights at the
+        next update."""
         self.peak_copies = 1
+        self._aliases: dict[tuple[int, ...], list[Tensor]] = {}  # storage -> its aliases
 
     def begin_segment(self, passes: dict[int, MicroBatchVersions]) -> None:
         """Start a segment; versions count from 0 within it."""
         self.passes = passes
         self.current = 0
         self._inflight = Counter()
+        self._aliases = {}
+        self.on_buffer = {}
         self._pending_f = Counter(p.forward_version for p in passes.values() if self.tracks)
 
     def of(self, mb: int) -> MicroBatchVersions:
@@ -111,6 +131,18 @@ class WeightVersions:
             self._inflight[version] += 1
         return sources
 
+    def aliases(self, sources: Sequence[Tensor]) -> list[Tensor]:
+        """An alias of each of ``sources`` (a version's storage, or the prediction buffer)
+        whose gradient flows to its parameter: made on the first forward that reads that
+        storage, shared by the later ones."""
+        key = tuple(t.data_ptr() for t in sources)
+        found = self._aliases.get(key)
+        if found is None:
+            found = self._aliases[key] = [
+                alias(p, t) for p, t in zip(self.params, sources, strict=True)
+            ]
+        return found
+
     def check_backward(self, v: MicroBatchVersions, mb: int) -> None:
         """Refuse a backward whose weights the stage no longer holds."""
         if v.backward_version != self.current and v.backward_version not in self.stash:
@@ -120,8 +152,11 @@ class WeightVersions:
             )
 
     def before_update(self) -> None:
-        """Freeze the live version where a pass still needs it, so the step writes a copy."""
+        """Freeze the live version where a pass still needs it, so the step writes a copy;
+        make the prediction buffer the live weights where a graph reads it."""
         cur = self.current
+        if self.on_buffer:
+            self._adopt_prediction()
         if self.tracks and self._pending_f[cur] + self._inflight[cur] > 0:
             # The live storage becomes the frozen version (graphs alias it); the parameter
             # moves to a copy, which the optimizer updates.
@@ -129,6 +164,24 @@ class WeightVersions:
             for p in self.params:
                 p.data = p.data.clone()
             self.note_copies()
+
+    def _adopt_prediction(self) -> None:
+        """The prediction buffer takes the live weights' values and their place: the
+        parameters move onto its storage, the old storage is the next buffer."""
+        late = sorted(mb for mb, v in self.on_buffer.items() if v != self.current)
+        if late:
+            raise RuntimeError(
+                f"stage {self.stage}: micro-batches {late} read the prediction buffer across "
+                f"more than one update; their backward would miss the live weights"
+            )
+        buffer = self.predicted
+        assert buffer is not None  # a graph reads it
+        live = [p.data for p in self.params]
+        with torch.no_grad():
+            torch._foreach_copy_(buffer, live)
+        for p, b in zip(self.params, buffer, strict=True):
+            p.data = b
+        self.predicted = live
 
     def after_update(self) -> None:
         self.current += 1
@@ -140,7 +193,8 @@ class WeightVersions:
             version = v.forward_version
             self._inflight[version] -= 1
             if version in self.stash and self._pending_f[version] + self._inflight[version] <= 0:
-                del self.stash[version]
+                # its aliases hold the storage: dropped with it
+                self._aliases.pop(tuple(t.data_ptr() for t in self.stash.pop(version)), None)
 
     def forget(self, mbs: list[int]) -> None:
         """Forwards that will not run (a segment a stop cut short): their versions are no
@@ -151,7 +205,7 @@ class WeightVersions:
             version = self.passes[mb].forward_version
             self._pending_f[version] -= 1
             if version in self.stash and self._pending_f[version] + self._inflight[version] <= 0:
-                del self.stash[version]
+                self._aliases.pop(tuple(t.data_ptr() for t in self.stash.pop(version)), None)
 
     def prediction_buffer(self) -> list[Tensor]:
         """The stage's one buffer for Ŵ (the extra weight copy), made on first use."""

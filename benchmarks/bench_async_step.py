@@ -1,0 +1,125 @@
+"""What a training step of the micro-batched asynchronous methods costs beside gpipe's.
+
+Run from the repository root::
+
+    .venv/bin/python benchmarks/bench_async_step.py             # P = 4, 8, 16; 5 rounds (~4 min)
+    .venv/bin/python benchmarks/bench_async_step.py --old-path  # and the path before issue 34
+    .venv/bin/python benchmarks/bench_async_step.py --quick     # P = 4 and 16, 1 round, 6 steps
+
+Why: XPipe is the asynchronous method that converges under AdamW at 8 and 16 stages
+(``docs/choosing-a-method.md``), and a forward on a weight version other than the live one
+(XPipe's prediction Ŵ, 2BW's previous buffer) runs the stage's units on aliases of that
+version. Where that costs more than the layers, the method users should run at depth is the
+slowest to run (issue 34). Goal: xpipe's step at most 1.15x gpipe's at 16 stages.
+
+Workload: the convergence study's (``gpt-deep``: 17 units, 365k weights; batch 32 of 32
+characters; AdamW 2e-3 with weight decay 0.01, warm-up and cosine, clipping 1.0), every
+stage in one process (the local transport), one thread. gpipe, 2bw and xpipe run M = P
+micro-batches, pipeoptim runs whole mini-batches (M = 1), as in the study. A method's step
+cost is the CPU time of a fit of ``--steps`` steps on a fresh pipeline (built and warmed up by
+a first step outside the clock), divided by the steps. On the local transport every stage
+runs in one thread, so a bubble costs no CPU time: the step is the work of every stage plus
+the executor's, the fill and the drain included. Each round runs every method once at every
+depth, interleaved; the table gives each method's median step and the median over the rounds of its
+step over gpipe's in the same round. ``--old-path`` adds each asynchronous method on the
+forward path before issue 34 (``old_async_path.py``: ``functional_call`` on fresh aliases,
+Ŵ written and hooked for every micro-batch), same run, same rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import platform
+import statistics
+import time
+import warnings
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+from old_async_path import old_path
+from torch.optim.lr_scheduler import LambdaLR
+
+from pipeoptim.plan.methods import get_method
+from pipeoptim.plan.plan import OptimizerSpec
+from pipeoptim.runtime.optim.lr import WarmupCosine
+from pipeoptim.runtime.pipeline import Pipeline
+from pipeoptim.workloads.data import DatasetLoader
+from pipeoptim.workloads.loader import build_model, model_loss
+
+METHODS = ("gpipe", "2bw", "xpipe", "pipeoptim", "1f1b")
+"""What the table can show; 1f1b (the synchronous 1F1B order) only when asked for."""
+MODEL, BATCH = "gpt-deep", 32
+
+
+def step_seconds(method: str, stages: int, steps: int, old: bool) -> float:
+    """CPU seconds per step of a ``fit`` of ``steps`` mini-batches on a fresh pipeline, on
+    the path before issue 34 where ``old`` (built on it too). CPU time, not wall time: the
+    machine is shared, and the wall clock would count the other users' work as ours."""
+    path: AbstractContextManager[None] = old_path() if old else nullcontext()
+    with path:
+        layers, data = build_model(MODEL, 0)
+        micro = stages if get_method(method).micro_batched else 1
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the depth advice for methods that stall at depth
+            pipe = Pipeline(
+                list(layers),
+                method=method,
+                stages=stages,
+                micro_batches=micro,
+                optimizer=OptimizerSpec("adamw", 2e-3, {"weight_decay": 0.01}),
+                scheduler=functools.partial(LambdaLR, lr_lambda=WarmupCosine(10, 1000, 0.1)),
+                grad_clip=1.0,
+                loss_fn=model_loss(MODEL),
+                log_every=10**9,
+            )
+        train = DatasetLoader(data.train_x, data.train_y, BATCH, seed=0)
+        pipe.fit(train, max_steps=1)
+        start = time.process_time()
+        pipe.fit(train, max_steps=1 + steps)
+        return (time.process_time() - start) / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="P = 4 and 16, 1 round, 6 steps")
+    parser.add_argument("--stages", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=24, help="timed steps per fit")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS[:4]), choices=METHODS)
+    parser.add_argument(
+        "--old-path", action="store_true", help="also the asynchronous methods before issue 34"
+    )
+    a = parser.parse_args()
+    if a.quick:
+        a.stages, a.rounds, a.steps = [4, 16], 1, 6
+    runs = [("gpipe", False)]
+    for m in (m for m in a.methods if m != "gpipe"):
+        runs.append((m, False))
+        if a.old_path and get_method(m).asynchronous:  # flush methods: the same path either way
+            runs.append((m, True))
+    torch.set_num_threads(1)
+    steps: dict[tuple[int, str, bool], list[float]] = {}
+    ratios: dict[tuple[int, str, bool], list[float]] = {}
+    for _ in range(a.rounds):
+        for p in a.stages:
+            this_round = {run: step_seconds(run[0], p, a.steps, run[1]) for run in runs}
+            for (m, old), seconds in this_round.items():
+                steps.setdefault((p, m, old), []).append(seconds)
+                ratios.setdefault((p, m, old), []).append(seconds / this_round[("gpipe", False)])
+    print(
+        f"# {MODEL}, batch {BATCH}, local transport, one thread; torch {torch.__version__}, "
+        f"{platform.machine()}; CPU time of fits of {a.steps} steps, median of {a.rounds} "
+        f"interleaved round(s)"
+    )
+    print("| stages | method | path | ms per step | vs gpipe |")
+    print("|---|---|---|---|---|")
+    for p in a.stages:
+        for m, old in runs:
+            ms = 1e3 * statistics.median(steps[(p, m, old)])
+            ratio = statistics.median(ratios[(p, m, old)])
+            print(f"| {p} | {m} | {'old' if old else 'fast'} | {ms:.1f} | {ratio:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

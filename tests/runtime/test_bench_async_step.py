@@ -1,0 +1,29 @@
+"""benchmarks/bench_async_step.py at its smallest: it runs every path it compares and prints
+the table benchmarks/README.md quotes."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_async_step.py"
+
+
+def test_bench_async_step_prints_each_method_beside_gpipe() -> None:
+    args = ["--stages", "4", "--rounds", "1", "--steps", "2", "--methods", "gpipe", "xpipe"]
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), *args, "--old-path"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = re.findall(r"\| 4 \| (\w+) \| (fast|old) \| (\d+\.\d) \| (\d+\.\d\d)x \|", done.stdout)
+    assert [(m, path) for m, path, *_ in rows] == [
+        ("gpipe", "fast"),
+        ("xpipe", "fast"),
+        ("xpipe", "old"),
+    ], done.stdout
+    assert rows[0][3] == "1.00" and all(float(ms) > 0 for *_, ms, _ in rows)
