@@ -15,7 +15,10 @@ trains on fresher weights wins.
 
 The profile is taken as measured on one mini-batch of ``profile.batch_size`` samples; a
 micro-batch costs ``1/M`` of its time and activations (the linear model the simulator uses,
-keeping the profile's fitted fixed part of each time). With D data-parallel replicas
+keeping the profile's fitted fixed part of each time). A profile taken for a multi-rank run
+on its machine (``pipeoptim profile --ranks P``) times every candidate on that machine
+(:mod:`pipeoptim.sim.host`: ranks sharing its cores, the measured cost of each message and
+of each action beyond its layers). With D data-parallel replicas
 (``replicas``, PP x DP) each replica trains ``batch_size / D`` samples of every batch, its
 links and all-reduces follow the ``cluster``'s placement (:mod:`pipeoptim.sim.collectives`),
 and throughput counts all replicas; :mod:`pipeoptim.device_search` searches the P x D
@@ -56,6 +59,7 @@ from pipeoptim.plan.units import format_bytes, format_distances
 from pipeoptim.sim.collectives import Cluster, edge_links, group_within_node
 from pipeoptim.sim.costs import CostModel
 from pipeoptim.sim.evaluate import Evaluation, compile_method, evaluate_program
+from pipeoptim.sim.host import ProfiledHost, on_profiled_host
 
 
 @dataclass(frozen=True)
@@ -389,6 +393,8 @@ def evaluate_candidate(
             return Candidate(method, m, None, infeasible=why, data_parallel=d, stages=num_stages)
         partition = fit.partition
 
+    host = ProfiledHost.of(profile)  # the machine and runtime costs it was measured with
+
     def stage_costs(recompute: list[frozenset[int]] | None = None) -> CostModel:
         costs = CostModel.from_profile(
             profile,
@@ -399,6 +405,7 @@ def evaluate_candidate(
             latency_s=cluster.latency_s,
             recompute=recompute,
         )
+        costs = on_profiled_host(costs, host, spec, num_stages, data_parallel=d)
         return costs.with_data_parallel(d, cluster) if links is not None else costs
 
     costs = stage_costs()

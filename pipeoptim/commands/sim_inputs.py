@@ -82,8 +82,20 @@ def job_links(args: argparse.Namespace, plan: Any, profile: Any) -> dict[str, An
     return links
 
 
-def job_costs(args: argparse.Namespace, shape: Shape, plan: Any, profile: Any) -> CostModel:
-    """One replica's cost model: the plan's stage graph, else the profile, else uniform."""
+def job_costs(
+    args: argparse.Namespace, shape: Shape, plan: Any, profile: Any, method: Any = None
+) -> CostModel:
+    """One replica's cost model: the plan's stage graph, else the profile, else uniform.
+    From a stage graph or a profile that records the host it was measured on, ``method``'s
+    run on that host (:mod:`pipeoptim.sim.host`)."""
+    from pipeoptim.sim.host import on_profiled_host
+
+    def hosted(costs: CostModel, source: Any) -> CostModel:
+        if method is None:
+            return costs
+        d = args.data_parallel or 1
+        return on_profiled_host(costs, source, method, shape.num_ranks, data_parallel=d)
+
     links = job_links(args, plan, profile)
     options: dict[str, Any] = dict(links)
     optimizer = args.optimizer or (plan.optimizer.family if plan is not None else None)
@@ -107,7 +119,8 @@ def job_costs(args: argparse.Namespace, shape: Shape, plan: Any, profile: Any) -
         if graph.number_of_nodes() == stages and (requested is None or costed or profile is None):
             if requested is not None:
                 options["recompute"] = graph_recompute_sets(graph, requested)
-            return CostModel.from_stage_graph(graph, shape.micro_batches, **options)
+            costs = CostModel.from_stage_graph(graph, shape.micro_batches, **options)
+            return hosted(costs, graph.graph)
     if profile is not None:
         from pipeoptim.plan.plan import even_boundaries
 
@@ -119,7 +132,8 @@ def job_costs(args: argparse.Namespace, shape: Shape, plan: Any, profile: Any) -
         if requested is not None:
             labels = labels_from_names([x.name for x in profile.layers])
             options["recompute"] = stage_unit_sets(requested, bounds, labels)
-        return CostModel.from_profile(profile, bounds, shape.micro_batches, **options)
+        costs = CostModel.from_profile(profile, bounds, shape.micro_batches, **options)
+        return hosted(costs, profile)
     if plan is not None and args.uniform is None:
         raise PlanError(
             f"the plan has no stage costs for {stages} stages (no stage graph of that size), "

@@ -350,7 +350,7 @@ def run(args: argparse.Namespace) -> int:
     )
     for method, shape in bar:
         bar.set_postfix_str(method.name)
-        costs = job_costs(args, shape, plan, profile)
+        costs = job_costs(args, shape, plan, profile, method)
         if args.data_parallel > 1 or cluster.gpus_per_node is not None:
             costs = costs.with_data_parallel(args.data_parallel, cluster, num_ranks=num_ranks)
         if shard:

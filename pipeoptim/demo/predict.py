@@ -22,6 +22,7 @@ from pipeoptim.plan.profile import Profile
 from pipeoptim.planner import Candidate, explain, search
 from pipeoptim.sim.costs import CostModel
 from pipeoptim.sim.evaluate import evaluate_trace
+from pipeoptim.sim.host import host_notes
 from pipeoptim.trace import Trace
 from pipeoptim.tracefit.costs import with_profile_machine
 
@@ -62,8 +63,9 @@ def plan_methods(
     profile: Profile, stages: int, *, optimizer: str, lr: float, model: str, batch_size: int
 ) -> dict[str, Any]:
     """Step 2: the planner's search over every method and micro-batch count on ``profile``
-    (each timed by the simulator), the best candidate of each method, the recommendation
-    and its strongest synchronous rival, and the plans the real runs will train."""
+    (each timed by the simulator on the host the profile recorded, ``host``: what it
+    charged), the best candidate of each method, the recommendation and its strongest
+    synchronous rival, and the plans the real runs will train."""
     ranked = search(profile, stages, optimizer=optimizer, batch_size=batch_size)
     why = explain(ranked)  # raises, with the planner's message, when nothing fits
     feasible = [c for c in ranked if c.infeasible is None]
@@ -99,6 +101,7 @@ def plan_methods(
         "recommended": best.method,
         "rival": rival.method,
         "why": why,
+        "host": host_notes(profile, stages),
         "methods": [_candidate_row(c) for c in per_method.values()],
         "not_run": [
             {"method": c.method, "micro_batches": c.micro_batches, "why": c.infeasible}

@@ -278,6 +278,13 @@ def _notes(results: Mapping[str, Any]) -> list[str]:
         f"{profile['threads']} thread(s) per rank, as each of the {options['stages']} ranks "
         f"of the real runs gets; torch {profile['torch']}.",
     ]
+    host = results["plan"].get("host")
+    if host:
+        notes.append(
+            "The offline prediction (simulated/s) ran on the host the profile measured: "
+            + "; ".join(host)
+            + "."
+        )
     notes += _calibration_notes(results)
     for m in (results["plan"]["recommended"], results["plan"]["rival"]):
         planned = results["plan"]["plans"][m]["micro_batches"]
@@ -323,9 +330,11 @@ def render_page(
             "summary",
             "The two real runs",
             html_table(summary_headers(results), summary_rows(results)),
-            "<p class='note'>simulated/s: the planner's prediction from the profile, one "
-            "device per stage; measured/s: the steady state of the real run; calibrated/s: "
-            "the simulator on the run's own measured costs, and time error its error on the "
+            "<p class='note'>simulated/s: the planner's prediction from the profile alone, "
+            "before any run, on the host the profile measured (its cores shared by the ranks, "
+            "the measured cost of each message and of each action beyond its layers: see the "
+            "notes); measured/s: the steady state of the real run; calibrated/s: the "
+            "simulator on the run's own measured costs, and time error its error on the "
             "time per mini-batch.</p>",
         ),
         section(

@@ -238,7 +238,8 @@ def stage_graph(
     (summed), ``weight_grad_s`` (the backward's weight-gradient seconds, summed),
     ``param_bytes, grad_bytes, optimizer_state_bytes, activation_bytes`` (summed),
     ``weight_copies, activation_slots, memory_bytes``, ``param_count``. The graph keeps the
-    profile's ``threads`` (CPU threads it was measured with) when it recorded them. Edge
+    profile's ``threads`` (CPU threads it was measured with) when it recorded them, and the
+    host it was taken for (``machine``, ``ranks``, ``runtime_costs``) where it says. Edge
     ``k -> k+1`` has ``bytes``: the activation of stage ``k``'s last layer, sent forward
     once per batch (its gradient, the same size, comes back).
     """
@@ -255,6 +256,11 @@ def stage_graph(
     threads = profile.meta.get("threads")
     if isinstance(threads, int) and threads >= 1:
         graph.graph["threads"] = threads
+    for key in ("machine", "ranks"):  # the host the profile was taken for (sim/host.py)
+        if profile.meta.get(key) is not None:
+            graph.graph[key] = profile.meta[key]
+    if profile.runtime_costs is not None:
+        graph.graph["runtime_costs"] = profile.runtime_costs.to_dict()
     for k, (start, end) in enumerate(stages):
         layers = profile.layers[start:end]
         param = sum(layer.param_bytes for layer in layers)

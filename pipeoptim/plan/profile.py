@@ -7,6 +7,13 @@ output activation, parameters and optimizer state occupy. The runtime profiler
 :meth:`Profile.from_costs` build synthetic ones for planning experiments and tests. Profiles
 save to and load from a versioned JSON file, so measuring (on a GPU machine) and planning
 (anywhere) can happen on different machines.
+
+Beyond the layers a profile may say where it was measured: ``meta["machine"]`` (the host's
+cores, the ranks that will share it, each rank's threads: :class:`~pipeoptim.plan.machine.
+Machine`) and ``runtime_costs`` (the runtime's fixed work per message and per action on that
+host: :class:`~pipeoptim.plan.runtime_costs.RuntimeCosts`), which the offline cost model
+charges (:mod:`pipeoptim.sim.host`). Both are optional in format version 1: a file without
+them (an older one) loads as it always did and costs nothing beyond its layers.
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ from pipeoptim.errors import PlanError
 from pipeoptim.filecheck import NonNegativeNumber, PositiveWhole, Whole, check
 from pipeoptim.jsonfile import read_json
 from pipeoptim.plan.limits import MAX_LAYER_BYTES
+from pipeoptim.plan.machine import Machine
+from pipeoptim.plan.runtime_costs import RuntimeCosts
 
 _REMEDY = "regenerate it with `pipeoptim profile` or Profile.save"
 
@@ -272,6 +281,7 @@ class ProfileFile(TypedDict, total=False):
     dtype_bytes: PositiveWhole
     meta: dict[str, Any]
     layers: Required[list[LayerFile]]
+    runtime_costs: dict[str, Any]
 
 
 def _layer_args(raw: LayerFile) -> dict[str, Any]:
@@ -303,7 +313,12 @@ class Profile:
     """Bytes per parameter element (4 for fp32, 2 for fp16/bf16)."""
 
     meta: dict[str, Any] = field(default_factory=dict)
-    """Free-form JSON-able details (tool versions, repeats, device name, input shape...)."""
+    """Free-form JSON-able details (tool versions, repeats, device name, input shape...);
+    ``meta["machine"]``, where present, is the host's record (checked: :attr:`machine`)."""
+
+    runtime_costs: RuntimeCosts | None = None
+    """The runtime's fixed costs on the host it was measured on, per message and per action
+    (None: not measured, i.e. none)."""
 
     def __post_init__(self) -> None:
         layers = tuple(self.layers)
@@ -326,6 +341,27 @@ class Profile:
             raise PlanError(f"dtype_bytes must be >= 1, got {self.dtype_bytes}")
         if not isinstance(self.meta, dict):
             raise PlanError(f"meta must be a dict, got {type(self.meta).__name__}")
+        if "machine" in self.meta:
+            Machine.from_dict(self.meta["machine"], "the profile's machine record (meta.machine)")
+        if self.runtime_costs is not None and not isinstance(self.runtime_costs, RuntimeCosts):
+            raise PlanError(
+                f"runtime_costs must be a RuntimeCosts or None, got {self.runtime_costs!r}; "
+                "build one with RuntimeCosts.from_dict"
+            )
+
+    @property
+    def machine(self) -> Machine | None:
+        """The host the profile was taken for (``meta["machine"]``), None where unrecorded."""
+        if "machine" not in self.meta:
+            return None
+        return Machine.from_dict(self.meta["machine"], "the profile's machine record")
+
+    @property
+    def planned_ranks(self) -> int | None:
+        """How many pipeline ranks the profile was taken to share its host (``pipeoptim
+        profile --ranks``), None where it does not say."""
+        ranks = self.meta.get("ranks")
+        return ranks if isinstance(ranks, int) and not isinstance(ranks, bool) else None
 
     # ----------------------------------------------------------------- constructors
     @classmethod
@@ -471,8 +507,9 @@ class Profile:
 
     # ----------------------------------------------------------------- JSON
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-able dict with a ``format`` and ``version`` field."""
-        return {
+        """A JSON-able dict with a ``format`` and ``version`` field (``runtime_costs`` only
+        where measured)."""
+        out = {
             "format": PROFILE_FORMAT,
             "version": PROFILE_VERSION,
             "batch_size": self.batch_size,
@@ -482,6 +519,9 @@ class Profile:
             "meta": self.meta,
             "layers": [asdict(layer) for layer in self.layers],
         }
+        if self.runtime_costs is not None:
+            out["runtime_costs"] = self.runtime_costs.to_dict()
+        return out
 
     def to_json(self, *, indent: int | None = 2) -> str:
         """The profile as JSON text (see :meth:`to_dict`)."""
@@ -497,6 +537,7 @@ class Profile:
         checked = check(ProfileFile, data, source=source, remedy=_REMEDY, error=PlanError)
         try:
             layers = tuple(LayerProfile(**_layer_args(raw)) for raw in checked["layers"])
+            runtime = checked.get("runtime_costs")
             return cls(
                 layers=layers,
                 batch_size=checked["batch_size"],
@@ -504,6 +545,7 @@ class Profile:
                 device=checked["device"],
                 dtype_bytes=checked.get("dtype_bytes", 4),
                 meta=checked.get("meta", {}),
+                runtime_costs=None if runtime is None else RuntimeCosts.from_dict(runtime),
             )
         except PlanError as exc:
             raise PlanError(f"{source}: {exc}; {_REMEDY}") from None

@@ -41,9 +41,12 @@ Messages and shared cores: a message between two ranks costs the sender
 ``message_receive_s`` (added to the action that consumes it), whatever its size; the link
 adds its latency and bytes in between. ``machine`` (:class:`~pipeoptim.plan.machine.Machine`)
 is the host the ranks share: where their threads outnumber its cores the busy ranks share
-them (:mod:`pipeoptim.sim.sharing`). Both default to nothing, today's model of a device
-per rank and free messages, to the bit. :meth:`scaled` leaves both as they are (they are
-the host's, not the device's).
+them (:mod:`pipeoptim.sim.sharing`). ``action_s`` is the fixed work of the executor and
+the stage around each action's layers, per kind (F, B, U, I, W), added to every action of
+that kind. All three default to nothing, today's model of a device per rank, free messages
+and actions that are their layers, to the bit. :meth:`scaled` leaves them as they are (they
+are the host's, not the device's). :mod:`pipeoptim.sim.host` sets them from what a profile
+measured of its host.
 """
 
 from __future__ import annotations
@@ -212,6 +215,10 @@ class CostModel:
     """The host the ranks share (:class:`~pipeoptim.plan.machine.Machine`). Where its busy
     ranks can ask for more cores than it has, the engines run them by processor sharing
     (:mod:`pipeoptim.sim.sharing`); None, or enough cores, is a core (or device) per rank."""
+    action_s: tuple[float, ...] = ()
+    """Fixed seconds the runtime works around each action beyond its layers (the executor's
+    loop, the stage's weight versions and bookkeeping), for an F, B, U, I and W action in
+    that order; empty: none (an action is its layers' time)."""
 
     def __post_init__(self) -> None:
         s = len(self.forward_s)
@@ -254,6 +261,23 @@ class CostModel:
                     f"0 for messages that cost only their link"
                 )
             object.__setattr__(self, name, float(value))
+        if len(self.action_s):
+            kinds = ("F", "B", "U", "I", "W")
+            if len(self.action_s) != len(kinds):
+                raise PlanError(
+                    f"action_s needs one fixed time per action kind {', '.join(kinds)} (got "
+                    f"{len(self.action_s)} values {tuple(self.action_s)!r}); give 5 numbers "
+                    f"or none"
+                )
+            for kind, value in zip(kinds, self.action_s, strict=True):
+                bad = isinstance(value, bool) or not isinstance(value, (int, float))
+                if bad or not math.isfinite(value) or value < 0:
+                    raise PlanError(
+                        f"action_s[{kind}] is the fixed seconds of one {kind} action beyond "
+                        f"its layers and must be a finite number >= 0 (got {value!r}); give "
+                        f"e.g. 5e-05, or 0 for none"
+                    )
+            object.__setattr__(self, "action_s", tuple(float(v) for v in self.action_s))
         if self.machine is not None and not isinstance(self.machine, Machine):
             raise PlanError(
                 f"machine must be a pipeoptim.plan.machine.Machine or None (got "

@@ -266,6 +266,8 @@ def build_trace(
     if costs.charges_messages:
         info["message_send_s"] = costs.message_send_s
         info["message_receive_s"] = costs.message_receive_s
+    if costs.action_s:
+        info["action_s"] = dict(zip(("F", "B", "U", "I", "W"), costs.action_s, strict=True))
     if costs.data_parallel > 1:
         info["replica_batch_size"] = m * costs.samples_per_micro_batch
         info["allreduce_s"] = {str(k): v for k, v in enumerate(costs.allreduce_s)}

@@ -289,7 +289,9 @@ class Program:
         recomputed forward, :attr:`CostModel.recompute_s`).
 
         A predicted forward (code ``5 * num_stages + stage``, see :meth:`duration_codes`)
-        costs its forward plus the prediction. Where the costs charge messages
+        costs its forward plus the prediction. Where the costs have a fixed time per action
+        (:attr:`CostModel.action_s`) each block adds its kind's (a predicted forward the F's).
+        Where the costs charge messages
         (:attr:`CostModel.charges_messages`), three more blocks follow: the same seconds
         plus :attr:`CostModel.message_send_s`, plus :attr:`CostModel.message_receive_s`,
         and plus both (the sending and receiving rank's fixed time per message)."""
@@ -305,14 +307,18 @@ class Program:
             again = costs.recompute_s[:s]
             backward = tuple(b + r for b, r in zip(backward, again, strict=True))
             backward_input = tuple(b + r for b, r in zip(backward_input, again, strict=True))
-        table = [
-            *costs.forward_s[:s],
-            *backward,
-            *costs.update_total_s[:s],
-            *backward_input,
-            *costs.backward_weight_s[:s],
-            *extra,
+        blocks = [
+            costs.forward_s[:s],
+            backward,
+            costs.update_total_s[:s],
+            backward_input,
+            costs.backward_weight_s[:s],
+            extra,
         ]
+        if costs.action_s:  # the runtime's own work around each action, per kind (F for F')
+            fixed = (*costs.action_s, costs.action_s[0])
+            blocks = [tuple(d + a for d in block) for block, a in zip(blocks, fixed, strict=True)]
+        table = [d for block in blocks for d in block]
         if not costs.charges_messages:
             return table
         send, receive = costs.message_send_s, costs.message_receive_s

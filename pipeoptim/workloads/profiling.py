@@ -5,26 +5,50 @@ model by name; building it by name is this package's, measuring any layers is th
 profiler's (:func:`~pipeoptim.runtime.profiling.profiler.profile_model`), so the entry point
 that joins the two lives here and the runtime never imports the workloads. On CPU it takes
 the profile under the conditions of a pipeline run on this machine: the threads a rank gets
-and busy stand-ins for the other ranks."""
+and busy stand-ins for the other ranks. For a run of several ranks it also measures, under
+the same conditions, what the runtime costs there beyond the layers
+(:class:`~pipeoptim.plan.runtime_costs.RuntimeCosts`): a message between two processes over
+gloo (:func:`~pipeoptim.runtime.profiling.messages.time_messages`) and the executor's and
+the stage's own work per action, from a short run of the model's own stages in this
+process (:func:`action_costs`), which needs the Pipeline, so it lives here too."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import math
 import os
-from collections.abc import Sequence
+import statistics
+from collections import defaultdict
+from collections.abc import Callable, Sequence
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.machine import Machine, this_machine_cores
+from pipeoptim.plan.plan import OptimizerSpec
 from pipeoptim.plan.profile import Profile
+from pipeoptim.plan.runtime_costs import ACTION_KINDS, RuntimeCosts
 from pipeoptim.runtime.comm.placement import rank_threads
+from pipeoptim.runtime.pipeline import Pipeline
 from pipeoptim.runtime.profiling.layer_memory import trainable_bytes
+from pipeoptim.runtime.profiling.messages import time_messages
 from pipeoptim.runtime.profiling.profiler import profile_model
-from pipeoptim.workloads.loader import build_model
+from pipeoptim.workloads.loader import build_model, model_loss
 
-__all__ = ["profile_builtin"]
+__all__ = ["POLICY_METHODS", "action_costs", "profile_builtin"]
+
+POLICY_METHODS: dict[str, tuple[str, ...]] = {
+    "flush": ("1f1b", "zb-h1"),
+    "stash": ("pipedream",),
+    "double-buffer": ("2bw",),
+    "predict": ("pipeoptim",),
+}
+"""The methods whose short runs measure each weight policy's fixed cost per action: what a
+stage does around its passes is its policy's (a stash, two buffers, a prediction), the
+same for every method of the policy; ``zb-h1`` gives the synchronous split backward's I
+and W."""
 
 
 def profile_builtin(
@@ -64,6 +88,32 @@ def profile_builtin(
     on_cpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
     if threads is None and ranks is not None and on_cpu:
         threads = rank_threads(ranks)
+    runtime: Callable[[Profile], RuntimeCosts] | None = None
+    problem: str | None = None
+    if on_cpu and ranks is not None and ranks > 1:
+        try:  # before the busy stand-ins start: the two processes each get a core
+            message = time_messages()
+        except (RuntimeError, OSError) as err:
+            message, problem = None, f"{type(err).__name__}: {err}"
+
+        def runtime(layer_profile: Profile) -> RuntimeCosts:
+            n = min(len(data.train_x) // batch_size, 24) * batch_size
+            batches = [
+                (data.train_x[i : i + batch_size], data.train_y[i : i + batch_size])
+                for i in range(0, n, batch_size)
+            ]
+            actions = action_costs(layers, batches, layer_profile, model, ranks, optimizer, seed)
+            if message is None:
+                return RuntimeCosts(action_s=actions)
+            return RuntimeCosts(
+                message_send_s=message.send_s,
+                message_receive_s=message.receive_s,
+                message_latency_s=message.latency_s,
+                burst_slowdown=message.burst_slowdown,
+                shared_burst_slowdown=message.shared_burst_slowdown,
+                action_s=actions,
+            )
+
     profile = profile_model(
         layers,
         sample,
@@ -74,10 +124,106 @@ def profile_builtin(
         threads=threads,
         neighbours=_neighbours(ranks) if on_cpu else 0,
         stream_bytes=_stage_bytes(layers, ranks),
+        runtime=runtime,
     )
-    machine = Machine(this_machine_cores(), ranks or 1, profile.meta.get("threads") or 1)
+    threads_used = profile.meta.get("threads") or 1
+    if on_cpu:
+        machine = Machine(this_machine_cores(), ranks or 1, threads_used)
+    else:  # a rank per accelerator (ranks beyond them share one), one host thread each
+        machine = Machine(max(1, torch.cuda.device_count()), ranks or 1, 1)
     meta = {**profile.meta, "model": model, "ranks": ranks, "machine": machine.to_dict()}
+    if problem is not None:
+        meta["messages_failed"] = problem
     return dataclasses.replace(profile, meta=meta)
+
+
+def action_costs(
+    layers: Sequence[nn.Module],
+    batches: Sequence[tuple[Tensor, Tensor]],
+    profile: Profile,
+    model: str,
+    stages: int,
+    optimizer: str = "sgd",
+    seed: int = 0,
+    *,
+    budget_s: float = 0.5,
+    runs: int = 2,
+) -> dict[str, dict[str, float]]:
+    """Per weight policy (:data:`POLICY_METHODS`) the fixed seconds of one action of each
+    kind beyond its layers: a copy of ``layers`` trained for a few ``batches`` by the real
+    Pipeline in this process (one process, so no message is timed), split evenly into
+    ``stages`` stages; each action's traced time less its layers' time at its micro-batch
+    by ``profile`` (and a predicted forward's prediction), the median per stage over the
+    last two thirds of the run (after the first steps' allocations), the mean over the
+    stages (the last one's loss included), never below 0; the mean of ``runs`` such runs.
+    Each run takes about ``budget_s`` of the model's own compute (6 to 24 mini-batches)."""
+    per_batch = profile.total_compute_s + sum(x.update_s for x in profile.layers)
+    steps = int(min(24, max(6, budget_s / per_batch if per_batch > 0 else 24)))
+    steps = min(steps, len(batches))
+    found: dict[str, dict[str, float]] = {}
+    for policy, methods in POLICY_METHODS.items():
+        kinds: dict[str, float] = {}
+        for method in methods:
+            measured: dict[str, list[float]] = defaultdict(list)
+            for _ in range(max(1, runs)):
+                for kind, value in _method_costs(
+                    layers, batches[:steps], profile, model, stages, method, optimizer, seed
+                ).items():
+                    measured[kind].append(value)
+            for kind, values in measured.items():
+                kinds.setdefault(kind, statistics.fmean(values))
+        found[policy] = {k: kinds[k] for k in ACTION_KINDS if k in kinds}
+    return found
+
+
+def _method_costs(
+    layers: Sequence[nn.Module],
+    batches: Sequence[tuple[Tensor, Tensor]],
+    profile: Profile,
+    model: str,
+    stages: int,
+    method: str,
+    optimizer: str,
+    seed: int,
+) -> dict[str, float]:
+    """:func:`action_costs` of one method's run: kind -> seconds."""
+    pipe = Pipeline(
+        [copy.deepcopy(m) for m in layers],
+        method,
+        stages=stages,
+        optimizer=OptimizerSpec(optimizer, 1e-4),
+        loss_fn=model_loss(model),
+        device=profile.device,
+        seed=seed,
+        log_every=len(batches) + 1,
+    )
+    trace = pipe.fit(list(batches), max_steps=len(batches)).trace
+    m = int(trace.meta.get("micro_batches") or 1)
+    samples = profile.batch_size / m
+    bounds = [tuple(b) for b in trace.meta["boundaries"]]
+    skip = len(batches) // 3
+    spent: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for e in trace.events:
+        if e.kind not in ACTION_KINDS or (e.mb if e.kind == "U" else e.mb // m) < skip:
+            continue
+        start, end = bounds[e.stage]
+        own = profile.layers[start:end]
+        times = [x.time_at(samples, profile.batch_size) for x in own]
+        forward = math.fsum(f for f, _ in times)
+        backward = math.fsum(b for _, b in times)
+        weight = math.fsum(x.weight_grad_fraction * b for x, (_, b) in zip(own, times, strict=True))
+        layer_s = {
+            "F": forward + (math.fsum(x.predict_s for x in own) if e.distance > 0 else 0.0),
+            "B": backward,
+            "U": math.fsum(x.update_s for x in own),
+            "I": backward - weight,
+            "W": weight,
+        }[e.kind]
+        spent[(e.kind, e.stage)].append(e.duration - layer_s)
+    per_kind: dict[str, list[float]] = defaultdict(list)
+    for (kind, _), values in spent.items():
+        per_kind[kind].append(statistics.median(values))
+    return {k: max(0.0, statistics.fmean(v)) for k, v in per_kind.items()}
 
 
 def _stage_bytes(layers: Sequence[nn.Module], ranks: int | None) -> int | None:

@@ -29,6 +29,16 @@ def test_profile_records_the_threads_and_neighbours_it_ran_with(
     profile = Profile.load(out)
     assert profile.meta["threads"] == threads_per_rank(2)
     assert profile.meta["neighbours"] == 1  # one busy process stood in for the other rank
+    # what the runtime costs here beyond the layers: a message over gloo, every policy's
+    # fixed work per action, the slowdown of work between waits (issue 34)
+    runtime = profile.runtime_costs
+    assert runtime is not None and "runtime_costs_failed" not in profile.meta
+    assert "messages_failed" not in profile.meta
+    assert runtime.message_send_s > 0 and runtime.message_receive_s > 0
+    assert runtime.burst_slowdown >= 1.0 and runtime.shared_burst_slowdown >= 1.0
+    assert set(runtime.action_s) == {"flush", "stash", "double-buffer", "predict"}
+    assert set(runtime.action_s["flush"]) == {"F", "B", "U", "I", "W"}
+    assert profile.machine is not None and profile.machine.ranks_per_host == 2
     assert main([*argv, "--ranks", "0", "--out", str(out)]) == 2
     assert "--ranks must be between 1" in capsys.readouterr().err
 

@@ -33,6 +33,7 @@ from pipeoptim.plan.profile import (
     Profile,
     optimizer_state_factor,
 )
+from pipeoptim.plan.runtime_costs import RuntimeCosts
 from pipeoptim.runtime.config import is_whole
 from pipeoptim.runtime.model.materialize import is_meta, materialize_units
 from pipeoptim.runtime.model.units import InitWeights
@@ -187,6 +188,7 @@ def profile_model(
     neighbours: int = 0,
     stream_bytes: int | None = None,
     init_weights: InitWeights | None = None,
+    runtime: Callable[[Profile], RuntimeCosts] | None = None,
 ) -> Profile:
     """Measure each layer of ``layers`` (in order) on ``sample_input`` and return a Profile.
 
@@ -226,14 +228,19 @@ def profile_model(
     parameters' shapes less the same on them flattened
     (:func:`~pipeoptim.runtime.profiling.layer_timing.shaped_steps`). ``device`` defaults to
     the device of the first parameter, else of ``sample_input``. ``progress`` shows a tqdm bar.
+    ``runtime`` measures what the runtime costs beyond the layers on this host (the
+    executor's work per action, a message's: :mod:`pipeoptim.workloads.profiling` has one),
+    given the layers' profile, under the same conditions (threads, neighbours) right after
+    them; it becomes the profile's ``runtime_costs`` (where it fails,
+    ``meta["runtime_costs_failed"]`` says why and the profile has none).
     """
     named = _named_layers(layers)
     if any(is_meta(m) for _, m in named):
-        if neighbours:
+        if neighbours or runtime is not None:
             raise RuntimeConfigError(
-                f"neighbours={neighbours} trains copies of the whole model beside the "
-                f"profile, and these layers are on the meta device (no rank holds them all); "
-                f"profile them with neighbours=0"
+                f"neighbours={neighbours} and runtime= run copies of the whole model beside "
+                f"the profile, and these layers are on the meta device (no rank holds them "
+                f"all); profile them with neighbours=0 and runtime=None"
             )
         return _profile_one_at_a_time(
             named,
@@ -360,6 +367,12 @@ def profile_model(
                 results = shaped_steps(
                     results, [m for _, m in named], spec, timer, warmup=warmup, repeats=repeats
                 )
+        if dtype_bytes == 0:
+            dtype_bytes = sample_input.element_size() if sample_input.is_floating_point() else 4
+        measured, runtime_problem = _runtime_costs(
+            runtime,
+            Profile(tuple(results), batch_size, optimizer.lower(), str(target), dtype_bytes),
+        )
     finally:
         busy.close()
         torch.set_num_threads(threads_before)
@@ -367,9 +380,6 @@ def profile_model(
             for pairs in saved_buffers:
                 for buf, saved in pairs:
                     buf.copy_(saved)
-    if dtype_bytes == 0:
-        dtype_bytes = sample_input.element_size() if sample_input.is_floating_point() else 4
-
     meta: dict[str, Any] = {
         "source": "pipeoptim.runtime.profiling.profiler",
         "torch_version": torch.__version__,
@@ -388,6 +398,8 @@ def profile_model(
     }
     if busy.problem is not None:
         meta["neighbours_failed"] = busy.problem
+    if runtime_problem is not None:
+        meta["runtime_costs_failed"] = runtime_problem
     if target.type == "cuda":
         meta["device_name"] = torch.cuda.get_device_name(target)
     return Profile(
@@ -397,7 +409,21 @@ def profile_model(
         device=str(target),
         dtype_bytes=dtype_bytes,
         meta=meta,
+        runtime_costs=measured,
     )
+
+
+def _runtime_costs(
+    measure: Callable[[Profile], RuntimeCosts] | None, layers: Profile
+) -> tuple[RuntimeCosts | None, str | None]:
+    """``measure(layers)``, or why it could not be taken (a host where processes cannot be
+    spawned or connected: the profile is kept without it)."""
+    if measure is None:
+        return None, None
+    try:
+        return measure(layers), None
+    except (RuntimeError, OSError, ValueError) as err:
+        return None, f"{type(err).__name__}: {err}"
 
 
 def _profile_one_at_a_time(
