@@ -37,7 +37,7 @@ from pipeoptim.plan.orders import (
     IntArray,
     OrderArrays,
 )
-from pipeoptim.plan.versions import VersionReport, analyze_order
+from pipeoptim.plan.versions import BoolArray, VersionReport, analyze_order
 from pipeoptim.sim.costs import CostModel
 from pipeoptim.sim.dependencies import compile_dependencies
 from pipeoptim.sim.steps import Steps, topological_steps
@@ -109,6 +109,7 @@ class Program:
         self.edge_array: IntArray = edge
         """Link of that wait: ``2*k`` forward over edge k, ``2*k+1`` backward, -1 none."""
         self._versions: VersionReport | None = None
+        self._prediction_writes: BoolArray | None = None
         self._flat_versions: tuple[list[int], list[int], list[bool]] | None = None
         self._steps: Steps | None = None
         # cost codes by (predicting, charging messages): see duration_codes
@@ -257,10 +258,40 @@ class Program:
         W...] table."""
         return self.arrays.kind * self.num_stages + self.arrays.stage
 
+    def prediction_writes(self) -> BoolArray:
+        """Per action whether it writes a prediction Ŵ: a predicted forward whose stage has
+        not already written the Ŵ of its distance since the stage's last update. Between two
+        updates Ŵ depends on the distance alone, and the runtime writes it once per run of
+        forwards that predict the same distance (``Stage._write_prediction``): XPipe's
+        micro-batches of one mini-batch share one; PipeOptim's forwards, one per update,
+        each write their own."""
+        if self._prediction_writes is None:
+            a, actions = self.arrays, self.versions().actions
+            # each stage's actions in execution order (a rank's are numbered in its order)
+            order = np.argsort(a.stage, kind="stable")
+            updates = np.cumsum(a.kind[order] == KIND_U)  # differences count a stage's own
+            found = np.flatnonzero(actions.predicted[order])
+            stage = a.stage[order][found]
+            made = updates[found]
+            distance = actions.distance[order][found]
+            # a predicted forward writes unless the stage's previous one predicted the same
+            # distance with no update between
+            fresh = np.ones(found.size, dtype=bool)
+            fresh[1:] = (
+                (stage[1:] != stage[:-1])
+                | (made[1:] != made[:-1])
+                | (distance[1:] != distance[:-1])
+            )
+            writes = np.zeros(a.size, dtype=bool)
+            writes[order[found[fresh]]] = True
+            self._prediction_writes = writes
+        return self._prediction_writes
+
     def duration_codes(self, predicting: bool, messages: bool = False) -> IntArray:
         """Per action its index into :meth:`duration_table`: the cost code, moved to the
-        predicted-forward entries (``5 * num_stages + stage``) for forwards the version
-        analysis predicts when ``predicting`` (the costs have a prediction time), and when
+        predicted-forward entries (``5 * num_stages + stage``) for forwards that write a
+        prediction (:meth:`prediction_writes`) when ``predicting`` (the costs have a
+        prediction time; a forward on a Ŵ already written costs a forward), and when
         ``messages`` (the costs charge each message) into the block of its messages: one
         block of ``6 * num_stages`` codes each for an action that sends a message to another
         rank, receives one, or both (:meth:`message_roles`)."""
@@ -268,7 +299,7 @@ class Program:
         if key not in self._codes:
             codes = self.cost_code_array()
             if predicting:
-                codes[self.versions().actions.predicted] += _KINDS * self.num_stages
+                codes[self.prediction_writes()] += _KINDS * self.num_stages
             if messages:
                 codes += self.message_roles() * ((_KINDS + 1) * self.num_stages)
             self._codes[key] = codes
@@ -288,10 +319,11 @@ class Program:
         :attr:`CostModel.backward_weight_s`; a recomputing stage's B and I also run the
         recomputed forward, :attr:`CostModel.recompute_s`).
 
-        A predicted forward (code ``5 * num_stages + stage``, see :meth:`duration_codes`)
-        costs its forward plus the prediction. Where the costs have a fixed time per action
-        (:attr:`CostModel.action_s`) each block adds its kind's (a predicted forward the F's).
-        Where the costs charge messages
+        A forward that writes a prediction (code ``5 * num_stages + stage``, see
+        :meth:`duration_codes` and :meth:`prediction_writes`) costs its forward plus the
+        prediction; a predicted forward on the Ŵ its stage already wrote, its forward. Where
+        the costs have a fixed time per action (:attr:`CostModel.action_s`) each block adds
+        its kind's (a predicted forward the F's). Where the costs charge messages
         (:attr:`CostModel.charges_messages`), three more blocks follow: the same seconds
         plus :attr:`CostModel.message_send_s`, plus :attr:`CostModel.message_receive_s`,
         and plus both (the sending and receiving rank's fixed time per message)."""

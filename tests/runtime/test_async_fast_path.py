@@ -279,3 +279,44 @@ def test_two_bw_makes_one_alias_per_weight_and_version(monkeypatch: pytest.Monke
             stage.update()
     assert stage.policy is WeightPolicy.DOUBLE_BUFFER
     assert len(made) == 2 * 2  # (weight, bias) per version read, not per forward (12)
+
+
+SIMULATED_CASES = [
+    ("xpipe", 4),  # M = P: one Ŵ per mini-batch per stage
+    ("xpipe", 8),
+    ("xpipe", 2),  # M < P: two distances between updates
+    ("pipeoptim", 1),  # one forward per update: each writes its own
+    ("spectrain", 1),
+]
+
+
+@pytest.mark.parametrize(("method", "micro"), SIMULATED_CASES)
+def test_the_simulator_charges_the_predictions_the_runtime_writes(method: str, micro: int) -> None:
+    """Per stage the simulator's forwards that write Ŵ (and so cost the prediction) are as
+    many as the runtime's writes of Ŵ in the same schedule, on CPU where each is timed."""
+    from pipeoptim.sim import Program
+
+    steps = 6
+    spec = get_method(method)
+    pipe = Pipeline(
+        tiny_gpt(),
+        method=method,
+        stages=4,
+        micro_batches=micro if spec.micro_batched else None,
+        optimizer=OptimizerSpec("adamw", 3e-3),
+        loss_fn=lm_loss,
+        log_every=10**6,
+    )
+    pipe.fit(corpus(steps), max_steps=steps)
+    runtime = [len(pipe.stages[k].prediction_seconds) for k in range(4)]
+    shape = spec.shape(4, micro if spec.micro_batched else None, steps)
+    program = Program(spec.order_arrays(shape), shape.micro_batches, spec.weight_policy)
+    writes = program.prediction_writes()
+    simulated = [int(writes[program.arrays.stage == k].sum()) for k in range(4)]
+    assert simulated == runtime
+    assert sum(runtime) > 0
+    predicted = program.versions().actions.predicted
+    if shape.micro_batches > 1:  # micro-batches share a Ŵ: fewer writes than predicted ones
+        assert writes.sum() < predicted.sum()
+    else:
+        assert (writes == predicted).all()

@@ -120,8 +120,9 @@ def _check_every_path(program: Program, costs: CostModel) -> None:
     assert fast.rank_busy_s == pytest.approx(reference.rank_busy_s)
     assert fast.steady_throughput == pytest.approx(reference.steady_throughput)
     assert fast.overall_bubble == pytest.approx(reference.overall_bubble)
-    # a predicted forward costs its forward plus the prediction
-    _, _, predicted = program.flat_versions()
+    # a forward that writes a prediction costs its forward plus the prediction; one on the
+    # Ŵ its stage already wrote since its last update costs a forward
+    predicted = program.prediction_writes().tolist()
     for i in range(program.size):
         k, kind = program.stage[i], program.kind[i]
         plain = (
