@@ -7,7 +7,8 @@ Run from the repository root::
     .venv/bin/python benchmarks/bench_runtime.py --quick      # a short smoke run
 
 Workload: an MLP of 8 x (Linear(1024, 1024) + ReLU) and a Linear(1024, 10) head, split
-evenly over the ranks (the head on the last). Batch 256, M = 4 micro-batches for the
+evenly over the ranks (the head on the last), the same split for every run: pipeoptim's
+Pipeline gets one unit per rank. Batch 256, M = 4 micro-batches for the
 micro-batching methods, SGD with momentum 0.9, cross-entropy on random data. Each rank runs
 with cores / ranks threads.
 
@@ -23,8 +24,9 @@ Runs, interleaved round by round so machine noise hits all alike:
   loggers' log points);
 * ``limit``: each rank's share of the model trained alone, every rank at the same time in
   its own process with the same threads, no communication (a stage's input and its output's
-  gradient are fixed tensors): what P stages could do with no pipeline cost at all, on a
-  machine whose cores are all busy. The throughput is the slowest rank's.
+  gradient are fixed tensors; every rank but the first computes its input's gradient, as the
+  whole model's backward does at that cut): what P stages could do with no pipeline cost at
+  all, on a machine whose cores are all busy. The throughput is the slowest rank's.
 
 Each run trains ``--warmup`` mini-batches, then times ``--steps`` more. The table gives
 the median samples/s over the rounds and the ratio to PyTorch's Schedule1F1B; then the
@@ -72,6 +74,13 @@ def split(layers: list[nn.Module], ranks: int) -> list[nn.Sequential]:
     parts = [layers[r * per : (r + 1) * per] for r in range(ranks)]
     parts[-1] = [*parts[-1], *layers[2 * BLOCKS :]]
     return [nn.Sequential(*p) for p in parts]
+
+
+def pipeline_units(ranks: int) -> list[nn.Module]:
+    """What pipeoptim's Pipeline gets: one unit per rank, the split torch's stages and the
+    limit train (given the 17 layers, its even split by count would be 9|8, five blocks on
+    rank 0 against four)."""
+    return list(split(blocks(), ranks))
 
 
 def data(batch: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -152,7 +161,7 @@ def _pipeoptim_rank(rank: int, ranks: int, port: int, args: dict[str, Any], out:
         folder = Path(tempfile.mkdtemp(prefix="bench-runtime-logs-"))
         loggers = [TensorBoardLogger(folder / "tb"), JsonlLogger(folder / "run.jsonl")]
     pipe = Pipeline(
-        blocks(),
+        pipeline_units(ranks),
         method,
         stages=ranks,
         micro_batches=micro,
@@ -199,6 +208,8 @@ def _limit_rank(rank: int, ranks: int, port: int, args: dict[str, Any], out: Any
     opt = torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9)
     x, y = data(args["batch"], 1)[0]
     grad = torch.randn(args["batch"], WIDTH, generator=torch.Generator().manual_seed(2))
+    if rank > 0:  # the gradient a stage sends back is work the model's own backward does
+        x = x.clone().requires_grad_()
 
     def step() -> None:
         output = module(x)
@@ -208,6 +219,7 @@ def _limit_rank(rank: int, ranks: int, port: int, args: dict[str, Any], out: Any
             output.backward(grad)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        x.grad = None
 
     seconds = _timed(step, args, until_all=False)  # this rank's own time
     out.put((rank, args["steps"] * args["batch"] / seconds, {}))
