@@ -4,20 +4,14 @@ under its 10 s goal (the script exits 1 otherwise)."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
+import benchmark_scripts
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_plan_devices.py"
 
 
 def test_bench_plan_devices_quick(capsys: pytest.CaptureFixture[str]) -> None:
-    spec = importlib.util.spec_from_file_location("bench_plan_devices", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = benchmark_scripts.load("bench_plan_devices")
     assert module.main(["--quick", "--repeat", "1"]) == 0
     out = capsys.readouterr().out
     found = re.search(r"^chosen: P=(\d+) x D=(\d+), ", out, re.MULTILINE)

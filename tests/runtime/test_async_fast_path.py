@@ -14,10 +14,9 @@ so the two runs below differ only in the fast path; a difference in one weight b
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from typing import Any
 
+import benchmark_scripts
 import pytest
 import torch
 from torch import Tensor, nn
@@ -32,16 +31,11 @@ from pipeoptim.runtime.stage.stage import Stage
 from pipeoptim.workloads.gpt import gpt, lm_loss
 
 VOCAB = 11
-OLD_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "old_async_path.py"
 
 
 def old_path() -> Any:
     """``old_async_path.old_path()``: the benchmarks folder is no package."""
-    spec = importlib.util.spec_from_file_location("old_async_path", OLD_PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.old_path()
+    return benchmark_scripts.load("old_async_path").old_path()
 
 
 def tiny_gpt() -> list[nn.Module]:
@@ -320,3 +314,30 @@ def test_the_simulator_charges_the_predictions_the_runtime_writes(method: str, m
         assert writes.sum() < predicted.sum()
     else:
         assert (writes == predicted).all()
+
+
+@pytest.mark.parametrize(
+    ("method", "micro", "buffered"),
+    [("xpipe", 4, [True, True, False, False]), ("pipeoptim", 1, [False] * 4)],
+)
+def test_the_buffer_becomes_the_live_weights_only_where_forwards_share_an_update(
+    method: str, micro: int, buffered: list[bool]
+) -> None:
+    """XPipe's micro-batches meet each update several at a time: on the stages where each
+    predicted forward meets one update, the buffer becomes the live weights (one copy per
+    update). PipeOptim's whole mini-batches meet one each (stage 2 predicts s = 1 for every
+    forward): the hook re-points one forward's saved views, cheaper than a weight copy."""
+    pipe = Pipeline(
+        tiny_gpt(),
+        method=method,
+        stages=4,
+        micro_batches=micro if get_method(method).micro_batched else None,
+        optimizer=OptimizerSpec("adamw", 3e-3),
+        loss_fn=lm_loss,
+        log_every=10**6,
+    )
+    pipe.fit(corpus(6), max_steps=6)
+    assert [pipe.stages[k]._reads_buffer for k in range(4)] == buffered
+    stage = pipe.stages[2]
+    moved = {stage.versions(mb).distance for mb in stage.weights.passes} - {0}
+    assert method != "pipeoptim" or moved == {1}  # one update per predicted forward: hooked

@@ -4,22 +4,18 @@ each rank's breakdown."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_runtime.py"
+import benchmark_scripts
+
+SCRIPT = benchmark_scripts.FOLDER / "bench_runtime.py"
 
 
 def bench() -> Any:
-    spec = importlib.util.spec_from_file_location("bench_runtime", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_scripts.load("bench_runtime")
 
 
 def test_the_pipeline_trains_the_split_of_torchs_stages_and_the_limit() -> None:

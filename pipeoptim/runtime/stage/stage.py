@@ -18,8 +18,9 @@ forward/backward that ties together one part per concern:
 PREDICT writes the prediction ``Ŵ = W - lr·s·Δ`` into the prediction buffer (once per distance
 between two updates), runs the forward on it, and re-points what the graph saves of Ŵ at the
 live weights, so the backward runs on the current weights, as DESIGN.md specifies; where every
-predicted forward meets one update before its backward (XPipe), the buffer becomes the live
-weights at that update instead, and the forward runs with no saved-tensor hook.
+predicted forward meets one update before its backward and several meet each one (XPipe), the
+buffer becomes the live weights at that update instead (one weight copy per update), and the
+forward runs with no saved-tensor hook.
 
 A forward on a version other than the live one runs the module on aliases of that version's
 storage, put in the module's parameter slots (:mod:`~pipeoptim.runtime.stage.swap`), one alias
@@ -366,15 +367,21 @@ class Stage:
         self.weights.forget(mbs)
 
     def _buffer_becomes_live(self, passes: dict[int, MicroBatchVersions]) -> bool:
-        """Whether the predicted forwards of a segment of ``passes`` can leave their graphs
-        on the prediction buffer: every one meets exactly one update before its backward
-        (at which the buffer becomes the live weights) and every other pass none (so no
-        graph reads the live storage the parameters leave). In fp32 only: under autocast a
-        saved cast of Ŵ is re-cast from the live weights by the hook anyway."""
+        """Whether the predicted forwards of a segment of ``passes`` leave their graphs on
+        the prediction buffer: every one meets exactly one update before its backward (at
+        which the buffer becomes the live weights) and every other pass none (so no graph
+        reads the live storage the parameters leave). In fp32 only: under autocast a saved
+        cast of Ŵ is re-cast from the live weights by the hook anyway. And only where some
+        update is met by several predicted forwards (XPipe's micro-batches): the buffer
+        costs a copy of the weights per update, the hook a few calls per saved tensor of
+        each predicted forward, so one forward per update (PipeOptim's whole mini-batches)
+        is cheaper hooked (``bench_runtime.py``: the copy was 2 ms of a 90 ms step)."""
         if self.predictor is None or self.predicted_backward or self.precision.dtype is not None:
             return False
         offset = self.prediction_offset
-        return all(
+        predicted = [v for v in passes.values() if prediction_distance(v.distance, offset) > 0]
+        shared = len(predicted) > len({v.forward_base for v in predicted})
+        return shared and all(
             v.distance == (1 if prediction_distance(v.distance, offset) > 0 else 0)
             for v in passes.values()
         )

@@ -22,7 +22,8 @@ exactly one update before its backward (XPipe with M >= P), the prediction buffe
 live weights at that update (:meth:`WeightVersions.before_update`): it takes their values, the
 parameters move onto its storage and the optimizer updates them there, so the graphs read
 the current weights where they read Ŵ, with no saved-tensor hook on their passes; the old
-storage is the next buffer. One copy per update instead of a hook on every saved tensor.
+storage is the next buffer. One copy per update instead of a hook on every saved tensor, so
+only where several predicted forwards meet each update (``Stage._buffer_becomes_live``).
 
 Per policy (DESIGN.md, "Weight-version semantics"): FLUSH runs everything on the live
 weights. STASH forwards on the live weights, which are frozen at the next update if the
