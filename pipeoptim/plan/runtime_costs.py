@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeoptim.errors import PlanError
+from pipeoptim.plan.orders import KIND_CODES
 
 __all__ = ["ACTION_KINDS", "RuntimeCosts"]
 
-ACTION_KINDS = ("F", "B", "U", "I", "W")
+ACTION_KINDS = KIND_CODES
 """The compute actions a fixed cost is kept for: forward, backward, update, and a split
 backward's input (I) and weight (W) halves."""
 

@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeoptim.errors import PlanError
 from pipeoptim.plan.machine import Machine
+from pipeoptim.plan.orders import KIND_CODES
 from pipeoptim.plan.profile import optimizer_state_factor
 from pipeoptim.plan.recompute import check_shard_optimizer
 from pipeoptim.plan.recompute_costs import (
@@ -130,6 +131,14 @@ def _fractions(values: object, count: int) -> tuple[float, ...]:
                 f"(got {v!r}); give {fix}"
             )
     return tuple(float(v) for v in raw)
+
+
+def _seconds(value: object) -> float | None:
+    """``value`` as seconds where it is a finite number >= 0 (a bool is not), else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    number = float(value)
+    return number if math.isfinite(number) and number >= 0 else None
 
 
 def _ints(name: str, values: int | Sequence[int], count: int) -> tuple[int, ...]:
@@ -251,33 +260,32 @@ class CostModel:
             object.__setattr__(self, name, _ints(name, given if len(given) else (0,) * s, s))
         object.__setattr__(self, "weight_grad_fraction", _fractions(self.weight_grad_fraction, s))
         for name in ("message_send_s", "message_receive_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                value = None
-            if value is None or not math.isfinite(value) or value < 0:
+            value = _seconds(getattr(self, name))
+            if value is None:
                 raise PlanError(
                     f"{name} is the fixed seconds of one message at one end and must be a "
                     f"finite number >= 0 (got {getattr(self, name)!r}); give e.g. 5e-05, or "
                     f"0 for messages that cost only their link"
                 )
-            object.__setattr__(self, name, float(value))
+            object.__setattr__(self, name, value)
         if len(self.action_s):
-            kinds = ("F", "B", "U", "I", "W")
-            if len(self.action_s) != len(kinds):
+            if len(self.action_s) != len(KIND_CODES):
                 raise PlanError(
-                    f"action_s needs one fixed time per action kind {', '.join(kinds)} (got "
-                    f"{len(self.action_s)} values {tuple(self.action_s)!r}); give 5 numbers "
-                    f"or none"
+                    f"action_s needs one fixed time per action kind {', '.join(KIND_CODES)} "
+                    f"(got {len(self.action_s)} values {tuple(self.action_s)!r}); give 5 "
+                    f"numbers or none"
                 )
-            for kind, value in zip(kinds, self.action_s, strict=True):
-                bad = isinstance(value, bool) or not isinstance(value, (int, float))
-                if bad or not math.isfinite(value) or value < 0:
+            fixed: list[float] = []
+            for kind, given in zip(KIND_CODES, self.action_s, strict=True):
+                value = _seconds(given)
+                if value is None:
                     raise PlanError(
                         f"action_s[{kind}] is the fixed seconds of one {kind} action beyond "
-                        f"its layers and must be a finite number >= 0 (got {value!r}); give "
+                        f"its layers and must be a finite number >= 0 (got {given!r}); give "
                         f"e.g. 5e-05, or 0 for none"
                     )
-            object.__setattr__(self, "action_s", tuple(float(v) for v in self.action_s))
+                fixed.append(value)
+            object.__setattr__(self, "action_s", tuple(fixed))
         if self.machine is not None and not isinstance(self.machine, Machine):
             raise PlanError(
                 f"machine must be a pipeoptim.plan.machine.Machine or None (got "

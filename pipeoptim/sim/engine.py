@@ -29,6 +29,7 @@ from pipeoptim.plan.actions import Action
 from pipeoptim.plan.limits import check_work, estimate_work, max_actions
 from pipeoptim.plan.machine import Machine
 from pipeoptim.plan.methods import Method, WeightPolicy, get_method
+from pipeoptim.plan.orders import KIND_CODES
 from pipeoptim.plan.schedules import Shape
 from pipeoptim.sim.costs import CostModel
 from pipeoptim.sim.memory import memory_report
@@ -267,7 +268,7 @@ def build_trace(
         info["message_send_s"] = costs.message_send_s
         info["message_receive_s"] = costs.message_receive_s
     if costs.action_s:
-        info["action_s"] = dict(zip(("F", "B", "U", "I", "W"), costs.action_s, strict=True))
+        info["action_s"] = dict(zip(KIND_CODES, costs.action_s, strict=True))
     if costs.data_parallel > 1:
         info["replica_batch_size"] = m * costs.samples_per_micro_batch
         info["allreduce_s"] = {str(k): v for k, v in enumerate(costs.allreduce_s)}

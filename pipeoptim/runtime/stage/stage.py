@@ -378,12 +378,16 @@ class Stage:
         is cheaper hooked (``bench_runtime.py``: the copy was 2 ms of a 90 ms step)."""
         if self.predictor is None or self.predicted_backward or self.precision.dtype is not None:
             return False
-        offset = self.prediction_offset
-        predicted = [v for v in passes.values() if prediction_distance(v.distance, offset) > 0]
+        predicted: list[MicroBatchVersions] = []
+        others: list[MicroBatchVersions] = []
+        for v in passes.values():
+            moved = prediction_distance(v.distance, self.prediction_offset) > 0
+            (predicted if moved else others).append(v)
         shared = len(predicted) > len({v.forward_base for v in predicted})
-        return shared and all(
-            v.distance == (1 if prediction_distance(v.distance, offset) > 0 else 0)
-            for v in passes.values()
+        return (
+            shared
+            and all(v.distance == 1 for v in predicted)
+            and all(v.distance == 0 for v in others)
         )
 
     def versions(self, mb: int) -> MicroBatchVersions:

@@ -67,6 +67,11 @@ class _Alias(torch.autograd.Function):
         return grad, None
 
 
+def _storage_key(tensors: Sequence[Tensor]) -> tuple[int, ...]:
+    """Which storage a version's tensors are, for the aliases made on it."""
+    return tuple(t.data_ptr() for t in tensors)
+
+
 def alias(param: Tensor, source: Tensor) -> Tensor:
     """A tensor on ``source``'s storage whose gradient flows to ``param``."""
     out: Tensor = _Alias.apply(param, source)  # type: ignore[no-untyped-call]
@@ -136,7 +141,7 @@ class WeightVersions:
         """An alias of each of ``sources`` (a version's storage, or the prediction buffer)
         whose gradient flows to its parameter: made on the first forward that reads that
         storage, shared by the later ones."""
-        key = tuple(t.data_ptr() for t in sources)
+        key = _storage_key(sources)
         found = self._aliases.get(key)
         if found is None:
             found = self._aliases[key] = [
@@ -193,9 +198,7 @@ class WeightVersions:
         if self.tracks:
             version = v.forward_version
             self._inflight[version] -= 1
-            if version in self.stash and self._pending_f[version] + self._inflight[version] <= 0:
-                # its aliases hold the storage: dropped with it
-                self._aliases.pop(tuple(t.data_ptr() for t in self.stash.pop(version)), None)
+            self._drop_if_unneeded(version)
 
     def forget(self, mbs: list[int]) -> None:
         """Forwards that will not run (a segment a stop cut short): their versions are no
@@ -205,8 +208,13 @@ class WeightVersions:
         for mb in mbs:
             version = self.passes[mb].forward_version
             self._pending_f[version] -= 1
-            if version in self.stash and self._pending_f[version] + self._inflight[version] <= 0:
-                self._aliases.pop(tuple(t.data_ptr() for t in self.stash.pop(version)), None)
+            self._drop_if_unneeded(version)
+
+    def _drop_if_unneeded(self, version: int) -> None:
+        """Drop a frozen version no forward is still to read and no backward still needs,
+        with its aliases (they hold its storage)."""
+        if version in self.stash and self._pending_f[version] + self._inflight[version] <= 0:
+            self._aliases.pop(_storage_key(self.stash.pop(version)), None)
 
     def prediction_buffer(self) -> list[Tensor]:
         """The stage's one buffer for Ŵ (the extra weight copy), made on first use."""
