@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from test_program_arrays import _costs  # the same unequal stages and predictions
 
 from pipeoptim.errors import PlanError
 from pipeoptim.plan.machine import Machine
@@ -18,15 +19,6 @@ from pipeoptim.plan.methods import METHODS, get_method
 from pipeoptim.sim import CostModel, Program, evaluate_program, evaluate_trace, run_simpy, simulate
 from pipeoptim.sim.evaluate import schedule
 from pipeoptim.sim.sharing import HostCores
-
-
-def _costs(stages: int) -> CostModel:
-    base = CostModel.uniform(stages, 1.0, 2.0, 0.25, latency_s=0.05, bandwidth=1e4)
-    return dataclasses.replace(
-        base,
-        forward_s=tuple(0.5 + 0.25 * (k % 3) for k in range(stages)),
-        predict_s=tuple(0.1 * (k + 1) for k in range(stages)),
-    )
 
 
 def _cases() -> list[tuple[str, int, int | None, int]]:
