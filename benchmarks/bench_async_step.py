@@ -5,6 +5,7 @@ Run from the repository root::
     .venv/bin/python benchmarks/bench_async_step.py             # P = 4, 8, 16; 5 rounds (~4 min)
     .venv/bin/python benchmarks/bench_async_step.py --old-path  # and the path before issue 34
     .venv/bin/python benchmarks/bench_async_step.py --quick     # P = 4 and 16, 1 round, 6 steps
+    .venv/bin/python benchmarks/bench_async_step.py --micro-factor 4  # M = 4P: 1F1B's steady state
 
 Why: XPipe is the asynchronous method that converges under AdamW at 8 and 16 stages
 (``docs/choosing-a-method.md``), and a forward on a weight version other than the live one
@@ -52,14 +53,16 @@ METHODS = ("gpipe", "2bw", "xpipe", "pipeoptim", "1f1b")
 MODEL, BATCH = "gpt-deep", 32
 
 
-def step_seconds(method: str, stages: int, steps: int, old: bool) -> float:
+def step_seconds(method: str, stages: int, steps: int, old: bool, factor: int = 1) -> float:
     """CPU seconds per step of a ``fit`` of ``steps`` mini-batches on a fresh pipeline, on
-    the path before issue 34 where ``old`` (built on it too). CPU time, not wall time: the
-    machine is shared, and the wall clock would count the other users' work as ours."""
+    the path before issue 34 where ``old`` (built on it too); the micro-batched methods run
+    M = ``factor`` x P micro-batches of a batch ``factor`` times as large. CPU time, not
+    wall time: the machine is shared, and the wall clock would count the other users' work
+    as ours."""
     path: AbstractContextManager[None] = old_path() if old else nullcontext()
     with path:
         layers, data = build_model(MODEL, 0)
-        micro = stages if get_method(method).micro_batched else 1
+        micro = factor * stages if get_method(method).micro_batched else 1
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the depth advice for methods that stall at depth
             pipe = Pipeline(
@@ -73,7 +76,7 @@ def step_seconds(method: str, stages: int, steps: int, old: bool) -> float:
                 loss_fn=model_loss(MODEL),
                 log_every=10**9,
             )
-        train = DatasetLoader(data.train_x, data.train_y, BATCH, seed=0)
+        train = DatasetLoader(data.train_x, data.train_y, factor * BATCH, seed=0)
         pipe.fit(train, max_steps=1)
         start = time.process_time()
         pipe.fit(train, max_steps=1 + steps)
@@ -90,6 +93,13 @@ def main() -> None:
     parser.add_argument(
         "--old-path", action="store_true", help="also the asynchronous methods before issue 34"
     )
+    parser.add_argument(
+        "--micro-factor",
+        type=int,
+        default=1,
+        help="M = this x P micro-batches, batch this x 32 (same micro-batch size): at 4, "
+        "1F1B's steady state, not its fill and drain, makes most of a step",
+    )
     a = parser.parse_args()
     if a.quick:
         a.stages, a.rounds, a.steps = [4, 16], 1, 6
@@ -103,12 +113,15 @@ def main() -> None:
     ratios: dict[tuple[int, str, bool], list[float]] = {}
     for _ in range(a.rounds):
         for p in a.stages:
-            this_round = {run: step_seconds(run[0], p, a.steps, run[1]) for run in runs}
+            this_round = {
+                run: step_seconds(run[0], p, a.steps, run[1], a.micro_factor) for run in runs
+            }
             for (m, old), seconds in this_round.items():
                 steps.setdefault((p, m, old), []).append(seconds)
                 ratios.setdefault((p, m, old), []).append(seconds / this_round[("gpipe", False)])
     print(
-        f"# {MODEL}, batch {BATCH}, local transport, one thread; torch {torch.__version__}, "
+        f"# {MODEL}, batch {a.micro_factor * BATCH}, M = {a.micro_factor} x P for the "
+        f"micro-batched methods, local transport, one thread; torch {torch.__version__}, "
         f"{platform.machine()}; CPU time of fits of {a.steps} steps, median of {a.rounds} "
         f"interleaved round(s)"
     )

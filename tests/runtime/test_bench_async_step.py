@@ -27,3 +27,17 @@ def test_bench_async_step_prints_each_method_beside_gpipe() -> None:
         ("xpipe", "old"),
     ], done.stdout
     assert rows[0][3] == "1.00" and all(float(ms) > 0 for *_, ms, _ in rows)
+
+
+def test_bench_async_step_micro_factor_runs_m_of_a_multiple_of_p_with_the_batch_scaled() -> None:
+    args = ["--stages", "4", "--rounds", "1", "--steps", "2", "--methods", "gpipe", "1f1b"]
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), *args, "--micro-factor", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "batch 64, M = 2 x P" in done.stdout, done.stdout
+    rows = re.findall(r"\| 4 \| (\w+) \| fast \| (\d+\.\d) \| (\d+\.\d\d)x \|", done.stdout)
+    assert [m for m, *_ in rows] == ["gpipe", "1f1b"], done.stdout
