@@ -58,7 +58,9 @@ class RuntimeCosts:
     """The runtime's fixed costs on the host a profile measured (seconds; 0: none)."""
 
     message_send_s: float = 0.0
-    """Work of the sending rank per message to another rank (whatever its size)."""
+    """Work of the sending rank per message to another rank (whatever its size), as a rank
+    on cores of its own between waits does it: the runtime's own (the executor's and the
+    transport's work with gloo's), or gloo's alone in profiles before the message probe."""
     message_receive_s: float = 0.0
     """Work of the receiving rank per message (woken from its wait, taking it in)."""
     message_latency_s: float = 0.0
@@ -76,6 +78,13 @@ class RuntimeCosts:
     """Per weight policy (``flush``, ``stash``, ``double-buffer``, ``predict``: what the
     stage does around its passes differs) the fixed seconds of one action of each kind of
     :data:`ACTION_KINDS` beyond its layers' time."""
+
+    @property
+    def shared_over_burst(self) -> float:
+        """How many times slower work measured between waits on cores of its own (a
+        message's, timed so) runs where the ranks take turns on the cores: the shared
+        slowdown over the own-core one, never below 1."""
+        return max(1.0, self.shared_burst_slowdown / self.burst_slowdown)
 
     def __post_init__(self) -> None:
         for name, what in _WHAT.items():

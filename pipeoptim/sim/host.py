@@ -14,8 +14,11 @@ the run will meet:
   on the other cores, so they are one rank's speed on cores of its own); where the ranks
   ask for more cores than the host has, the engines share them (:mod:`pipeoptim.sim.sharing`).
   D replicas on one host are modelled as one whose ranks have ``cores // D`` of it;
-* every message between ranks costs its measured work at each end, and each link at least
-  the measured latency;
+* every message between ranks costs its measured work at each end (the runtime's own,
+  from a short run of the model on two rank processes; gloo's alone in older profiles),
+  and each link at least the measured latency; where the ranks take turns on the cores, a
+  message's work takes ``shared_burst_slowdown / burst_slowdown`` times as long (it was
+  measured between waits on cores of their own, already ``burst_slowdown`` slow);
 * every action costs its method's weight policy's measured fixed work on top of its layers
   (:attr:`~pipeoptim.sim.costs.CostModel.action_s`);
 * with several ranks, whose work comes in bursts between waits for messages, every
@@ -109,10 +112,13 @@ def on_profiled_host(
         if slower != 1.0:
             costs = costs.scaled(slower)
             actions = tuple(a * slower for a in actions)
+        # a message's work was measured between waits on cores of its own: where the ranks
+        # take turns on the cores it slows as the actions' work does beyond that
+        on_turns = runtime.shared_over_burst if shared and num_ranks > 1 else 1.0
         costs = replace(
             costs,
-            message_send_s=runtime.message_send_s,
-            message_receive_s=runtime.message_receive_s,
+            message_send_s=runtime.message_send_s * on_turns,
+            message_receive_s=runtime.message_receive_s * on_turns,
             latency_s=tuple(max(lat, runtime.message_latency_s) for lat in costs.latency_s),
             action_s=actions if any(actions) else (),
         )
@@ -137,6 +143,11 @@ def host_notes(source: Profile | Mapping[str, Any], num_ranks: int) -> list[str]
             f"{runtime.message_receive_s * 1e6:.0f} µs at the receiver, "
             f"{runtime.message_latency_s * 1e6:.0f} µs between (measured)"
         )
+        if machine is not None and machine.shares_cores and num_ranks > 1:
+            notes.append(
+                f"per message {runtime.shared_over_burst:.2f}x that where the ranks take "
+                f"turns on the cores (measured)"
+            )
         slower = (
             runtime.shared_burst_slowdown
             if machine is not None and machine.shares_cores

@@ -8,9 +8,12 @@ the profile under the conditions of a pipeline run on this machine: the threads 
 and busy stand-ins for the other ranks. For a run of several ranks it also measures, under
 the same conditions, what the runtime costs there beyond the layers
 (:class:`~pipeoptim.plan.runtime_costs.RuntimeCosts`): a message between two processes over
-gloo (:func:`~pipeoptim.runtime.profiling.messages.time_messages`) and the executor's and
-the stage's own work per action, from a short run of the model's own stages in this
-process (:func:`action_costs`), which needs the Pipeline, so it lives here too."""
+gloo (:func:`~pipeoptim.runtime.profiling.messages.time_messages`: its latency and how much
+slower work runs between waits), the runtime's own work per message at each end, from a
+short run of the model's stages on two processes
+(:func:`~pipeoptim.workloads.message_probe.probe_messages`), and the executor's and the
+stage's own work per action, from a short run of the model's own stages in this process
+(:func:`action_costs`); both need the Pipeline, so they live here too."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import dataclasses
 import math
 import os
 import statistics
+import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
@@ -36,8 +40,16 @@ from pipeoptim.runtime.profiling.layer_memory import trainable_bytes
 from pipeoptim.runtime.profiling.messages import time_messages
 from pipeoptim.runtime.profiling.profiler import profile_model
 from pipeoptim.workloads.loader import build_model, model_loss
+from pipeoptim.workloads.message_probe import PROBE_METHOD, RuntimeMessages, probe_messages
 
-__all__ = ["POLICY_METHODS", "action_costs", "profile_builtin"]
+__all__ = ["POLICY_METHODS", "PROBE_BUDGET_S", "PROBE_STEPS", "action_costs", "profile_builtin"]
+
+PROBE_STEPS = (24, 120)
+"""Mini-batches the message probe trains: as many as about ``PROBE_BUDGET_S`` of the
+model's compute, within these bounds (its fit reads the middle half, and a mean over a few
+dozen messages still moves with one late wake-up)."""
+
+PROBE_BUDGET_S = 1.0
 
 POLICY_METHODS: dict[str, tuple[str, ...]] = {
     "flush": ("1f1b", "zb-h1"),
@@ -90,11 +102,26 @@ def profile_builtin(
         threads = rank_threads(ranks)
     runtime: Callable[[Profile], RuntimeCosts] | None = None
     problem: str | None = None
+    probed: RuntimeMessages | None = None
+    probe_problem: str | None = None
     if on_cpu and ranks is not None and ranks > 1:
         try:  # before the busy stand-ins start: the two processes each get a core
             message = time_messages()
         except (RuntimeError, OSError) as err:
             message, problem = None, f"{type(err).__name__}: {err}"
+        if message is not None:
+            if progress:
+                print("timing the runtime's messages: the model on 2 processes over gloo")
+            try:
+                probed = probe_messages(
+                    model,
+                    batch_size=batch_size,
+                    steps=_probe_steps(layers, sample, data.train_y[:batch_size], model),
+                    optimizer=optimizer,
+                    seed=seed,
+                )
+            except (RuntimeError, OSError, ValueError) as err:
+                probe_problem = f"{type(err).__name__}: {err}"
 
         def runtime(layer_profile: Profile) -> RuntimeCosts:
             n = min(len(data.train_x) // batch_size, 24) * batch_size
@@ -105,9 +132,10 @@ def profile_builtin(
             actions = action_costs(layers, batches, layer_profile, model, ranks, optimizer, seed)
             if message is None:
                 return RuntimeCosts(action_s=actions)
+            # the runtime's work per message where the probe ran, else gloo's alone
             return RuntimeCosts(
-                message_send_s=message.send_s,
-                message_receive_s=message.receive_s,
+                message_send_s=probed.send_s if probed is not None else message.send_s,
+                message_receive_s=probed.receive_s if probed is not None else message.receive_s,
                 message_latency_s=message.latency_s,
                 burst_slowdown=message.burst_slowdown,
                 shared_burst_slowdown=message.shared_burst_slowdown,
@@ -134,6 +162,16 @@ def profile_builtin(
     meta = {**profile.meta, "model": model, "ranks": ranks, "machine": machine.to_dict()}
     if problem is not None:
         meta["messages_failed"] = problem
+    if probed is not None:
+        meta["message_probe"] = {
+            "method": PROBE_METHOD,
+            "stages": 2,
+            "mini_batches": probed.mini_batches,
+            "send_s": probed.send_s,
+            "receive_s": probed.receive_s,
+        }
+    elif probe_problem is not None:
+        meta["message_probe_failed"] = probe_problem
     return dataclasses.replace(profile, meta=meta)
 
 
@@ -224,6 +262,23 @@ def _method_costs(
     for (kind, _), values in spent.items():
         per_kind[kind].append(statistics.median(values))
     return {k: max(0.0, statistics.fmean(v)) for k, v in per_kind.items()}
+
+
+def _probe_steps(layers: Sequence[nn.Module], x: Tensor, y: Tensor, model: str) -> int:
+    """The message probe's mini-batches (:data:`PROBE_STEPS`), from one timed forward and
+    backward of the whole model on a batch, in this process, after one untimed."""
+    net = nn.Sequential(*copy.deepcopy(list(layers)))
+    loss = model_loss(model)
+    low, high = PROBE_STEPS
+    seconds = math.inf
+    try:
+        for _ in range(2):
+            begun = time.perf_counter()
+            torch.autograd.backward(loss(net(x), y))
+            seconds = time.perf_counter() - begun
+    except Exception:  # units that hand tuples on: the probe's own run will say more
+        return low
+    return int(min(high, max(low, PROBE_BUDGET_S / seconds if seconds > 0 else high)))
 
 
 def _stage_bytes(layers: Sequence[nn.Module], ranks: int | None) -> int | None:

@@ -35,6 +35,14 @@ def test_profile_records_the_threads_and_neighbours_it_ran_with(
     assert runtime is not None and "runtime_costs_failed" not in profile.meta
     assert "messages_failed" not in profile.meta
     assert runtime.message_send_s > 0 and runtime.message_receive_s > 0
+    # the messages' work is the runtime's own, fitted from the model run on 2 processes
+    probe = profile.meta["message_probe"]
+    assert "message_probe_failed" not in profile.meta
+    assert probe["method"] == "1f1b" and probe["stages"] == 2 and probe["mini_batches"] >= 24
+    assert (runtime.message_send_s, runtime.message_receive_s) == (
+        probe["send_s"],
+        probe["receive_s"],
+    )
     assert runtime.burst_slowdown >= 1.0 and runtime.shared_burst_slowdown >= 1.0
     assert set(runtime.action_s) == {"flush", "stash", "double-buffer", "predict"}
     assert set(runtime.action_s["flush"]) == {"F", "B", "U", "I", "W"}

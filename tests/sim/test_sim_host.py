@@ -144,6 +144,28 @@ def test_work_between_waits_takes_the_measured_slowdown_with_several_ranks() -> 
     assert alone.forward_s == one.forward_s and alone.action_s[0] == 0.1
 
 
+def test_a_message_slows_by_the_shared_over_the_own_core_slowdown_where_ranks_take_turns() -> None:
+    runtime = RuntimeCosts(
+        message_send_s=0.1, message_receive_s=0.2, burst_slowdown=1.5, shared_burst_slowdown=3.0
+    )
+    costs = CostModel.from_profile(_two_layers(), [(0, 1), (1, 2)], 1)
+    own = on_profiled_host(costs, _two_layers(runtime_costs=runtime), "gpipe", 2)
+    assert (own.message_send_s, own.message_receive_s) == (0.1, 0.2)  # as measured
+    shared = _two_layers(SHARED, runtime_costs=runtime)
+    turns = on_profiled_host(costs, shared, "gpipe", 2)
+    assert turns.message_send_s == pytest.approx(0.2) and turns.message_receive_s == pytest.approx(
+        0.4
+    )
+    assert any(
+        "per message 2.00x that where the ranks take turns" in n for n in host_notes(shared, 2)
+    )
+    # a shared slowdown measured below the own-core one never makes a message cheaper
+    faster = dataclasses.replace(runtime, shared_burst_slowdown=1.2)
+    assert faster.shared_over_burst == 1.0
+    level = on_profiled_host(costs, _two_layers(SHARED, runtime_costs=faster), "gpipe", 2)
+    assert (level.message_send_s, level.message_receive_s) == (0.1, 0.2)
+
+
 def test_bad_fixed_action_costs_are_refused_with_rule_value_and_fix() -> None:
     base = CostModel.uniform(2)
     with pytest.raises(PlanError, match=r"action_s\[B\] is the fixed seconds .* >= 0 \(got -1"):

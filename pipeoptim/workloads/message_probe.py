@@ -1,0 +1,159 @@
+"""What a message costs a pipeline rank: a short run of the real runtime on two processes.
+
+Why not gloo's cost alone: the ping-pong of :mod:`pipeoptim.runtime.profiling.messages`
+times gloo moving a small tensor between two processes (about 40 µs at each end on a
+2-core CPU box), but a pipeline rank spends more per message: the executor posts each
+receive ahead, checks and records the payload, traces the action, and the transport wraps
+gloo's call. On a small model that work, not gloo's, is most of a message, and the offline
+cost model that charged gloo's alone predicted a 4-rank 1F1B run at 2.8x its throughput.
+
+The probe measures what calibration would fit from a real run (:func:`pipeoptim.calibrate.
+machine_fit`: at each end the mean work of a message with the executor's time before it),
+on a run of the profiled model itself: its units split into two stages, one process each
+over gloo, on cores of their own where the host has two (else they share the one, and the
+fit counts that), trained with 1F1B and two micro-batches (one where the batch is odd) for a few
+mini-batches. Starting
+the two interpreters is most of its time (a few seconds).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipeoptim.calibrate import machine_fit
+from pipeoptim.plan.plan import OptimizerSpec
+from pipeoptim.runtime.pipeline import Pipeline
+from pipeoptim.workloads.loader import build_model, model_loss
+
+__all__ = ["RuntimeMessages", "probe_messages"]
+
+PROBE_METHOD = "1f1b"
+PROBE_MICRO_BATCHES = 2
+
+
+@dataclass(frozen=True)
+class RuntimeMessages:
+    """The runtime's fixed work per message, fitted from the probe's trace (seconds)."""
+
+    send_s: float
+    """At the sender: the send action and the executor's time before it."""
+    receive_s: float
+    """At the receiver: taking the message in once it arrived, and the time before."""
+    mini_batches: int
+    """Mini-batches the probe trained."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _probe_rank(
+    rank: int,
+    port: int,
+    model: str,
+    seed: int,
+    optimizer: str,
+    batch_size: int,
+    steps: int,
+    timeout: float,
+    results: Any,
+) -> None:
+    """One of the probe's two processes: its stage of ``model``, trained ``steps``
+    mini-batches; rank 0 puts the fitted message costs (or None) on ``results``."""
+    torch.set_num_threads(1)  # as each of the ranks that share a 2-core host gets
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=timeout))
+    try:
+        layers, data = build_model(model, seed)
+        held = len(data.train_x) // batch_size  # the probe cycles through these
+        batches = [
+            (data.train_x[j : j + batch_size], data.train_y[j : j + batch_size])
+            for j in ((i % held) * batch_size for i in range(steps))
+        ]
+        pipe = Pipeline(
+            list(layers),
+            PROBE_METHOD,
+            stages=2,
+            micro_batches=PROBE_MICRO_BATCHES if batch_size % PROBE_MICRO_BATCHES == 0 else 1,
+            optimizer=OptimizerSpec(optimizer, 1e-4),
+            loss_fn=model_loss(model),
+            transport="dist",
+            device="cpu",
+            seed=seed,
+            log_every=steps + 1,
+        )
+        trace = pipe.fit(batches, max_steps=steps).trace
+        pipe.close()
+        if rank == 0:
+            fit = machine_fit(trace)
+            results.put(None if fit is None else (fit.message_send_s, fit.message_receive_s))
+    finally:
+        dist.destroy_process_group()
+
+
+def probe_messages(
+    model: str,
+    *,
+    batch_size: int,
+    steps: int,
+    optimizer: str = "sgd",
+    seed: int = 0,
+    timeout: float = 120.0,
+) -> RuntimeMessages:
+    """The runtime's work per message on this host (module docstring): ``steps``
+    mini-batches of ``batch_size`` samples of ``model``'s own training data (it must
+    hold that many). Raises ``RuntimeError`` where the two processes cannot run it
+    (spawning, gloo, a model the runtime refuses), with what they reported."""
+    import torch.multiprocessing as mp
+
+    if steps < 4:
+        raise ValueError(f"the probe needs 4 mini-batches or more for a steady state (got {steps})")
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    port = _free_port()
+    procs = [
+        context.Process(
+            target=_probe_rank,
+            args=(rank, port, model, seed, optimizer, batch_size, steps, timeout, results),
+            daemon=True,
+        )
+        for rank in range(2)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    try:
+        found = _wait(results, procs, deadline)
+    finally:
+        for p in procs:
+            p.join(timeout=max(1.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+    if found is None:
+        raise RuntimeError("the probe's trace showed no message between its two processes")
+    send, receive = found
+    return RuntimeMessages(float(send), float(receive), steps)
+
+
+def _wait(results: Any, procs: list[Any], deadline: float) -> Any:
+    """Rank 0's result, or RuntimeError where a process stopped with none or time ran out."""
+    while results.empty():
+        if any(not p.is_alive() and p.exitcode != 0 for p in procs) or not procs[0].is_alive():
+            if not results.empty():  # rank 0 put it, then exited
+                break
+            codes = ", ".join(f"rank {r} exit code {p.exitcode}" for r, p in enumerate(procs))
+            raise RuntimeError(f"the message probe's processes stopped without a result ({codes})")
+        if time.monotonic() > deadline:
+            raise RuntimeError("the message probe sent no result in time")
+        time.sleep(0.01)
+    return results.get()

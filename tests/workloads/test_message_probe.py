@@ -1,0 +1,76 @@
+"""The message probe (``workloads/message_probe.py``) and how a profile uses it: the
+runtime's own work per message where the probe ran, gloo's alone (and why not) where it
+could not. The real probe runs in ``tests/cli/test_profile_conditions.py``; here its
+result is stood in for, so each case costs one profile of a small model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pipeoptim.runtime.profiling.messages import MessageTiming
+from pipeoptim.workloads import profiling
+from pipeoptim.workloads.message_probe import RuntimeMessages, probe_messages
+
+GLOO = MessageTiming(
+    send_s=4e-5,
+    receive_s=5e-5,
+    latency_s=1e-6,
+    burst_slowdown=1.25,
+    shared_burst_slowdown=2.5,
+    rounds=10,
+)
+
+
+def _profile(monkeypatch: pytest.MonkeyPatch, probe: Any) -> Any:
+    monkeypatch.setattr(profiling, "time_messages", lambda: GLOO)
+    monkeypatch.setattr(profiling, "probe_messages", probe)
+    return profiling.profile_builtin("mlp", batch_size=16, repeats=1, ranks=2)
+
+
+def test_a_profile_charges_the_runtimes_own_message_work_where_the_probe_ran(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    asked: dict[str, Any] = {}
+
+    def probe(model: str, **options: Any) -> RuntimeMessages:
+        asked.update(options, model=model)
+        return RuntimeMessages(1.5e-4, 2.5e-4, options["steps"])
+
+    profile = _profile(monkeypatch, probe)
+    runtime = profile.runtime_costs
+    assert (runtime.message_send_s, runtime.message_receive_s) == (1.5e-4, 2.5e-4)
+    # gloo's ping-pong still gives the latency and the slowdowns
+    assert runtime.message_latency_s == GLOO.latency_s
+    assert (runtime.burst_slowdown, runtime.shared_burst_slowdown) == (1.25, 2.5)
+    low, high = profiling.PROBE_STEPS
+    assert asked["model"] == "mlp" and asked["batch_size"] == 16
+    assert low <= asked["steps"] <= high
+    assert profile.meta["message_probe"] == {
+        "method": "1f1b",
+        "stages": 2,
+        "mini_batches": asked["steps"],
+        "send_s": 1.5e-4,
+        "receive_s": 2.5e-4,
+    }
+
+
+def test_a_failed_probe_leaves_glooes_message_cost_and_says_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def probe(model: str, **options: Any) -> RuntimeMessages:
+        raise RuntimeError("the message probe's processes stopped without a result")
+
+    profile = _profile(monkeypatch, probe)
+    runtime = profile.runtime_costs
+    assert (runtime.message_send_s, runtime.message_receive_s) == (GLOO.send_s, GLOO.receive_s)
+    assert "message_probe" not in profile.meta
+    assert profile.meta["message_probe_failed"] == (
+        "RuntimeError: the message probe's processes stopped without a result"
+    )
+
+
+def test_the_probe_needs_a_few_mini_batches_for_a_steady_state() -> None:
+    with pytest.raises(ValueError, match=r"4 mini-batches or more .* \(got 3\)"):
+        probe_messages("mlp", batch_size=16, steps=3)
