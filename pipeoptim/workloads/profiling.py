@@ -22,6 +22,7 @@ import dataclasses
 import math
 import os
 import statistics
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -111,7 +112,10 @@ def profile_builtin(
             message, problem = None, f"{type(err).__name__}: {err}"
         if message is not None:
             if progress:
-                print("timing the runtime's messages: the model on 2 processes over gloo")
+                print(
+                    "timing the runtime's messages: the model on 2 processes over gloo",
+                    file=sys.stderr,
+                )
             try:
                 probed = probe_messages(
                     model,
