@@ -11,15 +11,20 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_async_step.py"
 
 
-def test_bench_async_step_prints_each_method_beside_gpipe() -> None:
-    args = ["--stages", "4", "--rounds", "1", "--steps", "2", "--methods", "gpipe", "xpipe"]
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    """The script at 4 stages, one round of 2 steps, with ``args``; checked to succeed."""
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), *args, "--old-path"],
+        [sys.executable, str(SCRIPT), "--stages", "4", "--rounds", "1", "--steps", "2", *args],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
+    return done
+
+
+def test_bench_async_step_prints_each_method_beside_gpipe() -> None:
+    done = _run("--methods", "gpipe", "xpipe", "--old-path")
     rows = re.findall(r"\| 4 \| (\w+) \| (fast|old) \| (\d+\.\d) \| (\d+\.\d\d)x \|", done.stdout)
     assert [(m, path) for m, path, *_ in rows] == [
         ("gpipe", "fast"),
@@ -30,14 +35,7 @@ def test_bench_async_step_prints_each_method_beside_gpipe() -> None:
 
 
 def test_bench_async_step_micro_factor_runs_m_of_a_multiple_of_p_with_the_batch_scaled() -> None:
-    args = ["--stages", "4", "--rounds", "1", "--steps", "2", "--methods", "gpipe", "1f1b"]
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), *args, "--micro-factor", "2"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = _run("--methods", "gpipe", "1f1b", "--micro-factor", "2")
     assert "batch 64, M = 2 x P" in done.stdout, done.stdout
     rows = re.findall(r"\| 4 \| (\w+) \| fast \| (\d+\.\d) \| (\d+\.\d\d)x \|", done.stdout)
     assert [m for m, *_ in rows] == ["gpipe", "1f1b"], done.stdout
