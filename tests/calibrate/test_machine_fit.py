@@ -187,15 +187,20 @@ def test_a_recorded_machine_is_used_as_it_is() -> None:
     assert "2 core(s) (the run's machine record)" in fitted_costs(trace)[0]
 
 
-def test_a_core_per_rank_keeps_the_medians_of_before() -> None:
+def test_a_core_per_rank_charges_the_fitted_messages_and_predicts_the_run() -> None:
+    """Each message's work at both ends is charged with a core per rank too: the medians
+    of before folded the sends into the passes and left the receives' work out."""
     trace = synthetic_run("pipedream", 2, 12, 2, {})
     trace.meta["machine"] = Machine(2, 2, 1).to_dict()
     costs = costs_from_trace(trace)
-    assert costs.machine is None and costs.message_send_s == costs.message_receive_s == 0.0
-    # the sends folded into the passes that send, the receives in the link (as before)
-    assert costs.forward_s == pytest.approx((WORK["F"] + SEND, WORK["F"]))
-    assert costs.backward_s == pytest.approx((WORK["B"], WORK["B"] + SEND))
+    assert costs.machine == Machine(2, 2, 1) and not costs.shares_cores
+    assert (costs.message_send_s, costs.message_receive_s) == pytest.approx((SEND, RECEIVE))
+    assert costs.forward_s == pytest.approx((WORK["F"], WORK["F"]))
+    assert costs.backward_s == pytest.approx((WORK["B"], WORK["B"]))
+    _, rows = calibrate(trace)
+    assert abs(rows[0].relative_error) < 0.01, rows[0]  # time per mini-batch
     assert "a core per rank" in fitted_costs(trace)[0]
+    assert "3000 µs at the sender, 2000 µs at the receiver" in fitted_costs(trace)[1]
 
 
 @pytest.mark.parametrize(
