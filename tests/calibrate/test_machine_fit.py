@@ -201,6 +201,11 @@ def test_a_core_per_rank_charges_the_fitted_messages_and_predicts_the_run() -> N
     assert abs(rows[0].relative_error) < 0.01, rows[0]  # time per mini-batch
     assert "a core per rank" in fitted_costs(trace)[0]
     assert "3000 µs at the sender, 2000 µs at the receiver" in fitted_costs(trace)[1]
+    # a trace that recorded no send has no message to fit: the medians of before
+    trace.events = [e for e in trace.events if not e.kind.startswith("SEND")]
+    medians = costs_from_trace(trace)
+    assert medians.machine is None and medians.message_send_s == medians.message_receive_s == 0
+    assert "no message recorded to fit" in fitted_costs(trace)[1]
 
 
 @pytest.mark.parametrize(
