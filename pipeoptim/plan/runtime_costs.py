@@ -7,10 +7,12 @@ two rank processes, a fixed work at the sender and at the receiver and a latency
 On a small model on CPU these are most of a run's time, and a rank's work, done in bursts
 between waits for messages, runs slower than the loop the profiler times it in (its caches
 and its core are cold after each wait). ``pipeoptim profile --ranks P``
-measures them on the machine it profiles (the messages over gloo between two processes,
-:mod:`pipeoptim.runtime.profiling.messages`; the actions from a short run of the model's
-own stages, :mod:`pipeoptim.workloads.profiling`) and the profile keeps them as
-``runtime_costs``; the offline cost model charges them (:mod:`pipeoptim.sim.host`).
+measures them on the machine it profiles (a message's work from a short run of the model
+on two rank processes, :mod:`pipeoptim.workloads.message_probe`, its latency and the
+slowdowns from a gloo ping-pong, :mod:`pipeoptim.runtime.profiling.messages`; the actions
+from a short run of the model's own stages, :mod:`pipeoptim.workloads.profiling`) and the
+profile keeps them as ``runtime_costs``; the offline cost model charges them
+(:mod:`pipeoptim.sim.host`).
 
 A profile without them (older files, synthetic profiles, a profile for one process) costs
 nothing beyond its layers: today's model, to the bit.

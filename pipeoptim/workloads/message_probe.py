@@ -18,8 +18,6 @@ the two interpreters is most of its time (a few seconds).
 
 from __future__ import annotations
 
-import os
-import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -27,10 +25,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from pipeoptim.calibrate import machine_fit
 from pipeoptim.plan.plan import OptimizerSpec
 from pipeoptim.runtime.pipeline import Pipeline
+from pipeoptim.runtime.profiling.messages import wait_for_result
 from pipeoptim.workloads.loader import build_model, model_loss
 
 __all__ = ["RuntimeMessages", "probe_messages"]
@@ -51,12 +51,6 @@ class RuntimeMessages:
     """Mini-batches the probe trained."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _probe_rank(
     rank: int,
     port: int,
@@ -71,8 +65,10 @@ def _probe_rank(
     """One of the probe's two processes: its stage of ``model``, trained ``steps``
     mini-batches; rank 0 puts the fitted message costs (or None) on ``results``."""
     torch.set_num_threads(1)  # as each of the ranks that share a 2-core host gets
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=timeout))
+    wait = timedelta(seconds=timeout)
+    store = TCPStore("127.0.0.1", port, is_master=False, timeout=wait)
+    group_store = PrefixStore("message-probe", store)
+    dist.init_process_group("gloo", store=group_store, rank=rank, world_size=2, timeout=wait)
     try:
         layers, data = build_model(model, seed)
         held = len(data.train_x) // batch_size  # the probe cycles through these
@@ -120,7 +116,11 @@ def probe_messages(
         raise ValueError(f"the probe needs 4 mini-batches or more for a steady state (got {steps})")
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
-    port = _free_port()
+    # port 0: the OS picks a free port as the store binds it, so nothing can race for it
+    store = TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
+    )
+    port = store.port
     procs = [
         context.Process(
             target=_probe_rank,
@@ -132,8 +132,9 @@ def probe_messages(
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
+    names = [f"the message probe's rank {rank}" for rank in range(2)]
     try:
-        found = _wait(results, procs, deadline)
+        found = wait_for_result(results, procs, timeout, names)
     finally:
         for p in procs:
             p.join(timeout=max(1.0, deadline - time.monotonic()))
@@ -143,17 +144,3 @@ def probe_messages(
         raise RuntimeError("the probe's trace showed no message between its two processes")
     send, receive = found
     return RuntimeMessages(float(send), float(receive), steps)
-
-
-def _wait(results: Any, procs: list[Any], deadline: float) -> Any:
-    """Rank 0's result, or RuntimeError where a process stopped with none or time ran out."""
-    while results.empty():
-        if any(not p.is_alive() and p.exitcode != 0 for p in procs) or not procs[0].is_alive():
-            if not results.empty():  # rank 0 put it, then exited
-                break
-            codes = ", ".join(f"rank {r} exit code {p.exitcode}" for r, p in enumerate(procs))
-            raise RuntimeError(f"the message probe's processes stopped without a result ({codes})")
-        if time.monotonic() > deadline:
-            raise RuntimeError("the message probe sent no result in time")
-        time.sleep(0.01)
-    return results.get()

@@ -23,7 +23,6 @@ import math
 import os
 import statistics
 import sys
-import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
@@ -38,17 +37,24 @@ from pipeoptim.plan.runtime_costs import ACTION_KINDS, RuntimeCosts
 from pipeoptim.runtime.comm.placement import rank_threads
 from pipeoptim.runtime.pipeline import Pipeline
 from pipeoptim.runtime.profiling.layer_memory import trainable_bytes
-from pipeoptim.runtime.profiling.messages import time_messages
+from pipeoptim.runtime.profiling.messages import MessageTiming, time_messages
 from pipeoptim.runtime.profiling.profiler import profile_model
 from pipeoptim.workloads.loader import build_model, model_loss
 from pipeoptim.workloads.message_probe import PROBE_METHOD, RuntimeMessages, probe_messages
 
-__all__ = ["POLICY_METHODS", "PROBE_BUDGET_S", "PROBE_STEPS", "action_costs", "profile_builtin"]
+__all__ = [
+    "POLICY_METHODS",
+    "PROBE_BUDGET_S",
+    "PROBE_STEPS",
+    "action_costs",
+    "budget_steps",
+    "profile_builtin",
+]
 
 PROBE_STEPS = (24, 120)
 """Mini-batches the message probe trains: as many as about ``PROBE_BUDGET_S`` of the
-model's compute, within these bounds (its fit reads the middle half, and a mean over a few
-dozen messages still moves with one late wake-up)."""
+model's compute by its profile (:func:`budget_steps`), within these bounds (its fit reads
+the middle half, and a mean over a few dozen messages still moves with one late wake-up)."""
 
 PROBE_BUDGET_S = 1.0
 
@@ -103,6 +109,7 @@ def profile_builtin(
         threads = rank_threads(ranks)
     runtime: Callable[[Profile], RuntimeCosts] | None = None
     problem: str | None = None
+    message: MessageTiming | None = None
     probed: RuntimeMessages | None = None
     probe_problem: str | None = None
     if on_cpu and ranks is not None and ranks > 1:
@@ -110,22 +117,6 @@ def profile_builtin(
             message = time_messages()
         except (RuntimeError, OSError) as err:
             message, problem = None, f"{type(err).__name__}: {err}"
-        if message is not None:
-            if progress:
-                print(
-                    "timing the runtime's messages: the model on 2 processes over gloo",
-                    file=sys.stderr,
-                )
-            try:
-                probed = probe_messages(
-                    model,
-                    batch_size=batch_size,
-                    steps=_probe_steps(layers, sample, data.train_y[:batch_size], model),
-                    optimizer=optimizer,
-                    seed=seed,
-                )
-            except (RuntimeError, OSError, ValueError) as err:
-                probe_problem = f"{type(err).__name__}: {err}"
 
         def runtime(layer_profile: Profile) -> RuntimeCosts:
             n = min(len(data.train_x) // batch_size, 24) * batch_size
@@ -136,10 +127,9 @@ def profile_builtin(
             actions = action_costs(layers, batches, layer_profile, model, ranks, optimizer, seed)
             if message is None:
                 return RuntimeCosts(action_s=actions)
-            # the runtime's work per message where the probe ran, else gloo's alone
             return RuntimeCosts(
-                message_send_s=probed.send_s if probed is not None else message.send_s,
-                message_receive_s=probed.receive_s if probed is not None else message.receive_s,
+                message_send_s=message.send_s,
+                message_receive_s=message.receive_s,
                 message_latency_s=message.latency_s,
                 burst_slowdown=message.burst_slowdown,
                 shared_burst_slowdown=message.shared_burst_slowdown,
@@ -158,6 +148,29 @@ def profile_builtin(
         stream_bytes=_stage_bytes(layers, ranks),
         runtime=runtime,
     )
+    runtime_costs = profile.runtime_costs
+    if message is not None and runtime_costs is not None:
+        # after the busy stand-ins stopped: the probe's two processes each get a core
+        if progress:
+            print(
+                "timing the runtime's messages: the model on 2 processes over gloo",
+                file=sys.stderr,
+            )
+        try:
+            probed = probe_messages(
+                model,
+                batch_size=batch_size,
+                steps=budget_steps(profile, PROBE_BUDGET_S, *PROBE_STEPS),
+                optimizer=optimizer,
+                seed=seed,
+            )
+        except (RuntimeError, OSError, ValueError) as err:
+            probe_problem = f"{type(err).__name__}: {err}"
+        else:  # the runtime's work per message replaces gloo's alone
+            runtime_costs = dataclasses.replace(
+                runtime_costs, message_send_s=probed.send_s, message_receive_s=probed.receive_s
+            )
+            profile = dataclasses.replace(profile, runtime_costs=runtime_costs)
     threads_used = profile.meta.get("threads") or 1
     if on_cpu:
         machine = Machine(this_machine_cores(), ranks or 1, threads_used)
@@ -199,9 +212,7 @@ def action_costs(
     last two thirds of the run (after the first steps' allocations), the mean over the
     stages (the last one's loss included), never below 0; the mean of ``runs`` such runs.
     Each run takes about ``budget_s`` of the model's own compute (6 to 24 mini-batches)."""
-    per_batch = profile.total_compute_s + sum(x.update_s for x in profile.layers)
-    steps = int(min(24, max(6, budget_s / per_batch if per_batch > 0 else 24)))
-    steps = min(steps, len(batches))
+    steps = min(budget_steps(profile, budget_s, 6, 24), len(batches))
     found: dict[str, dict[str, float]] = {}
     for policy, methods in POLICY_METHODS.items():
         kinds: dict[str, float] = {}
@@ -268,21 +279,11 @@ def _method_costs(
     return {k: max(0.0, statistics.fmean(v)) for k, v in per_kind.items()}
 
 
-def _probe_steps(layers: Sequence[nn.Module], x: Tensor, y: Tensor, model: str) -> int:
-    """The message probe's mini-batches (:data:`PROBE_STEPS`), from one timed forward and
-    backward of the whole model on a batch, in this process, after one untimed."""
-    net = nn.Sequential(*copy.deepcopy(list(layers)))
-    loss = model_loss(model)
-    low, high = PROBE_STEPS
-    seconds = math.inf
-    try:
-        for _ in range(2):
-            begun = time.perf_counter()
-            torch.autograd.backward(loss(net(x), y))
-            seconds = time.perf_counter() - begun
-    except Exception:  # units that hand tuples on: the probe's own run will say more
-        return low
-    return int(min(high, max(low, PROBE_BUDGET_S / seconds if seconds > 0 else high)))
+def budget_steps(profile: Profile, budget_s: float, low: int, high: int) -> int:
+    """Mini-batches that take about ``budget_s`` of the model's compute by ``profile``
+    (its passes and updates at the profiled batch), within ``low`` and ``high``."""
+    per_batch = profile.total_compute_s + sum(x.update_s for x in profile.layers)
+    return int(min(high, max(low, budget_s / per_batch if per_batch > 0 else high)))
 
 
 def _stage_bytes(layers: Sequence[nn.Module], ranks: int | None) -> int | None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from pipeoptim.runtime.profiling.messages import MessageTiming
+from pipeoptim.runtime.profiling.messages import MessageTiming, wait_for_result
 from pipeoptim.workloads import profiling
 from pipeoptim.workloads.message_probe import RuntimeMessages, probe_messages
 
@@ -74,3 +74,34 @@ def test_a_failed_probe_leaves_glooes_message_cost_and_says_why(
 def test_the_probe_needs_a_few_mini_batches_for_a_steady_state() -> None:
     with pytest.raises(ValueError, match=r"4 mini-batches or more .* \(got 3\)"):
         probe_messages("mlp", batch_size=16, steps=3)
+
+
+class _Proc:
+    def __init__(self, exitcode: int | None) -> None:
+        self.exitcode = exitcode
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
+
+
+class _Results:
+    def __init__(self, *items: Any) -> None:
+        self.items = list(items)
+
+    def empty(self) -> bool:
+        return not self.items
+
+    def get(self) -> Any:
+        return self.items.pop(0)
+
+
+def test_waiting_for_a_result_names_the_process_that_stopped_without_one() -> None:
+    names = ["rank 0", "rank 1"]
+    assert wait_for_result(_Results((1.0, 2.0)), [_Proc(0), _Proc(0)], 1.0, names) == (1.0, 2.0)
+    with pytest.raises(RuntimeError, match="rank 0 exited with code 0"):
+        wait_for_result(_Results(), [_Proc(0), _Proc(None)], 1.0, names)
+    with pytest.raises(RuntimeError, match="rank 1 exited with code 3"):
+        wait_for_result(_Results(), [_Proc(None), _Proc(3)], 1.0, names)
+    # another process done cleanly is no failure: the wait goes on until the deadline
+    with pytest.raises(RuntimeError, match=r"rank 0 sent no result in 0 s"):
+        wait_for_result(_Results(), [_Proc(None), _Proc(0)], 0.05, names)

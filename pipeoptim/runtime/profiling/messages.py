@@ -36,7 +36,7 @@ import os
 import resource
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -45,7 +45,7 @@ import torch
 from torch import nn
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
-__all__ = ["MessageTiming", "time_messages"]
+__all__ = ["MessageTiming", "time_messages", "wait_for_result"]
 
 _SHAPE = (16, 64)
 """The tensor sent: 4 KiB of float32, about a small model's boundary activation."""
@@ -197,7 +197,7 @@ def time_messages(*, rounds: int = 200, timeout: float = 60.0) -> MessageTiming:
         step = _step()
         group = _group(master, 0, own[0], timeout)
         mine = _phases(group, 0, rounds, step, shared)
-        theirs = _result(results, proc, timeout)
+        theirs = wait_for_result(results, [proc], timeout, ["the partner process"])
         group.barrier().wait()
     finally:
         if shared is not None:
@@ -236,12 +236,18 @@ def _ratio(burst: float, warm: float) -> float:
     return max(1.0, burst / warm) if warm > 0 else 1.0
 
 
-def _result(results: Any, proc: Any, timeout: float) -> Any:
+def wait_for_result(
+    results: Any, procs: Sequence[Any], timeout: float, names: Sequence[str]
+) -> Any:
+    """The first item on ``results``, which ``procs[0]`` puts there; RuntimeError naming
+    the process (``names``, one per process) where the first exited without putting it,
+    another exited with an error, or ``timeout`` seconds passed."""
     deadline = time.monotonic() + timeout
     while results.empty():
-        if not proc.is_alive():
-            raise RuntimeError(f"the partner process exited with code {proc.exitcode}")
+        for i, proc in enumerate(procs):
+            if not proc.is_alive() and (i == 0 or proc.exitcode != 0) and results.empty():
+                raise RuntimeError(f"{names[i]} exited with code {proc.exitcode}")
         if time.monotonic() > deadline:
-            raise RuntimeError(f"the partner process sent no result in {timeout:.0f} s")
+            raise RuntimeError(f"{names[0]} sent no result in {timeout:.0f} s")
         time.sleep(0.01)
     return results.get()
