@@ -101,6 +101,11 @@ def main() -> None:
         "1F1B's steady state, not its fill and drain, makes most of a step",
     )
     a = parser.parse_args()
+    if a.micro_factor < 1:
+        parser.error(
+            f"--micro-factor must be 1 or more (got {a.micro_factor}): the micro-batched "
+            f"methods run that many times P micro-batches; use 1 for M = P"
+        )
     if a.quick:
         a.stages, a.rounds, a.steps = [4, 16], 1, 6
     runs = [("gpipe", False)]
