@@ -63,17 +63,19 @@ def profile(options: DemoOptions, path: Path) -> Profile:
     return measured
 
 
-def train_for_real(options: DemoOptions, plan: Plan, trace_path: Path) -> dict[str, Any]:
-    """Step 3 (one method): ``plan`` trained by ``stages`` processes over gloo (NCCL on
-    GPUs), as ``pipeoptim train --transport dist`` runs it; the trace goes to
-    ``trace_path`` (renamed into place only once the run has finished)."""
+def train_for_real(
+    options: DemoOptions, plan: Plan, trace_path: Path, steps: int
+) -> dict[str, Any]:
+    """Step 3 (one method): ``plan`` trained ``steps`` mini-batches by ``stages``
+    processes over gloo (NCCL on GPUs), as ``pipeoptim train --transport dist`` runs it;
+    the trace goes to ``trace_path`` (renamed into place only once the run has finished)."""
     from pipeoptim.runtime.config import TrainConfig
     from pipeoptim.workloads.train import train
 
     partial = trace_path.with_name(f".{trace_path.name}.partial")
     config = TrainConfig(
         plan,
-        max_steps=options.sizes.train_steps,
+        max_steps=steps,
         transport="dist",
         trace=str(partial),
         seed=options.seed,

@@ -8,6 +8,7 @@ here and runs before any work, so bad input stops at once with one line.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,18 +30,42 @@ class Sizes:
     profile_repeats: int
     """Timed runs per layer (the profile keeps the median)."""
     train_steps: int
-    """Mini-batches of each real (multi-process) run: enough for a steady state."""
+    """Most mini-batches of each real (multi-process) run."""
     converge_steps: int
     """Mini-batches of each one-device convergence run."""
     eval_every: int
     """Mini-batches between the convergence runs' test evaluations."""
     eval_samples: int | None = None
     """Test samples each evaluation reads (None: all)."""
+    train_min_steps: int | None = None
+    """Fewest mini-batches of each real run (None: :attr:`train_steps`, a fixed count)."""
+    train_budget_s: float = 4.0
+    """Seconds the slower of the two real runs is predicted to train: both run that many
+    mini-batches, within :attr:`train_min_steps` and :attr:`train_steps`. A real run
+    measures the steady throughput the prediction is compared with; on a shared machine
+    another tenant's burst of a tenth of a second moves a run of half a second by a third
+    (the digits MLP's 120 mini-batches of 32 took 0.3 to 1 s on 2 cores and measured 7,107
+    to 14,831 samples/s over eight identical demos), and seconds average it out."""
+
+    def train_steps_for(self, samples_per_s: float, batch_size: int) -> int:
+        """Mini-batches of each real run where the slower is predicted to train
+        ``samples_per_s`` samples of ``batch_size`` a second (:attr:`train_budget_s`)."""
+        low = self.train_steps if self.train_min_steps is None else self.train_min_steps
+        if not math.isfinite(samples_per_s) or samples_per_s <= 0:
+            return low
+        wanted = math.ceil(self.train_budget_s * samples_per_s / batch_size)
+        return max(low, min(self.train_steps, wanted))
 
 
 _SIZES = {
     # digits (1,437 training samples): 300 steps of 32 is about 7 epochs
-    "default": Sizes(profile_repeats=5, train_steps=120, converge_steps=300, eval_every=30),
+    "default": Sizes(
+        profile_repeats=5,
+        train_steps=600,
+        converge_steps=300,
+        eval_every=30,
+        train_min_steps=120,
+    ),
     "quick": Sizes(profile_repeats=2, train_steps=16, converge_steps=40, eval_every=10),
     # a transformer step costs tens of times an MLP step
     "gpt": Sizes(

@@ -167,6 +167,7 @@ def _run(options: DemoOptions, steps: _Steps) -> DemoOutcome:
     what = f"planning {p} stages and simulating every method on the profile"
     plan, plan_key = steps.run(2, "plan", what, {**base, "profile": profile_key}, do_plan)
     trained = [plan["recommended"], plan["rival"]]
+    train_steps = _train_steps(options, plan, trained)
 
     train: dict[str, Any] = {}
     train_keys: dict[str, str] = {}
@@ -175,12 +176,12 @@ def _run(options: DemoOptions, steps: _Steps) -> DemoOutcome:
         def do_train(method: str = method) -> tuple[dict[str, Any], list[Path]]:
             trace = out / f"trace-{method}.json"
             plan_of = Plan.from_dict(plan["plans"][method])
-            return measure.train_for_real(options, plan_of, trace), [trace]
+            return measure.train_for_real(options, plan_of, trace, train_steps), [trace]
 
         inputs = {**base, "plan": plan_key, "method": method}
-        inputs["steps"] = options.sizes.train_steps
+        inputs["steps"] = train_steps
         what = (
-            f"training {method} for real: {p} processes, {options.sizes.train_steps} "
+            f"training {method} for real: {p} processes, {train_steps} "
             f"mini-batches of {options.batch_size}"
         )
         train[method], train_keys[method] = steps.run(3, f"train-{method}", what, inputs, do_train)
@@ -219,6 +220,7 @@ def _run(options: DemoOptions, steps: _Steps) -> DemoOutcome:
         "profile": profile_result,
         "plan": plan,
         "train": train,
+        "train_steps": train_steps,
         "calibrate": calibration,
         "converge": converge,
     }
@@ -252,3 +254,10 @@ def _run(options: DemoOptions, steps: _Steps) -> DemoOutcome:
         files=steps.files,
         results=results,
     )
+
+
+def _train_steps(options: DemoOptions, plan: Mapping[str, Any], trained: Sequence[str]) -> int:
+    """Mini-batches of each real run: about ``train_budget_s`` of the slower of ``trained``
+    at its predicted throughput (the plan's rows), within the sizes' bounds."""
+    rates = [r["samples_per_s"] for r in plan["methods"] if r["method"] in trained]
+    return options.sizes.train_steps_for(min(rates, default=0.0), options.batch_size)

@@ -159,7 +159,10 @@ def test_json_output_holds_the_summary_and_every_step_result(quick: Run) -> None
     assert data["report"] == str(quick.out / "report.html")
     assert [row["role"] for row in data["summary"]] == ["recommended", "rival"]
     assert {s["how"] for s in data["steps"]} == {"skipped"}
-    assert set(data["results"]) == {"options", "profile", "plan", "train", "calibrate", "converge"}
+    assert set(data["results"]) == {
+        "options", "profile", "plan", "train", "train_steps", "calibrate", "converge"
+    }  # fmt: skip
+    assert data["results"]["train_steps"] == 16  # --quick trains a fixed count
     assert "report.html" in data["files"] and "steps/plan.json" in data["files"]
 
 

@@ -20,6 +20,7 @@ thread waits in C++ (which releases the GIL), writes its line and ends the proce
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import threading
@@ -29,6 +30,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore
+from torch.distributed.rendezvous import rendezvous
 
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.profile import threads_per_rank
@@ -39,6 +42,7 @@ __all__ = [
     "join_group",
     "local_device",
     "pick_device",
+    "start_group",
     "stop_if_orphaned",
     "under_torchrun",
     "world_error",
@@ -116,6 +120,32 @@ def local_device(requested: str, devices: list[str] | None) -> torch.device:
     return pick_device(requested)
 
 
+_GROUPS_STARTED = itertools.count()
+"""Process groups this process started (every rank starts them in the same order)."""
+
+
+def start_group(backend: str, timeout: timedelta) -> None:
+    """Start the default process group from the launcher's environment (``env://``).
+
+    Why a prefix of its own for every group after the first: the launcher's store outlives
+    a group, and a group started after ``destroy_process_group`` (a second Pipeline after
+    ``close()``) gets the first one's name again, so its ranks could read the addresses the
+    first group's ranks published there, and gloo's connect to those fails ("Connection
+    refused") whenever a rank looks before its peer wrote the new one."""
+    started = next(_GROUPS_STARTED)
+    if started == 0:
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    store, rank, world = next(rendezvous("env://", timeout=timeout))
+    dist.init_process_group(
+        backend,
+        store=PrefixStore(f"pipeoptim-group-{started}", store),
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+    )
+
+
 def join_group(
     ranks: int, requested: str, devices: list[str] | None, timeout: float, *, replicas: int = 1
 ) -> tuple[torch.device, int, bool]:
@@ -137,7 +167,7 @@ def join_group(
         if device.type == "cuda":
             torch.cuda.set_device(device)
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+        start_group(backend, timedelta(seconds=timeout))
         started = True
     rank, world = dist.get_rank(), dist.get_world_size()
     if under_torchrun():  # never for the local transport, which joins no group
