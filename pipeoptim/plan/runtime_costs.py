@@ -12,7 +12,10 @@ on two rank processes, :mod:`pipeoptim.workloads.message_probe`, its latency and
 slowdowns from a gloo ping-pong, :mod:`pipeoptim.runtime.profiling.messages`; the actions
 from a short run of the model's own stages, :mod:`pipeoptim.workloads.profiling`) and the
 profile keeps them as ``runtime_costs``; the offline cost model charges them
-(:mod:`pipeoptim.sim.host`).
+(:mod:`pipeoptim.sim.host`). Where the ranks outnumber the host's cores, a short run of the
+model on its P rank processes (:mod:`pipeoptim.workloads.layout_probe`) puts its fitted
+costs into the layers instead: the slowdowns are then 1, the message costs fitted there,
+and each policy's action cost its excess over the synchronous policy's.
 
 A profile without them (older files, synthetic profiles, a profile for one process) costs
 nothing beyond its layers: today's model, to the bit.

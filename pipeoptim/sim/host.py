@@ -129,6 +129,14 @@ def host_notes(source: Profile | Mapping[str, Any], num_ranks: int) -> list[str]
     """What :func:`on_profiled_host` charges for ``source``, one line each (for reports)."""
     host = ProfiledHost.of(source)
     notes = []
+    probe = source.meta.get("layout_probe") if isinstance(source, Profile) else None
+    if isinstance(probe, Mapping):
+        notes.append(
+            f"layer times from the model run on {probe.get('stages')} rank processes of "
+            f"this host ({probe.get('method')}, {probe.get('micro_batches')} micro-batches, "
+            f"{probe.get('mini_batches')} mini-batches): {float(probe.get('slowdown', 1.0)):.2f}x "
+            f"their times in a loop (measured)"
+        )
     machine = host.machine_for(num_ranks)
     if machine is not None:
         notes.append(

@@ -13,7 +13,8 @@ on a run of the profiled model itself: its units split into two stages, one proc
 over gloo, on cores of their own where the host has two (else they share the one, and the
 fit counts that), trained with 1F1B and two micro-batches (one where the batch is odd) for a few
 mini-batches. Starting
-the two interpreters is most of its time (a few seconds).
+the two interpreters is most of its time (a few seconds). :func:`run_probe` runs any number
+of such processes; :mod:`pipeoptim.workloads.layout_probe` runs one per planned rank.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from pipeoptim.runtime.pipeline import Pipeline
 from pipeoptim.runtime.profiling.messages import wait_for_result
 from pipeoptim.workloads.loader import build_model, model_loss
 
-__all__ = ["RuntimeMessages", "probe_messages"]
+__all__ = ["RuntimeMessages", "probe_messages", "run_probe"]
 
 PROBE_METHOD = "1f1b"
 PROBE_MICRO_BATCHES = 2
@@ -53,48 +54,110 @@ class RuntimeMessages:
 
 def _probe_rank(
     rank: int,
+    world: int,
     port: int,
-    model: str,
-    seed: int,
-    optimizer: str,
-    batch_size: int,
-    steps: int,
+    run: dict[str, Any],
     timeout: float,
     results: Any,
 ) -> None:
-    """One of the probe's two processes: its stage of ``model``, trained ``steps``
-    mini-batches; rank 0 puts the fitted message costs (or None) on ``results``."""
+    """One of the probe's processes: its stage of ``run["model"]``, trained
+    ``run["steps"]`` mini-batches; rank 0 puts the fitted message costs (or None) on
+    ``results``, after saving the run's trace to ``run["trace"]`` where that names a file."""
     torch.set_num_threads(1)  # as each of the ranks that share a 2-core host gets
     wait = timedelta(seconds=timeout)
     store = TCPStore("127.0.0.1", port, is_master=False, timeout=wait)
     group_store = PrefixStore("message-probe", store)
-    dist.init_process_group("gloo", store=group_store, rank=rank, world_size=2, timeout=wait)
+    dist.init_process_group("gloo", store=group_store, rank=rank, world_size=world, timeout=wait)
     try:
-        layers, data = build_model(model, seed)
+        model, batch_size, steps = run["model"], run["batch_size"], run["steps"]
+        layers, data = build_model(model, run["seed"])
         held = len(data.train_x) // batch_size  # the probe cycles through these
         batches = [
             (data.train_x[j : j + batch_size], data.train_y[j : j + batch_size])
             for j in ((i % held) * batch_size for i in range(steps))
         ]
+        micro = run["micro_batches"]
         pipe = Pipeline(
             list(layers),
             PROBE_METHOD,
-            stages=2,
-            micro_batches=PROBE_MICRO_BATCHES if batch_size % PROBE_MICRO_BATCHES == 0 else 1,
-            optimizer=OptimizerSpec(optimizer, 1e-4),
+            stages=world,
+            micro_batches=micro if batch_size % micro == 0 else 1,
+            optimizer=OptimizerSpec(run["optimizer"], 1e-4),
             loss_fn=model_loss(model),
             transport="dist",
             device="cpu",
-            seed=seed,
+            seed=run["seed"],
             log_every=steps + 1,
         )
         trace = pipe.fit(batches, max_steps=steps).trace
         pipe.close()
         if rank == 0:
+            if run.get("trace"):
+                trace.save(run["trace"])
             fit = machine_fit(trace)
             results.put(None if fit is None else (fit.message_send_s, fit.message_receive_s))
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_probe(
+    model: str,
+    *,
+    stages: int,
+    micro_batches: int,
+    batch_size: int,
+    steps: int,
+    optimizer: str = "sgd",
+    seed: int = 0,
+    timeout: float = 120.0,
+    trace: str | None = None,
+) -> tuple[float, float] | None:
+    """``model``'s units split evenly into ``stages`` stages, one spawned process each over
+    gloo, trained with 1F1B and ``micro_batches`` micro-batches (one where they do not
+    divide the batch) for ``steps`` mini-batches of its own training data; returns the
+    message costs (send, receive) its trace's fit gives (None where it shows no message),
+    and saves the trace to ``trace`` where given. Raises ``RuntimeError`` where the
+    processes cannot run it (spawning, gloo, a model the runtime refuses)."""
+    import torch.multiprocessing as mp
+
+    if steps < 4:
+        raise ValueError(f"the probe needs 4 mini-batches or more for a steady state (got {steps})")
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    # port 0: the OS picks a free port as the store binds it, so nothing can race for it
+    store = TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
+    )
+    run = {
+        "model": model,
+        "seed": seed,
+        "optimizer": optimizer,
+        "batch_size": batch_size,
+        "steps": steps,
+        "micro_batches": micro_batches,
+        "trace": trace,
+    }
+    procs = [
+        context.Process(
+            target=_probe_rank,
+            args=(rank, stages, store.port, run, timeout, results),
+            daemon=True,
+        )
+        for rank in range(stages)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    names = [f"the probe's rank {rank}" for rank in range(stages)]
+    try:
+        found: tuple[float, float] | None = wait_for_result(results, procs, timeout, names)
+    finally:
+        for p in procs:
+            p.join(timeout=max(1.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+    return found
 
 
 def probe_messages(
@@ -110,36 +173,16 @@ def probe_messages(
     mini-batches of ``batch_size`` samples of ``model``'s own training data (it must
     hold that many). Raises ``RuntimeError`` where the two processes cannot run it
     (spawning, gloo, a model the runtime refuses), with what they reported."""
-    import torch.multiprocessing as mp
-
-    if steps < 4:
-        raise ValueError(f"the probe needs 4 mini-batches or more for a steady state (got {steps})")
-    context = mp.get_context("spawn")
-    results = context.SimpleQueue()
-    # port 0: the OS picks a free port as the store binds it, so nothing can race for it
-    store = TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
+    found = run_probe(
+        model,
+        stages=2,
+        micro_batches=PROBE_MICRO_BATCHES,
+        batch_size=batch_size,
+        steps=steps,
+        optimizer=optimizer,
+        seed=seed,
+        timeout=timeout,
     )
-    port = store.port
-    procs = [
-        context.Process(
-            target=_probe_rank,
-            args=(rank, port, model, seed, optimizer, batch_size, steps, timeout, results),
-            daemon=True,
-        )
-        for rank in range(2)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    names = [f"the message probe's rank {rank}" for rank in range(2)]
-    try:
-        found = wait_for_result(results, procs, timeout, names)
-    finally:
-        for p in procs:
-            p.join(timeout=max(1.0, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
     if found is None:
         raise RuntimeError("the probe's trace showed no message between its two processes")
     send, receive = found

@@ -13,7 +13,9 @@ slower work runs between waits), the runtime's own work per message at each end,
 short run of the model's stages on two processes
 (:func:`~pipeoptim.workloads.message_probe.probe_messages`), and the executor's and the
 stage's own work per action, from a short run of the model's own stages in this process
-(:func:`action_costs`); both need the Pipeline, so they live here too."""
+(:func:`action_costs`); both need the Pipeline, so they live here too. Where the ranks
+outnumber the cores, the model run as they will run it replaces the loop times and the
+slowdowns (:mod:`~pipeoptim.workloads.layout_probe`)."""
 
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.errors import PipeoptimError, RuntimeConfigError
 from pipeoptim.plan.machine import Machine, this_machine_cores
 from pipeoptim.plan.plan import OptimizerSpec
 from pipeoptim.plan.profile import Profile
@@ -39,10 +41,12 @@ from pipeoptim.runtime.pipeline import Pipeline
 from pipeoptim.runtime.profiling.layer_memory import trainable_bytes
 from pipeoptim.runtime.profiling.messages import MessageTiming, time_messages
 from pipeoptim.runtime.profiling.profiler import profile_model
+from pipeoptim.workloads.layout_probe import adopt_layout, probe_layout
 from pipeoptim.workloads.loader import build_model, model_loss
 from pipeoptim.workloads.message_probe import PROBE_METHOD, RuntimeMessages, probe_messages
 
 __all__ = [
+    "LAYOUT_STEPS",
     "POLICY_METHODS",
     "PROBE_BUDGET_S",
     "PROBE_STEPS",
@@ -57,6 +61,10 @@ model's compute by its profile (:func:`budget_steps`), within these bounds (its 
 the middle half, and a mean over a few dozen messages still moves with one late wake-up)."""
 
 PROBE_BUDGET_S = 1.0
+
+LAYOUT_STEPS = (48, 240)
+"""Mini-batches the layout probe (:mod:`pipeoptim.workloads.layout_probe`) trains, by the
+same budget (the digits MLP's 240 take about 2 s on 4 ranks of a 2-core machine)."""
 
 POLICY_METHODS: dict[str, tuple[str, ...]] = {
     "flush": ("1f1b", "zb-h1"),
@@ -149,7 +157,32 @@ def profile_builtin(
         runtime=runtime,
     )
     runtime_costs = profile.runtime_costs
-    if message is not None and runtime_costs is not None:
+    laid_out = False
+    layout_problem: str | None = None
+    # where the ranks take turns on the cores (and the model has a layer per rank), time
+    # the model as they will run it
+    shared = ranks if on_cpu and ranks and this_machine_cores() < ranks <= len(layers) else None
+    if message is not None and runtime_costs is not None and shared is not None:
+        if progress:
+            print(
+                f"timing the model as its {shared} ranks share this machine's cores: "
+                f"{shared} processes over gloo",
+                file=sys.stderr,
+            )
+        try:
+            trace = probe_layout(
+                model,
+                stages=shared,
+                batch_size=batch_size,
+                steps=budget_steps(profile, PROBE_BUDGET_S, *LAYOUT_STEPS),
+                optimizer=optimizer,
+                seed=seed,
+            )
+            profile = adopt_layout(profile, trace)
+            laid_out = True
+        except (RuntimeError, OSError, ValueError, PipeoptimError) as err:
+            layout_problem = f"{type(err).__name__}: {err}"
+    if message is not None and runtime_costs is not None and not laid_out:
         # after the busy stand-ins stopped: the probe's two processes each get a core
         if progress:
             print(
@@ -189,6 +222,8 @@ def profile_builtin(
         }
     elif probe_problem is not None:
         meta["message_probe_failed"] = probe_problem
+    if layout_problem is not None:
+        meta["layout_probe_failed"] = layout_problem
     return dataclasses.replace(profile, meta=meta)
 
 
