@@ -28,7 +28,7 @@ def summary_headers(results: Mapping[str, Any]) -> list[str]:
         "measured/s",
         "calibrated/s",
         "time error",
-        f"test metric (real, {results.get('train_steps', sizes['train_steps'])} steps)",
+        f"test metric (real, {results['train_steps']} steps)",
         f"(1 device, {sizes['converge_steps']} steps)",
         "peak memory",
         "copies",

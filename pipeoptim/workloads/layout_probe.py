@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import tempfile
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from pipeoptim.calibrate import calibrated_profile
@@ -53,22 +51,16 @@ def probe_layout(
     """The trace of ``model`` trained ``steps`` mini-batches of ``batch_size`` by
     ``stages`` processes of this host (module docstring). Raises ``RuntimeError`` where
     they cannot run it, ``ValueError`` for fewer than 4 steps."""
-    with tempfile.TemporaryDirectory(prefix="pipeoptim-layout-probe-") as folder:
-        path = Path(folder) / "trace.json"
-        run_probe(
-            model,
-            stages=stages,
-            micro_batches=stages,
-            batch_size=batch_size,
-            steps=steps,
-            optimizer=optimizer,
-            seed=seed,
-            timeout=timeout,
-            trace=str(path),
-        )
-        if not path.exists():
-            raise RuntimeError(f"the layout probe's rank 0 wrote no trace to {str(path)!r}")
-        return Trace.load(path)
+    return run_probe(
+        model,
+        stages=stages,
+        micro_batches=stages,
+        batch_size=batch_size,
+        steps=steps,
+        optimizer=optimizer,
+        seed=seed,
+        timeout=timeout,
+    )
 
 
 def _work(layers: Any) -> float:

@@ -19,9 +19,11 @@ of such processes; :mod:`pipeoptim.workloads.layout_probe` runs one per planned 
 
 from __future__ import annotations
 
+import tempfile
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +34,7 @@ from pipeoptim.calibrate import machine_fit
 from pipeoptim.plan.plan import OptimizerSpec
 from pipeoptim.runtime.pipeline import Pipeline
 from pipeoptim.runtime.profiling.messages import wait_for_result
+from pipeoptim.trace import Trace
 from pipeoptim.workloads.loader import build_model, model_loss
 
 __all__ = ["RuntimeMessages", "probe_messages", "run_probe"]
@@ -61,8 +64,8 @@ def _probe_rank(
     results: Any,
 ) -> None:
     """One of the probe's processes: its stage of ``run["model"]``, trained
-    ``run["steps"]`` mini-batches; rank 0 puts the fitted message costs (or None) on
-    ``results``, after saving the run's trace to ``run["trace"]`` where that names a file."""
+    ``run["steps"]`` mini-batches; rank 0 saves the run's trace to ``run["trace"]`` and
+    then puts True on ``results``."""
     torch.set_num_threads(1)  # as each of the ranks that share a 2-core host gets
     wait = timedelta(seconds=timeout)
     store = TCPStore("127.0.0.1", port, is_master=False, timeout=wait)
@@ -92,10 +95,8 @@ def _probe_rank(
         trace = pipe.fit(batches, max_steps=steps).trace
         pipe.close()
         if rank == 0:
-            if run.get("trace"):
-                trace.save(run["trace"])
-            fit = machine_fit(trace)
-            results.put(None if fit is None else (fit.message_send_s, fit.message_receive_s))
+            trace.save(run["trace"])
+            results.put(True)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -111,14 +112,12 @@ def run_probe(
     optimizer: str = "sgd",
     seed: int = 0,
     timeout: float = 120.0,
-    trace: str | None = None,
-) -> tuple[float, float] | None:
-    """``model``'s units split evenly into ``stages`` stages, one spawned process each over
-    gloo, trained with 1F1B and ``micro_batches`` micro-batches (one where they do not
-    divide the batch) for ``steps`` mini-batches of its own training data; returns the
-    message costs (send, receive) its trace's fit gives (None where it shows no message),
-    and saves the trace to ``trace`` where given. Raises ``RuntimeError`` where the
-    processes cannot run it (spawning, gloo, a model the runtime refuses)."""
+) -> Trace:
+    """The trace of ``model``'s units split evenly into ``stages`` stages, one spawned
+    process each over gloo, trained with 1F1B and ``micro_batches`` micro-batches (one
+    where they do not divide the batch) for ``steps`` mini-batches of its own training
+    data. Raises ``RuntimeError`` where the processes cannot run it (spawning, gloo, a
+    model the runtime refuses)."""
     import torch.multiprocessing as mp
 
     if steps < 4:
@@ -129,35 +128,37 @@ def run_probe(
     store = TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
     )
-    run = {
-        "model": model,
-        "seed": seed,
-        "optimizer": optimizer,
-        "batch_size": batch_size,
-        "steps": steps,
-        "micro_batches": micro_batches,
-        "trace": trace,
-    }
-    procs = [
-        context.Process(
-            target=_probe_rank,
-            args=(rank, stages, store.port, run, timeout, results),
-            daemon=True,
-        )
-        for rank in range(stages)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    names = [f"the probe's rank {rank}" for rank in range(stages)]
-    try:
-        found: tuple[float, float] | None = wait_for_result(results, procs, timeout, names)
-    finally:
+    with tempfile.TemporaryDirectory(prefix="pipeoptim-probe-") as folder:
+        path = Path(folder) / "trace.json"
+        run = {
+            "model": model,
+            "seed": seed,
+            "optimizer": optimizer,
+            "batch_size": batch_size,
+            "steps": steps,
+            "micro_batches": micro_batches,
+            "trace": str(path),
+        }
+        procs = [
+            context.Process(
+                target=_probe_rank,
+                args=(rank, stages, store.port, run, timeout, results),
+                daemon=True,
+            )
+            for rank in range(stages)
+        ]
         for p in procs:
-            p.join(timeout=max(1.0, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-    return found
+            p.start()
+        deadline = time.monotonic() + timeout
+        names = [f"the probe's rank {rank}" for rank in range(stages)]
+        try:
+            wait_for_result(results, procs, timeout, names)
+        finally:
+            for p in procs:
+                p.join(timeout=max(1.0, deadline - time.monotonic()))
+                if p.is_alive():
+                    p.kill()
+        return Trace.load(path)
 
 
 def probe_messages(
@@ -173,7 +174,7 @@ def probe_messages(
     mini-batches of ``batch_size`` samples of ``model``'s own training data (it must
     hold that many). Raises ``RuntimeError`` where the two processes cannot run it
     (spawning, gloo, a model the runtime refuses), with what they reported."""
-    found = run_probe(
+    trace = run_probe(
         model,
         stages=2,
         micro_batches=PROBE_MICRO_BATCHES,
@@ -183,7 +184,7 @@ def probe_messages(
         seed=seed,
         timeout=timeout,
     )
-    if found is None:
+    fit = machine_fit(trace)
+    if fit is None:
         raise RuntimeError("the probe's trace showed no message between its two processes")
-    send, receive = found
-    return RuntimeMessages(float(send), float(receive), steps)
+    return RuntimeMessages(float(fit.message_send_s), float(fit.message_receive_s), steps)

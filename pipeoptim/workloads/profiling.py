@@ -156,12 +156,18 @@ def profile_builtin(
         stream_bytes=_stage_bytes(layers, ranks),
         runtime=runtime,
     )
+    threads_used = profile.meta.get("threads") or 1
+    if on_cpu:
+        machine = Machine(this_machine_cores(), ranks or 1, threads_used)
+    else:  # a rank per accelerator (ranks beyond them share one), one host thread each
+        machine = Machine(max(1, torch.cuda.device_count()), ranks or 1, 1)
     runtime_costs = profile.runtime_costs
     laid_out = False
     layout_problem: str | None = None
     # where the ranks take turns on the cores (and the model has a layer per rank), time
     # the model as they will run it
-    shared = ranks if on_cpu and ranks and this_machine_cores() < ranks <= len(layers) else None
+    turns = on_cpu and ranks is not None and machine.shares_cores and ranks <= len(layers)
+    shared = ranks if turns else None
     if message is not None and runtime_costs is not None and shared is not None:
         if progress:
             print(
@@ -204,11 +210,6 @@ def profile_builtin(
                 runtime_costs, message_send_s=probed.send_s, message_receive_s=probed.receive_s
             )
             profile = dataclasses.replace(profile, runtime_costs=runtime_costs)
-    threads_used = profile.meta.get("threads") or 1
-    if on_cpu:
-        machine = Machine(this_machine_cores(), ranks or 1, threads_used)
-    else:  # a rank per accelerator (ranks beyond them share one), one host thread each
-        machine = Machine(max(1, torch.cuda.device_count()), ranks or 1, 1)
     meta = {**profile.meta, "model": model, "ranks": ranks, "machine": machine.to_dict()}
     if problem is not None:
         meta["messages_failed"] = problem
