@@ -34,6 +34,13 @@ asynchronous methods' share of the limit, and where each pipeoptim run's time go
 rank, from its own trace of the timed steps: compute (F, B, U and their halves), the
 communication actions (sends, and receives including their waits) and the interpreter
 between actions (the wall time no action covers).
+
+Every run's processes use the same host allocator: by default the thresholds a pipeoptim
+Pipeline sets in a CPU process (``pipeoptim/runtime/host_allocator.py``), set in torch's
+runs and the limit's too, so that the ratios compare the pipelines and not the allocators;
+``--allocator default`` leaves glibc's defaults everywhere (``tune_allocator=False``), and
+a run named with the suffix `` (glibc defaults)`` (``"pipeoptim pipeoptim (glibc
+defaults)"``) leaves them in that run alone, interleaved with the others.
 """
 
 from __future__ import annotations
@@ -96,8 +103,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _init(rank: int, ranks: int, port: int, threads: int) -> None:
-    torch.set_num_threads(threads)
+def _init(rank: int, ranks: int, port: int, args: dict[str, Any]) -> None:
+    torch.set_num_threads(args["threads"])
+    if args["allocator"] == "pipeoptim":  # every run's processes alike, the limit's too
+        from pipeoptim.runtime.host_allocator import keep_freed_memory
+
+        keep_freed_memory()
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=ranks)
 
@@ -122,7 +133,7 @@ def _timed(step: Callable[[], None], args: dict[str, Any], *, until_all: bool) -
 def _torch_rank(rank: int, ranks: int, port: int, args: dict[str, Any], out: Any) -> None:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    _init(rank, ranks, port, args["threads"])
+    _init(rank, ranks, port, args)
     module = split(blocks(), ranks)[rank]
     stage = PipelineStage(module, rank, ranks, torch.device("cpu"))
     opt = torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9)
@@ -153,7 +164,7 @@ def _pipeoptim_rank(rank: int, ranks: int, port: int, args: dict[str, Any], out:
     from pipeoptim import JsonlLogger, Pipeline, TensorBoardLogger
     from pipeoptim.plan.plan import OptimizerSpec
 
-    _init(rank, ranks, port, args["threads"])
+    _init(rank, ranks, port, args)
     method = args["run"].split()[1]
     micro = args["micro_batches"] if method in ("gpipe", "1f1b", "zb-h1") else None
     loggers: list[Any] = []
@@ -171,6 +182,7 @@ def _pipeoptim_rank(rank: int, ranks: int, port: int, args: dict[str, Any], out:
         targets="read",
         log_every=LOG_EVERY,
         loggers=loggers,
+        tune_allocator=args["allocator"] == "pipeoptim",
     )
     pipe.fit(data(args["batch"], args["warmup"]), max_steps=args["warmup"])
     dist.barrier()
@@ -203,7 +215,7 @@ def _breakdown(pipe: Any, rank: int, wall: float) -> dict[str, float]:
 
 def _limit_rank(rank: int, ranks: int, port: int, args: dict[str, Any], out: Any) -> None:
     """One rank's share of the model trained alone, at the same time as the others."""
-    _init(rank, ranks, port, args["threads"])
+    _init(rank, ranks, port, args)
     module = split(blocks(), ranks)[rank]
     opt = torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9)
     x, y = data(args["batch"], 1)[0]
@@ -243,6 +255,10 @@ def _spawned(
     return rate, {rank: parts for rank, _, parts in reports}
 
 
+GLIBC_DEFAULTS = " (glibc defaults)"
+"""A run name ending so runs with glibc's allocator defaults whatever ``--allocator`` says:
+``--runs "limit,limit (glibc defaults)"`` measures the allocator's effect in one run."""
+
 RUNS = (
     "torch ScheduleGPipe",
     "torch Schedule1F1B",
@@ -266,6 +282,13 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="1 round of 8 steps")
     parser.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset")
+    parser.add_argument(
+        "--allocator",
+        choices=("pipeoptim", "default"),
+        default="pipeoptim",
+        help="the host allocator of every run's processes: the thresholds a pipeoptim "
+        "Pipeline sets on the CPU (runtime/host_allocator.py), or glibc's defaults",
+    )
     a = parser.parse_args()
     if a.quick:
         a.rounds, a.steps, a.warmup = 1, 8, 2
@@ -280,16 +303,19 @@ def main() -> None:
         "warmup": a.warmup,
         "micro_batches": a.micro_batches,
         "threads": max(1, cores // a.ranks),
+        "allocator": a.allocator,
     }
     runs = [r for r in a.runs.split(",") if r]
     rates: dict[str, list[float]] = {r: [] for r in runs}
     parts: dict[str, list[dict[int, dict[str, float]]]] = {r: [] for r in runs}
     for round_ in range(a.rounds):
         for run in runs:
-            job = {**args, "run": run}
-            if run == "limit":
+            base_run = run.removesuffix(GLIBC_DEFAULTS)
+            allocator = "default" if run.endswith(GLIBC_DEFAULTS) else a.allocator
+            job = {**args, "run": base_run, "allocator": allocator}
+            if base_run == "limit":
                 target: Callable[..., None] = _limit_rank
-            elif run.startswith("torch"):
+            elif base_run.startswith("torch"):
                 target = _torch_rank
             else:
                 target = _pipeoptim_rank
@@ -297,10 +323,13 @@ def main() -> None:
             rates[run].append(rate)
             parts[run].append(breakdown)
             print(f"round {round_ + 1}: {run}: {rate:,.0f} samples/s", file=sys.stderr)
+    named = any(r.endswith(GLIBC_DEFAULTS) for r in runs)
+    except_named = f" not named '...{GLIBC_DEFAULTS}'" if named else ""
     print(
         f"# {platform.processor() or platform.machine()}, {cores} cores, torch "
         f"{torch.__version__}; {a.ranks} gloo ranks, batch {a.batch}, M = {a.micro_batches}, "
-        f"{a.steps} timed steps, median of {a.rounds} interleaved rounds"
+        f"{a.steps} timed steps, median of {a.rounds} interleaved rounds; host allocator: "
+        f"{a.allocator} in every run{except_named}"
     )
     base = statistics.median(rates["torch Schedule1F1B"]) if "torch Schedule1F1B" in rates else 0
     print("| run | samples/s | vs torch Schedule1F1B |")
@@ -309,12 +338,20 @@ def main() -> None:
         med = statistics.median(values)
         ratio = f"{med / base:.2f}x" if base else "-"
         print(f"| {run} | {med:,.0f} | {ratio} |")
-    if "limit" in rates:
-        top = statistics.median(rates["limit"])
-        print(f"\nshare of the {a.ranks}-stage limit (all cores busy; goal >= 0.95x):")
-        for run in ("pipeoptim pipedream", "pipeoptim pipeoptim", "pipeoptim 1f1b"):
-            if run in rates:
-                print(f"  {run}: {statistics.median(rates[run]) / top:.2f}x")
+    for suffix in ("", GLIBC_DEFAULTS):  # each run against the limit under its allocator
+        if "limit" + suffix not in rates:
+            continue
+        top = statistics.median(rates["limit" + suffix])
+        print(f"\nshare of the {a.ranks}-stage limit{suffix} (all cores busy; goal >= 0.95x):")
+        for name in ("pipeoptim pipedream", "pipeoptim pipeoptim", "pipeoptim 1f1b"):
+            if name + suffix in rates:
+                print(f"  {name + suffix}: {statistics.median(rates[name + suffix]) / top:.2f}x")
+    pairs = [r for r in runs if r + GLIBC_DEFAULTS in rates]
+    if pairs:
+        print(f"\nthe host allocator ({a.allocator}) against glibc's defaults, same rounds:")
+        for run in pairs:
+            gain = [x / y for x, y in zip(rates[run], rates[run + GLIBC_DEFAULTS], strict=True)]
+            print(f"  {run}: {statistics.median(gain):.2f}x (median of the rounds' ratios)")
     bare, logged = "pipeoptim pipeoptim", "pipeoptim pipeoptim +loggers"
     if bare in rates and logged in rates:
         cost = statistics.median(rates[logged]) / statistics.median(rates[bare])

@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from pipeoptim.errors import NonFiniteLossError, PipeoptimError, RuntimeConfigError
 from pipeoptim.plan.schedules import Shape
+from pipeoptim.runtime import host_allocator
 from pipeoptim.runtime.assembly import Assembly, RunState
 from pipeoptim.runtime.checkpoint_folder import CheckpointFolder
 from pipeoptim.runtime.comm.replicas import collective, gather_over_replicas
@@ -801,6 +802,7 @@ class FitLoop:
             "boundaries": [list(b) for b in p.bounds],
             "num_layers": len(p.units),
             "threads": torch.get_num_threads(),  # CPU threads each rank computed with
+            "host_allocator": host_allocator.applied(),  # glibc thresholds set; {}: none
             # replicas of the pipeline; the events are replica 0's (they run alike)
             "data_parallel": p.replicas.replicas,
         }

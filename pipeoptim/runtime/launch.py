@@ -46,15 +46,10 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 from pipeoptim.errors import NonFiniteLossError, PipeoptimError, RankFailedError, RuntimeConfigError
+from pipeoptim.runtime.comm import parent_watch
 from pipeoptim.runtime.comm.failure_board import FailureBoard, lost_peer
-from pipeoptim.runtime.comm.placement import (
-    check_device,
-    exit_with_parent,
-    pick_device,
-    rank_threads,
-    stop_if_orphaned,
-    world_error,
-)
+from pipeoptim.runtime.comm.parent_watch import exit_with_parent, orphan_line, stop_if_orphaned
+from pipeoptim.runtime.comm.placement import check_device, pick_device, rank_threads, world_error
 from pipeoptim.runtime.comm.process_model import ProcessModel
 from pipeoptim.runtime.config import TrainConfig
 from pipeoptim.runtime.executor import RankResult
@@ -304,11 +299,12 @@ def _spawn(config: TrainConfig, runner: Runner) -> FitResult:
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
         "PIPEOPTIM_STORE_PORT": str(port),
-        "PIPEOPTIM_LAUNCHER_PID": str(os.getpid()),
+        parent_watch.LAUNCHER_PID: str(os.getpid()),
         "WORLD_SIZE": str(world),
         "PIPEOPTIM_CONFIG": config.to_json(),
     }
-    command = [sys.executable, "-m", runner.worker]
+    # the watchdog starts before the worker imports torch (seconds on a loaded machine)
+    command = [sys.executable, "-m", parent_watch.__name__, runner.worker]
     procs = [
         subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
         for r in range(world)
@@ -383,8 +379,7 @@ def _exit_with_parent(rank: int, parent: int, period: float = 0.5) -> None:
     (process ``parent``): a kill -9 leaves no one to stop it, and its peers would wait out
     their timeouts. The pid comes from the launcher, so a launcher that died while this
     process was still starting is noticed too."""
-    line = f"pipeoptim train: rank {rank}: the launching process is gone; stopping"
-    exit_with_parent(parent, line, period)
+    exit_with_parent(parent, orphan_line(rank), period)
 
 
 def worker_main(runner: Runner) -> int:
@@ -392,7 +387,7 @@ def worker_main(runner: Runner) -> int:
     its launcher hosts; returns the exit status."""
     config = TrainConfig.from_json(os.environ["PIPEOPTIM_CONFIG"])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    _exit_with_parent(rank, int(os.environ["PIPEOPTIM_LAUNCHER_PID"]))
+    _exit_with_parent(rank, int(os.environ[parent_watch.LAUNCHER_PID]))  # started directly
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores; torchrun sets it to 1
         torch.set_num_threads(rank_threads(world))
     port = int(os.environ["PIPEOPTIM_STORE_PORT"])

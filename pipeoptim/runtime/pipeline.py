@@ -63,6 +63,7 @@ from pipeoptim.runtime.config import (
 )
 from pipeoptim.runtime.executor import Boundary, RankResult, Recorder
 from pipeoptim.runtime.fit_loop import FitLoop, FitOptions
+from pipeoptim.runtime.host_allocator import keep_freed_memory
 from pipeoptim.runtime.model.layout import stage_boundaries
 from pipeoptim.runtime.model.units import InitWeights, ModelUnits
 from pipeoptim.runtime.observe.callbacks import Callbacks, check_callbacks
@@ -149,6 +150,11 @@ class Pipeline:
     they add no host synchronisation; ``TensorBoardLogger``, ``WandbLogger`` and
     ``JsonlLogger`` are in :mod:`pipeoptim.runtime.observe`. A callback may end the fit
     (``info.request_stop()``): it drains, checkpoints and evaluates as an end does.
+    ``tune_allocator`` (CPU): raise glibc's mmap and trim thresholds in this process, so
+    each step reuses the memory the last one freed instead of fresh pages
+    (:mod:`~pipeoptim.runtime.host_allocator`; up to 256 MiB of freed memory stays in the
+    process); False, or either of glibc's ``MALLOC_MMAP_THRESHOLD_`` and
+    ``MALLOC_TRIM_THRESHOLD_`` set, leaves the allocator as it is.
     """
 
     def __init__(
@@ -187,6 +193,7 @@ class Pipeline:
         shard_optimizer: bool | None = None,
         loggers: Sequence[Any] | None = None,
         callbacks: Sequence[Any] | None = None,
+        tune_allocator: bool = True,
     ) -> None:
         watchers = [
             *check_callbacks(loggers, "loggers"),
@@ -239,6 +246,10 @@ class Pipeline:
                 f"and {method_.name} does not predict; use pipeoptim, spectrain or xpipe, "
                 f"or leave predicted_backward off"
             )
+        if not isinstance(tune_allocator, bool):
+            raise RuntimeConfigError(
+                f"tune_allocator must be True or False (got {tune_allocator!r})"
+            )
         if targets not in ("send", "read"):
             raise RuntimeConfigError(f"unknown targets {targets!r}; use 'send' or 'read'")
         shape = run_plan.shape(1)
@@ -285,6 +296,8 @@ class Pipeline:
             stage_options, ProcessModel.parse(transport), device, timeout, store, init_weights
         )
         self.parts = Assembly(units, run_plan, method_, bounds, options)
+        if tune_allocator and self.parts.device.type == "cpu":
+            keep_freed_memory()
         cut = self.model_units
         if cut.names is not None or cut.source:
             self.parts.model_record = {"names": cut.names, "source": cut.source}

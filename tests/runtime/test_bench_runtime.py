@@ -40,6 +40,7 @@ def test_bench_runtime_prints_the_share_of_the_limit_and_where_the_time_goes() -
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert re.search(r"\| limit \| [\d,]+ \|", done.stdout), done.stdout
+    assert "host allocator: pipeoptim in every run" in done.stdout, done.stdout
     share = re.search(r"pipeoptim pipeoptim: (\d+\.\d\d)x", done.stdout)
     assert share is not None and float(share.group(1)) > 0, done.stdout
     ranks = re.findall(r"\| pipeoptim pipeoptim \| (\d) \| (\d+\.\d+) \|", done.stdout)

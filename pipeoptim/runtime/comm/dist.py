@@ -20,7 +20,7 @@ from torch import Tensor
 
 from pipeoptim.errors import PeerLostError
 from pipeoptim.runtime.comm.failure_board import backend_cause
-from pipeoptim.runtime.comm.placement import stop_if_orphaned
+from pipeoptim.runtime.comm.parent_watch import stop_if_orphaned
 from pipeoptim.runtime.comm.transport import MessageKey, Parts, Transport, describe_message
 from pipeoptim.runtime.payload import MAX_PARTS, Payload
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
 from pipeoptim.errors import PeerLostError
-from pipeoptim.runtime.comm.placement import stop_if_orphaned
+from pipeoptim.runtime.comm.parent_watch import stop_if_orphaned
 
 __all__ = ["FailureBoard", "backend_cause", "lost_peer"]
 

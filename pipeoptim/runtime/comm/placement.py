@@ -6,27 +6,18 @@ that sets ``RANK``/``WORLD_SIZE``) the group is started here with NCCL on GPUs a
 CPU, unless the caller (the ``pipeoptim train`` launcher, a user's script) already started
 one.
 
-A rank whose launcher dies must not train on as an orphan: :func:`exit_with_parent` watches
-the launcher and ends this process within half a second of its death, with one line. The
-``pipeoptim train`` launcher's children install it at start; a library run under torchrun
-installs it here, as it joins the group (the torchrun agent is every rank's parent, and a
-``kill -9`` of it tells no one). Why polling ``os.getppid()`` and not
-``prctl(PR_SET_PDEATHSIG)``: the death signal follows the parent *thread* that forked (not
-the process), needs Linux and ctypes, and a SIGTERM handler in Python runs only on the main
-thread between bytecodes, so a rank blocked in a gloo or NCCL wait would not print or exit;
-the daemon thread wakes every half second, works wherever Python does, runs while the main
-thread waits in C++ (which releases the GIL), writes its line and ends the process.
+A rank whose launcher dies must not train on as an orphan: the watchdog
+(:mod:`~pipeoptim.runtime.comm.parent_watch`) ends it within half a second of the launcher's
+death, with one line. The ``pipeoptim train`` launcher's children install it before they
+import anything heavy; a library run under torchrun installs it here, as it joins the group
+(the torchrun agent is every rank's parent, and a ``kill -9`` of it tells no one).
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-import sys
-import threading
-import time
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,21 +26,17 @@ from torch.distributed.rendezvous import rendezvous
 
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.profile import threads_per_rank
+from pipeoptim.runtime.comm.parent_watch import exit_with_parent
 
 __all__ = [
     "check_device",
-    "exit_with_parent",
     "join_group",
     "local_device",
     "pick_device",
     "start_group",
-    "stop_if_orphaned",
     "under_torchrun",
     "world_error",
 ]
-
-_watched: dict[int, bytes] = {}
-"""Launcher pid -> the line to write when it is gone (a script may build several Pipelines)."""
 
 
 def _no_gpu(requested: str, where: str = "") -> RuntimeConfigError:
@@ -192,48 +179,6 @@ def join_group(
 def under_torchrun() -> bool:
     """Whether a torchrun (torch.distributed.elastic) agent started this process."""
     return "TORCHELASTIC_RUN_ID" in os.environ
-
-
-def exit_with_parent(parent: int, line: str, period: float = 0.5) -> None:
-    """Stop this process within ``period`` seconds of the death of its launcher, process
-    ``parent``, after writing ``line`` to stderr; exit status 1, no traceback, no cleanup
-    (the peers see this rank's connections close, as for any dead rank). A launcher that
-    died before this call is noticed too, when ``parent`` is the pid it gave its children.
-    Installed once per launcher pid.
-
-    The first rank to notice ends, and its peers see it go (a lost peer) before their own
-    next poll: :func:`stop_if_orphaned`, which the transport calls on a lost peer and the
-    exception hook on an uncaught error, makes them end with the same line, not with an
-    error about the peer or a traceback."""
-    if parent in _watched:
-        return
-    first = not _watched
-    _watched[parent] = (line.rstrip("\n") + "\n").encode()
-
-    def watch() -> None:
-        while True:
-            stop_if_orphaned()
-            time.sleep(period)
-
-    threading.Thread(target=watch, name="pipeoptim-parent-watch", daemon=True).start()
-    if first:
-        previous = sys.excepthook
-
-        def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-            stop_if_orphaned()
-            previous(kind, value, tb)
-
-        sys.excepthook = hook
-
-
-def stop_if_orphaned() -> None:
-    """End this process now, with its watchdog's line and exit status 1, if a launcher it
-    watches (:func:`exit_with_parent`) is gone; else return."""
-    for parent, text in list(_watched.items()):
-        if os.getppid() != parent:
-            # one write of the whole line: the other ranks print theirs at the same moment
-            os.write(sys.stderr.fileno(), text)
-            os._exit(1)
 
 
 def world_error(world: int, ranks: int, replicas: int = 1) -> RuntimeConfigError:

@@ -35,6 +35,7 @@ from pipeoptim.plan.profile import (
 )
 from pipeoptim.plan.runtime_costs import RuntimeCosts
 from pipeoptim.runtime.config import is_whole
+from pipeoptim.runtime.host_allocator import keep_freed_memory
 from pipeoptim.runtime.model.materialize import is_meta, materialize_units
 from pipeoptim.runtime.model.units import InitWeights
 from pipeoptim.runtime.profiling.layer_memory import (
@@ -301,6 +302,8 @@ def profile_model(
         raise RuntimeConfigError(
             f"device {str(target)!r} was asked for but CUDA is not available; pass device='cpu'"
         )
+    if target.type == "cpu":  # time the layers under the allocator a run trains with
+        keep_freed_memory()
     for _, module in named:
         module.to(target)
     saved_buffers = [
