@@ -6,6 +6,7 @@ Run from the repository root::
     .venv/bin/python benchmarks/bench_async_step.py --old-path  # and the path before issue 34
     .venv/bin/python benchmarks/bench_async_step.py --quick     # P = 4 and 16, 1 round, 6 steps
     .venv/bin/python benchmarks/bench_async_step.py --micro-factor 4  # M = 4P: 1F1B's steady state
+    .venv/bin/python benchmarks/bench_async_step.py --replay    # and each order in plain torch
 
 Why: XPipe is the asynchronous method that converges under AdamW at 8 and 16 stages
 (``docs/choosing-a-method.md``), and a forward on a weight version other than the live one
@@ -25,6 +26,13 @@ depth, interleaved; the table gives each method's median step and the median ove
 step over gpipe's in the same round. ``--old-path`` adds each asynchronous method on the
 forward path before issue 34 (``old_async_path.py``: ``functional_call`` on fresh aliases,
 Ŵ written and hooked for every micro-batch), same run, same rounds.
+
+``--replay`` separates the order from pipeoptim: it records the forwards, backwards and
+updates each method's local run makes, in the order it makes them, and replays that order
+in plain torch (the same units as ``nn.Sequential`` stages, ``autograd.backward``, an AdamW
+step per stage; no versions, no executor, no messages), timed the same way in the same
+rounds. Its column is the replayed step over gpipe's replayed step: what running the
+stages in that order costs by itself on this machine.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ import torch
 from old_async_path import old_path
 from torch.optim.lr_scheduler import LambdaLR
 
+from pipeoptim.plan.actions import Action, Kind
 from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.plan import OptimizerSpec
 from pipeoptim.runtime.optim.lr import WarmupCosine
@@ -61,26 +70,97 @@ def step_seconds(method: str, stages: int, steps: int, old: bool, factor: int = 
     as ours."""
     path: AbstractContextManager[None] = old_path() if old else nullcontext()
     with path:
-        layers, data = build_model(MODEL, 0)
-        micro = factor * stages if get_method(method).micro_batched else 1
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the depth advice for methods that stall at depth
-            pipe = Pipeline(
-                list(layers),
-                method=method,
-                stages=stages,
-                micro_batches=micro,
-                optimizer=OptimizerSpec("adamw", 2e-3, {"weight_decay": 0.01}),
-                scheduler=functools.partial(LambdaLR, lr_lambda=WarmupCosine(10, 1000, 0.1)),
-                grad_clip=1.0,
-                loss_fn=model_loss(MODEL),
-                log_every=10**9,
-            )
-        train = DatasetLoader(data.train_x, data.train_y, factor * BATCH, seed=0)
+        pipe, train = _pipeline(method, stages, factor)
         pipe.fit(train, max_steps=1)
         start = time.process_time()
         pipe.fit(train, max_steps=1 + steps)
         return (time.process_time() - start) / steps
+
+
+def _pipeline(method: str, stages: int, factor: int) -> tuple[Pipeline, DatasetLoader]:
+    """A fresh pipeline of the workload and its data."""
+    layers, data = build_model(MODEL, 0)
+    micro = factor * stages if get_method(method).micro_batched else 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the depth advice for methods that stall at depth
+        pipe = Pipeline(
+            list(layers),
+            method=method,
+            stages=stages,
+            micro_batches=micro,
+            optimizer=OptimizerSpec("adamw", 2e-3, {"weight_decay": 0.01}),
+            scheduler=functools.partial(LambdaLR, lr_lambda=WarmupCosine(10, 1000, 0.1)),
+            grad_clip=1.0,
+            loss_fn=model_loss(MODEL),
+            log_every=10**9,
+        )
+    return pipe, DatasetLoader(data.train_x, data.train_y, factor * BATCH, seed=0)
+
+
+def recorded_order(
+    method: str, stages: int, steps: int, factor: int = 1
+) -> tuple[list[Action], list[tuple[int, int]], int]:
+    """The forwards, backwards and updates a local fit of ``steps`` mini-batches runs, in
+    the order it runs them (the dry run left out); the stages' unit ranges; the micro-batch
+    size."""
+    from pipeoptim.runtime import executor
+
+    pipe, train = _pipeline(method, stages, factor)
+    pipe.fit(train, max_steps=1)
+    seen: list[Action] = []
+    step = executor.RankExecutor.step
+
+    def recording(self: executor.RankExecutor) -> None:
+        a = self.next_action()
+        if a is not None and a.kind in (Kind.FORWARD, Kind.BACKWARD, Kind.UPDATE):
+            seen.append(a)
+        step(self)
+
+    executor.RankExecutor.step = recording  # type: ignore[method-assign]
+    try:
+        pipe.fit(train, max_steps=1 + steps)
+    finally:
+        executor.RankExecutor.step = step  # type: ignore[method-assign]
+    micro = pipe.parts.shape.micro_batches
+    return seen, [tuple(b) for b in pipe.parts.bounds], factor * BATCH // micro
+
+
+def replay_seconds(
+    order: list[Action], bounds: list[tuple[int, int]], micro: int, steps: int
+) -> float:
+    """CPU seconds per step of ``order`` run in plain torch (see the module's docstring)."""
+    layers, data = build_model(MODEL, 0)
+    units = list(layers)
+    stages = [torch.nn.Sequential(*units[a:b]) for a, b in bounds]
+    # An update steps a copy of the stage's weights with its gradients: the same work in
+    # the same place of the order, while the graphs in flight keep the weights they saved
+    # (keeping versions apart is pipeoptim's work, which the replay leaves out).
+    params = [list(s.parameters()) for s in stages]
+    copies = [[p.detach().clone() for p in ps] for ps in params]
+    optimizers = [torch.optim.AdamW(c, lr=2e-3, weight_decay=0.01) for c in copies]
+    loss_fn = model_loss(MODEL)
+    x, y = data.train_x[:micro], data.train_y[:micro]
+    last = len(stages) - 1
+    inputs: dict[tuple[int, int], torch.Tensor] = {}
+    outputs: dict[tuple[int, int], torch.Tensor] = {}
+    start = time.process_time()
+    for a in order:
+        k = a.stage
+        if a.kind is Kind.FORWARD:
+            given = x if k == 0 else outputs[(k - 1, a.mb)].detach().requires_grad_()
+            inputs[(k, a.mb)] = given
+            outputs[(k, a.mb)] = stages[k](given)
+        elif a.kind is Kind.BACKWARD:
+            out = outputs.pop((k, a.mb))
+            if k == last:
+                loss_fn(out, y).backward()
+            else:
+                out.backward(inputs.pop((k + 1, a.mb)).grad)
+        else:
+            for p, c in zip(params[k], copies[k], strict=True):
+                c.grad, p.grad = p.grad, None
+            optimizers[k].step()
+    return (time.process_time() - start) / steps
 
 
 def main() -> None:
@@ -100,6 +180,11 @@ def main() -> None:
         help="M = this x P micro-batches, batch this x 32 (same micro-batch size): at 4, "
         "1F1B's steady state, not its fill and drain, makes most of a step",
     )
+    parser.add_argument(
+        "--replay",
+        action="store_true",
+        help="also each method's recorded order replayed in plain torch (rows 'replay')",
+    )
     a = parser.parse_args()
     if a.micro_factor < 1:
         parser.error(
@@ -114,16 +199,26 @@ def main() -> None:
         if a.old_path and get_method(m).asynchronous:  # flush methods: the same path either way
             runs.append((m, True))
     torch.set_num_threads(1)
-    steps: dict[tuple[int, str, bool], list[float]] = {}
-    ratios: dict[tuple[int, str, bool], list[float]] = {}
+    methods = [m for m, old in runs if not old]
+    orders = {
+        (p, m): recorded_order(m, p, a.steps, a.micro_factor)
+        for p in a.stages
+        for m in (methods if a.replay else [])
+    }
+    steps: dict[tuple[int, str, str], list[float]] = {}
+    ratios: dict[tuple[int, str, str], list[float]] = {}
     for _ in range(a.rounds):
         for p in a.stages:
             this_round = {
-                run: step_seconds(run[0], p, a.steps, run[1], a.micro_factor) for run in runs
+                (m, "old" if old else "fast"): step_seconds(m, p, a.steps, old, a.micro_factor)
+                for m, old in runs
             }
-            for (m, old), seconds in this_round.items():
-                steps.setdefault((p, m, old), []).append(seconds)
-                ratios.setdefault((p, m, old), []).append(seconds / this_round[("gpipe", False)])
+            for m in methods if a.replay else []:
+                this_round[(m, "replay")] = replay_seconds(*orders[(p, m)], a.steps)
+            for (m, path), seconds in this_round.items():
+                base = this_round[("gpipe", "replay" if path == "replay" else "fast")]
+                steps.setdefault((p, m, path), []).append(seconds)
+                ratios.setdefault((p, m, path), []).append(seconds / base)
     print(
         f"# {MODEL}, batch {a.micro_factor * BATCH}, M = {a.micro_factor} x P for the "
         f"micro-batched methods, local transport, one thread; torch {torch.__version__}, "
@@ -133,10 +228,15 @@ def main() -> None:
     print("| stages | method | path | ms per step | vs gpipe |")
     print("|---|---|---|---|---|")
     for p in a.stages:
-        for m, old in runs:
-            ms = 1e3 * statistics.median(steps[(p, m, old)])
-            ratio = statistics.median(ratios[(p, m, old)])
-            print(f"| {p} | {m} | {'old' if old else 'fast'} | {ms:.1f} | {ratio:.2f}x |")
+        for m, path in (key[1:] for key in steps if key[0] == p):
+            ms = 1e3 * statistics.median(steps[(p, m, path)])
+            ratio = statistics.median(ratios[(p, m, path)])
+            print(f"| {p} | {m} | {path} | {ms:.1f} | {ratio:.2f}x |")
+    if a.replay:
+        print(
+            "\n'replay': the method's own order of forwards, backwards and updates in plain "
+            "torch, against gpipe's order replayed alike"
+        )
 
 
 if __name__ == "__main__":

@@ -46,3 +46,34 @@ def test_bench_async_step_refuses_a_micro_factor_below_one() -> None:
     done = _run("--micro-factor", "0", status=2)
     assert "--micro-factor must be 1 or more (got 0)" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_recorded_order_is_the_local_runs_own() -> None:
+    sys.path.insert(0, str(SCRIPT.parent))
+    import bench_async_step as bench
+
+    gpipe, bounds, micro = bench.recorded_order("gpipe", 2, 1)
+    assert [str(a) for a in gpipe] == [
+        *("0F0", "0F1", "1F0", "1F1", "1B0", "1B1", "1U0", "0B0", "0B1", "0U0")
+    ]
+    assert bounds == [(0, 9), (9, 17)] and micro == 16  # 17 units; batch 32 in M = 2
+    xpipe, _, _ = bench.recorded_order("xpipe", 2, 2)
+    assert [str(a) for a in xpipe] == [
+        *("0F0", "0F1", "1F0", "1B0", "1F1", "1B1", "1U0", "0B0", "0F2", "0B1", "0U0"),
+        *("0F3", "1F2", "1B2", "1F3", "1B3", "1U1", "0B2", "0B3", "0U1"),
+    ]
+    assert bench.replay_seconds(xpipe, bounds, micro, 2) > 0
+
+
+def test_bench_async_step_replay_rows_set_each_order_beside_gpipes() -> None:
+    done = _run("--methods", "gpipe", "xpipe", "--replay")
+    rows = re.findall(
+        r"\| 4 \| (\w+) \| (fast|replay) \| (\d+\.\d) \| (\d+\.\d\d)x \|", done.stdout
+    )
+    assert [(m, path) for m, path, *_ in rows] == [
+        ("gpipe", "fast"),
+        ("xpipe", "fast"),
+        ("gpipe", "replay"),
+        ("xpipe", "replay"),
+    ], done.stdout
+    assert rows[2][3] == "1.00", done.stdout
