@@ -26,8 +26,14 @@ def test_a_rank_still_importing_ends_with_its_launcher(tmp_path: Path) -> None:
     # The worker stands for a rank whose imports take long (torch on a loaded machine): it
     # marks that it started, then sleeps where the real one would still be importing.
     marker = tmp_path / "started"
+    # It imports the watchdog as the real worker does (launch.py): the copy that already
+    # watches, or there would be two watchdogs and two lines.
     (tmp_path / "slow_worker.py").write_text(
-        f"import pathlib, time\npathlib.Path({str(marker)!r}).touch()\ntime.sleep(60)\n"
+        "import pathlib, time\n"
+        "from pipeoptim.runtime.comm import parent_watch\n"
+        "assert parent_watch._watched, 'the worker imported a second, idle watchdog'\n"
+        f"pathlib.Path({str(marker)!r}).touch()\n"
+        "time.sleep(60)\n"
     )
     err = tmp_path / "err.log"
     launcher_code = textwrap.dedent(

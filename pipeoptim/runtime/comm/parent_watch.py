@@ -90,6 +90,9 @@ def main(argv: list[str]) -> None:
             "usage: python -m pipeoptim.runtime.comm.parent_watch WORKER_MODULE (one module; "
             f"got {argv}); the pipeoptim train launcher starts its ranks this way"
         )
+    if __spec__ is not None and __name__ == "__main__":
+        # the worker's own import of this module gets this copy: one watchdog, one line
+        sys.modules.setdefault(__spec__.name, sys.modules[__name__])
     exit_with_parent(int(os.environ[LAUNCHER_PID]), orphan_line(int(os.environ["RANK"])))
     runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
 
