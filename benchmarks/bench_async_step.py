@@ -199,11 +199,9 @@ def main() -> None:
         if a.old_path and get_method(m).asynchronous:  # flush methods: the same path either way
             runs.append((m, True))
     torch.set_num_threads(1)
-    methods = [m for m, old in runs if not old]
+    replayed = [m for m, old in runs if not old] if a.replay else []
     orders = {
-        (p, m): recorded_order(m, p, a.steps, a.micro_factor)
-        for p in a.stages
-        for m in (methods if a.replay else [])
+        (p, m): recorded_order(m, p, a.steps, a.micro_factor) for p in a.stages for m in replayed
     }
     steps: dict[tuple[int, str, str], list[float]] = {}
     ratios: dict[tuple[int, str, str], list[float]] = {}
@@ -213,7 +211,7 @@ def main() -> None:
                 (m, "old" if old else "fast"): step_seconds(m, p, a.steps, old, a.micro_factor)
                 for m, old in runs
             }
-            for m in methods if a.replay else []:
+            for m in replayed:
                 this_round[(m, "replay")] = replay_seconds(*orders[(p, m)], a.steps)
             for (m, path), seconds in this_round.items():
                 base = this_round[("gpipe", "replay" if path == "replay" else "fast")]

@@ -48,7 +48,7 @@ from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 from pipeoptim.errors import NonFiniteLossError, PipeoptimError, RankFailedError, RuntimeConfigError
 from pipeoptim.runtime.comm import parent_watch
 from pipeoptim.runtime.comm.failure_board import FailureBoard, lost_peer
-from pipeoptim.runtime.comm.parent_watch import exit_with_parent, orphan_line, stop_if_orphaned
+from pipeoptim.runtime.comm.parent_watch import stop_if_orphaned
 from pipeoptim.runtime.comm.placement import check_device, pick_device, rank_threads, world_error
 from pipeoptim.runtime.comm.process_model import ProcessModel
 from pipeoptim.runtime.config import TrainConfig
@@ -115,7 +115,8 @@ class Runner:
     """The checks every rank would fail alike (the model, its stage layout, the batch and
     the data), made once in the launcher before any process starts."""
     worker: str
-    """The module each spawned rank runs (``python -m``); its ``__main__`` is
+    """The module each spawned rank runs (as ``__main__``, started by
+    :mod:`~pipeoptim.runtime.comm.parent_watch`); its ``__main__`` is
     ``os._exit(worker_main(runner))``."""
 
 
@@ -374,20 +375,12 @@ def _failure(board: FailureBoard, codes: list[int], stopped: set[int]) -> Pipeop
     )
 
 
-def _exit_with_parent(rank: int, parent: int, period: float = 0.5) -> None:
-    """Stop this rank quietly within ``period`` seconds of the death of its launcher
-    (process ``parent``): a kill -9 leaves no one to stop it, and its peers would wait out
-    their timeouts. The pid comes from the launcher, so a launcher that died while this
-    process was still starting is noticed too."""
-    exit_with_parent(parent, orphan_line(rank), period)
-
-
 def worker_main(runner: Runner) -> int:
     """A spawned child (``runner.worker``'s ``__main__``): one rank, connected to the store
-    its launcher hosts; returns the exit status."""
+    its launcher hosts; returns the exit status. Its start
+    (:mod:`~pipeoptim.runtime.comm.parent_watch`) already watches the launcher."""
     config = TrainConfig.from_json(os.environ["PIPEOPTIM_CONFIG"])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    _exit_with_parent(rank, int(os.environ[parent_watch.LAUNCHER_PID]))  # started directly
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores; torchrun sets it to 1
         torch.set_num_threads(rank_threads(world))
     port = int(os.environ["PIPEOPTIM_STORE_PORT"])
