@@ -41,7 +41,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -52,29 +51,23 @@ from pipeoptim.plan.versions import MicroBatchVersions
 __all__ = ["WeightVersions", "alias"]
 
 
-class _Alias(torch.autograd.Function):
-    """Forward: a fresh tensor on ``source``'s storage; backward: the gradient to ``param``."""
-
-    @staticmethod
-    def forward(ctx: Any, param: Tensor, source: Tensor) -> Tensor:
-        out = source.new_empty((0,))
-        return out.set_(
-            source.untyped_storage(), source.storage_offset(), source.size(), source.stride()
-        )
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return grad, None
-
-
 def _storage_key(tensors: Sequence[Tensor]) -> tuple[int, ...]:
     """Which storage a version's tensors are, for the aliases made on it."""
     return tuple(t.data_ptr() for t in tensors)
 
 
 def alias(param: Tensor, source: Tensor) -> Tensor:
-    """A tensor on ``source``'s storage whose gradient flows to ``param``."""
-    out: Tensor = _Alias.apply(param, source)  # type: ignore[no-untyped-call]
+    """A tensor on ``source``'s storage (a version of ``param``: same shape and dtype) whose
+    gradient flows to ``param``, with a version counter of its own: an update of ``param``
+    or ``source`` in place does not invalidate what a graph saved of it.
+
+    An ``_unsafe_view`` of ``param`` re-pointed at ``source``: autograd keeps it as an output
+    of its own whose backward (a reshape, in C++) hands the gradient to ``param``. A Python
+    ``autograd.Function`` cost a call into Python per weight on every backward (issue 34).
+    """
+    out: Tensor = torch.ops.aten._unsafe_view(param, param.shape)
+    with torch.no_grad():
+        out.set_(source.untyped_storage(), source.storage_offset(), source.size(), source.stride())
     return out
 
 
