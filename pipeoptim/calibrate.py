@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from pipeoptim.errors import PipeoptimError
-from pipeoptim.metrics import RunMetrics, compute_metrics
+from pipeoptim.metrics import COMPUTE_KINDS, RunMetrics, compute_metrics
 from pipeoptim.plan.machine import Machine
 from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.plan import Plan
@@ -387,6 +387,33 @@ def calibrate(trace: Trace, cluster: Cluster | None = None) -> tuple[Trace, list
     predicted = predict_run(trace, cluster)
     batch = float(trace.meta.get("batch_size") or 1)
     return predicted, compare(compute_metrics(trace), compute_metrics(predicted), batch)
+
+
+BUBBLE_NOTE_RATIO = 1.1
+"""Where the simulated actions hold this much more time than the run's compute events,
+:func:`bubble_note` says why the bubble ratios differ."""
+
+
+def compute_seconds(trace: Trace) -> float:
+    """The summed durations of a trace's compute events (what its bubble ratio counts busy)."""
+    return sum(e.duration for e in trace.events if e.kind in COMPUTE_KINDS)
+
+
+def bubble_note(measured: Trace, predicted: Trace) -> str | None:
+    """Why the bubble ratios of a calibration differ by construction, where they do: the
+    simulated actions carry the fixed cost of each message and the executor's time between
+    actions (calibration charges them to the actions, so the time per mini-batch comes out
+    right), which the run's trace leaves outside its compute events, as idle. None where
+    the two hold about the same compute time (large actions: the bubbles compare)."""
+    run, model = compute_seconds(measured), compute_seconds(predicted)
+    if run <= 0 or model <= BUBBLE_NOTE_RATIO * run:
+        return None
+    return (
+        f"note: the bubble ratios differ by construction here: the simulated actions hold "
+        f"{model / run:.1f}x the run's compute time, since they carry each message's fixed "
+        f"cost and the executor's time between actions, which the run's trace counts as idle "
+        f"(outside its compute events); compare the time per mini-batch and the throughput"
+    )
 
 
 def format_comparison(rows: Sequence[Comparison]) -> list[list[str]]:

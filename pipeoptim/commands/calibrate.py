@@ -8,6 +8,7 @@ from typing import Any
 
 from pipeoptim.calibrate import (
     WhatIf,
+    bubble_note,
     calibrate,
     calibrated_profile,
     cluster_recorded,
@@ -254,6 +255,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
     local = measured.meta.get("transport") == ProcessModel.ONE_PROCESS.value
     fitted = fitted_costs(measured)
     notes = [_LOCAL_NOTE] if local else []
+    bubble = bubble_note(measured, predicted)
+    notes += [bubble] if bubble is not None else []
     notes += _allreduce_notes(args, measured, cluster)
     notes += [f"{r.method}: {note}" for r in results for note in r.notes]
     files = ResultFiles()
