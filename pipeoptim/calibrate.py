@@ -399,18 +399,26 @@ def compute_seconds(trace: Trace) -> float:
     return sum(e.duration for e in trace.events if e.kind in COMPUTE_KINDS)
 
 
+def compute_ratio(measured: Trace, predicted: Trace) -> float:
+    """The simulated actions' time over the run's compute time (nan where the run has none):
+    how much of the messages' fixed cost and the executor's time calibration charged to
+    the actions."""
+    run = compute_seconds(measured)
+    return compute_seconds(predicted) / run if run > 0 else math.nan
+
+
 def bubble_note(measured: Trace, predicted: Trace) -> str | None:
     """Why the bubble ratios of a calibration differ by construction, where they do: the
     simulated actions carry the fixed cost of each message and the executor's time between
     actions (calibration charges them to the actions, so the time per mini-batch comes out
     right), which the run's trace leaves outside its compute events, as idle. None where
     the two hold about the same compute time (large actions: the bubbles compare)."""
-    run, model = compute_seconds(measured), compute_seconds(predicted)
-    if run <= 0 or model <= BUBBLE_NOTE_RATIO * run:
+    ratio = compute_ratio(measured, predicted)
+    if not ratio > BUBBLE_NOTE_RATIO:  # nan (no compute events) included
         return None
     return (
         f"note: the bubble ratios differ by construction here: the simulated actions hold "
-        f"{model / run:.1f}x the run's compute time, since they carry each message's fixed "
+        f"{ratio:.1f}x the run's compute time, since they carry each message's fixed "
         f"cost and the executor's time between actions, which the run's trace counts as idle "
         f"(outside its compute events); compare the time per mini-batch and the throughput"
     )

@@ -257,6 +257,12 @@ def run_calibrate(args: argparse.Namespace) -> int:
     notes = [_LOCAL_NOTE] if local else []
     bubble = bubble_note(measured, predicted)
     notes += [bubble] if bubble is not None else []
+    if bubble is not None and results:
+        notes.append(
+            "note: the what-if bubble column is simulated on the same charged actions: "
+            "compare it with the predicted bubble ratio above and between the what-if rows, "
+            "not with the measured one"
+        )
     notes += _allreduce_notes(args, measured, cluster)
     notes += [f"{r.method}: {note}" for r in results for note in r.notes]
     files = ResultFiles()

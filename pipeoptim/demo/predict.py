@@ -9,13 +9,18 @@ alone, so a resumed demo draws the same report as an uninterrupted one.
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Mapping
 from typing import Any
 
-from pipeoptim.calibrate import calibrate, calibrated_profile, compare, fitted_costs
+from pipeoptim.calibrate import (
+    calibrate,
+    calibrated_profile,
+    compare,
+    compute_ratio,
+    fitted_costs,
+)
 from pipeoptim.errors import PlanError
-from pipeoptim.metrics import COMPUTE_KINDS, RunMetrics, compute_metrics
+from pipeoptim.metrics import RunMetrics, compute_metrics
 from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.plan.profile import Profile
@@ -156,9 +161,7 @@ def calibrate_runs(
             "measured_s_per_mini_batch": time_per_mini_batch(compute_metrics(trace), batch),
             "predicted_s_per_mini_batch": time_per_mini_batch(compute_metrics(sim), batch),
             "measured_stage_memory_bytes": _stage_peaks(compute_metrics(trace)),
-            "median_action_s": statistics.median(
-                [e.duration for e in trace.events if e.kind in COMPUTE_KINDS] or [0.0]
-            ),
+            "compute_ratio": _finite_or_none(compute_ratio(trace, sim)),
             "fitted": fitted_costs(trace),
         }
     cross = []
@@ -168,6 +171,10 @@ def calibrate_runs(
         rows = compare(compute_metrics(measured[target]), compute_metrics(sim), batch)
         cross.append({"from": source, "method": target, "rows": [r.to_dict() for r in rows[:1]]})
     return {"runs": runs, "cross": cross}, predicted
+
+
+def _finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
 
 
 def _stage_peaks(metrics: RunMetrics) -> list[int | None]:

@@ -21,7 +21,7 @@ from typing import Any
 
 __all__ = ["StepStore", "fingerprint", "write_atomic"]
 
-RESULT_VERSION = 2
+RESULT_VERSION = 3
 """Bumped when a step's result changes form, so older result files are recomputed."""
 
 
