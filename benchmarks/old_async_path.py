@@ -7,7 +7,8 @@ bit. Before issue 34 every forward on a version other than the module's own ran 
 every predicted forward re-pointed what it saved with a saved-tensor hook. :func:`old_path`
 undoes each part of the fast path: the parameter slots call ``functional_call``, every
 forward makes its own aliases, every predicted forward writes Ŵ, only flush methods run on
-the module's parameters, and no prediction buffer becomes the live weights.
+the module's parameters, and no prediction buffer becomes the live weights (nor do its
+forwards read leaves).
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ def old_path() -> Iterator[None]:
     ) -> Any:
         return functional_call(fn, {n: tensors[j] for n, j in names[id(self)]}, args)
 
-    def fresh_aliases(self: weights.WeightVersions, sources: Sequence[Tensor]) -> list[Tensor]:
+    def fresh_aliases(
+        self: weights.WeightVersions, sources: Sequence[Tensor], mb: int | None = None
+    ) -> list[Tensor]:
         return [weights.alias(p, t) for p, t in zip(self.params, sources, strict=True)]
 
     def every_time(self: Stage, s: int) -> list[Tensor]:
@@ -69,6 +72,7 @@ def old_path() -> Iterator[None]:
         (Stage, "_write_prediction", every_time),
         (Stage, "_on_parameters", flush_only),
         (Stage, "_buffer_becomes_live", never),
+        (Stage, "_grads_on_leaves", never),
     ]
     saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
     try:

@@ -664,18 +664,38 @@ class RankExecutor:
                 self.on_step(step, acc[0], acc[1], acc[3])
 
 
+_BACKWARD_KINDS = frozenset((Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT))
+
+
 def drive_local(executors: Sequence[RankExecutor]) -> None:
-    """Run every rank of this process to the end of the segment: each rank runs until it
-    waits for a message, then the next; deterministic, and any valid schedule finishes."""
+    """Run every rank of this process to the end of the segment, in waves: a forward wave
+    runs, rank by rank from the first, every action a rank can run up to its next backward;
+    a backward wave, from the last rank, every action up to its next forward. Each rank runs
+    its own list in its own order, so what it computes is what a process of its own would
+    (the local = dist tests hold it); the waves only choose which rank runs next. Why:
+    one thread runs every stage here, and a forward after a forward (or a backward after a
+    backward) finds the code and the boundary tensor hot; a 1F1B order rank by rank
+    alternates them (issue 34). Deterministic; any valid schedule finishes."""
     pending = [e for e in executors if not e.done]
+    backward = False
+    idle_waves = 0
     while pending:
         progressed = False
-        for ex in pending:
+        stop = Kind.FORWARD if backward else None
+        for ex in reversed(pending) if backward else pending:
             while ex.ready():
+                kind = ex.next_action().kind  # type: ignore[union-attr]  # ready: not done
+                if kind is stop or (not backward and kind in _BACKWARD_KINDS):
+                    break
                 ex.step()
                 progressed = True
-        pending = [e for e in pending if not e.done]
-        if pending and not progressed:
+        backward = not backward
+        if progressed:
+            idle_waves = 0
+            pending = [e for e in pending if not e.done]
+            continue
+        idle_waves += 1
+        if idle_waves == 2:
             waiting = ", ".join(f"rank {e.rank} at {e.next_action()}" for e in pending)
             raise RuntimeError(f"pipeline deadlock: every rank waits for a message ({waiting})")
 

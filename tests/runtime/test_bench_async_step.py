@@ -58,9 +58,11 @@ def test_the_recorded_order_is_the_local_runs_own() -> None:
     ]
     assert bounds == [(0, 9), (9, 17)] and micro == 16  # 17 units; batch 32 in M = 2
     xpipe, _, _ = bench.recorded_order("xpipe", 2, 2)
+    # drive_local's waves: forwards rank by rank up to each one's next backward, then
+    # backwards from the last rank up to each one's next forward
     assert [str(a) for a in xpipe] == [
-        *("0F0", "0F1", "1F0", "1B0", "1F1", "1B1", "1U0", "0B0", "0F2", "0B1", "0U0"),
-        *("0F3", "1F2", "1B2", "1F3", "1B3", "1U1", "0B2", "0B3", "0U1"),
+        *("0F0", "0F1", "1F0", "1B0", "0B0", "0F2", "1F1", "1B1", "1U0", "0B1", "0U0"),
+        *("0F3", "1F2", "1B2", "0B2", "1F3", "1B3", "1U1", "0B3", "0U1"),
     ]
     assert bench.replay_seconds(xpipe, bounds, micro, 2) > 0
 

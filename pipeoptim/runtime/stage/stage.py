@@ -358,6 +358,7 @@ class Stage:
         self.weights.begin_segment(passes)
         self._prediction_key = None
         self._reads_buffer = self._buffer_becomes_live(passes)
+        self.weights.leaf_grads = self._grads_on_leaves(passes)
         self._delays = {}
         if self.updater is not None and self.updater.correction is not None:
             self._delays = gradient_delays(passes.values(), self.policy, self.accumulation)
@@ -389,6 +390,17 @@ class Stage:
             and all(v.distance == 1 for v in predicted)
             and all(v.distance == 0 for v in others)
         )
+
+    def _grads_on_leaves(self, passes: dict[int, MicroBatchVersions]) -> bool:
+        """Whether the forwards of a segment of ``passes`` read leaves on the prediction
+        buffer rather than aliases of the parameters (``weights.leaf``): where the buffer
+        becomes the live weights (fp32, one update per predicted forward). Not for tied
+        weights (the tie sums their gradients before the update), nor under recomputation
+        (a recomputed unit's backward reruns it on the weights its region holds, which
+        give their gradients to the parameters)."""
+        if not self._reads_buffer or self.recompute is not None:
+            return False
+        return not (self.updater is not None and self.updater.tied)
 
     def versions(self, mb: int) -> MicroBatchVersions:
         """The versions micro-batch ``mb`` of this segment meets on this stage."""
@@ -546,9 +558,9 @@ class Stage:
                 weights = (
                     [alias(p, src) for p, src in zip(self._params, sources, strict=True)]
                     if held
-                    else store.aliases(sources)
+                    else store.aliases(sources, mb)
                 )
-                if saves is not None:
+                if saves is not None and not store.leaf_grads:
                     for w, src, now in zip(weights, sources, live, strict=True):
                         # a saved cast is re-cast at backward from the weights it is to read
                         saves.aliases[w.grad_fn] = src if held else now
@@ -635,6 +647,7 @@ class Stage:
             self.closure.backward(self.index, mb, self._params)
         self.weights.held.discard(mb)
         self.weights.on_buffer.pop(mb, None)
+        self.weights.accumulate_for(mb)
         if isinstance(out, Tensor):
             if out.requires_grad:
                 with self._backward_pass(x_in):
@@ -670,7 +683,7 @@ class Stage:
         """A micro-batch's backward is complete (its B, or the W of a split one): release
         the weight version its forward held and count the gradients it accumulated."""
         self.weights.retire(v)
-        self.memory_count.count_gradients(self._params)
+        self.memory_count.count_gradients(self.weights.gradients())
         self._backwards_since_update += 1
 
     def backward_input(self, mb: int, grad: Gradients | None = None) -> Gradients | None:

@@ -25,6 +25,15 @@ the current weights where they read Ŵ, with no saved-tensor hook on their passe
 storage is the next buffer. One copy per update instead of a hook on every saved tensor, so
 only where several predicted forwards meet each update (``Stage._buffer_becomes_live``).
 
+Where the buffer becomes the live weights, the forwards read *leaves* on the storage
+instead of aliases (:func:`leaf`, :attr:`WeightVersions.leaf_grads`): a leaf's gradient
+accumulates on the leaf, with no view node per weight in each backward (issue 34: those
+nodes were about a tenth of XPipe's step at 16 stages). The running sum of each weight's
+gradient lives in one place, the parameters' ``.grad`` or one storage's leaves; before a
+backward that accumulates elsewhere it moves there (:meth:`WeightVersions.accumulate_for`),
+and before an update back to the parameters. So every backward adds onto the same running
+sum, in the same order, as through the aliases: the same weights bit for bit.
+
 Per policy (DESIGN.md, "Weight-version semantics"): FLUSH runs everything on the live
 weights. STASH forwards on the live weights, which are frozen at the next update if the
 mini-batch is still in flight (one copy per version in flight). DOUBLE_BUFFER runs every
@@ -48,7 +57,7 @@ from torch import Tensor
 from pipeoptim.plan.methods import WeightPolicy
 from pipeoptim.plan.versions import MicroBatchVersions
 
-__all__ = ["WeightVersions", "alias"]
+__all__ = ["WeightVersions", "alias", "leaf"]
 
 
 def _storage_key(tensors: Sequence[Tensor]) -> tuple[int, ...]:
@@ -69,6 +78,14 @@ def alias(param: Tensor, source: Tensor) -> Tensor:
     with torch.no_grad():
         out.set_(source.untyped_storage(), source.storage_offset(), source.size(), source.stride())
     return out
+
+
+def leaf(source: Tensor) -> Tensor:
+    """A leaf on ``source``'s storage that takes gradients, with a version counter of its
+    own (as an :func:`alias` has): its gradient accumulates on it, not on a parameter."""
+    out = torch.empty(0, dtype=source.dtype, device=source.device)
+    out.set_(source.untyped_storage(), source.storage_offset(), source.size(), source.stride())
+    return out.requires_grad_()
 
 
 class WeightVersions:
@@ -95,13 +112,20 @@ class WeightVersions:
         next update."""
         self.peak_copies = 1
         self._aliases: dict[tuple[int, ...], list[Tensor]] = {}  # storage -> its aliases
+        self.leaf_grads = False
+        """Whether forwards read leaves (:func:`leaf`) rather than aliases (set per segment
+        by the stage)."""
+        self._reads: dict[int, tuple[int, ...]] = {}  # micro-batch -> storage its leaves are on
+        self._sum_on: tuple[int, ...] | None = None  # storage whose leaves hold the sums
 
     def begin_segment(self, passes: dict[int, MicroBatchVersions]) -> None:
         """Start a segment; versions count from 0 within it."""
+        self.collect_gradients()  # a segment cut short leaves them for the next update
         self.passes = passes
         self.current = 0
         self._inflight = Counter()
         self._aliases = {}
+        self._reads = {}
         self.on_buffer = {}
         self._pending_f = Counter(p.forward_version for p in passes.values() if self.tracks)
 
@@ -130,17 +154,47 @@ class WeightVersions:
             self._inflight[version] += 1
         return sources
 
-    def aliases(self, sources: Sequence[Tensor]) -> list[Tensor]:
+    def aliases(self, sources: Sequence[Tensor], mb: int | None = None) -> list[Tensor]:
         """An alias of each of ``sources`` (a version's storage, or the prediction buffer)
-        whose gradient flows to its parameter: made on the first forward that reads that
+        whose gradient flows to its parameter, or a leaf on it under :attr:`leaf_grads`
+        (the forward of ``mb`` reads it): made on the first forward that reads that
         storage, shared by the later ones."""
         key = _storage_key(sources)
         found = self._aliases.get(key)
         if found is None:
-            found = self._aliases[key] = [
-                alias(p, t) for p, t in zip(self.params, sources, strict=True)
-            ]
+            if self.leaf_grads:
+                found = [leaf(t) for t in sources]
+            else:
+                found = [alias(p, t) for p, t in zip(self.params, sources, strict=True)]
+            self._aliases[key] = found
+        if self.leaf_grads and mb is not None:
+            self._reads[mb] = key
         return found
+
+    def accumulate_for(self, mb: int) -> None:
+        """Before the backward of ``mb``: the running gradient sums move to where it adds
+        its gradients (its forward's leaves, or the parameters)."""
+        if self.leaf_grads:
+            self._move_sums(self._reads.pop(mb, None))
+
+    def collect_gradients(self) -> None:
+        """The running gradient sums onto the parameters' ``.grad`` (before an update)."""
+        if self.leaf_grads:
+            self._move_sums(None)
+
+    def _move_sums(self, to: tuple[int, ...] | None) -> None:
+        if to == self._sum_on:
+            return
+        held = self.params if self._sum_on is None else self._aliases[self._sum_on]
+        dest = self.params if to is None else self._aliases[to]
+        for src, dst in zip(held, dest, strict=True):
+            dst.grad, src.grad = src.grad, None
+        self._sum_on = to
+
+    def gradients(self) -> list[Tensor | None]:
+        """Each parameter's gradient so far, wherever its running sum is."""
+        held = self.params if self._sum_on is None else self._aliases[self._sum_on]
+        return [t.grad for t in held]
 
     def check_backward(self, v: MicroBatchVersions, mb: int) -> None:
         """Refuse a backward whose weights the stage no longer holds."""
@@ -154,6 +208,7 @@ class WeightVersions:
         """Freeze the live version where a pass still needs it, so the step writes a copy;
         make the prediction buffer the live weights where a graph reads it."""
         cur = self.current
+        self.collect_gradients()
         if self.on_buffer:
             self._adopt_prediction()
         if self.tracks and self._pending_f[cur] + self._inflight[cur] > 0:
@@ -207,7 +262,10 @@ class WeightVersions:
         """Drop a frozen version no forward is still to read and no backward still needs,
         with its aliases (they hold its storage)."""
         if version in self.stash and self._pending_f[version] + self._inflight[version] <= 0:
-            self._aliases.pop(_storage_key(self.stash.pop(version)), None)
+            key = _storage_key(self.stash.pop(version))
+            if key == self._sum_on:
+                self._move_sums(None)
+            self._aliases.pop(key, None)
 
     def prediction_buffer(self) -> list[Tensor]:
         """The stage's one buffer for Ŵ (the extra weight copy), made on first use."""
