@@ -145,8 +145,7 @@ def run_order(stage: Stage, inputs: dict[int, Tensor], grads: dict[int, Tensor])
                 seen["live"] = [p.detach().clone() for p in stage._params]
             seen[action.mb] = stage.backward(action.mb, grads[action.mb])
             if action.mb == PREDICTED[-1]:
-                # where the running sums are: the parameters' .grad or the leaves on Ŵ
-                seen["grads"] = [g.clone() for g in stage.weights.gradients() if g is not None]
+                seen["grads"] = [p.grad.clone() for p in stage._params if p.grad is not None]
         else:
             stage.update()
     return seen
@@ -244,10 +243,14 @@ def test_fast_xpipe_forwards_hook_nothing_and_predict_once_per_update(
     assert on_parameters == [True] * 4 + [False] * 2  # 0 to 3 predict nothing
 
 
-def test_two_bw_makes_one_alias_per_weight_and_version(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_two_bw_makes_one_leaf_per_weight_and_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    """2BW in fp32 reads leaves on each version (``weights.leaf``), one per weight and
+    version however many forwards read it, and no alias."""
     made: list[int] = []
-    original = weights.alias
-    monkeypatch.setattr(weights, "alias", lambda p, s: made.append(1) or original(p, s))
+    aliased: list[int] = []
+    original_leaf, original_alias = weights.leaf, weights.alias
+    monkeypatch.setattr(weights, "leaf", lambda s: made.append(1) or original_leaf(s))
+    monkeypatch.setattr(weights, "alias", lambda p, s: aliased.append(1) or original_alias(p, s))
     torch.manual_seed(0)
     stage = Stage(
         1,
@@ -274,6 +277,7 @@ def test_two_bw_makes_one_alias_per_weight_and_version(monkeypatch: pytest.Monke
             stage.update()
     assert stage.policy is WeightPolicy.DOUBLE_BUFFER
     assert len(made) == 2 * 2  # (weight, bias) per version read, not per forward (12)
+    assert aliased == [] and stage.weights.leaf_grads
 
 
 SIMULATED_CASES = [

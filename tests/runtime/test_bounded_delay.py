@@ -64,15 +64,9 @@ def test_an_update_applies_the_mean_gradient_of_its_mini_batches(method: str) ->
         if kind == "F":
             stage.forward(mb, xs[mb])
         elif kind == "B":
-            # where the running sums are until the update (the parameters, or leaves on Ŵ)
-            so_far = stage.weights.gradients()
-            before = [
-                torch.zeros_like(p) if g is None else g.clone()
-                for p, g in zip(params, so_far, strict=True)
-            ]
+            before = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]
             stage.backward(mb, gs[mb])
-            after = stage.weights.gradients()
-            window.append([g - b for g, b in zip(after, before, strict=True)])  # type: ignore[operator]
+            window.append([p.grad - b for p, b in zip(params, before, strict=True)])  # type: ignore[operator]
         else:
             w = [p.detach().clone() for p in params]
             stage.update()

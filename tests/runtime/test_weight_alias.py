@@ -54,7 +54,7 @@ def test_a_frozen_weight_gets_an_alias_without_a_graph() -> None:
     assert not a.requires_grad and torch.equal(a, source)
 
 
-# -- leaves: the running gradient sum moves to where each backward adds -------------------
+# -- leaves: the running gradient sum is on the leaves for the length of a backward -------
 
 
 def _stage_weights(leaves: bool) -> tuple[WeightVersions, list[torch.Tensor], list[torch.Tensor]]:
@@ -66,48 +66,64 @@ def _stage_weights(leaves: bool) -> tuple[WeightVersions, list[torch.Tensor], li
     return store, params, buffers
 
 
-def _gradients(leaves: bool, order: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _gradients(
+    leaves: bool, order: str
+) -> tuple[list[list[torch.Tensor]], list[torch.Tensor | None]]:
     """Forwards then backwards of micro-batches in ``order`` ('b': on the buffer, 'p': on
     the parameters), with ragged values so that the order of the sum shows in the bits;
-    returns the parameters' gradients after the update's collection and the input
-    gradients."""
+    returns the parameters' gradients after each backward, and the input gradients."""
     store, params, buffers = _stage_weights(leaves)
     g = torch.Generator().manual_seed(1)
     graphs = []
     for mb, route in enumerate(order):
-        x = (torch.randn(5, 4, generator=g) * 10 ** torch.randn(5, 4, generator=g)).requires_grad_()
+        scale = 10 ** torch.randn(5, 4, generator=g)
+        x = (torch.randn(5, 4, generator=g) * scale).requires_grad_()
         w, b = store.aliases(buffers, mb) if route == "b" else params
         graphs.append((x, F.linear(x, w, b)))
+    after: list[list[torch.Tensor]] = []
     inputs = []
     for mb, (x, y) in enumerate(graphs):
-        store.accumulate_for(mb)
-        y.backward(torch.randn(5, 3, generator=g) * 1e3)
+        with store.adding_for(mb):
+            y.backward(torch.randn(5, 3, generator=g) * 1e3)
+        after.append([p.grad.clone() for p in params if p.grad is not None])
         inputs.append(x.grad)
-    store.collect_gradients()
-    return [p.grad for p in params], inputs
+    return after, inputs
 
 
 def test_leaves_sum_the_gradients_of_the_alias_path_bit_for_bit() -> None:
-    """Whatever the order of backwards on the buffer and on the parameters, the running sum
-    moves before each one, so every gradient adds onto it as through aliases."""
+    """Whatever the order of backwards on the buffer and on the parameters, each adds onto
+    the running sum as through aliases, and ``.grad`` holds it after every backward."""
     for order in ("bbbp", "pbbb", "bpbp", "ppbbpb", "bbbb"):
         via_leaves, inputs_leaves = _gradients(True, order)
         via_aliases, inputs_aliases = _gradients(False, order)
-        for a, b in zip(via_leaves, via_aliases, strict=True):
-            assert torch.equal(a, b), order
+        for got, want in zip(via_leaves, via_aliases, strict=True):
+            assert len(got) == len(want) == 2, order
+            for a, b in zip(got, want, strict=True):
+                assert torch.equal(a, b), order
         for a, b in zip(inputs_leaves, inputs_aliases, strict=True):
-            assert torch.equal(a, b), order
+            assert a is not None and b is not None and torch.equal(a, b), order
 
 
-def test_a_leaf_takes_the_gradient_and_the_parameter_gets_it_at_collection() -> None:
+def test_a_leaf_takes_the_gradient_for_the_length_of_the_backward() -> None:
     store, params, buffers = _stage_weights(True)
     w, b = store.aliases(buffers, 0)
     assert w.grad_fn is None and w.requires_grad and w.data_ptr() == buffers[0].data_ptr()
     y = F.linear(torch.ones(2, 4), w, b)
     buffers[0].add_(1.0)  # the buffer becomes the live weights and is updated in place
-    store.accumulate_for(0)
-    y.sum().backward()
-    assert params[0].grad is None and w.grad is not None
-    assert store.gradients()[0] is w.grad
-    store.collect_gradients()
-    assert w.grad is None and torch.equal(params[0].grad, torch.full((3, 4), 2.0))
+    params[0].grad = torch.ones(3, 4)
+    with store.adding_for(0):
+        assert params[0].grad is None and torch.equal(w.grad, torch.ones(3, 4))
+        y.sum().backward()
+    assert w.grad is None and torch.equal(params[0].grad, torch.full((3, 4), 3.0))
+
+
+def test_a_failed_backward_leaves_the_gradient_on_the_parameter() -> None:
+    store, params, buffers = _stage_weights(True)
+    store.aliases(buffers, 0)
+    params[0].grad = torch.ones(3, 4)
+    try:
+        with store.adding_for(0):
+            raise RuntimeError("the backward failed")
+    except RuntimeError:
+        pass
+    assert params[0].grad is not None and torch.equal(params[0].grad, torch.ones(3, 4))

@@ -86,12 +86,11 @@ class StageMemory:
         """Bytes the forward of ``mb`` saved for its backward (0 once it ran)."""
         return self._activations.get(mb, 0)
 
-    def count_gradients(self, grads: Iterable[Tensor | None]) -> None:
-        """A backward accumulated gradients (``grads``: one per parameter, None where it has
-        none yet): counted at the first after an update (later backwards accumulate into
-        the same buffers)."""
+    def count_gradients(self, params: Sequence[Tensor]) -> None:
+        """A backward accumulated gradients: counted at the first after an update (later
+        backwards accumulate into the same buffers)."""
         if not self._gradients:
-            self._gradients = nbytes(grads)
+            self._gradients = nbytes(p.grad for p in params)
 
     def updated(self) -> None:
         """An update ran: ``zero_grad(set_to_none=True)`` freed the gradients."""

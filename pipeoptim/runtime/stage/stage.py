@@ -392,15 +392,16 @@ class Stage:
         )
 
     def _grads_on_leaves(self, passes: dict[int, MicroBatchVersions]) -> bool:
-        """Whether the forwards of a segment of ``passes`` read leaves on the prediction
-        buffer rather than aliases of the parameters (``weights.leaf``): where the buffer
-        becomes the live weights (fp32, one update per predicted forward). Not for tied
-        weights (the tie sums their gradients before the update), nor under recomputation
-        (a recomputed unit's backward reruns it on the weights its region holds, which
-        give their gradients to the parameters)."""
-        if not self._reads_buffer or self.recompute is not None:
+        """Whether the forwards of a segment read leaves on a version's storage rather than
+        aliases of the parameters (``weights.leaf``): under every asynchronous policy (a
+        flush method's forwards run on the parameters themselves), in fp32 (a saved cast is
+        re-cast from the weights an alias's node names), without recomputation (a
+        recomputed unit reruns on fresh aliases, whose gradients reach the parameters in
+        the middle of a backward that also adds to the leaves). ``passes``: the segment's
+        (the old path of ``benchmarks/old_async_path.py`` decides on them too)."""
+        if self.policy is WeightPolicy.FLUSH or self.recompute is not None:
             return False
-        return not (self.updater is not None and self.updater.tied)
+        return self.precision.dtype is None
 
     def versions(self, mb: int) -> MicroBatchVersions:
         """The versions micro-batch ``mb`` of this segment meets on this stage."""
@@ -647,20 +648,20 @@ class Stage:
             self.closure.backward(self.index, mb, self._params)
         self.weights.held.discard(mb)
         self.weights.on_buffer.pop(mb, None)
-        self.weights.accumulate_for(mb)
-        if isinstance(out, Tensor):
-            if out.requires_grad:
-                with self._backward_pass(x_in):
-                    if self.is_last:
-                        torch.autograd.backward(self.precision.scaled(out))
-                    elif grad is not None:
-                        assert isinstance(grad, Tensor)
-                        torch.autograd.backward(out, self.precision.scaled(grad))
-        else:
-            roots, grads = output_roots(out, grad, self.precision.scaled, self.index)
-            if roots:
-                with self._backward_pass(x_in):
-                    torch.autograd.backward(roots, grads)
+        with self.weights.adding_for(mb):
+            if isinstance(out, Tensor):
+                if out.requires_grad:
+                    with self._backward_pass(x_in):
+                        if self.is_last:
+                            torch.autograd.backward(self.precision.scaled(out))
+                        elif grad is not None:
+                            assert isinstance(grad, Tensor)
+                            torch.autograd.backward(out, self.precision.scaled(grad))
+            else:
+                roots, grads = output_roots(out, grad, self.precision.scaled, self.index)
+                if roots:
+                    with self._backward_pass(x_in):
+                        torch.autograd.backward(roots, grads)
         self._retire(v)
         if isinstance(x_in, Tensor):
             return self.precision.true_gradient(x_in.grad if x_in.requires_grad else None)
@@ -683,7 +684,7 @@ class Stage:
         """A micro-batch's backward is complete (its B, or the W of a split one): release
         the weight version its forward held and count the gradients it accumulated."""
         self.weights.retire(v)
-        self.memory_count.count_gradients(self.weights.gradients())
+        self.memory_count.count_gradients(self._params)
         self._backwards_since_update += 1
 
     def backward_input(self, mb: int, grad: Gradients | None = None) -> Gradients | None:

@@ -25,14 +25,15 @@ the current weights where they read Ŵ, with no saved-tensor hook on their passe
 storage is the next buffer. One copy per update instead of a hook on every saved tensor, so
 only where several predicted forwards meet each update (``Stage._buffer_becomes_live``).
 
-Where the buffer becomes the live weights, the forwards read *leaves* on the storage
-instead of aliases (:func:`leaf`, :attr:`WeightVersions.leaf_grads`): a leaf's gradient
-accumulates on the leaf, with no view node per weight in each backward (issue 34: those
-nodes were about a tenth of XPipe's step at 16 stages). The running sum of each weight's
-gradient lives in one place, the parameters' ``.grad`` or one storage's leaves; before a
-backward that accumulates elsewhere it moves there (:meth:`WeightVersions.accumulate_for`),
-and before an update back to the parameters. So every backward adds onto the same running
-sum, in the same order, as through the aliases: the same weights bit for bit.
+Under the asynchronous policies in fp32 (``Stage._grads_on_leaves``), the forwards read
+*leaves* on a version's storage instead of aliases (:func:`leaf`,
+:attr:`WeightVersions.leaf_grads`): a leaf's gradient accumulates on the leaf, with no view
+node per weight in each backward (issue 34: those nodes cost about 5 µs a weight per
+forward and backward of gpt-deep on a 2-core machine). For the length of a backward the
+parameters' gradients so far move onto the leaves its graph reads, and back after it
+(:meth:`WeightVersions.adding_for`): every backward adds onto the same running sum, in the
+same order, as through aliases (the same weights bit for bit), and between passes ``.grad``
+holds it as always.
 
 Per policy (DESIGN.md, "Weight-version semantics"): FLUSH runs everything on the live
 weights. STASH forwards on the live weights, which are frozen at the next update if the
@@ -49,7 +50,8 @@ disagree.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
@@ -115,12 +117,10 @@ class WeightVersions:
         self.leaf_grads = False
         """Whether forwards read leaves (:func:`leaf`) rather than aliases (set per segment
         by the stage)."""
-        self._reads: dict[int, tuple[int, ...]] = {}  # micro-batch -> storage its leaves are on
-        self._sum_on: tuple[int, ...] | None = None  # storage whose leaves hold the sums
+        self._reads: dict[int, list[Tensor]] = {}  # micro-batch -> the leaves its forward read
 
     def begin_segment(self, passes: dict[int, MicroBatchVersions]) -> None:
         """Start a segment; versions count from 0 within it."""
-        self.collect_gradients()  # a segment cut short leaves them for the next update
         self.passes = passes
         self.current = 0
         self._inflight = Counter()
@@ -168,33 +168,25 @@ class WeightVersions:
                 found = [alias(p, t) for p, t in zip(self.params, sources, strict=True)]
             self._aliases[key] = found
         if self.leaf_grads and mb is not None:
-            self._reads[mb] = key
+            self._reads[mb] = found
         return found
 
-    def accumulate_for(self, mb: int) -> None:
-        """Before the backward of ``mb``: the running gradient sums move to where it adds
-        its gradients (its forward's leaves, or the parameters)."""
-        if self.leaf_grads:
-            self._move_sums(self._reads.pop(mb, None))
-
-    def collect_gradients(self) -> None:
-        """The running gradient sums onto the parameters' ``.grad`` (before an update)."""
-        if self.leaf_grads:
-            self._move_sums(None)
-
-    def _move_sums(self, to: tuple[int, ...] | None) -> None:
-        if to == self._sum_on:
+    @contextmanager
+    def adding_for(self, mb: int) -> Iterator[None]:
+        """Around the backward of ``mb``: where its forward read leaves, each parameter's
+        gradient so far is on its leaf while the backward adds to it, then back on the
+        parameter (also when the backward fails)."""
+        leaves = self._reads.pop(mb, None)
+        if leaves is None:
+            yield
             return
-        held = self.params if self._sum_on is None else self._aliases[self._sum_on]
-        dest = self.params if to is None else self._aliases[to]
-        for src, dst in zip(held, dest, strict=True):
-            dst.grad, src.grad = src.grad, None
-        self._sum_on = to
-
-    def gradients(self) -> list[Tensor | None]:
-        """Each parameter's gradient so far, wherever its running sum is."""
-        held = self.params if self._sum_on is None else self._aliases[self._sum_on]
-        return [t.grad for t in held]
+        for p, t in zip(self.params, leaves, strict=True):
+            t.grad, p.grad = p.grad, None
+        try:
+            yield
+        finally:
+            for p, t in zip(self.params, leaves, strict=True):
+                p.grad, t.grad = t.grad, None
 
     def check_backward(self, v: MicroBatchVersions, mb: int) -> None:
         """Refuse a backward whose weights the stage no longer holds."""
@@ -208,7 +200,6 @@ class WeightVersions:
         """Freeze the live version where a pass still needs it, so the step writes a copy;
         make the prediction buffer the live weights where a graph reads it."""
         cur = self.current
-        self.collect_gradients()
         if self.on_buffer:
             self._adopt_prediction()
         if self.tracks and self._pending_f[cur] + self._inflight[cur] > 0:
@@ -262,10 +253,7 @@ class WeightVersions:
         """Drop a frozen version no forward is still to read and no backward still needs,
         with its aliases (they hold its storage)."""
         if version in self.stash and self._pending_f[version] + self._inflight[version] <= 0:
-            key = _storage_key(self.stash.pop(version))
-            if key == self._sum_on:
-                self._move_sums(None)
-            self._aliases.pop(key, None)
+            self._aliases.pop(_storage_key(self.stash.pop(version)), None)
 
     def prediction_buffer(self) -> list[Tensor]:
         """The stage's one buffer for Ŵ (the extra weight copy), made on first use."""
