@@ -65,6 +65,9 @@ def old_path() -> Iterator[None]:
     def never(self: Stage, passes: dict[int, MicroBatchVersions]) -> bool:
         return False
 
+    def no_leaves(self: Stage) -> bool:
+        return False
+
     patches: list[tuple[Any, str, Any]] = [
         (ParameterSlots, "__init__", named_slots),
         (ParameterSlots, "call", by_functional_call),
@@ -72,7 +75,7 @@ def old_path() -> Iterator[None]:
         (Stage, "_write_prediction", every_time),
         (Stage, "_on_parameters", flush_only),
         (Stage, "_buffer_becomes_live", never),
-        (Stage, "_grads_on_leaves", never),
+        (Stage, "_grads_on_leaves", no_leaves),
     ]
     saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
     try:

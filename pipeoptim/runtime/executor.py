@@ -665,6 +665,7 @@ class RankExecutor:
 
 
 _BACKWARD_KINDS = frozenset((Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT))
+_FORWARD_KINDS = frozenset((Kind.FORWARD,))
 
 
 def drive_local(executors: Sequence[RankExecutor]) -> None:
@@ -681,11 +682,10 @@ def drive_local(executors: Sequence[RankExecutor]) -> None:
     idle_waves = 0
     while pending:
         progressed = False
-        stop = Kind.FORWARD if backward else None
+        halt = _FORWARD_KINDS if backward else _BACKWARD_KINDS  # where this wave stops a rank
         for ex in reversed(pending) if backward else pending:
             while ex.ready():
-                kind = ex.next_action().kind  # type: ignore[union-attr]  # ready: not done
-                if kind is stop or (not backward and kind in _BACKWARD_KINDS):
+                if ex.next_action().kind in halt:  # type: ignore[union-attr]  # ready: not done
                     break
                 ex.step()
                 progressed = True

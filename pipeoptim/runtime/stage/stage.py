@@ -358,7 +358,7 @@ class Stage:
         self.weights.begin_segment(passes)
         self._prediction_key = None
         self._reads_buffer = self._buffer_becomes_live(passes)
-        self.weights.leaf_grads = self._grads_on_leaves(passes)
+        self.weights.leaf_grads = self._grads_on_leaves()
         self._delays = {}
         if self.updater is not None and self.updater.correction is not None:
             self._delays = gradient_delays(passes.values(), self.policy, self.accumulation)
@@ -391,14 +391,13 @@ class Stage:
             and all(v.distance == 0 for v in others)
         )
 
-    def _grads_on_leaves(self, passes: dict[int, MicroBatchVersions]) -> bool:
+    def _grads_on_leaves(self) -> bool:
         """Whether the forwards of a segment read leaves on a version's storage rather than
         aliases of the parameters (``weights.leaf``): under every asynchronous policy (a
         flush method's forwards run on the parameters themselves), in fp32 (a saved cast is
         re-cast from the weights an alias's node names), without recomputation (a
         recomputed unit reruns on fresh aliases, whose gradients reach the parameters in
-        the middle of a backward that also adds to the leaves). ``passes``: the segment's
-        (the old path of ``benchmarks/old_async_path.py`` decides on them too)."""
+        the middle of a backward that also adds to the leaves)."""
         if self.policy is WeightPolicy.FLUSH or self.recompute is not None:
             return False
         return self.precision.dtype is None
