@@ -8,7 +8,8 @@ every predicted forward re-pointed what it saved with a saved-tensor hook. :func
 undoes each part of the fast path: the parameter slots call ``functional_call``, every
 forward makes its own aliases, every predicted forward writes Ŵ, only flush methods run on
 the module's parameters, and no prediction buffer becomes the live weights (nor do its
-forwards read leaves).
+forwards read leaves); XPipe forms and keeps its Δ at the first prediction after each
+update rather than writing that one fused.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch.func import functional_call
 
 from pipeoptim.plan.methods import WeightPolicy
 from pipeoptim.plan.versions import MicroBatchVersions
+from pipeoptim.runtime.optim.predict import XPipePredictor
 from pipeoptim.runtime.stage import weights
 from pipeoptim.runtime.stage.stage import Stage
 from pipeoptim.runtime.stage.swap import ParameterSlots
@@ -76,6 +78,7 @@ def old_path() -> Iterator[None]:
         (Stage, "_on_parameters", flush_only),
         (Stage, "_buffer_becomes_live", never),
         (Stage, "_grads_on_leaves", no_leaves),
+        (XPipePredictor, "fuses_first_write", False),
     ]
     saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
     try:

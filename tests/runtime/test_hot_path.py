@@ -123,21 +123,29 @@ def test_local_transport_hands_over_without_a_copy() -> None:
     assert got.data_ptr() == sent.data_ptr()
 
 
-def test_xpipe_computes_delta_once_per_update_and_predicts_as_fresh(
+def test_xpipe_writes_each_prediction_in_one_pass_and_keeps_no_delta(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Every micro-batch of a mini-batch predicts from one Δ: computed after each update
-    (on first use), never once per micro-batch, and equal to a Δ computed afresh."""
+    """At M >= P every micro-batch of a mini-batch predicts the same distance, so Ŵ is
+    written once per update, fused (one addcdiv per weight), with no Δ formed or kept."""
     from pipeoptim.runtime.optim.predict import AdamPredictor, XPipePredictor
 
-    calls: list[int] = []
-    original = AdamPredictor._state_deltas
+    formed: list[int] = []
+    fused: list[int] = []
+    state_deltas, write_fused = AdamPredictor._state_deltas, AdamPredictor._write_fused
 
-    def counting(self: AdamPredictor, group: dict[str, Any]) -> list[torch.Tensor | None]:
-        calls.append(1)
-        return original(self, group)
+    def counting_deltas(self: AdamPredictor, group: dict[str, Any]) -> list[torch.Tensor | None]:
+        formed.append(1)
+        return state_deltas(self, group)
 
-    monkeypatch.setattr(AdamPredictor, "_state_deltas", counting)
+    def counting_fused(
+        self: AdamPredictor, group: dict[str, Any], eta: float, dest: list[torch.Tensor]
+    ) -> bool:
+        fused.append(1)
+        return write_fused(self, group, eta, dest)
+
+    monkeypatch.setattr(AdamPredictor, "_state_deltas", counting_deltas)
+    monkeypatch.setattr(AdamPredictor, "_write_fused", counting_fused)
     method, m = get_method("xpipe"), 4
     shape = method.shape(4, m, 3)  # stage 0 keeps 3 forwards in flight
     order = method.order(shape)[0]
@@ -160,6 +168,7 @@ def test_xpipe_computes_delta_once_per_update_and_predicts_as_fresh(
             if report.passes[(0, a.mb)].predicted:
                 predicting_updates.add(updates)
             stage.forward(a.mb, torch.randn(4, 3))
+            assert stage.predictor.held_tensors() == []  # no Δ between passes either
         elif a.kind.value == "B":
             stage.backward(a.mb, torch.randn(4, 2))
         else:
@@ -167,19 +176,47 @@ def test_xpipe_computes_delta_once_per_update_and_predicts_as_fresh(
             updates += 1
     assert len(predicting_updates) >= 2
     assert sum(report.passes[(0, j)].predicted for j in range(3 * m)) > len(predicting_updates)
-    assert len(calls) == len(predicting_updates)  # once per update, not per micro-batch
-    # what is kept equals a Δ computed afresh from the same optimizer state
-    assert stage.optimizer is not None and stage.predictor is not None
-    stage.predictor.predicted(1)  # keeps Δ of the final state
-    fresh = AdamPredictor(stage.optimizer, auto_hooks=False)
-    for a, b in zip(stage.predictor.predicted(2), fresh.predicted(2), strict=True):
-        # two paths (kept Δ = m·(1/(bc1·(√v̂+ε))), then W − ηΔ; fresh: one addcdiv), about
-        # six roundings apart on weights of order one: a few float32 eps
+    assert len(fused) == len(predicting_updates)  # once per update, not per micro-batch
+    assert formed == [] and stage.predictor.kept_computations == 0
+
+
+def test_xpipe_keeps_delta_from_a_second_prediction_of_one_update() -> None:
+    """A first prediction after a step is the fused write; a second one before the next
+    step (another distance, as with M < P) forms Δ once and keeps it until that step; both
+    equal a fresh predictor's Ŵ (the second to a few float32 eps: another rounding path)."""
+    from pipeoptim.runtime.optim.predict import AdamPredictor, XPipePredictor
+
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 2)
+    opt = torch.optim.Adam(layer.parameters(), lr=0.01)
+    pred = XPipePredictor(opt)
+
+    def step() -> None:
+        layer(torch.randn(5, 3)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    fresh = AdamPredictor(opt, auto_hooks=False)  # keeps nothing: every write fused
+    first = pred.predicted(1)
+    assert pred.held_tensors() == [] and pred.kept_computations == 0
+    assert all(torch.equal(a, b) for a, b in zip(first, fresh.predicted(1), strict=True))
+    second = pred.predicted(2)
+    assert pred.kept_computations == 1 and len(pred.held_tensors()) == 2  # weight, bias
+    for a, b in zip(second, fresh.predicted(2), strict=True):
+        # kept Δ = m·(1/(bc1·(√v̂+ε))), then W − ηΔ; fresh: one addcdiv; about six
+        # roundings apart on weights of order one: a few float32 eps
         eps = torch.finfo(b.dtype).eps
         torch.testing.assert_close(a, b, rtol=8 * eps, atol=8 * eps)
-    kept = len(stage.predictor.held_tensors())
-    assert kept == 2  # weight and bias: Δ kept until the next step
+    pred.predicted(3)
+    assert pred.kept_computations == 1  # the kept Δ serves the rest of the update
+    step()  # the step hook drops the kept Δ
+    assert pred.held_tensors() == []
+    again = pred.predicted(2)
+    assert pred.kept_computations == 1 and pred.held_tensors() == []
+    assert all(torch.equal(a, b) for a, b in zip(again, fresh.predicted(2), strict=True))
     fresh.close()
+    pred.close()
 
 
 def test_cuda_timing_reuses_its_events(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -64,6 +64,11 @@ class WeightPredictor:
     keeps_deltas: ClassVar[bool] = False
     """Keep a computed Δ until the next step: for rules that predict several times per
     update (micro-batches of one mini-batch), at the cost of one weight-sized buffer."""
+    fuses_first_write: ClassVar[bool] = False
+    """A rule that keeps Δ but can write Ŵ without forming it (:meth:`_write_fused`) does
+    so for a group's first prediction after a step and keeps nothing; only a second
+    prediction before the next step forms Δ and keeps it. Where every update is followed
+    by one prediction (XPipe with M >= P: one distance per mini-batch), no Δ is formed."""
 
     def __init__(self, optimizer: Optimizer, *, auto_hooks: bool = True) -> None:
         if not isinstance(optimizer, Optimizer):
@@ -78,6 +83,7 @@ class WeightPredictor:
         self._has_delta: set[Tensor] = set()
         self._pending: list[tuple[list[Tensor], list[Tensor], float]] | None = None
         self._kept: dict[int, list[Tensor | None]] = {}  # Δ per group index, until a step
+        self._written: set[int] = set()  # groups predicted since the last step (fused)
         self.kept_computations = 0
         """How many times a Δ was computed and kept (a caller's memory count goes stale)."""
         # Hooks on the optimizer make the record impossible to forget and skip steps that
@@ -90,7 +96,7 @@ class WeightPredictor:
             self._hooks = [
                 optimizer.register_step_pre_hook(lambda *_: self.before_step()),
                 optimizer.register_step_post_hook(lambda *_: self.after_step()),
-                optimizer.register_load_state_dict_post_hook(lambda *_: self._kept.clear()),
+                optimizer.register_load_state_dict_post_hook(lambda *_: self._drop_kept()),
             ]
 
     # -- what subclasses decide ------------------------------------------------------------
@@ -118,6 +124,23 @@ class WeightPredictor:
             ds = self._state_deltas(group)
         # Frozen parameters are never updated by torch.optim: forward uses W as it is.
         return [d if p.requires_grad else None for p, d in zip(params, ds, strict=True)]
+
+    def _drop_kept(self) -> None:
+        """Forget what was kept or written since the last step (the state moves on)."""
+        self._kept.clear()
+        self._written.clear()
+
+    def _may_fuse(self, index: int) -> bool:
+        """Whether group ``index``'s Ŵ may be written without forming Δ now: always for a
+        rule that keeps none, or where no step hook could drop a kept Δ (nothing is kept
+        then); for one that keeps Δ, only for its first prediction after a step, where it
+        fuses that (:attr:`fuses_first_write`)."""
+        if not self.keeps_deltas or not self._hooks:
+            return True
+        if not self.fuses_first_write or index in self._kept or index in self._written:
+            return False
+        self._written.add(index)
+        return True
 
     def delta(self) -> Deltas:
         """Δ per param group, per parameter (fresh tensors); None: no state yet, Δ = 0."""
@@ -169,7 +192,8 @@ class WeightPredictor:
             ):
                 ps: list[Tensor] = group["params"]
                 moving = s > 0 and eta != 0.0
-                if moving and self._write_fused(group, eta, dest[offset : offset + len(ps)]):
+                fused = moving and self._may_fuse(index)
+                if fused and self._write_fused(group, eta, dest[offset : offset + len(ps)]):
                     offset += len(ps)
                     continue
                 deltas = self._group_deltas(group, index) if moving else [None] * len(ps)
@@ -212,7 +236,7 @@ class WeightPredictor:
     # -- displacement record ---------------------------------------------------------------
     def before_step(self) -> None:
         """Record W^(j-1) of displacement-tracked parameters (call right before step())."""
-        self._kept.clear()  # the moments and the weights are about to change
+        self._drop_kept()  # the moments and the weights are about to change
         if self._pending is not None:  # already recorded for this step (hook + explicit call)
             return
         pending: list[tuple[list[Tensor], list[Tensor], float]] = []
@@ -237,7 +261,7 @@ class WeightPredictor:
 
     def after_step(self) -> None:
         """Turn the record into Δ = (W^(j-1) − W^(j)) / lr (call right after step())."""
-        self._kept.clear()
+        self._drop_kept()
         if self._pending is None:
             return
         with torch.no_grad():
@@ -252,7 +276,7 @@ class WeightPredictor:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        self._kept.clear()
+        self._drop_kept()
         if self.persistence is not None:
             self.persistence.close()
 
@@ -299,7 +323,7 @@ class WeightPredictor:
     def _load_displacements(self, disp: dict[int, Tensor]) -> None:
         params = self._params()
         self._buf, self._has_delta, self._pending = {}, set(), None
-        self._kept.clear()
+        self._drop_kept()
         for i, t in disp.items():
             p = params[i]
             self._buf[p] = t.detach().to(device=p.device, dtype=p.dtype, copy=True)
@@ -389,7 +413,7 @@ class AdamPredictor(_DecoupledDecayOption):
         # Ŵ = W − (η / (1 − β1^t)) · m / (√v̂ + ε) in one addcdiv per parameter, with no Δ
         # tensor: about a third fewer passes over memory than forming Δ first.
         params: list[Tensor] = group["params"]
-        if self.keeps_deltas or self.include_decoupled_decay:
+        if self.include_decoupled_decay:
             return False
         if any(out.data_ptr() == p.data_ptr() for out, p in zip(dest, params, strict=True)):
             return False
@@ -459,12 +483,16 @@ class NAdamPredictor(AdamPredictor):
 class XPipePredictor(AdamPredictor):
     """XPipe: the Adam-form Δ, also applied to Adam-like optimizers (NAdam, RAdam).
 
-    Every micro-batch of a mini-batch predicts from the same Δ, so it is computed once
-    after each step and kept (one weight-sized buffer) instead of once per micro-batch.
+    Every micro-batch of a mini-batch predicts from the same Δ. The first prediction after
+    a step writes Ŵ in one ``addcdiv`` per weight and forms no Δ; a second one before the
+    next step (micro-batches of one mini-batch at another distance, as with M < P) forms
+    Δ once and keeps it (one weight-sized buffer) for the rest, instead of once per
+    micro-batch.
     """
 
     name = "xpipe"
     keeps_deltas = True
+    fuses_first_write = True
 
 
 class RMSpropPredictor(SGDPredictor):

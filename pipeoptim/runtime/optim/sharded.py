@@ -25,7 +25,8 @@ replica sends its ~1/D of the stage's parameter bytes, padded to the largest sha
 is gathered where nothing moves (s = 0 or a zero rate): every replica then copies W. The
 alternative, each owner computing Δ at its update and gathering Δ with the weights, would
 hold a full weight-sized Δ on every replica, as much memory as Adam's saved shard at D = 2.
-Rules that keep a Δ between updates (XPipe, Muon, basis rotation) keep only their shard.
+Rules that keep a Δ between updates (Muon, basis rotation, XPipe where it predicts a
+second distance before the next update) keep only their shard.
 
 Checkpoints stay in today's format: :func:`full_state_dict` consolidates the local states
 (ZeRO's ``consolidate_state_dict``, to every replica) into the state dict the unsharded
