@@ -53,7 +53,7 @@ def old_path() -> Iterator[None]:
         return functional_call(fn, {n: tensors[j] for n, j in names[id(self)]}, args)
 
     def fresh_aliases(
-        self: weights.WeightVersions, sources: Sequence[Tensor], mb: int | None = None
+        self: weights.WeightVersions, sources: Sequence[Tensor], mb: int
     ) -> list[Tensor]:
         return [weights.alias(p, t) for p, t in zip(self.params, sources, strict=True)]
 

@@ -83,7 +83,7 @@ class WeightPredictor:
         self._has_delta: set[Tensor] = set()
         self._pending: list[tuple[list[Tensor], list[Tensor], float]] | None = None
         self._kept: dict[int, list[Tensor | None]] = {}  # Δ per group index, until a step
-        self._written: set[int] = set()  # groups predicted since the last step (fused)
+        self._written: set[int] = set()  # groups written fused since the last step
         self.kept_computations = 0
         """How many times a Δ was computed and kept (a caller's memory count goes stale)."""
         # Hooks on the optimizer make the record impossible to forget and skip steps that
@@ -137,10 +137,7 @@ class WeightPredictor:
         fuses that (:attr:`fuses_first_write`)."""
         if not self.keeps_deltas or not self._hooks:
             return True
-        if not self.fuses_first_write or index in self._kept or index in self._written:
-            return False
-        self._written.add(index)
-        return True
+        return self.fuses_first_write and index not in self._kept and index not in self._written
 
     def delta(self) -> Deltas:
         """Δ per param group, per parameter (fresh tensors); None: no state yet, Δ = 0."""
@@ -194,6 +191,7 @@ class WeightPredictor:
                 moving = s > 0 and eta != 0.0
                 fused = moving and self._may_fuse(index)
                 if fused and self._write_fused(group, eta, dest[offset : offset + len(ps)]):
+                    self._written.add(index)
                     offset += len(ps)
                     continue
                 deltas = self._group_deltas(group, index) if moving else [None] * len(ps)

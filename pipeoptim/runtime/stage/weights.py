@@ -154,7 +154,7 @@ class WeightVersions:
             self._inflight[version] += 1
         return sources
 
-    def aliases(self, sources: Sequence[Tensor], mb: int | None = None) -> list[Tensor]:
+    def aliases(self, sources: Sequence[Tensor], mb: int) -> list[Tensor]:
         """An alias of each of ``sources`` (a version's storage, or the prediction buffer)
         whose gradient flows to its parameter, or a leaf on it under :attr:`leaf_grads`
         (the forward of ``mb`` reads it): made on the first forward that reads that
@@ -167,7 +167,7 @@ class WeightVersions:
             else:
                 found = [alias(p, t) for p, t in zip(self.params, sources, strict=True)]
             self._aliases[key] = found
-        if self.leaf_grads and mb is not None:
+        if self.leaf_grads:
             self._reads[mb] = found
         return found
 
