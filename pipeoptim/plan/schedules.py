@@ -25,7 +25,7 @@ from pipeoptim.plan.actions import (
     U,
     format_grid,
 )
-from pipeoptim.plan.orders import KIND_B, KIND_F, KIND_U, IntArray, OrderArrays
+from pipeoptim.plan.orders import KIND_B, KIND_F, KIND_U, OrderArrays
 
 Order = dict[int, list[Action]]
 """Per-rank actions in execution order, without idle steps."""
@@ -160,16 +160,30 @@ def async_one_f_one_b_arrays(shape: Shape) -> OrderArrays:
     p, m = shape.num_ranks, shape.micro_batches
     total = shape.total_micro_batches
     i = np.arange(total, dtype=np.int64)
-    kinds = np.broadcast_to(np.array([KIND_F, KIND_B, KIND_U], dtype=np.int64), (total, 3))
-    per_rank: dict[int, tuple[IntArray, IntArray, IntArray]] = {}
-    for k in range(p):
-        w = min(p - 1 - k, total)
-        mbs = np.stack([w + i, i, i // m], axis=1)
-        keep = np.stack([w + i < total, np.ones(total, dtype=bool), i % m == m - 1], axis=1)
-        kind = np.concatenate([np.full(w, KIND_F, dtype=np.int64), kinds[keep]])
-        mb = np.concatenate([np.arange(w, dtype=np.int64), mbs[keep]])
-        per_rank[k] = (np.full(len(kind), k, dtype=np.int64), kind, mb)
-    return OrderArrays.from_rank_arrays(per_rank)
+    warm = np.minimum(p - 1 - np.arange(p, dtype=np.int64), total)[:, None]  # w per rank
+    # every rank runs each F and B once and ``total // m`` updates
+    length = 2 * total + total // m
+    bounds = np.arange(p + 1, dtype=np.int64) * length
+    stage = np.repeat(np.arange(p, dtype=np.int64), length)
+    kind, mb = np.empty_like(stage), np.empty_like(stage)
+    start = bounds[:-1, None]
+    first = np.arange(int(warm.max(initial=0)), dtype=np.int64)
+    is_warm = first < warm
+    put = (start + first)[is_warm]
+    kind[put], mb[put] = KIND_F, np.broadcast_to(first, is_warm.shape)[is_warm]
+    # group i starts after the w warm-up forwards and groups 0..i-1, which hold i
+    # backwards, min(i, total - w) forwards and i // m updates
+    later = warm + i  # the forward of group i, where one is left
+    group = start + later + np.minimum(i, total - warm) + i // m
+    forward = later < total
+    put = group[forward]
+    kind[put], mb[put] = KIND_F, later[forward]
+    backward = group + forward
+    kind[backward], mb[backward] = KIND_B, i
+    last = i % m == m - 1  # a mini-batch's last backward: its update follows
+    put = backward[:, last] + 1
+    kind[put], mb[put] = KIND_U, (i // m)[last]
+    return OrderArrays(tuple(range(p)), bounds, stage, kind, mb)
 
 
 def accumulation_steps(delay: int, max_delay: int) -> int:

@@ -31,21 +31,22 @@ class _PassIndex:
     stage``: one dense table per kind when the micro-batches are numbered closely (a
     lookup is then one gather), else a :class:`KeyIndex` per kind."""
 
-    def __init__(self, kind: IntArray, mb: IntArray, stage: IntArray, stages: int) -> None:
+    def __init__(self, kind: IntArray, key: IntArray, stages: int) -> None:
         self.stages = stages
-        found = [(code, np.flatnonzero(kind == code)) for code in _PASS_KINDS]
-        found = [(code, at) for code, at in found if len(at)]
-        count = sum(len(at) for _, at in found)
-        low = min((int(mb[at].min()) for _, at in found), default=0)
-        top = (max((int(mb[at].max()) for _, at in found), default=-1) + 1) * stages
+        self.positions = {code: np.flatnonzero(kind == code) for code in _PASS_KINDS}
+        """Where each kind of pass sits in the order, ascending (the compile reuses them)."""
+        found = [(code, at, key[at]) for code, at in self.positions.items() if len(at)]
+        count = sum(len(at) for _, at, _ in found)
+        # with 0 <= stage < stages, a key is negative exactly where its micro-batch is
+        low = min((int(keys.min()) for _, _, keys in found), default=0)
+        top = (max((int(keys.max()) // stages for _, _, keys in found), default=-1) + 1) * stages
         self.size = top if low >= 0 and top <= 4 * count + 1024 else -1
         """Length of the dense tables (-1: none, the sparse lookups are used)."""
         self.tables: dict[int, IntArray] = {}
         self.sparse: dict[int, tuple[KeyIndex, IntArray]] = {}
         self.twice: tuple[int, int] | None = None
         repeats = []
-        for code, at in found:
-            keys = mb[at] * stages + stage[at]
+        for code, at, keys in found:
             if self.size < 0:
                 index = KeyIndex(keys)
                 self.sparse[code] = (index, at)
@@ -54,8 +55,10 @@ class _PassIndex:
                 table = np.full(self.size, -1, dtype=np.int64)
                 table[keys] = at
                 self.tables[code] = table
-                # a repeated key kept its last action: name the first repeat as KeyIndex does
-                twice = KeyIndex(keys).duplicate() if (table[keys] != at).any() else None
+                # a repeated key fills fewer entries than there are passes; name the first
+                # repeat as KeyIndex does
+                repeated = np.count_nonzero(table >= 0) < len(at)
+                twice = KeyIndex(keys).duplicate() if repeated else None
             if twice is not None:
                 repeats.append((int(at[twice[0]]), int(at[twice[1]])))
         self.twice = min(repeats, default=None)
@@ -101,41 +104,50 @@ def compile_dependencies(
 ) -> tuple[IntArray, IntArray]:
     """Per action the one cross-rank action it waits for (-1: none) and the link of that
     wait (``2*k`` forward over edge k, ``2*k+1`` backward, -1 none); ``name`` gives an
-    action's text form for the errors."""
+    action's text form for the errors. Every stage runs on one rank (as
+    :class:`~pipeoptim.sim.program.Program` checks first)."""
     s, m = max(num_stages, 1), micro_batches
     size = len(kind)
     dep = np.full(size, -1, dtype=np.int64)
     edge_of = np.full(size, -1, dtype=np.int64)
-    index = _PassIndex(kind, mb, stage, s)
+    key = mb * s + stage
+    index = _PassIndex(kind, key, s)
     if index.twice is not None:
         i, first = index.twice
         raise ScheduleError(
             f"{name(i)} appears twice in the order (also as action {first}); "
             f"every F, B, I and W runs once per stage and micro-batch"
         )
-    key = mb * s + stage
     late: list[tuple[int, int]] = []  # (action, a same-rank input it runs before)
 
     def link(at: IntArray, d: IntArray, edge: IntArray | None) -> None:
-        has = d >= 0
-        at, d = at[has], d[has]
-        cross = rank[d] != rank[at]
-        if edge is not None:
-            dep[at[cross]] = d[cross]
-            edge_of[at[cross]] = edge[has][cross]
-        wrong = ~cross & (d > at)
+        if edge is None:  # an input of the same stage, so of the same rank: order only
+            wrong = d > at
+        else:
+            has = d >= 0
+            if not has.all():
+                at, d, edge = at[has], d[has], edge[has]
+            cross = rank[d] != rank[at]
+            if cross.all():
+                dep[at], edge_of[at] = d, edge
+            else:
+                dep[at[cross]], edge_of[at[cross]] = d[cross], edge[cross]
+            wrong = ~cross & (d > at)
         if wrong.any():
             q = int(np.argmax(wrong))
             late.append((int(at[q]), int(d[q])))
 
     # a pass's neighbours on the stage before or after hold the keys next to its own
-    f = np.flatnonzero((kind == KIND_F) & (stage > 0))
+    f = index.positions[KIND_F]
+    f = f[stage[f] > 0]
     link(f, index.find(key[f] - 1, KIND_F, checked=False), 2 * (stage[f] - 1))
-    b = np.flatnonzero((kind == KIND_B) | (kind == KIND_I))  # a backward's input gradient
+    b = index.positions[KIND_B]  # a backward's input gradient: a B or an I
+    if len(halves := index.positions[KIND_I]):
+        b = np.sort(np.concatenate((b, halves))) if len(b) else halves
     link(b, index.find(key[b], KIND_F, checked=False), None)
     b = b[stage[b] < s - 1]
     link(b, index.find(key[b] + 1, KIND_B, KIND_I, checked=False), 2 * stage[b] + 1)
-    w = np.flatnonzero(kind == KIND_W)
+    w = index.positions[KIND_W]
     link(w, index.find(key[w], KIND_I, checked=False), None)
     u = np.flatnonzero(kind == KIND_U)
     for q in range(m):

@@ -119,7 +119,7 @@ def _walk(steps: Steps, durations: list[float], transfers: FloatArray) -> list[f
 
 
 def _walk_coded(
-    steps: Steps, codes: list[int], durations: list[float], transfers: list[float]
+    steps: Steps, codes: Sequence[int], durations: list[float], transfers: list[float]
 ) -> list[float]:
     """:func:`_walk` with durations and transfers looked up in small per-code tables, so
     an evaluation builds no per-action list (the same float operations)."""

@@ -40,7 +40,7 @@ from pipeoptim.plan.orders import (
 from pipeoptim.plan.versions import BoolArray, VersionReport, analyze_order
 from pipeoptim.sim.costs import CostModel
 from pipeoptim.sim.dependencies import compile_dependencies
-from pipeoptim.sim.steps import Steps, topological_steps
+from pipeoptim.sim.steps import Steps, flat_buffer, topological_steps
 from pipeoptim.trace import TraceEvent
 
 __all__ = ["KIND_B", "KIND_CODES", "KIND_F", "KIND_I", "KIND_U", "KIND_W", "Program", "Timing"]
@@ -114,7 +114,7 @@ class Program:
         self._steps: Steps | None = None
         # cost codes by (predicting, charging messages): see duration_codes
         self._codes: dict[tuple[bool, bool], IntArray] = {}
-        self._step_codes: dict[tuple[bool, bool], list[int]] = {}
+        self._step_codes: dict[tuple[bool, bool], Sequence[int]] = {}
         self._code_counts: dict[tuple[bool, bool], IntArray] = {}
         self._first_stage_micro_batches: int | None = None
         self._last_updates: list[int] | None = None
@@ -383,14 +383,14 @@ class Program:
         }
         return stage, rank
 
-    def step_cost_codes(self, costs: CostModel) -> list[int]:
+    def step_cost_codes(self, costs: CostModel) -> Sequence[int]:
         """:meth:`duration_codes` in step order (:meth:`steps`)."""
         key = _code_key(costs)
         if key == (False, False):
             return self.steps().cost_code
         if key not in self._step_codes:
             order = self.steps().order_array
-            self._step_codes[key] = self.duration_codes(*key)[order].tolist()
+            self._step_codes[key] = flat_buffer(self.duration_codes(*key)[order])
         return self._step_codes[key]
 
     def transfer_table(self, costs: CostModel) -> list[float]:

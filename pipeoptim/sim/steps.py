@@ -23,7 +23,7 @@ import numpy as np
 from pipeoptim.errors import ScheduleError
 from pipeoptim.plan.orders import IntArray
 
-__all__ = ["Steps", "levels", "topological_steps", "worklist"]
+__all__ = ["Steps", "flat_buffer", "levels", "topological_steps", "worklist"]
 
 
 class Steps(NamedTuple):
@@ -40,15 +40,17 @@ class Steps(NamedTuple):
     """The slot of the action's cross-rank input; 0 for none."""
     link_array: IntArray
     """The link its input crosses: ``edge + 1`` (0 for none; index into a transfer table)."""
-    previous: array.array[int]
-    """``previous_slots`` as a flat buffer the walk's loop reads (copied in one go, where
-    a list would make a Python int of every slot above 256 up front)."""
-    input: array.array[int]
+    previous: Sequence[int]
+    """``previous_slots`` as a flat buffer the walk's loop reads (:func:`flat_buffer`:
+    copied in one go, where a list would make a Python int of every slot above 256 up
+    front)."""
+    input: Sequence[int]
     """``input_slots`` as a flat buffer."""
-    cost_code: list[int]
-    """The action's :meth:`Program.cost_code_array` entry (index into a duration table)."""
-    link: list[int]
-    """``link_array`` as a list."""
+    cost_code: Sequence[int]
+    """The action's :meth:`Program.cost_code_array` entry (index into a duration table),
+    as a flat buffer."""
+    link: Sequence[int]
+    """``link_array`` as a flat buffer."""
 
 
 def topological_steps(
@@ -71,21 +73,29 @@ def topological_steps(
     slot = np.empty(n + 1, dtype=np.int64)
     slot[at] = np.arange(1, n + 1, dtype=np.int64)
     slot[n] = 0
-    previous = np.arange(-1, n - 1, dtype=np.int64)
-    previous[[lo for lo, hi in rank_bounds if hi > lo]] = n
-    previous_slots = slot[previous[at]]
+    # a rank's previous action is the one before it in the order (slot[-1] is the
+    # sentinel's), except at the rank's first
+    previous_slots = slot[at - 1]
+    previous_slots[slot[[lo for lo, hi in rank_bounds if hi > lo]] - 1] = 0
     input_slots = slot[inputs[at]]
     link = edge[at] + 1
     return Steps(
         at, slot[:n] - 1, previous_slots, input_slots, link,
-        _buffer(previous_slots), _buffer(input_slots), cost_codes[at].tolist(), link.tolist(),
+        flat_buffer(previous_slots), flat_buffer(input_slots), flat_buffer(cost_codes[at]),
+        flat_buffer(link),
     )  # fmt: skip
 
 
-def _buffer(values: IntArray) -> array.array[int]:
-    """``values`` as an ``array("q")`` (one copy of the bytes)."""
-    out = array.array("q")
-    out.frombytes(np.ascontiguousarray(values, dtype=np.int64).data.cast("B"))
+def flat_buffer(values: IntArray) -> Sequence[int]:
+    """``values`` in one copy of their bytes, as ``bytes`` where every value fits in a byte
+    (a loop reads those as cached small ints, as fast as from a list), else as an
+    ``array`` of shorts or of int64, whichever holds them."""
+    low, top = (int(values.min()), int(values.max())) if len(values) else (0, 0)
+    if low >= 0 and top < 1 << 8:
+        return np.ascontiguousarray(values, dtype=np.uint8).tobytes()
+    out = array.array("H" if low >= 0 and top < 1 << 16 else "q")
+    dtype = np.dtype(f"{'u' if out.typecode == 'H' else 'i'}{out.itemsize}")
+    out.frombytes(np.ascontiguousarray(values, dtype=dtype).data.cast("B"))
     return out
 
 

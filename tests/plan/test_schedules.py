@@ -42,6 +42,24 @@ EXPECTED = {
         0: "0F0 0F1 . 0B0 0F2 0B1 0U0 0F3 0B2 . 0B3 0U1",
         1: ". 1F0 1B0 1F1 1B1 1U0 1F2 1B2 1F3 1B3 1U1",
     },
+    # fewer micro-batches than a first rank's warm-up: every forward is a warm-up one
+    ("pipedream", 4, None, 2): {
+        0: "0F0 0F1 . . . . . 0B0 0U0 . 0B1 0U1",
+        1: ". 1F0 1F1 . . . 1B0 1U0 . 1B1 1U1",
+        2: ". . 2F0 2F1 . 2B0 2U0 . 2B1 2U1",
+        3: ". . . 3F0 3B0 3U0 3F1 3B1 3U1",
+    },
+    ("xpipe", 4, 2, 1): {
+        0: "0F0 0F1 . . . . . 0B0 . 0B1 0U0",
+        1: ". 1F0 1F1 . . . 1B0 . 1B1 1U0",
+        2: ". . 2F0 2F1 . 2B0 . 2B1 2U0",
+        3: ". . . 3F0 3B0 3F1 3B1 3U0",
+    },
+    ("xpipe", 3, 2, 2): {
+        0: "0F0 0F1 0F2 . . 0B0 0F3 0B1 0U0 . 0B2 . 0B3 0U1",
+        1: ". 1F0 1F1 . 1B0 1F2 1B1 1U0 1F3 1B2 . 1B3 1U1",
+        2: ". . 2F0 2B0 2F1 2B1 2U0 2F2 2B2 2F3 2B3 2U1",
+    },
     ("interleaved-1f1b", 2, 2, 1): {
         0: "0F0 0F1 2F0 2F1 . 2B0 . 2B1 0B0 0B1 0U0 2U0",
         1: ". 1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1 1U0 3U0",

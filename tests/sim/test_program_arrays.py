@@ -16,7 +16,7 @@ from pipeoptim.plan.orders import OrderArrays
 from pipeoptim.plan.zero_bubble import zb_h1, zb_v
 from pipeoptim.sim import CostModel, Program, evaluate_program, list_schedule, run_simpy
 from pipeoptim.sim.evaluate import summarize
-from pipeoptim.sim.steps import levels
+from pipeoptim.sim.steps import flat_buffer, levels
 
 
 def _shapes(name: str) -> list:
@@ -133,6 +133,27 @@ def _check_every_path(program: Program, costs: CostModel) -> None:
             costs.backward_weight_s,
         )[kind][k]
         assert durations[i] == (plain + costs.predict_s[k] if predicted[i] else plain)
+
+
+def test_flat_buffer_keeps_every_value_in_the_narrowest_form() -> None:
+    small, medium = np.array([0, 7, 255]), np.array([0, 256, 65535])
+    large, negative = np.array([1, 1 << 40]), np.array([-1, 3])
+    assert flat_buffer(small) == bytes([0, 7, 255])
+    assert list(flat_buffer(medium)) == [0, 256, 65535]
+    assert getattr(flat_buffer(medium), "typecode", None) == "H"
+    assert list(flat_buffer(large)) == [1, 1 << 40]
+    assert list(flat_buffer(negative)) == [-1, 3]
+    assert flat_buffer(np.zeros(0, dtype=np.int64)) == b""
+
+
+def test_cost_codes_past_a_byte_give_simpys_times() -> None:
+    # 48 stages with predictions: the predicted forwards' duration codes run to 6 * 48
+    method = get_method("pipeoptim")
+    shape = method.shape(48, None, 3)
+    program = Program(method.order_arrays(shape), 1, method.weight_policy)
+    costs = _costs(48)
+    assert max(program.step_cost_codes(costs)) >= 1 << 8
+    _check_every_path(program, costs)
 
 
 def test_jittered_evaluation_equals_simpy() -> None:
