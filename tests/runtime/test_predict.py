@@ -15,6 +15,7 @@ from torch import Tensor, nn, optim
 from torch.optim import lr_scheduler as sched
 
 from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.runtime.optim import update as update_module
 from pipeoptim.runtime.optim.predict import (
     RULES,
     AdamPredictor,
@@ -27,7 +28,7 @@ from pipeoptim.runtime.optim.predict import (
     XPipePredictor,
     predictor_for,
 )
-from pipeoptim.runtime.optim.update import future_lrs
+from pipeoptim.runtime.optim.update import LR_HORIZON, StageUpdate, future_lrs
 
 DT = torch.float64  # displacement Δ divides by lr: float64 keeps the 1e-6 comparison meaningful
 LR = 0.1
@@ -396,6 +397,43 @@ def test_future_lrs_matches_stepping_a_copy(make_sched: Callable[[Any], Any]) ->
     for row, want in zip(got, expected, strict=True):
         assert row == pytest.approx(want, rel=1e-12, abs=0)
     assert future_lrs(scheduler, opt, 0) == [[], []]
+
+
+@pytest.mark.parametrize("make_sched", [s[1] for s in SCHEDULERS], ids=[s[0] for s in SCHEDULERS])
+def test_a_stage_copies_its_scheduler_once_per_horizon_and_reads_what_a_fresh_copy_would(
+    make_sched: Callable[[Any], Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _model()
+    groups: list[dict[str, Any]] = [{"params": [model.weight]}, {"params": [model.bias], "lr": 0.4}]
+    opt = optim.SGD(groups, lr=LR, momentum=0.9)
+    update = StageUpdate(
+        opt, stage=0, scheduler=make_sched, scaler=None, grad_clip=None, note=print
+    )
+    assert update.scheduler is not None
+    copies: list[int] = []
+
+    def counted(scheduler: Any, optimizer: optim.Optimizer, s: int, *, every: int = 1) -> Any:
+        copies.append(s)
+        return future_lrs(scheduler, optimizer, s, every=every)
+
+    monkeypatch.setattr(update_module, "future_lrs", counted)
+    params = list(model.parameters())
+    x = torch.randn(4, model.in_features, dtype=model.weight.dtype)
+    updates, ahead, expected_copies, left = 2 * LR_HORIZON + 3, 3, 0, 0
+    for _ in range(updates):
+        if left < ahead:  # the cached rates run out: one copy, LR_HORIZON updates ahead
+            expected_copies, left = expected_copies + 1, LR_HORIZON
+        left -= 1
+        assert update.future_lrs(ahead) == future_lrs(update.scheduler, opt, ahead)
+        model(x).sum().backward()
+        update.step(params, delay=0)
+    assert len(copies) == expected_copies < updates
+    # a rate written between updates (a callback's): the next read queries a fresh copy
+    opt.param_groups[0]["lr"] = 0.123
+    got = update.future_lrs(ahead)
+    assert got is not None and got[0][0] == 0.123
+    assert got == future_lrs(update.scheduler, opt, ahead)
+    assert len(copies) == expected_copies + 1
 
 
 def test_future_lrs_refuses_what_it_cannot_query() -> None:
