@@ -276,3 +276,29 @@ def test_segment_plan_refuses_a_split_backward_without_a_flush() -> None:
     method = Method("zb-h1-stash-test", "ZB-H1 with a stash", generate, WeightPolicy.STASH)
     with pytest.raises(ScheduleError, match=r"only for synchronous \(flush\).*merge_backward"):
         segment_plan(method, Shape(2, 2, 1))
+
+
+def test_a_rank_result_travels_as_asdict_would_write_it_and_reads_back_equal() -> None:
+    import dataclasses
+    import json
+
+    from pipeoptim.runtime.executor import RankResult
+    from pipeoptim.trace import MemorySample, TraceEvent
+
+    @dataclasses.dataclass
+    class Note:  # a dataclass inside a result's plain values still travels as a dict
+        text: str
+
+    result = RankResult(
+        [0, 1],
+        losses={3: 0.25},
+        evals=[{"loss": 1.5, "samples": 8}],
+        meta={"boundaries": [[0, 2], [2, 4]], "note": Note("kept")},
+        events=[TraceEvent(1, 1, "F", i, 0.1 * i, 0.1 * i + 0.05, i, 64, 1) for i in range(5)],
+        memory=[MemorySample(1, 0.2, 4096, {"weights": 4000, "stage:1": 96})],
+    )
+    text = result.to_json()
+    assert text == json.dumps(dataclasses.asdict(result))
+    back = RankResult.from_json(text)
+    assert back.events == result.events and back.memory == result.memory
+    assert back.losses == result.losses and back.meta["note"] == {"text": "kept"}
