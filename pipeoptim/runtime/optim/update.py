@@ -320,7 +320,7 @@ class StageUpdate:
             cached is None
             or any(len(row) < s for row in cached)
             # a rate set since (a callback's, a resume's): the copy no longer tells
-            or any(row[0] != g["lr"] for row, g in zip(cached, groups, strict=True) if row)
+            or any(row[0] != float(g["lr"]) for row, g in zip(cached, groups, strict=True) if row)
         ):
             ahead = max(s, LR_HORIZON)
             cached = future_lrs(self.scheduler, self.optimizer, ahead, every=self.accumulation)
