@@ -26,14 +26,19 @@ Runs, interleaved round by round so machine noise hits all alike:
   its own process with the same threads, no communication (a stage's input and its output's
   gradient are fixed tensors; every rank but the first computes its input's gradient, as the
   whole model's backward does at that cut): what P stages could do with no pipeline cost at
-  all, on a machine whose cores are all busy. The throughput is the slowest rank's.
+  all, on a machine whose cores are all busy. The throughput is the slowest rank's;
+* ``limit +prediction`` and ``limit +stash``: the limit with the weight work PipeOptim
+  (Ŵ written after every update) or PipeDream (the weights copied before it) adds on every
+  rank but the last: the method's own floor, what its pipeline would do with nothing lost
+  to messages, waits or the executor.
 
 Each run trains ``--warmup`` mini-batches, then times ``--steps`` more. The table gives
 the median samples/s over the rounds and the ratio to PyTorch's Schedule1F1B; then the
-asynchronous methods' share of the limit, and where each pipeoptim run's time goes on each
-rank, from its own trace of the timed steps: compute (F, B, U and their halves), the
-communication actions (sends, and receives including their waits) and the interpreter
-between actions (the wall time no action covers).
+asynchronous methods' share of the limit, each one's floor against the limit and the
+method against its floor (what the runtime itself loses), and where each pipeoptim run's
+time goes on each rank, from its own trace of the timed steps: compute (F, B, U and their
+halves), the communication actions (sends, and receives including their waits) and the
+interpreter between actions (the wall time no action covers).
 
 Every run's processes use the same host allocator: by default the thresholds a pipeoptim
 Pipeline sets in a CPU process (``pipeoptim/runtime/host_allocator.py``), set in torch's
@@ -213,15 +218,38 @@ def _breakdown(pipe: Any, rank: int, wall: float) -> dict[str, float]:
     return out
 
 
+FLOORS = {"limit +prediction": "pipeoptim pipeoptim", "limit +stash": "pipeoptim pipedream"}
+"""Each method's own floor: the limit plus the weight work the method adds on the same ranks
+(every rank but the last, where a forward and its backward have updates between them):
+PipeOptim's Ŵ written after each update, with the library's own predictor (distance
+P - 1 - rank), or PipeDream's copy of the weights the step is about to change (the stash).
+A pipeline at its floor loses nothing to messages, waits or the executor."""
+
+
+def floor_distance(rank: int, ranks: int) -> int:
+    """Updates between a forward and its backward on ``rank`` in the asynchronous 1F1B
+    order: PipeOptim's prediction distance there, and where PipeDream stashes (above 0)."""
+    return ranks - 1 - rank
+
+
 def _limit_rank(rank: int, ranks: int, port: int, args: dict[str, Any], out: Any) -> None:
-    """One rank's share of the model trained alone, at the same time as the others."""
+    """One rank's share of the model trained alone, at the same time as the others; under a
+    :data:`FLOORS` name, with that method's weight work as well."""
+    from pipeoptim.runtime.optim.predict import predictor_for
+
     _init(rank, ranks, port, args)
     module = split(blocks(), ranks)[rank]
-    opt = torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9)
+    params = list(module.parameters())
+    opt = torch.optim.SGD(params, lr=0.01, momentum=0.9)
     x, y = data(args["batch"], 1)[0]
     grad = torch.randn(args["batch"], WIDTH, generator=torch.Generator().manual_seed(2))
     if rank > 0:  # the gradient a stage sends back is work the model's own backward does
         x = x.clone().requires_grad_()
+    distance = floor_distance(rank, ranks)
+    predicting = args["run"] == "limit +prediction" and distance > 0
+    stashing = args["run"] == "limit +stash" and distance > 0
+    predictor = predictor_for(opt) if predicting else None
+    predicted = [torch.empty_like(p) for p in params] if predicting else []
 
     def step() -> None:
         output = module(x)
@@ -229,9 +257,15 @@ def _limit_rank(rank: int, ranks: int, port: int, args: dict[str, Any], out: Any
             nn.functional.cross_entropy(output, y).backward()
         else:
             output.backward(grad)
+        if stashing:  # the runtime's stash: the parameters move to a copy the step updates
+            with torch.no_grad():
+                for p in params:
+                    p.data = p.data.clone()
         opt.step()
         opt.zero_grad(set_to_none=True)
         x.grad = None
+        if predictor is not None:
+            predictor.predict_into(predicted, distance)
 
     seconds = _timed(step, args, until_all=False)  # this rank's own time
     out.put((rank, args["steps"] * args["batch"] / seconds, {}))
@@ -269,6 +303,7 @@ RUNS = (
     "pipeoptim pipeoptim",
     "pipeoptim pipeoptim +loggers",
     "limit",
+    *FLOORS,
 )
 
 
@@ -313,7 +348,7 @@ def main() -> None:
             base_run = run.removesuffix(GLIBC_DEFAULTS)
             allocator = "default" if run.endswith(GLIBC_DEFAULTS) else a.allocator
             job = {**args, "run": base_run, "allocator": allocator}
-            if base_run == "limit":
+            if base_run == "limit" or base_run in FLOORS:
                 target: Callable[..., None] = _limit_rank
             elif base_run.startswith("torch"):
                 target = _torch_rank
@@ -346,6 +381,16 @@ def main() -> None:
         for name in ("pipeoptim pipedream", "pipeoptim pipeoptim", "pipeoptim 1f1b"):
             if name + suffix in rates:
                 print(f"  {name + suffix}: {statistics.median(rates[name + suffix]) / top:.2f}x")
+    floors = [(f, m) for f, m in FLOORS.items() if f in rates and m in rates]
+    if floors and "limit" in rates:
+        top = statistics.median(rates["limit"])
+        print("\neach method's own floor (the limit with the method's weight work added):")
+        for floor, method in floors:
+            bottom = statistics.median(rates[floor])
+            print(
+                f"  {floor}: {bottom / top:.2f}x the limit; {method}: "
+                f"{statistics.median(rates[method]) / bottom:.2f}x its floor"
+            )
     pairs = [r for r in runs if r + GLIBC_DEFAULTS in rates]
     if pairs:
         print(f"\nthe host allocator ({a.allocator}) against glibc's defaults, same rounds:")
