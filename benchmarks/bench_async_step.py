@@ -7,6 +7,7 @@ Run from the repository root::
     .venv/bin/python benchmarks/bench_async_step.py --quick     # P = 4 and 16, 1 round, 6 steps
     .venv/bin/python benchmarks/bench_async_step.py --micro-factor 4  # M = 4P: 1F1B's steady state
     .venv/bin/python benchmarks/bench_async_step.py --replay    # and each order in plain torch
+    .venv/bin/python benchmarks/bench_async_step.py --forwards-first  # and forwards first
 
 Why: XPipe is the asynchronous method that converges under AdamW at 8 and 16 stages
 (``docs/choosing-a-method.md``), and a forward on a weight version other than the live one
@@ -33,6 +34,11 @@ in plain torch (the same units as ``nn.Sequential`` stages, ``autograd.backward`
 step per stage; no versions, no executor, no messages), timed the same way in the same
 rounds. Its column is the replayed step over gpipe's replayed step: what running the
 stages in that order costs by itself on this machine.
+
+``--forwards-first`` adds each method run with ``Pipeline(forwards_first=True)`` (path
+``forwards first``), same rounds: each rank's forwards between two of its updates back to
+back, then its backwards, the same weights bit for bit (``plan.passes.forwards_first``).
+gpipe's order is that already.
 """
 
 from __future__ import annotations
@@ -62,22 +68,30 @@ METHODS = ("gpipe", "2bw", "xpipe", "pipeoptim", "1f1b")
 MODEL, BATCH = "gpt-deep", 32
 
 
-def step_seconds(method: str, stages: int, steps: int, old: bool, factor: int = 1) -> float:
-    """CPU seconds per step of a ``fit`` of ``steps`` mini-batches on a fresh pipeline, on
-    the path before issue 34 where ``old`` (built on it too); the micro-batched methods run
-    M = ``factor`` x P micro-batches of a batch ``factor`` times as large. CPU time, not
-    wall time: the machine is shared, and the wall clock would count the other users' work
-    as ours."""
-    path: AbstractContextManager[None] = old_path() if old else nullcontext()
-    with path:
-        pipe, train = _pipeline(method, stages, factor)
+PATHS = ("fast", "old", "forwards first")
+"""How a method runs: today's path, the path before issue 34, today's with each rank's
+forwards first (``Pipeline(forwards_first=True)``)."""
+
+
+def step_seconds(
+    method: str, stages: int, steps: int, path: str = "fast", factor: int = 1
+) -> float:
+    """CPU seconds per step of a ``fit`` of ``steps`` mini-batches on a fresh pipeline on
+    ``path`` (:data:`PATHS`; built on it too); the micro-batched methods run M = ``factor``
+    x P micro-batches of a batch ``factor`` times as large. CPU time, not wall time: the
+    machine is shared, and the wall clock would count the other users' work as ours."""
+    context: AbstractContextManager[None] = old_path() if path == "old" else nullcontext()
+    with context:
+        pipe, train = _pipeline(method, stages, factor, path == "forwards first")
         pipe.fit(train, max_steps=1)
         start = time.process_time()
         pipe.fit(train, max_steps=1 + steps)
         return (time.process_time() - start) / steps
 
 
-def _pipeline(method: str, stages: int, factor: int) -> tuple[Pipeline, DatasetLoader]:
+def _pipeline(
+    method: str, stages: int, factor: int, forwards_first: bool = False
+) -> tuple[Pipeline, DatasetLoader]:
     """A fresh pipeline of the workload and its data."""
     layers, data = build_model(MODEL, 0)
     micro = factor * stages if get_method(method).micro_batched else 1
@@ -93,19 +107,20 @@ def _pipeline(method: str, stages: int, factor: int) -> tuple[Pipeline, DatasetL
             grad_clip=1.0,
             loss_fn=model_loss(MODEL),
             log_every=10**9,
+            forwards_first=forwards_first,
         )
     return pipe, DatasetLoader(data.train_x, data.train_y, factor * BATCH, seed=0)
 
 
 def recorded_order(
-    method: str, stages: int, steps: int, factor: int = 1
+    method: str, stages: int, steps: int, factor: int = 1, forwards_first: bool = False
 ) -> tuple[list[Action], list[tuple[int, int]], int]:
     """The forwards, backwards and updates a local fit of ``steps`` mini-batches runs, in
     the order it runs them (the dry run left out); the stages' unit ranges; the micro-batch
     size."""
     from pipeoptim.runtime import executor
 
-    pipe, train = _pipeline(method, stages, factor)
+    pipe, train = _pipeline(method, stages, factor, forwards_first)
     pipe.fit(train, max_steps=1)
     seen: list[Action] = []
     step = executor.RankExecutor.step
@@ -181,6 +196,11 @@ def main() -> None:
         "1F1B's steady state, not its fill and drain, makes most of a step",
     )
     parser.add_argument(
+        "--forwards-first",
+        action="store_true",
+        help="also each method with each rank's forwards first (path 'forwards first')",
+    )
+    parser.add_argument(
         "--replay",
         action="store_true",
         help="also each method's recorded order replayed in plain torch (rows 'replay')",
@@ -193,28 +213,32 @@ def main() -> None:
         )
     if a.quick:
         a.stages, a.rounds, a.steps = [4, 16], 1, 6
-    runs = [("gpipe", False)]
+    runs = [("gpipe", "fast")]
     for m in (m for m in a.methods if m != "gpipe"):
-        runs.append((m, False))
+        runs.append((m, "fast"))
         if a.old_path and get_method(m).asynchronous:  # flush methods: the same path either way
-            runs.append((m, True))
+            runs.append((m, "old"))
+        if a.forwards_first:
+            runs.append((m, "forwards first"))
     torch.set_num_threads(1)
-    replayed = [m for m, old in runs if not old] if a.replay else []
+    replayed = [(m, path) for m, path in runs if path != "old"] if a.replay else []
     orders = {
-        (p, m): recorded_order(m, p, a.steps, a.micro_factor) for p in a.stages for m in replayed
+        (p, m, path): recorded_order(m, p, a.steps, a.micro_factor, path == "forwards first")
+        for p in a.stages
+        for m, path in replayed
     }
     steps: dict[tuple[int, str, str], list[float]] = {}
     ratios: dict[tuple[int, str, str], list[float]] = {}
     for _ in range(a.rounds):
         for p in a.stages:
             this_round = {
-                (m, "old" if old else "fast"): step_seconds(m, p, a.steps, old, a.micro_factor)
-                for m, old in runs
+                (m, path): step_seconds(m, p, a.steps, path, a.micro_factor) for m, path in runs
             }
-            for m in replayed:
-                this_round[(m, "replay")] = replay_seconds(*orders[(p, m)], a.steps)
+            for m, path in replayed:
+                replay = "replay" if path == "fast" else f"replay, {path}"
+                this_round[(m, replay)] = replay_seconds(*orders[(p, m, path)], a.steps)
             for (m, path), seconds in this_round.items():
-                base = this_round[("gpipe", "replay" if path == "replay" else "fast")]
+                base = this_round[("gpipe", "replay" if path.startswith("replay") else "fast")]
                 steps.setdefault((p, m, path), []).append(seconds)
                 ratios.setdefault((p, m, path), []).append(seconds / base)
     print(

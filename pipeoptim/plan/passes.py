@@ -11,13 +11,17 @@ like ``B``); the weight half ``W`` communicates nothing.
 ``split_backward`` and ``merge_backward`` move between the full backward ``B`` and its
 split form ``I`` then ``W`` (zero-bubble schedules); the simulator and the runtime run
 only ``B``, so a loaded zero-bubble schedule is merged before it is simulated.
+
+``forwards_first`` reorders each rank's actions between two of its updates, forwards first,
+for one thread that runs every rank (the local transport); ``runs_to_the_end`` says whether
+per-rank lists can all finish under the pipeline's dependencies.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from pipeoptim.plan.actions import Action, B, F, Kind
+from pipeoptim.plan.actions import Action, B, F, Kind, U
 from pipeoptim.plan.schedules import Order, stage_ranks
 
 _GRADIENT = frozenset((B, Kind.BACKWARD_INPUT))
@@ -90,3 +94,76 @@ def merge_backward(schedule: Mapping[int, Sequence[Action | None]]) -> Order:
         ]
         for rank, acts in schedule.items()
     }
+
+
+def forwards_first(schedule: Mapping[int, Sequence[Action | None]]) -> Order:
+    """Each rank's forwards between two of its updates moved ahead of the other actions
+    there, every kind keeping its own order; idle steps are dropped. Compute-only (lower
+    communication afterwards).
+
+    Exact: nothing a forward reads changes between two updates of its rank (weights,
+    optimizer state, the inputs of a prediction), a forward still precedes its own
+    backward, and the backwards keep their order, so every pass meets the same weight
+    version and every gradient sums in the same order. Why: one thread running every rank
+    (the local transport) then runs each stage's forwards back to back as gpipe does, where
+    1F1B alternates forwards and backwards, which costs more on one core (issue 34). The
+    price: a rank holds the activations of up to one more mini-batch. The result may not
+    run to the end (a forward waiting on a rank held behind its own update); check it with
+    :func:`runs_to_the_end`.
+    """
+    out: Order = {}
+    for rank, acts in schedule.items():
+        row: list[Action] = []
+        forwards: list[Action] = []
+        rest: list[Action] = []
+        for a in acts:
+            if a is None:
+                continue
+            if a.kind is U:
+                row += [*forwards, *rest, a]
+                forwards, rest = [], []
+            elif a.kind is F:
+                forwards.append(a)
+            else:
+                rest.append(a)
+        out[rank] = [*row, *forwards, *rest]
+    return out
+
+
+def runs_to_the_end(schedule: Mapping[int, Sequence[Action | None]]) -> bool:
+    """Whether every rank's compute actions can all run, each rank in its own order: a
+    forward after the previous stage's forward of its micro-batch, a backward (or its input
+    half) after its own forward and the next stage's backward of it, a weight half after
+    its input half; an update waits for nothing but its rank's order."""
+    rank_of = stage_ranks(schedule)
+    last = max(rank_of, default=-1)
+    rows = {
+        r: [a for a in acts if a is not None and a.kind.is_compute] for r, acts in schedule.items()
+    }
+    done: set[tuple[int, Kind, int]] = set()
+    position = dict.fromkeys(rows, 0)
+    waiting = [r for r in rows if rows[r]]
+    while waiting:
+        progressed = False
+        for r in waiting:
+            row, i = rows[r], position[r]
+            while i < len(row):
+                a = row[i]
+                if a.kind is F and a.stage > 0 and (a.stage - 1, F, a.mb) not in done:
+                    break
+                if a.kind in _GRADIENT and (
+                    (a.stage, F, a.mb) not in done
+                    or (a.stage < last and (a.stage + 1, B, a.mb) not in done)
+                ):
+                    break
+                if a.kind is Kind.BACKWARD_WEIGHT and (a.stage, B, a.mb) not in done:
+                    break
+                # an input half stands for the gradient the previous stage waits for
+                done.add((a.stage, B if a.kind in _GRADIENT else a.kind, a.mb))
+                i += 1
+            progressed = progressed or i > position[r]
+            position[r] = i
+        waiting = [r for r in waiting if position[r] < len(rows[r])]
+        if waiting and not progressed:
+            return False
+    return True

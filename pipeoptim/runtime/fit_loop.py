@@ -92,11 +92,15 @@ class FitOptions:
         memory_every: int,
         targets: str,
         segment_limit: int,
+        forwards_first: bool = False,
     ) -> None:
         self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
         self.progress, self.log_every, self.memory_every = progress, log_every, memory_every
         self.targets = targets
         self.segment_limit = segment_limit
+        self.forwards_first = forwards_first
+        """Local transport: each rank's forwards between two updates run first (see
+        ``Pipeline``), except in segments a callback may cut short."""
 
 
 class FitLoop:
@@ -553,8 +557,13 @@ class FitLoop:
     def _run_segment(self, first_step: int, num_steps: int) -> int:
         """Run one segment; returns the step it ended at (earlier where a callback stopped)."""
         s = self.parts.shape
+        # A stop's horizon is where the ranks' own order stands at a log point, so a
+        # segment a callback may cut runs in that order (a dist run stops at the same step).
+        grouped = self.options.forwards_first and not self._control
         plan = segment_plan(
-            self.parts.method, Shape(s.num_ranks, s.micro_batches, num_steps, s.virtual_stages)
+            self.parts.method,
+            Shape(s.num_ranks, s.micro_batches, num_steps, s.virtual_stages),
+            grouped,
         )
         seg = Segment(0, first_step, num_steps)
         self._segment_first = first_step

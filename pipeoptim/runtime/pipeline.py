@@ -155,6 +155,15 @@ class Pipeline:
     (:mod:`~pipeoptim.runtime.host_allocator`; up to 256 MiB of freed memory stays in the
     process); False, or either of glibc's ``MALLOC_MMAP_THRESHOLD_`` and
     ``MALLOC_TRIM_THRESHOLD_`` set, leaves the allocator as it is.
+    ``forwards_first`` (``transport="local"``): each rank runs its forwards between two of
+    its updates back to back, then its backwards, as gpipe does, instead of the schedule's
+    alternation (``plan.passes.forwards_first``). The same weights, losses and gradients
+    bit for bit: nothing a forward reads changes between two updates, and the backwards
+    keep their order. One thread runs every stage here, and 1F1B's alternation costs it
+    more than the forwards in a row (xpipe's step at 16 stages, ``benchmarks/README.md``);
+    the price is a rank's activations of up to one more mini-batch. A segment that a
+    callback may cut short (``request_stop``) keeps the schedule's order, so the run stops
+    where a ``dist`` run of it would.
     """
 
     def __init__(
@@ -194,6 +203,7 @@ class Pipeline:
         loggers: Sequence[Any] | None = None,
         callbacks: Sequence[Any] | None = None,
         tune_allocator: bool = True,
+        forwards_first: bool = False,
     ) -> None:
         watchers = [
             *check_callbacks(loggers, "loggers"),
@@ -249,6 +259,17 @@ class Pipeline:
         if not isinstance(tune_allocator, bool):
             raise RuntimeConfigError(
                 f"tune_allocator must be True or False (got {tune_allocator!r})"
+            )
+        if not isinstance(forwards_first, bool):
+            raise RuntimeConfigError(
+                f"forwards_first must be True or False (got {forwards_first!r})"
+            )
+        if forwards_first and transport != "local":
+            raise RuntimeConfigError(
+                f"forwards_first orders the ranks that one process runs together "
+                f"(transport='local'); under transport={transport!r} each rank runs in a "
+                f"process of its own, where it would only hold more activations: leave "
+                f"forwards_first off there"
             )
         if targets not in ("send", "read"):
             raise RuntimeConfigError(f"unknown targets {targets!r}; use 'send' or 'read'")
@@ -314,6 +335,7 @@ class Pipeline:
             # how training targets reach the last stage's rank under dist (see the class)
             targets="send" if self.parts.process_model.one_process else targets,
             segment_limit=limit,
+            forwards_first=forwards_first,
         )
         self.state = RunState()
         advice = depth_advice(method_.name, shape.num_stages, self.plan.optimizer.family)

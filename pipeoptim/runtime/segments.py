@@ -30,7 +30,7 @@ from pipeoptim.errors import RuntimeConfigError, ScheduleError
 from pipeoptim.plan.actions import SPLIT_BACKWARD, Action, Kind
 from pipeoptim.plan.limits import estimate_work
 from pipeoptim.plan.methods import Method, WeightPolicy
-from pipeoptim.plan.passes import add_communication
+from pipeoptim.plan.passes import add_communication, forwards_first, runs_to_the_end
 from pipeoptim.plan.schedules import Shape, forward_only, stage_ranks
 from pipeoptim.plan.versions import MicroBatchVersions, VersionReport, analyze_versions
 
@@ -114,8 +114,11 @@ class SegmentPlan:
 
 
 @lru_cache(maxsize=8)
-def segment_plan(method: Method, shape: Shape) -> SegmentPlan:
+def segment_plan(method: Method, shape: Shape, grouped: bool = False) -> SegmentPlan:
     """Schedule, analyse and lower one segment length (a run's segments mostly share one).
+    ``grouped``: each rank's forwards between two updates first
+    (:func:`~pipeoptim.plan.passes.forwards_first`, the local transport's
+    ``forwards_first``), where that order runs to the end; the same weight versions.
 
     Raises :class:`ScheduleError` on a split backward (I/W) of a method that is not
     synchronous (flush): the stage keeps a micro-batch's graph from I to W, which only a
@@ -141,6 +144,10 @@ def segment_plan(method: Method, shape: Shape) -> SegmentPlan:
                 f"merge each I and W into one B "
                 f"(pipeoptim.plan.passes.merge_backward) to train it"
             )
+    if grouped:
+        regrouped = forwards_first(order)
+        if runs_to_the_end(regrouped):
+            order = regrouped
     return SegmentPlan(
         shape,
         analyze_versions(order, method.weight_policy, shape.micro_batches),

@@ -79,3 +79,32 @@ def test_bench_async_step_replay_rows_set_each_order_beside_gpipes() -> None:
         ("xpipe", "replay"),
     ], done.stdout
     assert rows[2][3] == "1.00", done.stdout
+
+
+def test_bench_async_step_forwards_first_rows_and_their_replay() -> None:
+    done = _run("--methods", "gpipe", "xpipe", "--forwards-first", "--replay")
+    rows = re.findall(
+        r"\| 4 \| (\w+) \| (fast|forwards first|replay|replay, forwards first) \| "
+        r"(\d+\.\d) \| (\d+\.\d\d)x \|",
+        done.stdout,
+    )
+    assert [(m, path) for m, path, *_ in rows] == [
+        ("gpipe", "fast"),
+        ("xpipe", "fast"),
+        ("xpipe", "forwards first"),
+        ("gpipe", "replay"),
+        ("xpipe", "replay"),
+        ("xpipe", "replay, forwards first"),
+    ], done.stdout
+
+
+def test_the_recorded_order_with_forwards_first_runs_each_ranks_forwards_in_a_row() -> None:
+    sys.path.insert(0, str(SCRIPT.parent))
+    import bench_async_step as bench
+
+    xpipe, _, _ = bench.recorded_order("xpipe", 2, 2, forwards_first=True)
+    # rank 0 runs 0F2 before 0B0 (both before its update 0U0), rank 1 both its forwards
+    assert [str(a) for a in xpipe] == [
+        *("0F0", "0F1", "0F2", "1F0", "1F1", "1B0", "1B1", "1U0", "0B0", "0B1", "0U0"),
+        *("0F3", "1F2", "1F3", "1B2", "1B3", "1U1", "0B2", "0B3", "0U1"),
+    ]
