@@ -108,6 +108,10 @@ class TrainConfig:
     log: tuple[str, ...] = ()
     """``--log`` (repeatable): ``tensorboard:DIR``, ``wandb:PROJECT`` or ``jsonl:FILE``
     (``observe.loggers.spec``), each a logger of the run."""
+    forwards_first: bool = False
+    """``--forwards-first`` (``local`` only): each rank's forwards between two of its
+    updates run back to back, then its backwards; the same weights bit for bit, a cheaper
+    order for the one thread that runs every stage (``Pipeline(forwards_first=)``)."""
 
     def __post_init__(self) -> None:
         self.plan.model = self.plan.model or "mlp"
@@ -127,6 +131,12 @@ class TrainConfig:
         if not spec.micro_batched and self.plan.micro_batches != 1:
             spec.shape(self.plan.num_stages, self.plan.micro_batches)  # the registry's error
         ProcessModel.parse(self.transport)
+        if self.forwards_first and self.transport != "local":
+            raise RuntimeConfigError(
+                f"--forwards-first orders the stages that one process runs (--transport "
+                f"local); under --transport {self.transport} each stage has a process of its "
+                f"own: drop --forwards-first"
+            )
         if not 0 < self.timeout <= MAX_TIMEOUT:
             raise RuntimeConfigError(
                 f"--timeout must be a number of seconds in (0, {MAX_TIMEOUT:g}] (got "

@@ -65,6 +65,7 @@ def build_run(
         hyperparameters=config.hyperparameters(),
         recompute=_recompute(config),
         loggers=[logger_from_spec(spec) for spec in config.log],
+        forwards_first=config.forwards_first,
     )
     return pipe, train_data, test_data
 

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from pipeoptim.cli import main
 from pipeoptim.plan.plan import OptimizerSpec, Plan
@@ -99,6 +100,43 @@ def test_schedule_precision_and_clipping_flags(capsys: pytest.CaptureFixture[str
     assert data["eval"]["samples"] == 359 and 0.0 < data["eval"]["accuracy"] <= 1.0
 
 
+def test_forwards_first_trains_the_weights_of_the_schedules_order(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    args = ["--method", "xpipe", "--stages", "4", "--max-steps", "6", "--json"]
+    runs = {}
+    for flag in ([], ["--forwards-first"]):
+        folder = tmp_path / ("first" if flag else "own")
+        code, out, _ = run_cli([*args, *flag, "--checkpoint-dir", str(folder)], capsys)
+        assert code == 0
+        runs[bool(flag)] = (json.loads(out)["losses"], folder)
+    assert runs[True][0] == runs[False][0]
+    own, first = (sorted(runs[k][1].rglob("*.pt")) for k in (False, True))
+    assert len(own) == 4  # one checkpoint file per stage
+    assert [p.relative_to(runs[False][1]) for p in own] == [
+        p.relative_to(runs[True][1]) for p in first
+    ]
+    for a, b in zip(own, first, strict=True):
+        weights_a = torch.load(a, weights_only=False)
+        weights_b = torch.load(b, weights_only=False)
+        assert_same(weights_a, weights_b)
+
+
+def assert_same(a: object, b: object) -> None:
+    """Equal to the bit where tensors, equal elsewhere (a checkpoint's nested state)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys()
+        for key in a:
+            if key not in ("time", "created", "wall_time", "saved_at"):
+                assert_same(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same(x, y)
+
+
 def test_gpt_model_via_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run_cli(["--model", "gpt", "--max-steps", "3"], capsys)
     assert code == 0
@@ -137,6 +175,7 @@ def test_user_model_example(capsys: pytest.CaptureFixture[str]) -> None:
         (["--amp", "fp16", "--device", "cpu"], "amp='fp16' needs a CUDA device"),
         (["--lr-schedule", "warmup-cosine", "--warmup", "5"], "--warmup 5 is not shorter"),
         (["--grad-clip", "0"], "--grad-clip must be positive"),
+        (["--transport", "dist", "--forwards-first"], "drop --forwards-first"),
         (
             ["--method", "pipedream+nesterov", "--optimizer", "rmsprop"],
             "RMSprop has no momentum to set (no betas, momentum 0); use NAdam",
