@@ -67,6 +67,14 @@ def corpus(n: int) -> list[tuple[Tensor, Tensor]]:
 
 
 def trained(method: str, steps: int = 4, **kw: Any) -> tuple[list[float], list[Tensor]]:
+    pipe, losses = trained_pipeline(method, steps, **kw)
+    params = [p.detach().clone() for s in pipe.stages.values() for p in s.module.parameters()]
+    return losses, params
+
+
+def trained_pipeline(method: str, steps: int = 4, **kw: Any) -> tuple[Pipeline, list[float]]:
+    """A Pipeline of :func:`tiny_gpt` (4 stages, M = 4 where micro-batched, AdamW,
+    clipping) after ``steps`` mini-batches, and its losses; ``kw`` goes to the Pipeline."""
     options: dict[str, Any] = {"stages": 4, "micro_batches": 4, **kw}
     if not get_method(method).micro_batched:
         options["micro_batches"] = 1
@@ -80,8 +88,7 @@ def trained(method: str, steps: int = 4, **kw: Any) -> tuple[list[float], list[T
         **options,
     )
     result = pipe.fit(corpus(steps), max_steps=steps)
-    params = [p.detach().clone() for s in pipe.stages.values() for p in s.module.parameters()]
-    return result.losses, params
+    return pipe, list(result.losses)
 
 
 CASES = [

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_async_fast_path import corpus, tiny_gpt
+from test_async_fast_path import corpus, tiny_gpt, trained_pipeline
 
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.actions import Action, Kind
@@ -97,23 +97,6 @@ def test_a_rank_that_never_runs_a_dependency_does_not_run_to_the_end() -> None:
 
 
 # -- the runtime -----------------------------------------------------------------------------
-def trained(method: str, steps: int = 4, **kw: Any) -> tuple[Pipeline, list[float]]:
-    options: dict[str, Any] = {"stages": 4, "micro_batches": 4, **kw}
-    if not get_method(method).micro_batched:
-        options["micro_batches"] = 1
-    pipe = Pipeline(
-        tiny_gpt(),  # dropout: each stage's random stream sees its forwards in their order
-        method=method,
-        optimizer=OptimizerSpec("adamw", 3e-3, {"weight_decay": 0.01}),
-        loss_fn=lm_loss,
-        grad_clip=1.0,
-        log_every=1,
-        **options,
-    )
-    result = pipe.fit(corpus(steps), max_steps=steps)
-    return pipe, list(result.losses)
-
-
 def weights(pipe: Pipeline) -> list[torch.Tensor]:
     return [p.detach() for s in pipe.stages.values() for p in s.module.parameters()]
 
@@ -138,8 +121,8 @@ CASES = [
 def test_forwards_first_trains_the_weights_of_the_schedules_order_bit_for_bit(
     method: str, options: dict[str, Any]
 ) -> None:
-    own, own_losses = trained(method, **options)
-    first, first_losses = trained(method, forwards_first=True, **options)
+    own, own_losses = trained_pipeline(method, **options)
+    first, first_losses = trained_pipeline(method, forwards_first=True, **options)
     assert first_losses == own_losses
     for a, b in zip(weights(first), weights(own), strict=True):
         assert torch.equal(a, b), (a - b).abs().max()
@@ -157,8 +140,8 @@ def runs_of_forwards(pipe: Pipeline, stage: int) -> int:
 
 
 def test_xpipe_runs_a_middle_stages_forwards_of_an_interval_back_to_back() -> None:
-    own, _ = trained("xpipe", steps=3)
-    first, _ = trained("xpipe", steps=3, forwards_first=True)
+    own, _ = trained_pipeline("xpipe", steps=3)
+    first, _ = trained_pipeline("xpipe", steps=3, forwards_first=True)
     assert runs_of_forwards(own, 1) < 4  # the schedule alternates after its warm-up
     assert runs_of_forwards(first, 1) >= 4  # M = 4 forwards between two updates
 
