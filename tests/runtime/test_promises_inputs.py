@@ -611,6 +611,7 @@ CONSTRUCTOR = {
     "loggers": _mix([None, []], ("tensorboard:runs", [3], 5)),
     "callbacks": _mix([None, [], [Callback()]], ("on_step_end", [object()], 7)),
     "tune_allocator": _mix([True, False], ("yes", 1, None)),
+    "forwards_first": _mix([False, True], ("yes", 1, None)),
 }
 """Every argument but ``store``, ``progress`` and the run identity (internal to the CLI).
 ``transport="dist"`` is left out: it joins a process group (tests/runtime/test_dist.py)."""
