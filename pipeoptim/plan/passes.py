@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from pipeoptim.plan.actions import Action, B, F, Kind, U
-from pipeoptim.plan.schedules import Order, stage_ranks
+from pipeoptim.plan.actions import SPLIT_BACKWARD, Action, B, F, Kind, U
+from pipeoptim.plan.schedules import Order, dependencies, stage_ranks
 
 _GRADIENT = frozenset((B, Kind.BACKWARD_INPUT))
 """Backward kinds that take the next stage's gradient and pass one to the previous stage."""
@@ -130,36 +130,29 @@ def forwards_first(schedule: Mapping[int, Sequence[Action | None]]) -> Order:
     return out
 
 
-def runs_to_the_end(schedule: Mapping[int, Sequence[Action | None]]) -> bool:
-    """Whether every rank's compute actions can all run, each rank in its own order: a
-    forward after the previous stage's forward of its micro-batch, a backward (or its input
-    half) after its own forward and the next stage's backward of it, a weight half after
-    its input half; an update waits for nothing but its rank's order."""
-    rank_of = stage_ranks(schedule)
-    last = max(rank_of, default=-1)
+def runs_to_the_end(schedule: Mapping[int, Sequence[Action | None]], micro_batches: int) -> bool:
+    """Whether every rank's compute actions can all run, each rank in its own order, each
+    action after those :func:`~pipeoptim.plan.schedules.dependencies` names: ``retime``'s
+    verdict, without its clock grid."""
     rows = {
         r: [a for a in acts if a is not None and a.kind.is_compute] for r, acts in schedule.items()
     }
-    done: set[tuple[int, Kind, int]] = set()
+    present = {a for row in rows.values() for a in row}
+    num_stages = max((a.stage for a in present), default=-1) + 1
+    # which backward form each micro-batch takes matters only where any backward is split
+    forms = present if any(a.kind in SPLIT_BACKWARD for a in present) else None
+    done: set[Action] = set()
     position = dict.fromkeys(rows, 0)
     waiting = [r for r in rows if rows[r]]
     while waiting:
         progressed = False
         for r in waiting:
             row, i = rows[r], position[r]
-            while i < len(row):
-                a = row[i]
-                if a.kind is F and a.stage > 0 and (a.stage - 1, F, a.mb) not in done:
-                    break
-                if a.kind in _GRADIENT and (
-                    (a.stage, F, a.mb) not in done
-                    or (a.stage < last and (a.stage + 1, B, a.mb) not in done)
-                ):
-                    break
-                if a.kind is Kind.BACKWARD_WEIGHT and (a.stage, B, a.mb) not in done:
-                    break
-                # an input half stands for the gradient the previous stage waits for
-                done.add((a.stage, B if a.kind in _GRADIENT else a.kind, a.mb))
+            while i < len(row) and all(
+                d in done or d not in present
+                for d in dependencies(row[i], num_stages, micro_batches, forms)
+            ):
+                done.add(row[i])
                 i += 1
             progressed = progressed or i > position[r]
             position[r] = i

@@ -146,7 +146,7 @@ def segment_plan(method: Method, shape: Shape, grouped: bool = False) -> Segment
             )
     if grouped:
         regrouped = forwards_first(order)
-        if runs_to_the_end(regrouped):
+        if runs_to_the_end(regrouped, shape.micro_batches):
             order = regrouped
     return SegmentPlan(
         shape,
