@@ -14,18 +14,16 @@ from typing import Any
 import pytest
 import tied_worker
 import torch
-from test_async_fast_path import corpus, tiny_gpt, trained_pipeline
+from test_async_fast_path import tiny_gpt, trained_pipeline
 
-from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.errors import RuntimeConfigError, ScheduleError
 from pipeoptim.plan.actions import Action, Kind
 from pipeoptim.plan.methods import METHODS, get_method
 from pipeoptim.plan.passes import forwards_first, runs_to_the_end
-from pipeoptim.plan.plan import OptimizerSpec
-from pipeoptim.plan.schedules import Order, Shape
+from pipeoptim.plan.schedules import Order, Shape, retime
 from pipeoptim.plan.versions import analyze_versions
 from pipeoptim.runtime.pipeline import Pipeline
 from pipeoptim.runtime.segments import segment_plan
-from pipeoptim.workloads.gpt import lm_loss
 
 
 def rows(order: Order) -> dict[int, str]:
@@ -69,7 +67,7 @@ def test_every_method_meets_the_same_versions_and_runs_to_the_end(name: str) -> 
                     continue
                 grouped = forwards_first(order)
                 after = analyze_versions(grouped, method.weight_policy, m)
-                assert runs_to_the_end(grouped), (name, p, m, n)
+                assert runs_to_the_end(grouped, m), (name, p, m, n)
                 assert after.passes == before.passes, (name, p, m, n)
                 assert after.updates == before.updates, (name, p, m, n)
                 assert after.weight_copies == before.weight_copies, (name, p, m, n)
@@ -84,8 +82,10 @@ HELD = {0: "0F0 0B0 0U0 0F1 0B1 0U1", 1: "1F0 1B0 1F1 1U0 1B1 1U1"}
 
 def test_an_order_whose_grouped_form_would_wait_forever_keeps_its_own() -> None:
     order = parsed(HELD)
-    assert runs_to_the_end(order)
-    assert not runs_to_the_end(forwards_first(order))
+    assert runs_to_the_end(order, 1)
+    assert not runs_to_the_end(forwards_first(order), 1)
+    with pytest.raises(ScheduleError, match="deadlocks"):  # the clock grid's verdict too
+        retime(forwards_first(order), 1)
     method = dataclasses.replace(
         get_method("pipedream"), name="held", generator=lambda shape: parsed(HELD)
     )
@@ -94,7 +94,7 @@ def test_an_order_whose_grouped_form_would_wait_forever_keeps_its_own() -> None:
 
 
 def test_a_rank_that_never_runs_a_dependency_does_not_run_to_the_end() -> None:
-    assert not runs_to_the_end(parsed({0: "0F0 0B0 0U0", 1: "1B0 1F0 1U0"}))
+    assert not runs_to_the_end(parsed({0: "0F0 0B0 0U0", 1: "1B0 1F0 1U0"}), 1)
 
 
 # -- the runtime -----------------------------------------------------------------------------
@@ -159,23 +159,9 @@ class StopAtStep:
 
 
 def test_a_segment_a_callback_may_cut_keeps_the_schedules_order_and_stops_alike() -> None:
-    def run(first: bool) -> tuple[Pipeline, list[float]]:
-        pipe = Pipeline(
-            tiny_gpt(),
-            method="xpipe",
-            stages=4,
-            micro_batches=4,
-            optimizer=OptimizerSpec("adamw", 3e-3),
-            loss_fn=lm_loss,
-            log_every=1,
-            callbacks=[StopAtStep(2)],
-            forwards_first=first,
-        )
-        result = pipe.fit(corpus(8), max_steps=8)
-        return pipe, list(result.losses)
-
-    own, own_losses = run(False)
-    first, first_losses = run(True)
+    stop = {"steps": 8, "callbacks": [StopAtStep(2)]}
+    own, own_losses = trained_pipeline("xpipe", **stop)
+    first, first_losses = trained_pipeline("xpipe", forwards_first=True, **stop)
     assert len(first_losses) == len(own_losses) < 8
     assert first_losses == own_losses
     assert runs_of_forwards(first, 1) == runs_of_forwards(own, 1)

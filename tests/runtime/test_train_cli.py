@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_checkpoint import assert_same
 
 from pipeoptim.cli import main
 from pipeoptim.plan.plan import OptimizerSpec, Plan
@@ -117,24 +118,7 @@ def test_forwards_first_trains_the_weights_of_the_schedules_order(
         p.relative_to(runs[True][1]) for p in first
     ]
     for a, b in zip(own, first, strict=True):
-        weights_a = torch.load(a, weights_only=False)
-        weights_b = torch.load(b, weights_only=False)
-        assert_same(weights_a, weights_b)
-
-
-def assert_same(a: object, b: object) -> None:
-    """Equal to the bit where tensors, equal elsewhere (a checkpoint's nested state)."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys()
-        for key in a:
-            if key not in ("time", "created", "wall_time", "saved_at"):
-                assert_same(a[key], b[key])
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            assert_same(x, y)
+        assert_same(torch.load(a, weights_only=True), torch.load(b, weights_only=True))
 
 
 def test_gpt_model_via_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
