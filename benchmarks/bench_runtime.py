@@ -38,7 +38,11 @@ asynchronous methods' share of the limit, each one's floor against the limit and
 method against its floor (what the runtime itself loses), and where each pipeoptim run's
 time goes on each rank, from its own trace of the timed steps: compute (F, B, U and their
 halves), the communication actions (sends, and receives including their waits) and the
-interpreter between actions (the wall time no action covers).
+interpreter between actions (the wall time no action covers). Last, each run's CPU work
+over its timed steps (every rank's process, and of it the threads other than the rank's own:
+the backend's socket I/O), and the share of the limit that work allows at best on this
+machine's cores (:func:`cpu_floor`): a run doing more CPU work than the limit, on cores the
+limit already fills, cannot reach it whatever its schedule.
 
 Every run's processes use the same host allocator: by default the thresholds a pipeoptim
 Pipeline sets in a CPU process (``pipeoptim/runtime/host_allocator.py``), set in torch's
@@ -118,21 +122,36 @@ def _init(rank: int, ranks: int, port: int, args: dict[str, Any]) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=ranks)
 
 
-def _timed(step: Callable[[], None], args: dict[str, Any], *, until_all: bool) -> float:
+def _timed(
+    step: Callable[[], None], args: dict[str, Any], *, until_all: bool
+) -> tuple[float, dict[str, float]]:
     """Seconds of ``args["steps"]`` steps after ``args["warmup"]``, every rank starting
-    together; ``until_all``: until the last rank is done, else this rank's own."""
+    together; ``until_all``: until the last rank is done, else this rank's own. With them,
+    the CPU this process used meanwhile (:func:`_cpu_since`)."""
     for _ in range(args["warmup"]):
         step()
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), _cpu_now()
     for _ in range(args["steps"]):
         step()
+    used = _cpu_since(cpu)
     if until_all:
         dist.barrier()
     seconds = time.perf_counter() - start
     if not until_all:
         dist.barrier()
-    return seconds
+    return seconds, used
+
+
+def _cpu_now() -> tuple[float, float]:
+    return time.process_time(), time.thread_time()
+
+
+def _cpu_since(then: tuple[float, float]) -> dict[str, float]:
+    """CPU seconds since ``then`` (:func:`_cpu_now`): the whole process's, and of it the
+    threads other than this one (the backend's I/O: gloo reads and writes its sockets there)."""
+    process, thread = (now - before for now, before in zip(_cpu_now(), then, strict=True))
+    return {"cpu": process, "other threads": max(0.0, process - thread)}
 
 
 def _torch_rank(rank: int, ranks: int, port: int, args: dict[str, Any], out: Any) -> None:
@@ -156,8 +175,8 @@ def _torch_rank(rank: int, ranks: int, port: int, args: dict[str, Any], out: Any
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    seconds = _timed(step, args, until_all=True)
-    out.put((rank, args["steps"] * args["batch"] / seconds, {}))
+    seconds, cpu = _timed(step, args, until_all=True)
+    out.put((rank, args["steps"] * args["batch"] / seconds, cpu))
     dist.destroy_process_group()
 
 
@@ -191,12 +210,14 @@ def _pipeoptim_rank(rank: int, ranks: int, port: int, args: dict[str, Any], out:
     )
     pipe.fit(data(args["batch"], args["warmup"]), max_steps=args["warmup"])
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), _cpu_now()
     total = args["warmup"] + args["steps"]
     pipe.fit(data(args["batch"], total), max_steps=total)
+    used = _cpu_since(cpu)
     dist.barrier()
     wall = time.perf_counter() - start
-    out.put((rank, args["steps"] * args["batch"] / wall, _breakdown(pipe, rank, wall)))
+    parts = {**_breakdown(pipe, rank, wall), **used}
+    out.put((rank, args["steps"] * args["batch"] / wall, parts))
     pipe.close()
 
 
@@ -267,8 +288,8 @@ def _limit_rank(rank: int, ranks: int, port: int, args: dict[str, Any], out: Any
         if predictor is not None:
             predictor.predict_into(predicted, distance)
 
-    seconds = _timed(step, args, until_all=False)  # this rank's own time
-    out.put((rank, args["steps"] * args["batch"] / seconds, {}))
+    seconds, cpu = _timed(step, args, until_all=False)  # this rank's own time
+    out.put((rank, args["steps"] * args["batch"] / seconds, cpu))
     dist.destroy_process_group()
 
 
@@ -287,6 +308,16 @@ def _spawned(
         p.join(timeout=60)
     rate = min(float(r) for _, r, _ in reports)
     return rate, {rank: parts for rank, _, parts in reports}
+
+
+def cpu_floor(parts: dict[int, dict[str, float]], cores: int) -> float:
+    """The shortest wall time, in seconds, that a run's CPU work allows on ``cores`` cores
+    (``parts``: each rank's ``cpu`` and ``other threads``, :func:`_cpu_since`): no shorter
+    than a rank's own thread, whose work runs in order, nor than all the ranks' CPU spread
+    evenly over the cores. A run that takes longer waits or leaves a core idle meanwhile;
+    one that does more CPU work than the limit cannot reach it where the cores are full."""
+    own = max(p["cpu"] - p["other threads"] for p in parts.values())
+    return max(own, sum(p["cpu"] for p in parts.values()) / cores)
 
 
 GLIBC_DEFAULTS = " (glibc defaults)"
@@ -416,6 +447,37 @@ def main() -> None:
                 f"| {run} | {rank} | {cells[0]:.3f} | {cells[1]:.3f} | {cells[2]:.3f} | "
                 f"{cells[3]:.3f} | {cells[4]:.0f} |"
             )
+    if "limit" in rates:
+        _print_cpu(rates, parts, a.steps * a.batch, cores)
+
+
+def _print_cpu(
+    rates: dict[str, list[float]],
+    parts: dict[str, list[dict[int, dict[str, float]]]],
+    samples: int,
+    cores: int,
+) -> None:
+    """Each run's CPU work against the limit's: how much of the limit that work allows on
+    this machine's cores (:func:`cpu_floor`), and how much the run reached."""
+    top = statistics.median(rates["limit"])
+    print(
+        f"\nCPU work over the timed steps, seconds, median over rounds; at best a run takes "
+        f"the longer of a rank's own thread and all its CPU spread over the {cores} cores:"
+    )
+    print("| run | CPU, all ranks | busiest rank | other threads | share it allows | reached |")
+    print("|---|---|---|---|---|---|")
+    for run, rounds in parts.items():
+        if not all(p.get("cpu") is not None for r in rounds for p in r.values()):
+            continue
+        total = statistics.median(sum(p["cpu"] for p in r.values()) for r in rounds)
+        busiest = statistics.median(max(p["cpu"] for p in r.values()) for r in rounds)
+        other = statistics.median(sum(p["other threads"] for p in r.values()) for r in rounds)
+        allows = statistics.median(samples / cpu_floor(r, cores) for r in rounds) / top
+        reached = statistics.median(rates[run]) / top
+        print(
+            f"| {run} | {total:.3f} | {busiest:.3f} | {other:.3f} | {allows:.2f}x | "
+            f"{reached:.2f}x |"
+        )
 
 
 if __name__ == "__main__":

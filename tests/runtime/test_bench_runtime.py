@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import threading
+import time
 from typing import Any
 
 import benchmark_scripts
@@ -50,6 +52,33 @@ def test_the_floors_add_the_weight_work_on_the_ranks_the_runtime_does_it(ranks: 
     assert [copies[k] > 1 for k in range(ranks)] == [d > 0 for d in distances]
 
 
+def test_the_cpu_floor_is_the_longer_of_a_ranks_own_thread_and_the_cores_full() -> None:
+    b = bench()
+    parts = {0: {"cpu": 3.0, "other threads": 1.0}, 1: {"cpu": 2.6, "other threads": 0.0}}
+    assert b.cpu_floor(parts, 2) == pytest.approx(2.8)  # 5.6 s of CPU over 2 cores
+    assert b.cpu_floor(parts, 4) == pytest.approx(2.6)  # rank 1's own thread
+    assert b.cpu_floor({0: {"cpu": 1.0, "other threads": 0.0}}, 1) == pytest.approx(1.0)
+
+
+def test_the_cpu_of_other_threads_is_told_apart_from_the_ranks_own() -> None:
+    """What a backend thread burns (gloo's socket I/O) counts in the process's CPU and in
+    ``other threads``, not in the rank's own thread."""
+    b = bench()
+
+    def burn(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    then = b._cpu_now()
+    worker = threading.Thread(target=burn, args=(0.2,))
+    worker.start()
+    worker.join()
+    used = b._cpu_since(then)
+    assert used["other threads"] >= 0.19, used
+    assert used["cpu"] >= used["other threads"], used
+
+
 def test_bench_runtime_prints_the_share_of_the_limit_and_where_the_time_goes() -> None:
     args = ["--rounds", "1", "--steps", "2", "--warmup", "1", "--batch", "32"]
     runs = "pipeoptim pipeoptim,limit,limit +prediction"
@@ -69,5 +98,14 @@ def test_bench_runtime_prints_the_share_of_the_limit_and_where_the_time_goes() -
         done.stdout,
     )
     assert floor is not None and min(map(float, floor.groups())) > 0, done.stdout
+    cpu = re.findall(
+        r"\| (pipeoptim pipeoptim|limit) \| (\d+\.\d+) \| (\d+\.\d+) \| (\d+\.\d+) \| "
+        r"(\d+\.\d\d)x \| (\d+\.\d\d)x \|",
+        done.stdout,
+    )
+    assert [row[0] for row in cpu] == ["pipeoptim pipeoptim", "limit"], done.stdout
+    for _, total, busiest, other, allows, reached in cpu:
+        assert float(total) >= float(busiest) > 0 and float(other) >= 0, done.stdout
+        assert float(allows) > 0 and float(reached) > 0, done.stdout
     ranks = re.findall(r"\| pipeoptim pipeoptim \| (\d) \| (\d+\.\d+) \|", done.stdout)
     assert [r for r, _ in ranks] == ["0", "1"] and all(float(c) > 0 for _, c in ranks)
