@@ -39,10 +39,11 @@ method against its floor (what the runtime itself loses), and where each pipeopt
 time goes on each rank, from its own trace of the timed steps: compute (F, B, U and their
 halves), the communication actions (sends, and receives including their waits) and the
 interpreter between actions (the wall time no action covers). Last, each run's CPU work
-over its timed steps (every rank's process, and of it the threads other than the rank's own:
-the backend's socket I/O), and the share of the limit that work allows at best on this
-machine's cores (:func:`cpu_floor`): a run doing more CPU work than the limit, on cores the
-limit already fills, cannot reach it whatever its schedule.
+over its timed steps (every rank's process, and of it the threads other than the rank's
+own: the backend's socket I/O, and torch's intra-op threads where a rank has several), and
+the share of the limit that work allows at best on this machine's cores
+(:func:`cpu_floor`): a run doing more CPU work than the limit, on cores the limit already
+fills, cannot reach it whatever its schedule.
 
 Every run's processes use the same host allocator: by default the thresholds a pipeoptim
 Pipeline sets in a CPU process (``pipeoptim/runtime/host_allocator.py``), set in torch's
@@ -149,7 +150,8 @@ def _cpu_now() -> tuple[float, float]:
 
 def _cpu_since(then: tuple[float, float]) -> dict[str, float]:
     """CPU seconds since ``then`` (:func:`_cpu_now`): the whole process's, and of it the
-    threads other than this one (the backend's I/O: gloo reads and writes its sockets there)."""
+    threads other than this one: the backend's I/O (gloo reads and writes its sockets there)
+    and, where a rank has more than one thread, torch's intra-op threads."""
     process, thread = (now - before for now, before in zip(_cpu_now(), then, strict=True))
     return {"cpu": process, "other threads": max(0.0, process - thread)}
 
@@ -467,8 +469,6 @@ def _print_cpu(
     print("| run | CPU, all ranks | busiest rank | other threads | share it allows | reached |")
     print("|---|---|---|---|---|---|")
     for run, rounds in parts.items():
-        if not all(p.get("cpu") is not None for r in rounds for p in r.values()):
-            continue
         total = statistics.median(sum(p["cpu"] for p in r.values()) for r in rounds)
         busiest = statistics.median(max(p["cpu"] for p in r.values()) for r in rounds)
         other = statistics.median(sum(p["other threads"] for p in r.values()) for r in rounds)
