@@ -51,6 +51,11 @@ runs and the limit's too, so that the ratios compare the pipelines and not the a
 ``--allocator default`` leaves glibc's defaults everywhere (``tune_allocator=False``), and
 a run named with the suffix `` (glibc defaults)`` (``"pipeoptim pipeoptim (glibc
 defaults)"``) leaves them in that run alone, interleaved with the others.
+
+pipeoptim's ranks on one host send their messages through shared memory
+(``runtime/comm/shared_memory.py``); a pipeoptim run named with the suffix `` (gloo)``
+(``"pipeoptim pipeoptim (gloo)"``) sends them all over gloo, as torch's runs do, and the
+table after the limit's shares gives each run against its ``(gloo)`` twin.
 """
 
 from __future__ import annotations
@@ -115,6 +120,8 @@ def _free_port() -> int:
 
 def _init(rank: int, ranks: int, port: int, args: dict[str, Any]) -> None:
     torch.set_num_threads(args["threads"])
+    if args.get("over_gloo"):  # read when the Pipeline builds its transport
+        os.environ["PIPEOPTIM_SHARED_MEMORY"] = "0"
     if args["allocator"] == "pipeoptim":  # every run's processes alike, the limit's too
         from pipeoptim.runtime.host_allocator import keep_freed_memory
 
@@ -322,6 +329,11 @@ def cpu_floor(parts: dict[int, dict[str, float]], cores: int) -> float:
     return max(own, sum(p["cpu"] for p in parts.values()) / cores)
 
 
+OVER_GLOO = " (gloo)"
+"""A pipeoptim run name ending so sends every message over gloo
+(``PIPEOPTIM_SHARED_MEMORY=0``): ``--runs "pipeoptim pipeoptim,pipeoptim pipeoptim (gloo)"``
+measures the shared-memory transport's effect in one run."""
+
 GLIBC_DEFAULTS = " (glibc defaults)"
 """A run name ending so runs with glibc's allocator defaults whatever ``--allocator`` says:
 ``--runs "limit,limit (glibc defaults)"`` measures the allocator's effect in one run."""
@@ -378,9 +390,10 @@ def main() -> None:
     parts: dict[str, list[dict[int, dict[str, float]]]] = {r: [] for r in runs}
     for round_ in range(a.rounds):
         for run in runs:
-            base_run = run.removesuffix(GLIBC_DEFAULTS)
+            base_run = run.removesuffix(GLIBC_DEFAULTS).removesuffix(OVER_GLOO)
             allocator = "default" if run.endswith(GLIBC_DEFAULTS) else a.allocator
-            job = {**args, "run": base_run, "allocator": allocator}
+            over_gloo = run.endswith(OVER_GLOO)
+            job = {**args, "run": base_run, "allocator": allocator, "over_gloo": over_gloo}
             if base_run == "limit" or base_run in FLOORS:
                 target: Callable[..., None] = _limit_rank
             elif base_run.startswith("torch"):
@@ -429,6 +442,12 @@ def main() -> None:
         print(f"\nthe host allocator ({a.allocator}) against glibc's defaults, same rounds:")
         for run in pairs:
             gain = [x / y for x, y in zip(rates[run], rates[run + GLIBC_DEFAULTS], strict=True)]
+            print(f"  {run}: {statistics.median(gain):.2f}x (median of the rounds' ratios)")
+    over_gloo = [r for r in runs if r + OVER_GLOO in rates]
+    if over_gloo:
+        print("\nshared memory between the ranks against gloo alone, same rounds:")
+        for run in over_gloo:
+            gain = [x / y for x, y in zip(rates[run], rates[run + OVER_GLOO], strict=True)]
             print(f"  {run}: {statistics.median(gain):.2f}x (median of the rounds' ratios)")
     bare, logged = "pipeoptim pipeoptim", "pipeoptim pipeoptim +loggers"
     if bare in rates and logged in rates:

@@ -91,7 +91,7 @@ class Assembly:
         self.device, ranks = self._place(device)
         self.ranks = ranks
         self.transports: dict[int, Transport] = self.process_model.transports(
-            self.shape.num_ranks, ranks[0], self.device, self.replicas.global_rank(0)
+            self.shape.num_ranks, ranks[0], self.device, self.replicas.global_rank(0), self.timeout
         )
         self.chained_probe = not self.process_model.one_process and bool(meta_units(units))
         """No rank holds the whole model (built on the meta device): the dry run goes stage

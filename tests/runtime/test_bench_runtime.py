@@ -109,3 +109,20 @@ def test_bench_runtime_prints_the_share_of_the_limit_and_where_the_time_goes() -
         assert float(allows) > 0 and float(reached) > 0, done.stdout
     ranks = re.findall(r"\| pipeoptim pipeoptim \| (\d) \| (\d+\.\d+) \|", done.stdout)
     assert [r for r, _ in ranks] == ["0", "1"] and all(float(c) > 0 for _, c in ranks)
+
+
+def test_bench_runtime_sets_a_run_over_gloo_beside_its_shared_memory_twin() -> None:
+    args = ["--rounds", "1", "--steps", "2", "--warmup", "1", "--batch", "32"]
+    runs = "pipeoptim pipedream,pipeoptim pipedream (gloo),limit"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), *args, "--runs", runs],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert re.search(r"\| pipeoptim pipedream \(gloo\) \| [\d,]+ \|", done.stdout), done.stdout
+    twin = re.search(
+        r"against gloo alone, same rounds:\n  pipeoptim pipedream: (\d+\.\d\d)x", done.stdout
+    )
+    assert twin is not None and float(twin.group(1)) > 0, done.stdout

@@ -48,16 +48,41 @@ class ProcessModel(str, Enum):
         return self is ProcessModel.ONE_PROCESS
 
     def transports(
-        self, num_ranks: int, own_rank: int, device: torch.device, first_rank: int
+        self,
+        num_ranks: int,
+        own_rank: int,
+        device: torch.device,
+        first_rank: int,
+        timeout: float = 1800.0,
     ) -> dict[int, Transport]:
         """This process's transport endpoint of each rank it runs: all ``num_ranks`` sharing
         a mailbox in one process, or ``own_rank``'s alone over the process group
-        (``first_rank``: the process-group rank of this pipeline's rank 0)."""
+        (``first_rank``: the process-group rank of this pipeline's rank 0), with shared
+        memory between the ranks on one host where the group is gloo's (``timeout``:
+        seconds a wait for a peer may last)."""
         # imported here: the run configuration checks a process model without loading torch
         if self.one_process:
             from pipeoptim.runtime.comm.local import LocalTransport
 
             return dict(enumerate(LocalTransport.group(num_ranks)))
-        from pipeoptim.runtime.comm.dist import DistTransport
+        import torch.distributed as dist
 
+        from pipeoptim.runtime.comm.dist import DistTransport
+        from pipeoptim.runtime.comm.shared_memory import (
+            SharedMemoryTransport,
+            shared_memory_ring_bytes,
+        )
+
+        ring = shared_memory_ring_bytes()
+        if ring and dist.get_backend() == "gloo":
+            return {
+                own_rank: SharedMemoryTransport(
+                    own_rank,
+                    num_ranks,
+                    device,
+                    first_rank=first_rank,
+                    timeout=timeout,
+                    ring_bytes=ring,
+                )
+            }
         return {own_rank: DistTransport(own_rank, num_ranks, device, first_rank=first_rank)}

@@ -9,6 +9,9 @@ drift apart. A transport is one class here or beside this file:
   on CPU and on a single GPU.
 * :class:`~pipeoptim.runtime.comm.dist.DistTransport`: one rank per process over
   ``torch.distributed`` point-to-point operations (gloo on CPU, NCCL on CUDA).
+* :class:`~pipeoptim.runtime.comm.shared_memory.SharedMemoryTransport`: the same, with the
+  CPU messages between ranks on one host written through shared memory (the default under
+  gloo).
 
 Which processes the ranks live in is the process model
 (:mod:`~pipeoptim.runtime.comm.process_model`), not the transport: a new transport is a new
