@@ -55,7 +55,10 @@ defaults)"``) leaves them in that run alone, interleaved with the others.
 pipeoptim's ranks on one host send their messages through shared memory
 (``runtime/comm/shared_memory.py``); a pipeoptim run named with the suffix `` (gloo)``
 (``"pipeoptim pipeoptim (gloo)"``) sends them all over gloo, as torch's runs do, and the
-table after the limit's shares gives each run against its ``(gloo)`` twin.
+table after the limit's shares gives each run against its ``(gloo)`` twin. Where several
+backwards add up before an update (M > 1), a stage adds its linear layers' weight gradients
+inside their products (``runtime/stage/accumulate_in_product.py``); the suffix
+`` (autograd sums)`` leaves them to autograd's own accumulation, as torch's runs do.
 """
 
 from __future__ import annotations
@@ -217,6 +220,9 @@ def _pipeoptim_rank(rank: int, ranks: int, port: int, args: dict[str, Any], out:
         loggers=loggers,
         tune_allocator=args["allocator"] == "pipeoptim",
     )
+    if args.get("autograd_sums"):
+        for stage in pipe.stages.values():
+            stage._in_product = None
     pipe.fit(data(args["batch"], args["warmup"]), max_steps=args["warmup"])
     dist.barrier()
     start, cpu = time.perf_counter(), _cpu_now()
@@ -334,6 +340,11 @@ OVER_GLOO = " (gloo)"
 (``PIPEOPTIM_SHARED_MEMORY=0``): ``--runs "pipeoptim pipeoptim,pipeoptim pipeoptim (gloo)"``
 measures the shared-memory transport's effect in one run."""
 
+AUTOGRAD_SUMS = " (autograd sums)"
+"""A pipeoptim run name ending so leaves the micro-batches' weight gradients to autograd's
+own accumulation (a new tensor per product, then an add) rather than adding them inside
+the products (``runtime/stage/accumulate_in_product.py``)."""
+
 GLIBC_DEFAULTS = " (glibc defaults)"
 """A run name ending so runs with glibc's allocator defaults whatever ``--allocator`` says:
 ``--runs "limit,limit (glibc defaults)"`` measures the allocator's effect in one run."""
@@ -390,10 +401,16 @@ def main() -> None:
     parts: dict[str, list[dict[int, dict[str, float]]]] = {r: [] for r in runs}
     for round_ in range(a.rounds):
         for run in runs:
-            base_run = run.removesuffix(GLIBC_DEFAULTS).removesuffix(OVER_GLOO)
-            allocator = "default" if run.endswith(GLIBC_DEFAULTS) else a.allocator
-            over_gloo = run.endswith(OVER_GLOO)
-            job = {**args, "run": base_run, "allocator": allocator, "over_gloo": over_gloo}
+            base_run = run
+            for suffix in (GLIBC_DEFAULTS, OVER_GLOO, AUTOGRAD_SUMS):
+                base_run = base_run.removesuffix(suffix)
+            job = {
+                **args,
+                "run": base_run,
+                "allocator": "default" if run.endswith(GLIBC_DEFAULTS) else a.allocator,
+                "over_gloo": run.endswith(OVER_GLOO),
+                "autograd_sums": run.endswith(AUTOGRAD_SUMS),
+            }
             if base_run == "limit" or base_run in FLOORS:
                 target: Callable[..., None] = _limit_rank
             elif base_run.startswith("torch"):
@@ -443,12 +460,16 @@ def main() -> None:
         for run in pairs:
             gain = [x / y for x, y in zip(rates[run], rates[run + GLIBC_DEFAULTS], strict=True)]
             print(f"  {run}: {statistics.median(gain):.2f}x (median of the rounds' ratios)")
-    over_gloo = [r for r in runs if r + OVER_GLOO in rates]
-    if over_gloo:
-        print("\nshared memory between the ranks against gloo alone, same rounds:")
-        for run in over_gloo:
-            gain = [x / y for x, y in zip(rates[run], rates[run + OVER_GLOO], strict=True)]
-            print(f"  {run}: {statistics.median(gain):.2f}x (median of the rounds' ratios)")
+    for suffix, what in (
+        (OVER_GLOO, "shared memory between the ranks against gloo alone"),
+        (AUTOGRAD_SUMS, "weight gradients added in their products against autograd's sums"),
+    ):
+        twins = [r for r in runs if r + suffix in rates]
+        if twins:
+            print(f"\n{what}, same rounds:")
+            for run in twins:
+                gain = [x / y for x, y in zip(rates[run], rates[run + suffix], strict=True)]
+                print(f"  {run}: {statistics.median(gain):.2f}x (median of the rounds' ratios)")
     bare, logged = "pipeoptim pipeoptim", "pipeoptim pipeoptim +loggers"
     if bare in rates and logged in rates:
         cost = statistics.median(rates[logged]) / statistics.median(rates[bare])

@@ -437,7 +437,7 @@ def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     n = 1
     for d in shape:
         n *= int(d)
-    return n * torch.empty((), dtype=dtype).element_size()
+    return n * dtype.itemsize
 
 
 def _gathered(value: Any) -> list[Any]:

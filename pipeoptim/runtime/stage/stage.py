@@ -80,6 +80,7 @@ from pipeoptim.runtime.payload import (
     output_roots,
     payload_bytes,
 )
+from pipeoptim.runtime.stage.accumulate_in_product import AccumulateInProduct
 from pipeoptim.runtime.stage.chain import UnitChain, as_chain
 from pipeoptim.runtime.stage.diagnose import (
     describe_failure,
@@ -189,6 +190,15 @@ class Stage:
         self.accumulation = method.accumulation(index, num_stages)
         """A_k: the mini-batches this stage accumulates per update (1 but under a bounded
         delay, where :meth:`update` applies their mean gradient)."""
+        self._in_product = (
+            AccumulateInProduct(self.module)
+            if (micro_batches > 1 or self.accumulation > 1) and not method.split_backward
+            else None
+        )
+        """Where several backwards add up before an update: linear layers' weight gradients
+        added inside their products, on forwards that run on the parameters themselves
+        (``accumulate_in_product.py``); not where a backward is split, whose input half
+        must leave the weights' gradients alone."""
         # A stage of parameter-free layers (a lone ReLU) has nothing to update: all None.
         self.optimizer: Optimizer | None = rule.optimizer
         self.updater: StageUpdate | None = rule.update
@@ -590,6 +600,9 @@ class Stage:
                 )
             elif steps is not None:
                 out = self._run_recomputed(steps, x_in)
+            elif weights is None and self.closure is None and self._in_product is not None:
+                with self._in_product:
+                    out = self._run_units(weights, x_in)
             else:
                 out = self._run_units(weights, x_in)
             if self.is_last:
