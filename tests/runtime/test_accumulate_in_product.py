@@ -17,6 +17,12 @@ from pipeoptim.runtime.stage.accumulate_in_product import AccumulateInProduct
 MICRO = 4
 
 
+@pytest.fixture(autouse=True)
+def _small_weights_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tests' layers are small: let every weight in (one test puts the threshold back)."""
+    monkeypatch.setattr(fused_linear, "MIN_WEIGHTS", 1)
+
+
 def _model() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8, bias=False), nn.Tanh())
@@ -138,7 +144,7 @@ def test_a_stage_that_adds_up_nothing_keeps_autograd_alone() -> None:
 
 def test_the_benchmark_times_both_ways() -> None:
     bench = benchmark_scripts.load("bench_accumulate_in_product")
-    ms = bench.measure(micro_batches=2, rounds=1, steps=1, batch=8)
+    ms = bench.measure(micro_batches=2, rounds=1, steps=1, batch=8, width=8)
     assert set(ms) == {"autograd sums", "in the product"}
     assert all(v > 0 for v in ms.values())
 
@@ -172,3 +178,18 @@ def test_a_split_backward_stage_leaves_its_weights_to_autograd() -> None:
     )
     assert [s._in_product for s in pipe.stages.values()] == [None, None]
     pipe.close()
+
+
+def test_a_stage_of_small_weights_keeps_autograd_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the threshold the function mode's fixed cost outweighs the pass it saves."""
+    monkeypatch.setattr(fused_linear, "MIN_WEIGHTS", 2**19)
+    _, used = _trained("gpipe", MICRO, True)
+    assert used == [False, False]
+    big = nn.Sequential(nn.Linear(1024, 512), nn.Linear(512, 4))  # 524,288 weights, and 2,048
+    mode = AccumulateInProduct(big)
+    assert mode.active
+    with mode:
+        out = big(torch.randn(2, 1024))
+    assert type(out.grad_fn).__name__.startswith("Addmm")  # the small head: autograd's
+    inner = out.grad_fn.next_functions[1][0]  # the head's input: the big layer's output
+    assert type(inner).__name__.startswith("_LinearAddingIntoGrad")

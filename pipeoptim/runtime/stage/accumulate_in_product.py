@@ -5,12 +5,14 @@ previous ones: autograd computes a linear layer's gradient ``g^T x`` into a new 
 adds it to ``weight.grad``, a second pass over the gradient for every micro-batch after the
 first. Here the product writes into ``weight.grad`` itself (``addmm_``: ``grad += g^T x``
 in one pass), as Megatron-LM's gradient-accumulation fusion does on GPUs. On the CPU
-benchmark's stage (4 x Linear(1024), 4 micro-batches of 64) that pass was about 8 % of a
-step's forwards and backwards.
+benchmark's stage (4 x Linear(1024), 4 micro-batches of 64) the forwards and backwards took
+0.92-0.97x autograd's time; on small weights the fixed cost of doing it wins, so it is kept
+to weights of :data:`MIN_WEIGHTS` elements or more.
 
 :class:`AccumulateInProduct` is a torch function mode, so no module is changed: around a
 forward, every ``F.linear`` (``nn.Linear`` and any module that calls it) whose weight is one
-of the stage's own parameters runs as :class:`_LinearAddingIntoGrad`. Any other call, any
+of the stage's own parameters of :data:`MIN_WEIGHTS` elements or more runs as
+:class:`_LinearAddingIntoGrad`. Any other call, any
 call under autocast or with inputs of another dtype, and any on a parameter with a gradient
 hook (looked at on every call, so a hook added after the Pipeline was built counts) or
 shared by two of the stage's modules (a tied weight) runs as it was. A module that calls one
@@ -30,7 +32,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["AccumulateInProduct", "accumulates_in_product"]
+__all__ = ["MIN_WEIGHTS", "AccumulateInProduct", "accumulates_in_product"]
+
+MIN_WEIGHTS = 2**19
+"""The smallest weight (elements) whose gradient is added in its product. The saved pass is
+over the weight, the cost a fixed one of Python (this function mode and the backward, about
+25 us a call on one CPU thread): on 4 x Linear(w) + ReLU, 4 micro-batches of 64, the
+forwards and backwards took 1.55x autograd's time at w = 64, 1.14x at 256, 1.00x at 512
+(262,144 weights) and 0.92-0.97x at 1024 (``benchmarks/bench_accumulate_in_product.py``)."""
 
 
 def accumulates_in_product(param: Tensor) -> bool:
@@ -81,10 +90,18 @@ class AccumulateInProduct(TorchFunctionMode):
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
-        uses = Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))
-        self._ids = {key for key, count in uses.items() if count == 1}
+        held = list(module.named_parameters(remove_duplicate=False))
+        uses = Counter(id(p) for _, p in held)
+        self._ids = {id(p) for _, p in held if uses[id(p)] == 1}
         """The module's parameters that one of its submodules holds: a weight two of them
         share gets two gradients a backward, whose sum autograd rounds its own way."""
+        self._weights = {id(p) for _, p in held if id(p) in self._ids and p.numel() >= MIN_WEIGHTS}
+        """Of them, those large enough to gain (:data:`MIN_WEIGHTS`)."""
+
+    @property
+    def active(self) -> bool:
+        """Whether any weight of the module is one it takes over."""
+        return bool(self._weights)
 
     def __torch_function__(
         self,
@@ -94,14 +111,14 @@ class AccumulateInProduct(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if func is F.linear and self._ids:
+        if func is F.linear:
             x = args[0] if args else kwargs.get("input")
             weight = args[1] if len(args) > 1 else kwargs.get("weight")
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             if (
                 isinstance(x, Tensor)
                 and isinstance(weight, Tensor)
-                and id(weight) in self._ids
+                and id(weight) in self._weights
                 and accumulates_in_product(weight)
                 and (bias is None or (id(bias) in self._ids and accumulates_in_product(bias)))
                 and x.dtype == weight.dtype

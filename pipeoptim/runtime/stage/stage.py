@@ -190,9 +190,12 @@ class Stage:
         self.accumulation = method.accumulation(index, num_stages)
         """A_k: the mini-batches this stage accumulates per update (1 but under a bounded
         delay, where :meth:`update` applies their mean gradient)."""
+        in_product = AccumulateInProduct(self.module)
         self._in_product = (
-            AccumulateInProduct(self.module)
-            if (micro_batches > 1 or self.accumulation > 1) and not method.split_backward
+            in_product
+            if in_product.active
+            and (micro_batches > 1 or self.accumulation > 1)
+            and not method.split_backward
             else None
         )
         """Where several backwards add up before an update: linear layers' weight gradients
