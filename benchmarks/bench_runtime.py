@@ -454,13 +454,8 @@ def main() -> None:
                 f"  {floor}: {bottom / top:.2f}x the limit; {method}: "
                 f"{statistics.median(rates[method]) / bottom:.2f}x its floor"
             )
-    pairs = [r for r in runs if r + GLIBC_DEFAULTS in rates]
-    if pairs:
-        print(f"\nthe host allocator ({a.allocator}) against glibc's defaults, same rounds:")
-        for run in pairs:
-            gain = [x / y for x, y in zip(rates[run], rates[run + GLIBC_DEFAULTS], strict=True)]
-            print(f"  {run}: {statistics.median(gain):.2f}x (median of the rounds' ratios)")
-    for suffix, what in (
+    for suffix, what in (  # each run against its twin
+        (GLIBC_DEFAULTS, f"the host allocator ({a.allocator}) against glibc's defaults"),
         (OVER_GLOO, "shared memory between the ranks against gloo alone"),
         (AUTOGRAD_SUMS, "weight gradients added in their products against autograd's sums"),
     ):

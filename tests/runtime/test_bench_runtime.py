@@ -79,9 +79,9 @@ def test_the_cpu_of_other_threads_is_told_apart_from_the_ranks_own() -> None:
     assert used["cpu"] >= used["other threads"], used
 
 
-def test_bench_runtime_prints_the_share_of_the_limit_and_where_the_time_goes() -> None:
+def _smallest_run(runs: str) -> subprocess.CompletedProcess[str]:
+    """The script over ``runs`` at its smallest: one round of 2 steps of batch 32."""
     args = ["--rounds", "1", "--steps", "2", "--warmup", "1", "--batch", "32"]
-    runs = "pipeoptim pipeoptim,limit,limit +prediction"
     done = subprocess.run(
         [sys.executable, str(SCRIPT), *args, "--runs", runs],
         capture_output=True,
@@ -89,6 +89,11 @@ def test_bench_runtime_prints_the_share_of_the_limit_and_where_the_time_goes() -
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
+    return done
+
+
+def test_bench_runtime_prints_the_share_of_the_limit_and_where_the_time_goes() -> None:
+    done = _smallest_run("pipeoptim pipeoptim,limit,limit +prediction")
     assert re.search(r"\| limit \| [\d,]+ \|", done.stdout), done.stdout
     assert "host allocator: pipeoptim in every run" in done.stdout, done.stdout
     share = re.search(r"pipeoptim pipeoptim: (\d+\.\d\d)x", done.stdout)
@@ -112,15 +117,7 @@ def test_bench_runtime_prints_the_share_of_the_limit_and_where_the_time_goes() -
 
 
 def test_bench_runtime_sets_a_run_over_gloo_beside_its_shared_memory_twin() -> None:
-    args = ["--rounds", "1", "--steps", "2", "--warmup", "1", "--batch", "32"]
-    runs = "pipeoptim pipedream,pipeoptim pipedream (gloo),limit"
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), *args, "--runs", runs],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = _smallest_run("pipeoptim pipedream,pipeoptim pipedream (gloo),limit")
     assert re.search(r"\| pipeoptim pipedream \(gloo\) \| [\d,]+ \|", done.stdout), done.stdout
     twin = re.search(
         r"against gloo alone, same rounds:\n  pipeoptim pipedream: (\d+\.\d\d)x", done.stdout
