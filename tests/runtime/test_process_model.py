@@ -28,7 +28,7 @@ def test_an_unknown_process_model_is_refused_naming_the_known_ones(bad: object) 
 
 
 def test_one_process_gets_a_mailbox_endpoint_per_rank() -> None:
-    ends = ProcessModel.ONE_PROCESS.transports(3, 0, torch.device("cpu"), 0)
+    ends = ProcessModel.ONE_PROCESS.transports(3, 0, torch.device("cpu"), 0, 60)
     assert sorted(ends) == [0, 1, 2]
     assert all(isinstance(t, LocalTransport) for t in ends.values())
     ends[0].send(torch.ones(2), 1, ("act", 1, 0))

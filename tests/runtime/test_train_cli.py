@@ -175,6 +175,17 @@ def test_bad_input_exits_2_with_a_message(
     assert "Traceback" not in err
 
 
+def test_a_bad_shared_memory_size_stops_every_rank_with_the_rule(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PIPEOPTIM_SHARED_MEMORY", "off")  # the ranks inherit it
+    code, _, err = run_cli(["--transport", "dist", "--stages", "2", "--max-steps", "2"], capsys)
+    assert code == 2
+    assert "PIPEOPTIM_SHARED_MEMORY='off': give each shared-memory ring's size in MiB" in err
+    assert "or 0 to send every message over gloo" in err
+    assert "Traceback" not in err
+
+
 def test_world_size_mismatch_under_torchrun(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

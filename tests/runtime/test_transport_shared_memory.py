@@ -77,7 +77,7 @@ def _messages() -> list[tuple[Any, tuple[str, int, int]]]:
 
 
 def _round_trip(rank: int, out: Any) -> None:
-    link = ProcessModel.PROCESS_PER_STAGE.transports(2, rank, torch.device("cpu"), 0)[rank]
+    link = ProcessModel.PROCESS_PER_STAGE.transports(2, rank, torch.device("cpu"), 0, 60)[rank]
     assert isinstance(link, SharedMemoryTransport)
     link._ring_bytes = RING  # the rings are made already; only the size rule reads it now
     msgs = _messages()
@@ -116,7 +116,7 @@ TAG_MESSAGES = 200
 
 def _wrapped_tags(rank: int, out: Any) -> None:
     dist_transport._TAG_LIMIT = 7  # every tag comes back dozens of times
-    link = SharedMemoryTransport(rank, 2, torch.device("cpu"), ring_bytes=RING)
+    link = SharedMemoryTransport(rank, 2, torch.device("cpu"), timeout=60, ring_bytes=RING)
     if rank == 0:
         for mb in range(TAG_MESSAGES):
             link.send(torch.full((4,), float(mb)), 1, ("act", 0, mb))
@@ -175,7 +175,7 @@ def test_a_peer_that_dies_is_named_at_once() -> None:
 
 
 def _picked(rank: int, out: Any) -> None:
-    link = ProcessModel.PROCESS_PER_STAGE.transports(2, rank, torch.device("cpu"), 0)[rank]
+    link = ProcessModel.PROCESS_PER_STAGE.transports(2, rank, torch.device("cpu"), 0, 60)[rank]
     out.put((rank, type(link).__name__))
 
 

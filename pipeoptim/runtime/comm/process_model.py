@@ -53,7 +53,7 @@ class ProcessModel(str, Enum):
         own_rank: int,
         device: torch.device,
         first_rank: int,
-        timeout: float = 1800.0,
+        timeout: float,
     ) -> dict[int, Transport]:
         """This process's transport endpoint of each rank it runs: all ``num_ranks`` sharing
         a mailbox in one process, or ``own_rank``'s alone over the process group

@@ -27,6 +27,7 @@ message on gloo, as NCCL's ``NCCL_SHM_DISABLE`` does for its own.
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
 import selectors
@@ -127,8 +128,8 @@ class SharedMemoryTransport(DistTransport):
         num_stages: int,
         device: torch.device,
         *,
+        timeout: float,
         first_rank: int = 0,
-        timeout: float = 1800.0,
         ring_bytes: int = DEFAULT_RING_BYTES,
     ) -> None:
         super().__init__(rank, num_stages, device, first_rank=first_rank)
@@ -234,21 +235,19 @@ class SharedMemoryTransport(DistTransport):
 
     def send(self, tensor: Payload, peer: int, key: MessageKey) -> None:
         if isinstance(tensor, Tensor) and tensor.device.type == "cpu":
-            nbytes = tensor.numel() * tensor.element_size()
-            if self._shared(peer, nbytes, outbound=True):
-                self._write(tensor, peer, self._tag(key), nbytes, key)
+            if self._shared(peer, tensor.nbytes, outbound=True):
+                self._write(tensor, peer, self._tag(key), key)
                 return
-        elif not isinstance(tensor, Tensor) and all(t.device.type == "cpu" for t in tensor):
-            tags = self._part_tags(key, len(tensor))
-            sizes = [t.numel() * t.element_size() for t in tensor]
-            if all(self._shared(peer, n, outbound=True) for n in sizes):
-                for t, tag, n in zip(tensor, tags, sizes, strict=True):
-                    self._write(t, peer, tag, n, key)
-                return
+        elif not isinstance(tensor, Tensor) and all(
+            t.device.type == "cpu" and self._shared(peer, t.nbytes, outbound=True) for t in tensor
+        ):
+            for t, tag in zip(tensor, self._part_tags(key, len(tensor)), strict=True):
+                self._write(t, peer, tag, key)
+            return
         super().send(tensor, peer, key)
 
-    def _write(self, tensor: Tensor, peer: int, tag: int, nbytes: int, key: MessageKey) -> None:
-        end = self._out[peer]
+    def _write(self, tensor: Tensor, peer: int, tag: int, key: MessageKey) -> None:
+        end, nbytes = self._out[peer], tensor.nbytes
         self._read_acks(peer, end)
         offset = self._room(end, nbytes)
         while offset is None:
@@ -284,17 +283,27 @@ class SharedMemoryTransport(DistTransport):
             except OSError as err:
                 self._lost(peer, f"rank {self._first + peer} to take a record", err)
 
-    def _read_acks(self, peer: int, end: _Outbound) -> None:
+    def _received(self, end: _Outbound | _Inbound) -> bytes | None:
+        """What has reached ``end``'s socket (None: nothing yet, or the peer closed it, which
+        marks the end closed: a lost peer only where this rank still needs it, as
+        :meth:`_write` and :meth:`_take` say)."""
         if end.closed:
-            return
+            return None
         try:
             data = end.sock.recv(65536)
         except BlockingIOError:
-            return
+            return None
         except OSError:
             data = b""
-        if not data:  # lost only if this rank still needs room there (_write says so)
-            self._closed(end)
+        if not data:
+            end.closed = True
+            self._selector.unregister(end.sock)
+            return None
+        return data
+
+    def _read_acks(self, peer: int, end: _Outbound) -> None:
+        data = self._received(end)
+        if data is None:
             return
         end.acks += data
         whole = len(end.acks) // _ACK.size * _ACK.size
@@ -357,17 +366,9 @@ class SharedMemoryTransport(DistTransport):
     def _read_records(self, peer: int, end: _Inbound) -> bool:
         """Copies out every record that has reached this rank from ``peer`` and acknowledges
         them; whether any came, or the peer closed its end."""
-        if end.closed:
-            return True
-        try:
-            data = end.sock.recv(65536)
-        except BlockingIOError:
-            return False
-        except OSError:
-            data = b""
-        if not data:  # lost only if this rank still waits on a message from it (_take)
-            self._closed(end)
-            return True
+        data = self._received(end)
+        if data is None:
+            return end.closed
         end.partial += data
         whole = len(end.partial) // _RECORD.size * _RECORD.size
         count = 0
@@ -408,10 +409,6 @@ class SharedMemoryTransport(DistTransport):
             else:
                 self._read_acks(other, self._out[other])
 
-    def _closed(self, end: _Outbound | _Inbound) -> None:
-        end.closed = True
-        self._selector.unregister(end.sock)
-
     def _lost(self, peer: int, what: str, err: OSError | None) -> NoReturn:
         stop_if_orphaned()
         lost = self._first + peer
@@ -434,10 +431,7 @@ def _span(nbytes: int) -> int:
 
 
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n * dtype.itemsize
+    return math.prod(shape) * dtype.itemsize
 
 
 def _gathered(value: Any) -> list[Any]:

@@ -190,14 +190,9 @@ class Stage:
         self.accumulation = method.accumulation(index, num_stages)
         """A_k: the mini-batches this stage accumulates per update (1 but under a bounded
         delay, where :meth:`update` applies their mean gradient)."""
-        in_product = AccumulateInProduct(self.module)
-        self._in_product = (
-            in_product
-            if in_product.active
-            and (micro_batches > 1 or self.accumulation > 1)
-            and not method.split_backward
-            else None
-        )
+        adds_up = (micro_batches > 1 or self.accumulation > 1) and not method.split_backward
+        in_product = AccumulateInProduct(self.module) if adds_up else None
+        self._in_product = in_product if in_product is not None and in_product.active else None
         """Where several backwards add up before an update: linear layers' weight gradients
         added inside their products, on forwards that run on the parameters themselves
         (``accumulate_in_product.py``); not where a backward is split, whose input half
