@@ -32,9 +32,15 @@ Runs, interleaved round by round so machine noise hits all alike:
   rank but the last: the method's own floor, what its pipeline would do with nothing lost
   to messages, waits or the executor.
 
-Each run trains ``--warmup`` mini-batches, then times ``--steps`` more. The table gives
-the median samples/s over the rounds and the ratio to PyTorch's Schedule1F1B; then the
-asynchronous methods' share of the limit, each one's floor against the limit and the
+Each run trains ``--warmup`` mini-batches, then times ``--steps`` more. A pipeoptim run
+times them as one fit, which has a fill at its start and a drain at its end (an asynchronous
+pipeline is flushed there only: up to P - 1 mini-batches each way) and the fit's own set-up;
+the limit's loop and torch's (flushed every step) have none of these, so each pipeoptim
+run is also timed in its steady window, from each rank's trace: the end of its update P to
+the end of its update n - 1 - P (:func:`steady_window`), what the run does in the middle of
+a long fit. The table gives the median steady samples/s over the rounds, its ratio to
+PyTorch's Schedule1F1B and the whole fit's samples/s; then the asynchronous methods' share
+of the limit (steady, and the whole fit's), each one's floor against the limit and the
 method against its floor (what the runtime itself loses), and where each pipeoptim run's
 time goes on each rank, from its own trace of the timed steps: compute (F, B, U and their
 halves), the communication actions (sends, and receives including their waits) and the
@@ -58,7 +64,10 @@ pipeoptim's ranks on one host send their messages through shared memory
 table after the limit's shares gives each run against its ``(gloo)`` twin. Where several
 backwards add up before an update (M > 1), a stage adds its linear layers' weight gradients
 inside their products (``runtime/stage/accumulate_in_product.py``); the suffix
-`` (autograd sums)`` leaves them to autograd's own accumulation, as torch's runs do.
+`` (autograd sums)`` leaves them to autograd's own accumulation, as torch's runs do. A
+synchronous stage that sends its input's gradient upstream adds them after that send, at its
+next action; the suffix `` (weights in the backward)`` adds them in the backward, before
+the send, as torch's runs do. Each twin is printed against its base run, round by round.
 """
 
 from __future__ import annotations
@@ -220,9 +229,11 @@ def _pipeoptim_rank(rank: int, ranks: int, port: int, args: dict[str, Any], out:
         loggers=loggers,
         tune_allocator=args["allocator"] == "pipeoptim",
     )
-    if args.get("autograd_sums"):
-        for stage in pipe.stages.values():
+    for stage in pipe.stages.values():
+        if args.get("autograd_sums"):
             stage._in_product = None
+        elif args.get("weights_in_backward") and stage._in_product is not None:
+            stage._in_product.defer = False
     pipe.fit(data(args["batch"], args["warmup"]), max_steps=args["warmup"])
     dist.barrier()
     start, cpu = time.perf_counter(), _cpu_now()
@@ -231,7 +242,7 @@ def _pipeoptim_rank(rank: int, ranks: int, port: int, args: dict[str, Any], out:
     used = _cpu_since(cpu)
     dist.barrier()
     wall = time.perf_counter() - start
-    parts = {**_breakdown(pipe, rank, wall), **used}
+    parts = {**_breakdown(pipe, rank, wall, ranks), **used}
     out.put((rank, args["steps"] * args["batch"] / wall, parts))
     pipe.close()
 
@@ -239,9 +250,10 @@ def _pipeoptim_rank(rank: int, ranks: int, port: int, args: dict[str, Any], out:
 COMPUTE = ("F", "B", "U", "I", "W")
 
 
-def _breakdown(pipe: Any, rank: int, wall: float) -> dict[str, float]:
+def _breakdown(pipe: Any, rank: int, wall: float, ranks: int) -> dict[str, float]:
     """Seconds of the timed fit on this rank: compute, sends, receives (waits included), and
-    the rest of its wall time (the interpreter between actions, the fit's own work)."""
+    the rest of its wall time (the interpreter between actions, the fit's own work); and
+    the rank's steady window (:func:`steady_window`)."""
     events = [e for e in pipe.rank_result().events if e.rank == rank]
     end = max(e.end for e in events)
     timed = [e for e in events if e.start >= end - wall]
@@ -251,7 +263,33 @@ def _breakdown(pipe: Any, rank: int, wall: float) -> dict[str, float]:
         out[key] += e.end - e.start
     out["between actions"] = max(0.0, wall - sum(out.values()))
     out["actions"] = float(len(timed))
+    updates, seconds = steady_window(sorted(e.end for e in timed if e.kind == "U"), ranks)
+    out["steady updates"], out["steady seconds"] = float(updates), seconds
     return out
+
+
+def steady_window(update_ends: list[float], skip: int) -> tuple[int, float]:
+    """The updates a rank made in the middle of a fit and the seconds they took: from the
+    end of its update ``skip`` to the end of its update ``n - 1 - skip`` (``update_ends``:
+    each update's end, in order). It leaves out the pipeline's fill at the fit's start and
+    its drain at the end (up to P - 1 mini-batches each way in an asynchronous pipeline),
+    which the limit's loop and torch's (a flush each step) have nothing of: so each run's
+    rate is its rate in the middle of a long fit. ``(0, 0.0)``: too few updates."""
+    last = len(update_ends) - 1 - skip
+    if last <= skip:
+        return 0, 0.0
+    return last - skip, update_ends[last] - update_ends[skip]
+
+
+def steady_rate(breakdown: dict[int, dict[str, float]], batch: int) -> float | None:
+    """A pipeoptim run's samples/s in its steady window, its slowest rank's
+    (:func:`steady_window`); None where a rank has none (a fit too short)."""
+    rates = [
+        p["steady updates"] * batch / p["steady seconds"]
+        for p in breakdown.values()
+        if p.get("steady seconds", 0.0) > 0
+    ]
+    return min(rates) if rates and len(rates) == len(breakdown) else None
 
 
 FLOORS = {"limit +prediction": "pipeoptim pipeoptim", "limit +stash": "pipeoptim pipedream"}
@@ -345,6 +383,11 @@ AUTOGRAD_SUMS = " (autograd sums)"
 own accumulation (a new tensor per product, then an add) rather than adding them inside
 the products (``runtime/stage/accumulate_in_product.py``)."""
 
+WEIGHTS_IN_BACKWARD = " (weights in the backward)"
+"""A pipeoptim run name ending so adds every weight gradient in its backward, before the
+input's gradient goes upstream, rather than at the stage's next action
+(``AccumulateInProduct.defer``, on the synchronous stages but the first)."""
+
 GLIBC_DEFAULTS = " (glibc defaults)"
 """A run name ending so runs with glibc's allocator defaults whatever ``--allocator`` says:
 ``--runs "limit,limit (glibc defaults)"`` measures the allocator's effect in one run."""
@@ -398,11 +441,14 @@ def main() -> None:
     }
     runs = [r for r in a.runs.split(",") if r]
     rates: dict[str, list[float]] = {r: [] for r in runs}
+    steady: dict[str, list[float]] = {r: [] for r in runs}
+    """Each run's rate in the middle of its fit (:func:`steady_window`): the pipeoptim
+    runs' from their traces; the limit's and torch's loops are that already."""
     parts: dict[str, list[dict[int, dict[str, float]]]] = {r: [] for r in runs}
     for round_ in range(a.rounds):
         for run in runs:
             base_run = run
-            for suffix in (GLIBC_DEFAULTS, OVER_GLOO, AUTOGRAD_SUMS):
+            for suffix in (GLIBC_DEFAULTS, OVER_GLOO, AUTOGRAD_SUMS, WEIGHTS_IN_BACKWARD):
                 base_run = base_run.removesuffix(suffix)
             job = {
                 **args,
@@ -410,6 +456,7 @@ def main() -> None:
                 "allocator": "default" if run.endswith(GLIBC_DEFAULTS) else a.allocator,
                 "over_gloo": run.endswith(OVER_GLOO),
                 "autograd_sums": run.endswith(AUTOGRAD_SUMS),
+                "weights_in_backward": run.endswith(WEIGHTS_IN_BACKWARD),
             }
             if base_run == "limit" or base_run in FLOORS:
                 target: Callable[..., None] = _limit_rank
@@ -419,8 +466,12 @@ def main() -> None:
                 target = _pipeoptim_rank
             rate, breakdown = _spawned(target, a.ranks, job)
             rates[run].append(rate)
+            steady[run].append(steady_rate(breakdown, a.batch) or rate)
             parts[run].append(breakdown)
-            print(f"round {round_ + 1}: {run}: {rate:,.0f} samples/s", file=sys.stderr)
+            print(
+                f"round {round_ + 1}: {run}: {rate:,.0f} samples/s (steady {steady[run][-1]:,.0f})",
+                file=sys.stderr,
+            )
     named = any(r.endswith(GLIBC_DEFAULTS) for r in runs)
     except_named = f" not named '...{GLIBC_DEFAULTS}'" if named else ""
     print(
@@ -429,21 +480,32 @@ def main() -> None:
         f"{a.steps} timed steps, median of {a.rounds} interleaved rounds; host allocator: "
         f"{a.allocator} in every run{except_named}"
     )
-    base = statistics.median(rates["torch Schedule1F1B"]) if "torch Schedule1F1B" in rates else 0
-    print("| run | samples/s | vs torch Schedule1F1B |")
-    print("|---|---|---|")
-    for run, values in rates.items():
+    print(
+        "steady: samples/s from the end of each rank's update P to the end of its update "
+        "n - 1 - P (the fit's fill and drain left out; the limit's and torch's loops have "
+        "none); whole fit: from the fit's start to its last rank's end"
+    )
+    base = statistics.median(steady["torch Schedule1F1B"]) if "torch Schedule1F1B" in rates else 0
+    print("| run | samples/s, steady | vs torch Schedule1F1B | samples/s, whole fit |")
+    print("|---|---|---|---|")
+    for run, values in steady.items():
         med = statistics.median(values)
         ratio = f"{med / base:.2f}x" if base else "-"
-        print(f"| {run} | {med:,.0f} | {ratio} |")
+        print(f"| {run} | {med:,.0f} | {ratio} | {statistics.median(rates[run]):,.0f} |")
     for suffix in ("", GLIBC_DEFAULTS):  # each run against the limit under its allocator
         if "limit" + suffix not in rates:
             continue
         top = statistics.median(rates["limit" + suffix])
-        print(f"\nshare of the {a.ranks}-stage limit{suffix} (all cores busy; goal >= 0.95x):")
+        print(
+            f"\nshare of the {a.ranks}-stage limit{suffix} (all cores busy; goal >= 0.95x), "
+            f"steady (whole fit):"
+        )
         for name in ("pipeoptim pipedream", "pipeoptim pipeoptim", "pipeoptim 1f1b"):
             if name + suffix in rates:
-                print(f"  {name + suffix}: {statistics.median(rates[name + suffix]) / top:.2f}x")
+                print(
+                    f"  {name + suffix}: {statistics.median(steady[name + suffix]) / top:.2f}x "
+                    f"({statistics.median(rates[name + suffix]) / top:.2f}x)"
+                )
     floors = [(f, m) for f, m in FLOORS.items() if f in rates and m in rates]
     if floors and "limit" in rates:
         top = statistics.median(rates["limit"])
@@ -452,18 +514,22 @@ def main() -> None:
             bottom = statistics.median(rates[floor])
             print(
                 f"  {floor}: {bottom / top:.2f}x the limit; {method}: "
-                f"{statistics.median(rates[method]) / bottom:.2f}x its floor"
+                f"{statistics.median(steady[method]) / bottom:.2f}x its floor, steady"
             )
     for suffix, what in (  # each run against its twin
         (GLIBC_DEFAULTS, f"the host allocator ({a.allocator}) against glibc's defaults"),
         (OVER_GLOO, "shared memory between the ranks against gloo alone"),
         (AUTOGRAD_SUMS, "weight gradients added in their products against autograd's sums"),
+        (
+            WEIGHTS_IN_BACKWARD,
+            "weight gradients added after the input's gradient is sent against in the backward",
+        ),
     ):
         twins = [r for r in runs if r + suffix in rates]
         if twins:
-            print(f"\n{what}, same rounds:")
+            print(f"\n{what}, same rounds (steady):")
             for run in twins:
-                gain = [x / y for x, y in zip(rates[run], rates[run + suffix], strict=True)]
+                gain = [x / y for x, y in zip(steady[run], steady[run + suffix], strict=True)]
                 print(f"  {run}: {statistics.median(gain):.2f}x (median of the rounds' ratios)")
     bare, logged = "pipeoptim pipeoptim", "pipeoptim pipeoptim +loggers"
     if bare in rates and logged in rates:

@@ -507,6 +507,7 @@ class RankExecutor:
         """A micro-batch's weight gradients are in: a stage sharing weights with other
         stages sends its share once the step's last one is (``ties.py``)."""
         if self.ties is not None and self.ties.holds(k):
+            self.stages[k].finish_backward()  # the shares sent are whole sums
             step, _ = divmod(mb, self._m)
             self.ties.gradient_done(k, self._first + step, self._m)
 

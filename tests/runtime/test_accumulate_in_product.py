@@ -102,14 +102,30 @@ def _data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def _trained(method: str, micro: int, in_product: bool) -> tuple[list[torch.Tensor], list[bool]]:
-    pipe = Pipeline(
-        _units(), method, stages=2, micro_batches=micro, loss_fn=F.mse_loss, device="cpu"
+def _pipeline(method: str, micro: int) -> Pipeline:
+    """2 ranks; interleaved 1F1B puts two of the four units' stages on each."""
+    virtual = {"virtual_stages": 2} if method == "interleaved-1f1b" else {}
+    return Pipeline(
+        _units(),
+        method,
+        stages=2,
+        micro_batches=micro,
+        loss_fn=F.mse_loss,
+        device="cpu",
+        **virtual,
     )
+
+
+def _trained(
+    method: str, micro: int, in_product: bool, defer: bool = True
+) -> tuple[list[torch.Tensor], list[bool]]:
+    pipe = _pipeline(method, micro)
     used = [s._in_product is not None for s in pipe.stages.values()]
-    if not in_product:
-        for s in pipe.stages.values():
+    for s in pipe.stages.values():
+        if not in_product:
             s._in_product = None
+        elif not defer and s._in_product is not None:
+            s._in_product.defer = False
     pipe.fit(_data(3), max_steps=3)
     weights = [p.detach().clone() for s in pipe.stages.values() for p in s.module.parameters()]
     pipe.close()
@@ -193,3 +209,57 @@ def test_a_stage_of_small_weights_keeps_autograd_alone(monkeypatch: pytest.Monke
     assert type(out.grad_fn).__name__.startswith("Addmm")  # the small head: autograd's
     inner = out.grad_fn.next_functions[1][0]  # the head's input: the big layer's output
     assert type(inner).__name__.startswith("_LinearAddingIntoGrad")
+
+
+def test_a_deferred_backward_leaves_the_weights_to_finish_which_adds_the_same_bits() -> None:
+    """The input's gradient comes out of the backward; the weights' wait for ``finish``,
+    which adds the same products in the same order: the same gradients bit for bit."""
+    model = _model()
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(5))
+    want = _grads(model, x, True)
+    for p in model.parameters():
+        p.grad = None
+    mode = AccumulateInProduct(model)
+    mode.defer = True
+    for chunk in x.chunk(MICRO):
+        before = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+        inputs = chunk.clone().requires_grad_()
+        with mode:
+            out = model(inputs)
+        out.square().sum().backward()
+        assert inputs.grad is not None  # what goes upstream is there at once
+        for p, b in zip(model.parameters(), before, strict=True):
+            assert p.grad is None if b is None else p.grad is not None and torch.equal(p.grad, b)
+        assert len(mode.queued) == 2  # both layers' products wait
+        mode.finish()
+        assert mode.queued == []
+    got = [p.grad for p in model.parameters() if p.grad is not None]
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+@pytest.mark.parametrize("method", ["gpipe", "1f1b", "interleaved-1f1b"])
+def test_stages_that_send_a_gradient_defer_their_weights_and_train_the_same_bits(
+    method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stage 1 adds its weight gradients after its input's gradient, stage 0 (nothing to
+    send) in its backward; the weights after three steps equal those of every weight
+    gradient added in its backward, bit for bit."""
+    deferred: list[int] = []
+    finish = AccumulateInProduct.finish
+
+    def counted(self: AccumulateInProduct) -> None:
+        deferred.append(len(self.queued))
+        finish(self)
+
+    monkeypatch.setattr(AccumulateInProduct, "finish", counted)
+    pipe = _pipeline(method, MICRO)
+    stages = sorted(pipe.stages)
+    modes = [pipe.stages[k]._in_product for k in stages]
+    assert [m is not None and m.defer for m in modes] == [k > 0 for k in stages]
+    pipe.close()
+    want, _ = _trained(method, MICRO, True, defer=False)
+    assert not any(deferred)
+    got, _ = _trained(method, MICRO, True)
+    # each backward of every stage but the first, 3 steps
+    assert sum(1 for n in deferred if n) == (len(stages) - 1) * MICRO * 3
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))

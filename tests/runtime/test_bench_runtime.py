@@ -116,10 +116,35 @@ def test_bench_runtime_prints_the_share_of_the_limit_and_where_the_time_goes() -
     assert [r for r, _ in ranks] == ["0", "1"] and all(float(c) > 0 for _, c in ranks)
 
 
-def test_bench_runtime_sets_a_run_over_gloo_beside_its_shared_memory_twin() -> None:
-    done = _smallest_run("pipeoptim pipedream,pipeoptim pipedream (gloo),limit")
-    assert re.search(r"\| pipeoptim pipedream \(gloo\) \| [\d,]+ \|", done.stdout), done.stdout
-    twin = re.search(
-        r"against gloo alone, same rounds:\n  pipeoptim pipedream: (\d+\.\d\d)x", done.stdout
+def test_bench_runtime_sets_twin_runs_beside_their_base_runs() -> None:
+    """Over gloo beside shared memory; weight gradients in the backward beside after the
+    send."""
+    done = _smallest_run(
+        "pipeoptim pipedream,pipeoptim pipedream (gloo),pipeoptim 1f1b,"
+        "pipeoptim 1f1b (weights in the backward),limit"
     )
-    assert twin is not None and float(twin.group(1)) > 0, done.stdout
+    assert re.search(r"\| pipeoptim pipedream \(gloo\) \| [\d,]+ \|", done.stdout), done.stdout
+    for what, run in (
+        ("against gloo alone", "pipeoptim pipedream"),
+        ("against in the backward", "pipeoptim 1f1b"),
+    ):
+        twin = re.search(rf"{what}, same rounds \(steady\):\n  {run}: (\d+\.\d\d)x", done.stdout)
+        assert twin is not None and float(twin.group(1)) > 0, done.stdout
+
+
+def test_the_steady_window_leaves_out_the_fill_and_the_drain() -> None:
+    """From the end of update ``skip`` to the end of update ``n - 1 - skip``: a slow first
+    update (the fill) and a slow last one (the drain) do not count."""
+    b = bench()
+    ends = [4.0, 5.0, 6.0, 7.0, 8.0, 20.0]
+    assert b.steady_window(ends, 1) == (3, 3.0)
+    assert b.steady_window(ends, 2) == (1, 1.0)
+    assert b.steady_window(ends, 3) == (0, 0.0)  # nothing left in the middle
+    ranks = {
+        0: {"steady updates": 3.0, "steady seconds": 3.0},
+        1: {"steady updates": 3.0, "steady seconds": 6.0},
+    }
+    assert b.steady_rate(ranks, 10) == pytest.approx(5.0)  # the slower rank's 30 samples in 6 s
+    ranks[1]["steady seconds"] = 0.0
+    assert b.steady_rate(ranks, 10) is None  # a rank without a window: no steady rate
+    assert b.steady_rate({0: {"cpu": 1.0}}, 10) is None  # the limit's and torch's runs

@@ -70,6 +70,22 @@ def net() -> list[nn.Module]:
     ]
 
 
+def wide_net() -> list[nn.Module]:
+    """Layers of 524,288 weights, which add their gradients inside their products
+    (``accumulate_in_product.py``): on the stages that send a gradient, after it."""
+    return [
+        nn.Linear(6, 512),
+        nn.Tanh(),
+        nn.Linear(512, 1024),
+        nn.Tanh(),
+        nn.Linear(1024, 512),
+        nn.Tanh(),
+        nn.Linear(512, 1024),
+        nn.Tanh(),
+        nn.Linear(1024, 3),
+    ]
+
+
 def dataset() -> Dataset:
     g = torch.Generator().manual_seed(4)
     x = torch.randn(140, 6, generator=g)
@@ -111,17 +127,24 @@ def one_thread(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 @pytest.mark.parametrize(
-    ("method", "stages", "micro", "recompute"),
+    ("method", "stages", "micro", "recompute", "model"),
     [
-        ("2bw", 2, 2, None),
-        ("pipeoptim", 4, 1, None),
-        ("pipeoptim+bounded", 3, 1, None),
-        ("pipeoptim", 3, 1, "full"),  # activation recomputation (test_recompute.py)
-        ("1f1b", 2, 2, "units:Linear"),
+        ("2bw", 2, 2, None, None),
+        ("pipeoptim", 4, 1, None, None),
+        ("pipeoptim+bounded", 3, 1, None, None),
+        ("pipeoptim", 3, 1, "full", None),  # activation recomputation (test_recompute.py)
+        ("1f1b", 2, 2, "units:Linear", None),
+        ("1f1b", 2, 2, None, "wide_net"),  # weight gradients added after the send
     ],
 )
 def test_dist_transport_equals_local_bit_for_bit(
-    tmp_path: Path, one_thread: None, method: str, stages: int, micro: int, recompute: str | None
+    tmp_path: Path,
+    one_thread: None,
+    method: str,
+    stages: int,
+    micro: int,
+    recompute: str | None,
+    model: str | None,
 ) -> None:
     runs: dict[str, FitResult] = {}
     for transport in ("local", "dist"):
@@ -130,6 +153,7 @@ def test_dist_transport_equals_local_bit_for_bit(
             stages,
             micro,
             transport,
+            model=None if model is None else f"{HERE}:{model}",
             recompute=recompute,
             max_steps=14,
             checkpoint_every=6,

@@ -87,6 +87,43 @@ def test_tied_weight_under_a_flush_equals_single_process_training(
     assert pipe.parts.ties[0].stages == (0, max(pipe.stages))
 
 
+class LinearTiedHead(nn.Module):
+    """The tied head as Hugging Face's decoders have it: ``F.linear`` on the embedding's
+    weight (an ``nn.Linear`` whose weight is the table)."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight)
+
+
+@pytest.mark.parametrize(("stages", "micro"), [(2, 2), (3, 4)])
+def test_a_tied_weight_whose_gradient_waits_past_the_send_is_shared_whole(
+    stages: int, micro: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every weight in, so the head's gradient is added after its stage's input gradient
+    goes upstream (``accumulate_in_product.py``): the share sent to the embedding's stage
+    still holds the step's last micro-batch, and the copies stay one weight."""
+    from pipeoptim.runtime.stage import accumulate_in_product
+
+    monkeypatch.setattr(accumulate_in_product, "MIN_WEIGHTS", 1)
+    steps = 5
+    model, losses = single_process(steps, micro)
+    units = tw.tied_units()
+    units[-1] = LinearTiedHead(units[-1].weight)
+    pipe = pipeline("1f1b", stages, micro, units=units)
+    last = pipe.stages[max(pipe.stages)]
+    assert last._in_product is not None and last._in_product.defer
+    result = pipe.fit(tw.batches(steps), max_steps=steps)
+    assert result.losses == pytest.approx(losses, abs=1e-5)
+    embedding = pipe.stages[0].module.get_parameter("0.table.weight")
+    assert torch.equal(embedding, last.module[-1].weight)
+    expected = model.get_parameter("0.table.weight")
+    torch.testing.assert_close(embedding, expected, atol=1e-5, rtol=0)
+
+
 def test_tied_weight_is_clipped_on_its_own_norm_on_every_member() -> None:
     pipe = pipeline("1f1b", grad_clip=0.05)
     pipe.fit(tw.batches(4), max_steps=4)

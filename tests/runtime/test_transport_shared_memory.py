@@ -174,6 +174,39 @@ def test_a_peer_that_dies_is_named_at_once() -> None:
     assert "connection closed" in message
 
 
+def _setup_fails(rank: int, out: Any) -> None:
+    """Both ranks fail at the setup's second gather, after each has made its ring file."""
+    from pipeoptim.runtime.comm import shared_memory
+
+    made: list[str] = []
+    make, gather = SharedMemoryTransport._make_ring, shared_memory._gathered
+    calls = []
+
+    def recording(self: SharedMemoryTransport) -> tuple[str, Any]:
+        path, ring = make(self)
+        made.append(path)
+        return path, ring
+
+    def failing(value: Any) -> list[Any]:
+        calls.append(value)
+        if len(calls) == 2:
+            raise RuntimeError("a collective failed")
+        return gather(value)
+
+    SharedMemoryTransport._make_ring = recording  # type: ignore[method-assign]
+    shared_memory._gathered = failing
+    try:
+        SharedMemoryTransport(rank, 2, torch.device("cpu"), timeout=60, ring_bytes=RING)
+    except RuntimeError as err:
+        out.put((rank, (str(err), made, [os.path.exists(p) for p in made])))
+
+
+def test_a_setup_that_fails_leaves_no_ring_file() -> None:
+    for rank, (error, made, left) in _run(_setup_fails).items():
+        assert error == "a collective failed", rank
+        assert len(made) == 1 and left == [False], (rank, made, left)
+
+
 def _picked(rank: int, out: Any) -> None:
     link = ProcessModel.PROCESS_PER_STAGE.transports(2, rank, torch.device("cpu"), 0, 60)[rank]
     out.put((rank, type(link).__name__))

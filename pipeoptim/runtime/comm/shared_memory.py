@@ -167,6 +167,37 @@ class SharedMemoryTransport(DistTransport):
             and seen[r][0] == seen[me][0]
         ]
         rings: dict[int, tuple[str, mmap.mmap]] = {}
+        try:
+            opened, accepted, agreed = self._meet(peers, seen, listener, rings)
+        finally:  # every peer has mapped its ring by the last gather, or never will
+            listener.close()
+            for path, _ in rings.values():
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+        for peer in peers:
+            their_out, their_in = agreed[peer]
+            if peer in opened and me in their_in and peer in accepted and me in their_out:
+                self._add_pair(peer, opened.pop(peer), rings[peer][1], *accepted.pop(peer))
+        for sock in opened.values():
+            sock.close()
+        for conn, _ in accepted.values():
+            conn.close()
+
+    def _meet(
+        self,
+        peers: list[int],
+        seen: list[Any],
+        listener: socket.socket,
+        rings: dict[int, tuple[str, mmap.mmap]],
+    ) -> tuple[
+        dict[int, socket.socket],
+        dict[int, tuple[socket.socket, mmap.mmap]],
+        list[tuple[list[int], list[int]]],
+    ]:
+        """Opens this rank's ring to each peer (into ``rings``, so the caller unlinks their
+        files whatever happens here) and accepts the peers' rings: the sockets out, the
+        sockets and rings in, and what every rank opened and accepted."""
+        me = dist.get_rank()
         opened: dict[int, socket.socket] = {}
         for peer in peers:  # the outbound ring's file, and the socket its records go on
             with contextlib.suppress(OSError):
@@ -188,19 +219,7 @@ class SharedMemoryTransport(DistTransport):
                 path = _read_exactly(conn, size).decode()
                 with open(path, "r+b") as f:
                     accepted[sender] = (conn, mmap.mmap(f.fileno(), self._ring_bytes))
-        listener.close()
-        agreed = _gathered((sorted(opened), sorted(accepted)))
-        for path, _ in rings.values():  # every peer has mapped it, or never will
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-        for peer in peers:
-            their_out, their_in = agreed[peer]
-            if peer in opened and me in their_in and peer in accepted and me in their_out:
-                self._add_pair(peer, opened.pop(peer), rings[peer][1], *accepted.pop(peer))
-        for sock in opened.values():
-            sock.close()
-        for conn, _ in accepted.values():
-            conn.close()
+        return opened, accepted, _gathered((sorted(opened), sorted(accepted)))
 
     def _make_ring(self) -> tuple[str, mmap.mmap]:
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -208,6 +227,9 @@ class SharedMemoryTransport(DistTransport):
         try:
             os.ftruncate(fd, self._ring_bytes)
             return path, mmap.mmap(fd, self._ring_bytes)
+        except BaseException:
+            os.unlink(path)  # no ring made: nobody else knows the file
+            raise
         finally:
             os.close(fd)
 

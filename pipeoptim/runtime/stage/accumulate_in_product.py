@@ -20,6 +20,14 @@ layer twice in a forward gets both gradients added in turn, so its sum may round
 differently from autograd's, by the dtype's rounding. The stage uses it
 only where a forward runs on the parameters themselves, with no recomputation and no split
 backward (those keep autograd's own graph: ``stage.py``).
+
+With :attr:`AccumulateInProduct.defer` set, a backward computes only the input gradients
+and queues each weight's product; :meth:`AccumulateInProduct.finish` runs the queue, in the
+order the backward met the layers. A synchronous stage that sends its input's gradient
+upstream (every stage but the first) defers them past that send, to the start of its next
+action: the stage upstream, which waits on that gradient, gets it a weight pass sooner, and
+every ``.grad`` is the same sum, added in the same order, bit for bit. What it costs: each
+linear layer's input and output gradient of that one micro-batch stay held until then.
 """
 
 from __future__ import annotations
@@ -33,6 +41,10 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 __all__ = ["MIN_WEIGHTS", "AccumulateInProduct", "accumulates_in_product"]
+
+WeightProduct = tuple[Tensor, Tensor | None, Tensor, Tensor]
+"""A weight's gradient still to add: (weight, bias or None, the output gradient's rows, the
+input's rows)."""
 
 MIN_WEIGHTS = 2**19
 """The smallest weight (elements) whose gradient is added in its product. The saved pass is
@@ -58,30 +70,40 @@ class _LinearAddingIntoGrad(torch.autograd.Function):
     ``.grad`` itself and hands autograd none for them."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    def forward(
+        ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, mode: AccumulateInProduct
+    ) -> Tensor:
         ctx.save_for_backward(x, weight)
         ctx.params = (weight, bias)
+        ctx.mode = mode
         return F.linear(x, weight, bias)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None]:
         x, weight_saved = ctx.saved_tensors
         weight, bias = ctx.params
-        rows = grad.reshape(-1, grad.shape[-1])
-        with torch.no_grad():
-            inputs = x.reshape(-1, x.shape[-1])
-            if weight.grad is None:
-                weight.grad = rows.t().mm(inputs)
-            else:
-                weight.grad.addmm_(rows.t(), inputs)
-            if bias is not None:
-                summed = rows.sum(0)
-                if bias.grad is None:
-                    bias.grad = summed
-                else:
-                    bias.grad.add_(summed)
+        product = (weight, bias, grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1]))
+        if ctx.mode.defer:
+            ctx.mode.queued.append(product)
+        else:
+            _add_into_grad(product)
         grad_x = grad.matmul(weight_saved) if ctx.needs_input_grad[0] else None
-        return grad_x, None, None
+        return grad_x, None, None, None
+
+
+def _add_into_grad(product: WeightProduct) -> None:
+    weight, bias, rows, inputs = product
+    with torch.no_grad():
+        if weight.grad is None:
+            weight.grad = rows.t().mm(inputs)
+        else:
+            weight.grad.addmm_(rows.t(), inputs)
+        if bias is not None:
+            summed = rows.sum(0)
+            if bias.grad is None:
+                bias.grad = summed
+            else:
+                bias.grad.add_(summed)
 
 
 class AccumulateInProduct(TorchFunctionMode):
@@ -97,6 +119,17 @@ class AccumulateInProduct(TorchFunctionMode):
         share gets two gradients a backward, whose sum autograd rounds its own way."""
         self._weights = {id(p) for _, p in held if id(p) in self._ids and p.numel() >= MIN_WEIGHTS}
         """Of them, those large enough to gain (:data:`MIN_WEIGHTS`)."""
+        self.defer = False
+        """Queue the weights' products in the backward, for :meth:`finish` (module
+        docstring)."""
+        self.queued: list[WeightProduct] = []
+        """The products a deferring backward left, in the order it met them."""
+
+    def finish(self) -> None:
+        """Add the queued products into the gradients, in the order they were queued."""
+        queued, self.queued = self.queued, []
+        for product in queued:
+            _add_into_grad(product)
 
     @property
     def active(self) -> bool:
@@ -125,5 +158,5 @@ class AccumulateInProduct(TorchFunctionMode):
                 and torch.is_grad_enabled()
                 and not torch.is_autocast_enabled(x.device.type)
             ):
-                return _LinearAddingIntoGrad.apply(x, weight, bias)  # type: ignore[no-untyped-call]
+                return _LinearAddingIntoGrad.apply(x, weight, bias, self)  # type: ignore[no-untyped-call]
         return func(*args, **kwargs)

@@ -197,6 +197,13 @@ class Stage:
         added inside their products, on forwards that run on the parameters themselves
         (``accumulate_in_product.py``); not where a backward is split, whose input half
         must leave the weights' gradients alone."""
+        if self._in_product is not None and index > 0 and self.policy is WeightPolicy.FLUSH:
+            self._in_product.defer = True
+        self._unfinished: tuple[MicroBatchVersions, Payload] | None = None
+        """The latest backward (its versions and input) where its weight gradients wait
+        for :meth:`finish_backward`: a synchronous stage that sends its input's gradient
+        upstream adds them after that send, at the start of its next action
+        (``accumulate_in_product.py``)."""
         # A stage of parameter-free layers (a lone ReLU) has nothing to update: all None.
         self.optimizer: Optimizer | None = rule.optimizer
         self.updater: StageUpdate | None = rule.update
@@ -360,6 +367,7 @@ class Stage:
     # -- segments --------------------------------------------------------------------------
     def begin_segment(self, passes: dict[int, MicroBatchVersions]) -> None:
         """Start a never-flushed pipeline segment; versions count from 0 within it."""
+        self.finish_backward()
         if self._saved or self.weights.stash:
             raise RuntimeError(f"stage {self.index}: a segment began with passes in flight")
         self._updates_before_segment += self.weights.current
@@ -373,6 +381,7 @@ class Stage:
 
     def forget_passes(self, mbs: list[int]) -> None:
         """The forwards of ``mbs`` will not run: a stop cut the segment short."""
+        self.finish_backward()
         self.weights.forget(mbs)
 
     def _buffer_becomes_live(self, passes: dict[int, MicroBatchVersions]) -> bool:
@@ -500,6 +509,7 @@ class Stage:
         """Run micro-batch ``mb``; returns the (detached) output, or on the last stage the
         loss already divided by M. ``x`` and the output may be tuples of tensors (a unit's
         positional arguments); the floating-point ones take gradients."""
+        self.finish_backward()
         v = self.versions(mb)
         store = self.weights
         if v.forward_base != store.current:
@@ -633,6 +643,7 @@ class Stage:
     def forward_eval(self, x: Payload) -> Payload:
         """Forward on the live weights without autograd (evaluation); the caller puts the
         module in eval mode."""
+        self.finish_backward()
         with torch.no_grad(), self.precision.autocast():
             try:
                 out: Payload = self.module(x) if isinstance(x, Tensor) else self.module(*x)
@@ -647,7 +658,9 @@ class Stage:
         first stage); for a tuple input a tuple, with a gradient per floating-point tensor
         (zeros where it took none) and None for the others. ``grad``: the output's, for a
         tuple output one per floating-point tensor. Gradients accumulate until
-        :meth:`update`."""
+        :meth:`update`; where this stage defers its weight gradients, they are added at
+        its next action (:meth:`finish_backward`)."""
+        self.finish_backward()
         v = self.versions(mb)
         self.weights.check_backward(v, mb)
         x_in, out = self._saved.pop(mb)
@@ -672,7 +685,10 @@ class Stage:
                 if roots:
                     with self._backward_pass(x_in):
                         torch.autograd.backward(roots, grads)
-        self._retire(v)
+        if self._in_product is not None and self._in_product.queued:
+            self._unfinished = (v, x_in)  # retired when its weight gradients are added
+        else:
+            self._retire(v)
         if isinstance(x_in, Tensor):
             return self.precision.true_gradient(x_in.grad if x_in.requires_grad else None)
         return self._input_gradients(x_in, [t.grad if t.requires_grad else None for t in x_in])
@@ -689,6 +705,19 @@ class Stage:
                 if out_of_memory(err):
                     raise StageError(out_of_memory_message(self.index, x, err, "backward")) from err
                 raise
+
+    def finish_backward(self) -> None:
+        """Add the weight gradients the latest backward deferred past its input gradient
+        (``accumulate_in_product.py``), and count that backward done; nothing where none
+        waits. Every pass, update and checkpoint of this stage calls it first; the executor
+        before another reads this stage's gradients (tied weights)."""
+        if self._unfinished is None:
+            return
+        (v, x_in), self._unfinished = self._unfinished, None
+        assert self._in_product is not None  # only its backwards defer
+        with self._backward_pass(x_in):
+            self._in_product.finish()
+        self._retire(v)
 
     def _retire(self, v: MicroBatchVersions) -> None:
         """A micro-batch's backward is complete (its B, or the W of a split one): release
@@ -772,6 +801,7 @@ class Stage:
         the optimizer's step hooks, so a step a GradScaler skips records nothing. Under data
         parallelism the buffers follow replica 0's here, where every replica has run the
         same passes (a stage without weights updates nothing but its buffers)."""
+        self.finish_backward()
         if self.buffer_sync is not None:
             self.buffer_sync()
         self.weights.before_update()
@@ -841,6 +871,7 @@ class Stage:
     def state_dict(self) -> dict[str, Any]:
         """Weights, optimizer, scheduler, loss scaler, correction, predictor and RNG state;
         only valid between segments."""
+        self.finish_backward()
         if self._saved or self.weights.stash:
             raise RuntimeError(f"stage {self.index}: checkpoint with passes in flight")
         update = (
@@ -878,6 +909,7 @@ class Stage:
         (:meth:`check_state`). Where this stage was built with other base learning rates
         than the saved run, the loaded (scheduled) rates are rescaled to them, so a resume
         can change the lr and keep the schedule's progress; returns what changed."""
+        self.finish_backward()
         self._check_own_state(state, optimizer=False)
         # The optimizer first: it checks its part before it takes anything.
         changes = self.updater.load_state_dict(state) if self.updater is not None else []
