@@ -67,7 +67,8 @@ def accumulates_in_product(param: Tensor) -> bool:
 
 class _LinearAddingIntoGrad(torch.autograd.Function):
     """``F.linear`` whose backward adds the weight's (and bias's) gradient into their
-    ``.grad`` itself and hands autograd none for them."""
+    ``.grad`` itself, or queues it on the mode where the mode defers, and hands autograd
+    none for them."""
 
     @staticmethod
     def forward(
