@@ -392,6 +392,13 @@ GLIBC_DEFAULTS = " (glibc defaults)"
 """A run name ending so runs with glibc's allocator defaults whatever ``--allocator`` says:
 ``--runs "limit,limit (glibc defaults)"`` measures the allocator's effect in one run."""
 
+SWITCHES = {
+    OVER_GLOO: "over_gloo",
+    AUTOGRAD_SUMS: "autograd_sums",
+    WEIGHTS_IN_BACKWARD: "weights_in_backward",
+}
+"""Each pipeoptim twin's name ending and the switch its job sets (read by the ranks)."""
+
 RUNS = (
     "torch ScheduleGPipe",
     "torch Schedule1F1B",
@@ -448,15 +455,13 @@ def main() -> None:
     for round_ in range(a.rounds):
         for run in runs:
             base_run = run
-            for suffix in (GLIBC_DEFAULTS, OVER_GLOO, AUTOGRAD_SUMS, WEIGHTS_IN_BACKWARD):
+            for suffix in (GLIBC_DEFAULTS, *SWITCHES):
                 base_run = base_run.removesuffix(suffix)
             job = {
                 **args,
                 "run": base_run,
                 "allocator": "default" if run.endswith(GLIBC_DEFAULTS) else a.allocator,
-                "over_gloo": run.endswith(OVER_GLOO),
-                "autograd_sums": run.endswith(AUTOGRAD_SUMS),
-                "weights_in_backward": run.endswith(WEIGHTS_IN_BACKWARD),
+                **{switch: run.endswith(suffix) for suffix, switch in SWITCHES.items()},
             }
             if base_run == "limit" or base_run in FLOORS:
                 target: Callable[..., None] = _limit_rank

@@ -13,6 +13,7 @@ message in micro-batch order; the parts of a tuple are posted in order on both s
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -150,8 +151,14 @@ class DistTransport(Transport):
         try:
             work.wait()
         except RuntimeError as err:  # gloo/NCCL report a dead peer or a timeout this way
-            stop_if_orphaned()  # the peer went because the launcher did: say that, and end
-            lost = self._first + peer  # the process-group rank, as the launcher names ranks
-            raise PeerLostError(
-                f"lost rank {lost} while waiting for {what}: {backend_cause(err)}", lost
-            ) from None
+            cause = backend_cause(err)
+        else:
+            return
+        self._peer_lost(peer, what, cause)
+
+    def _peer_lost(self, peer: int, what: str, cause: str) -> NoReturn:
+        """Raise :class:`PeerLostError` for ``peer`` (a pipeline rank), which this rank was
+        waiting on for ``what``; or end this process first where its launcher is gone."""
+        stop_if_orphaned()  # the peer went because the launcher did: say that, and end
+        lost = self._first + peer  # the process-group rank, as the launcher names ranks
+        raise PeerLostError(f"lost rank {lost} while waiting for {what}: {cause}", lost)

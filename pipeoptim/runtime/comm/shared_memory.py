@@ -44,9 +44,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from pipeoptim.errors import PeerLostError, RuntimeConfigError
+from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.runtime.comm.dist import DistTransport
-from pipeoptim.runtime.comm.parent_watch import stop_if_orphaned
 from pipeoptim.runtime.comm.transport import MessageKey, Parts, describe_message
 from pipeoptim.runtime.payload import Payload
 
@@ -415,13 +414,7 @@ class SharedMemoryTransport(DistTransport):
             if writing is not None:
                 self._selector.modify(writing, selectors.EVENT_READ, data)
         if not ready:
-            stop_if_orphaned()
-            lost = self._first + peer
-            raise PeerLostError(
-                f"lost rank {lost} while waiting for {what}: nothing came in "
-                f"{self._timeout:g} s (the run's timeout)",
-                lost,
-            )
+            self._peer_lost(peer, what, f"nothing came in {self._timeout:g} s (the run's timeout)")
         for key, events in ready:
             if not events & selectors.EVENT_READ:
                 continue
@@ -432,10 +425,8 @@ class SharedMemoryTransport(DistTransport):
                 self._read_acks(other, self._out[other])
 
     def _lost(self, peer: int, what: str, err: OSError | None) -> NoReturn:
-        stop_if_orphaned()
-        lost = self._first + peer
         cause = "its connection closed" if err is None else f"{type(err).__name__}: {err}"
-        raise PeerLostError(f"lost rank {lost} while waiting for {what}: {cause}", lost)
+        self._peer_lost(peer, what, cause)
 
     def close(self) -> None:
         """Closes the sockets (the rings go with the last mapping)."""
