@@ -65,9 +65,10 @@ table after the limit's shares gives each run against its ``(gloo)`` twin. Where
 backwards add up before an update (M > 1), a stage adds its linear layers' weight gradients
 inside their products (``runtime/stage/accumulate_in_product.py``); the suffix
 `` (autograd sums)`` leaves them to autograd's own accumulation, as torch's runs do. A
-synchronous stage that sends its input's gradient upstream adds them after that send, at its
-next action; the suffix `` (weights in the backward)`` adds them in the backward, before
-the send, as torch's runs do. Each twin is printed against its base run, round by round.
+stage that sends its input's gradient upstream (the asynchronous methods' last stage too)
+adds them after that send, at its next action; the suffix `` (weights in the backward)``
+adds them in the backward, before the send, as torch's runs do. Each twin is printed
+against its base run, round by round.
 """
 
 from __future__ import annotations
@@ -386,7 +387,7 @@ the products (``runtime/stage/accumulate_in_product.py``)."""
 WEIGHTS_IN_BACKWARD = " (weights in the backward)"
 """A pipeoptim run name ending so adds every weight gradient in its backward, before the
 input's gradient goes upstream, rather than at the stage's next action
-(``AccumulateInProduct.defer``, on the synchronous stages but the first)."""
+(``AccumulateInProduct.defer``, on every stage but the first)."""
 
 GLIBC_DEFAULTS = " (glibc defaults)"
 """A run name ending so runs with glibc's allocator defaults whatever ``--allocator`` says:

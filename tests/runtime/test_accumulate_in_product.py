@@ -153,9 +153,11 @@ def test_a_micro_batched_pipeline_trains_as_with_autograds_accumulation(
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_a_stage_that_adds_up_nothing_keeps_autograd_alone() -> None:
+def test_a_stage_that_adds_up_nothing_and_sends_no_gradient_keeps_autograd_alone() -> None:
+    """One micro-batch a step: stage 0 sums nothing and sends nothing, so it keeps
+    autograd's linear; stage 1 takes the product over, to defer its weights."""
     _, used = _trained("gpipe", 1, True)
-    assert used == [False, False]
+    assert used == [False, True]
 
 
 def test_the_benchmark_times_both_ways() -> None:
@@ -237,13 +239,25 @@ def test_a_deferred_backward_leaves_the_weights_to_finish_which_adds_the_same_bi
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
 
 
-@pytest.mark.parametrize("method", ["gpipe", "1f1b", "interleaved-1f1b"])
+@pytest.mark.parametrize(
+    ("method", "micro"),
+    [
+        ("gpipe", MICRO),
+        ("1f1b", MICRO),
+        ("interleaved-1f1b", MICRO),
+        ("gpipe", 1),
+        ("pipedream", 1),
+        ("pipeoptim", 1),
+        ("xpipe", MICRO),
+    ],
+)
 def test_stages_that_send_a_gradient_defer_their_weights_and_train_the_same_bits(
-    method: str, monkeypatch: pytest.MonkeyPatch
+    method: str, micro: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Stage 1 adds its weight gradients after its input's gradient, stage 0 (nothing to
-    send) in its backward; the weights after three steps equal those of every weight
-    gradient added in its backward, bit for bit."""
+    send) in its backward, under every weight policy and with one micro-batch a step too;
+    the weights after three steps equal those of every weight gradient added in its
+    backward, bit for bit."""
     deferred: list[int] = []
     finish = AccumulateInProduct.finish
 
@@ -252,14 +266,14 @@ def test_stages_that_send_a_gradient_defer_their_weights_and_train_the_same_bits
         finish(self)
 
     monkeypatch.setattr(AccumulateInProduct, "finish", counted)
-    pipe = _pipeline(method, MICRO)
+    pipe = _pipeline(method, micro)
     stages = sorted(pipe.stages)
     modes = [pipe.stages[k]._in_product for k in stages]
     assert [m is not None and m.defer for m in modes] == [k > 0 for k in stages]
     pipe.close()
-    want, _ = _trained(method, MICRO, True, defer=False)
+    want, _ = _trained(method, micro, True, defer=False)
     assert not any(deferred)
-    got, _ = _trained(method, MICRO, True)
+    got, _ = _trained(method, micro, True)
     # each backward of every stage but the first, 3 steps
-    assert sum(1 for n in deferred if n) == (len(stages) - 1) * MICRO * 3
+    assert sum(1 for n in deferred if n) == (len(stages) - 1) * micro * 3
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))

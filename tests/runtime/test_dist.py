@@ -135,6 +135,7 @@ def one_thread(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         ("pipeoptim", 3, 1, "full", None),  # activation recomputation (test_recompute.py)
         ("1f1b", 2, 2, "units:Linear", None),
         ("1f1b", 2, 2, None, "wide_net"),  # weight gradients added after the send
+        ("pipeoptim", 3, 1, None, "wide_net"),  # and so asynchronously
     ],
 )
 def test_dist_transport_equals_local_bit_for_bit(

@@ -23,9 +23,10 @@ backward (those keep autograd's own graph: ``stage.py``).
 
 With :attr:`AccumulateInProduct.defer` set, a backward computes only the input gradients
 and queues each weight's product; :meth:`AccumulateInProduct.finish` runs the queue, in the
-order the backward met the layers. A synchronous stage that sends its input's gradient
-upstream (every stage but the first) defers them past that send, to the start of its next
-action: the stage upstream, which waits on that gradient, gets it a weight pass sooner, and
+order the backward met the layers. A stage that sends its input's gradient upstream (every
+stage but the first, synchronous or not; with one micro-batch a step too, where nothing
+adds up) defers them past that send, to the start of its next action: the stage upstream,
+which waits on that gradient, gets it a weight pass sooner, and
 every ``.grad`` is the same sum, added in the same order, bit for bit. What it costs: each
 linear layer's input and output gradient of that one micro-batch stay held until then.
 """

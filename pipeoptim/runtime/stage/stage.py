@@ -190,19 +190,25 @@ class Stage:
         self.accumulation = method.accumulation(index, num_stages)
         """A_k: the mini-batches this stage accumulates per update (1 but under a bounded
         delay, where :meth:`update` applies their mean gradient)."""
-        adds_up = (micro_batches > 1 or self.accumulation > 1) and not method.split_backward
-        in_product = AccumulateInProduct(self.module) if adds_up else None
+        adds_up = micro_batches > 1 or self.accumulation > 1
+        sends_gradient = index > 0
+        in_product = (
+            AccumulateInProduct(self.module)
+            if (adds_up or sends_gradient) and not method.split_backward
+            else None
+        )
         self._in_product = in_product if in_product is not None and in_product.active else None
-        """Where several backwards add up before an update: linear layers' weight gradients
-        added inside their products, on forwards that run on the parameters themselves
-        (``accumulate_in_product.py``); not where a backward is split, whose input half
-        must leave the weights' gradients alone."""
-        if self._in_product is not None and index > 0 and self.policy is WeightPolicy.FLUSH:
+        """Where several backwards add up before an update, or a stage sends its input's
+        gradient upstream: linear layers' weight gradients added inside their products, on
+        forwards that run on the parameters themselves (``accumulate_in_product.py``); not
+        where a backward is split, whose input half must leave the weights' gradients
+        alone."""
+        if self._in_product is not None and sends_gradient:
             self._in_product.defer = True
         self._unfinished: tuple[MicroBatchVersions, Payload] | None = None
         """The latest backward (its versions and input) where its weight gradients wait
-        for :meth:`finish_backward`: a synchronous stage that sends its input's gradient
-        upstream adds them after that send, at the start of its next action
+        for :meth:`finish_backward`: a stage that sends its input's gradient upstream adds
+        them after that send, at the start of its next action
         (``accumulate_in_product.py``)."""
         # A stage of parameter-free layers (a lone ReLU) has nothing to update: all None.
         self.optimizer: Optimizer | None = rule.optimizer
