@@ -123,7 +123,7 @@ def _excess_fixed(
     (calibration's own split, by the loop's fixed fraction), it cost pipeoptim's whole
     mini-batches up to M times the excess of the probe's micro-batch: the default demo's
     offline prediction of pipeoptim was −8 % to −18 % off in four runs on a 2-core
-    machine, and +4.5 %, +5.4 % and 0.0 % in three with the excess fixed."""
+    machine, and +4.5, +5.4, 0.0, +2.7 and −9.5 % in five with the excess fixed."""
     loop_f, loop_b = loop.time_at(probed, batch_size)
     fit_f, fit_b = fitted.time_at(probed, batch_size)
 
