@@ -30,7 +30,20 @@ Runs, interleaved round by round so machine noise hits all alike:
 * ``limit +prediction`` and ``limit +stash``: the limit with the weight work PipeOptim
   (Ŵ written after every update) or PipeDream (the weights copied before it) adds on every
   rank but the last: the method's own floor, what its pipeline would do with nothing lost
-  to messages, waits or the executor.
+  to messages, waits or the executor;
+* ``locked +stash``: ``limit +stash``'s loops made to
+  wait on one another as asynchronous 1F1B's stages do (one-element gloo messages in the
+  place of the activations and gradients, each forward's weights kept until its backward):
+  the floor with the pipeline's dependencies and nothing else of a runtime. On cores the
+  ranks share, a stage's passes run against whatever the other stages run at that phase of
+  the pipeline, not against a loop drifting freely beside it, and this run measures what
+  that costs apart from the runtime.
+
+Rounds take the runs in the order given, then in reverse, in turn, so that a machine
+speeding up or slowing down through a round favours no run across two rounds. Each ratio is
+printed twice: the ratio of the runs' medians over the rounds, and in brackets the median
+of the rounds' own ratios, which pairs each run with the other in the same round (minutes
+apart, where the machine's speed may move by a fifth from one round to the next).
 
 Each run trains ``--warmup`` mini-batches, then times ``--steps`` more. A pipeoptim run
 times them as one fit, which has a fill at its start and a drain at its end (an asynchronous
@@ -347,6 +360,81 @@ def _limit_rank(rank: int, ranks: int, port: int, args: dict[str, Any], out: Any
     dist.destroy_process_group()
 
 
+LOCKED = "locked +stash"
+"""The run of the limit's loops locked into the asynchronous 1F1B order, with PipeDream's
+stash (:func:`_locked_rank`): what the pipeline's dependencies cost on these cores."""
+
+
+def _locked_rank(rank: int, ranks: int, port: int, args: dict[str, Any], out: Any) -> None:
+    """The limit's loop on ``rank``, made to wait as an asynchronous 1F1B pipeline's stage
+    does: one-element gloo messages stand for the activations and gradients, so each rank
+    runs its passes in the phase the pipeline's dependencies set, against the same work on
+    the other cores, with nothing else of a runtime. A rank at distance above 0 runs its
+    first forwards ahead (:func:`floor_distance`) and keeps each forward's weights until its
+    backward: a copy per step, PipeDream's stash, as in ``limit +stash``."""
+    _init(rank, ranks, port, args)
+    module = split(blocks(), ranks)[rank]
+    names, params = zip(*module.named_parameters(), strict=True)
+    opt = torch.optim.SGD(params, lr=0.01, momentum=0.9)
+    x, y = data(args["batch"], 1)[0]
+    grad = torch.randn(args["batch"], WIDTH, generator=torch.Generator().manual_seed(2))
+    if rank > 0:
+        x = x.clone().requires_grad_()
+    distance = floor_distance(rank, ranks)
+    token, sent = torch.zeros(1), []
+
+    def tell(peer: int) -> None:  # one element for the tensor the pipeline would send
+        work = dist.isend(token, peer)
+        if work is not None:
+            sent.append(work)
+
+    in_flight: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+
+    def forward() -> None:
+        if rank > 0:
+            dist.recv(torch.zeros(1), rank - 1)
+        if distance > 0:  # the stash: the forward's own copy of the weights, kept
+            weights = [p.detach().clone().requires_grad_() for p in params]
+            output = torch.func.functional_call(
+                module, dict(zip(names, weights, strict=True)), (x,)
+            )
+        else:
+            weights, output = list(params), module(x)
+        if rank < ranks - 1:
+            tell(rank + 1)
+        in_flight.append((output, weights))
+
+    def step() -> None:
+        forward()
+        output, weights = in_flight.pop(0)
+        if rank == ranks - 1:
+            nn.functional.cross_entropy(output, y).backward()
+        else:
+            dist.recv(torch.zeros(1), rank + 1)
+            output.backward(grad)
+        if rank > 0:
+            tell(rank - 1)
+        if distance > 0:
+            for p, w in zip(params, weights, strict=True):
+                p.grad = w.grad
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        x.grad = None
+        while len(sent) > 2 * ranks:
+            sent.pop(0).wait()
+
+    for _ in range(distance):
+        forward()
+    seconds, cpu = _timed(step, args, until_all=False)
+    if rank > 0:  # the forward the rank before ran ahead of its last backward
+        dist.recv(torch.zeros(1), rank - 1)
+    for work in sent:
+        work.wait()
+    out.put((rank, args["steps"] * args["batch"] / seconds, cpu))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _spawned(
     target: Callable[..., None], ranks: int, args: dict[str, Any]
 ) -> tuple[float, dict[int, dict[str, float]]]:
@@ -411,7 +499,22 @@ RUNS = (
     "pipeoptim pipeoptim +loggers",
     "limit",
     *FLOORS,
+    LOCKED,
 )
+
+
+def round_order(runs: list[str], round_: int) -> list[str]:
+    """The runs in the order round ``round_`` (from 0) takes them: as given, then reversed,
+    in turn (A B, B A, A B, ...), so that a machine growing faster or slower through a round
+    favours neither of two runs across two rounds."""
+    return list(runs) if round_ % 2 == 0 else list(reversed(runs))
+
+
+def paired(over: list[float], under: list[float]) -> float:
+    """The median of the rounds' own ratios ``over / under``: each round's two runs met
+    the same machine, minutes apart, where the ratio of the medians pairs runs of different
+    rounds."""
+    return statistics.median(x / y for x, y in zip(over, under, strict=True))
 
 
 def main() -> None:
@@ -454,7 +557,7 @@ def main() -> None:
     runs' from their traces; the limit's and torch's loops are that already."""
     parts: dict[str, list[dict[int, dict[str, float]]]] = {r: [] for r in runs}
     for round_ in range(a.rounds):
-        for run in runs:
+        for run in round_order(runs, round_):
             base_run = run
             for suffix in (GLIBC_DEFAULTS, *SWITCHES):
                 base_run = base_run.removesuffix(suffix)
@@ -466,6 +569,8 @@ def main() -> None:
             }
             if base_run == "limit" or base_run in FLOORS:
                 target: Callable[..., None] = _limit_rank
+            elif base_run == LOCKED:
+                target = _locked_rank
             elif base_run.startswith("torch"):
                 target = _torch_rank
             else:
@@ -491,12 +596,19 @@ def main() -> None:
         "n - 1 - P (the fit's fill and drain left out; the limit's and torch's loops have "
         "none); whole fit: from the fit's start to its last rank's end"
     )
-    base = statistics.median(steady["torch Schedule1F1B"]) if "torch Schedule1F1B" in rates else 0
-    print("| run | samples/s, steady | vs torch Schedule1F1B | samples/s, whole fit |")
+    torch_1f1b = steady.get("torch Schedule1F1B")
+    print(
+        "ratios: of the medians over the rounds, then [the median of the rounds' own ratios]\n"
+        "| run | samples/s, steady | vs torch Schedule1F1B | samples/s, whole fit |"
+    )
     print("|---|---|---|---|")
     for run, values in steady.items():
         med = statistics.median(values)
-        ratio = f"{med / base:.2f}x" if base else "-"
+        ratio = "-"
+        if torch_1f1b:
+            ratio = (
+                f"{med / statistics.median(torch_1f1b):.2f}x [{paired(values, torch_1f1b):.2f}x]"
+            )
         print(f"| {run} | {med:,.0f} | {ratio} | {statistics.median(rates[run]):,.0f} |")
     for suffix in ("", GLIBC_DEFAULTS):  # each run against the limit under its allocator
         if "limit" + suffix not in rates:
@@ -506,11 +618,14 @@ def main() -> None:
             f"\nshare of the {a.ranks}-stage limit{suffix} (all cores busy; goal >= 0.95x), "
             f"steady (whole fit):"
         )
+        limit = rates["limit" + suffix]
         for name in ("pipeoptim pipedream", "pipeoptim pipeoptim", "pipeoptim 1f1b"):
             if name + suffix in rates:
+                run_steady, run_fit = steady[name + suffix], rates[name + suffix]
                 print(
-                    f"  {name + suffix}: {statistics.median(steady[name + suffix]) / top:.2f}x "
-                    f"({statistics.median(rates[name + suffix]) / top:.2f}x)"
+                    f"  {name + suffix}: {statistics.median(run_steady) / top:.2f}x "
+                    f"({statistics.median(run_fit) / top:.2f}x) "
+                    f"[{paired(run_steady, limit):.2f}x ({paired(run_fit, limit):.2f}x)]"
                 )
     floors = [(f, m) for f, m in FLOORS.items() if f in rates and m in rates]
     if floors and "limit" in rates:
@@ -518,9 +633,25 @@ def main() -> None:
         print("\neach method's own floor (the limit with the method's weight work added):")
         for floor, method in floors:
             bottom = statistics.median(rates[floor])
+            against = paired(rates[floor], rates["limit"])
             print(
-                f"  {floor}: {bottom / top:.2f}x the limit; {method}: "
-                f"{statistics.median(steady[method]) / bottom:.2f}x its floor, steady"
+                f"  {floor}: {bottom / top:.2f}x the limit [{against:.2f}x]; "
+                f"{method}: {statistics.median(steady[method]) / bottom:.2f}x its floor, steady "
+                f"[{paired(steady[method], rates[floor]):.2f}x]"
+            )
+    stash, method = "limit +stash", FLOORS["limit +stash"]
+    if LOCKED in rates and stash in rates:
+        locked = rates[LOCKED]
+        print(
+            f"\nthe floor locked in the pipeline's order ({LOCKED}: the limit's loops waiting on "
+            f"one another as asynchronous 1F1B's stages do, no runtime):\n"
+            f"  {LOCKED}: {statistics.median(locked) / statistics.median(rates[stash]):.2f}x "
+            f"{stash} [{paired(locked, rates[stash]):.2f}x]"
+        )
+        if method in rates:
+            print(
+                f"  {method}: {statistics.median(steady[method]) / statistics.median(locked):.2f}x "
+                f"{LOCKED}, steady [{paired(steady[method], locked):.2f}x]"
             )
     for suffix, what in (  # each run against its twin
         (GLIBC_DEFAULTS, f"the host allocator ({a.allocator}) against glibc's defaults"),

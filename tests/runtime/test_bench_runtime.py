@@ -79,9 +79,9 @@ def test_the_cpu_of_other_threads_is_told_apart_from_the_ranks_own() -> None:
     assert used["cpu"] >= used["other threads"], used
 
 
-def _smallest_run(runs: str) -> subprocess.CompletedProcess[str]:
+def _smallest_run(runs: str, *more: str) -> subprocess.CompletedProcess[str]:
     """The script over ``runs`` at its smallest: one round of 2 steps of batch 32."""
-    args = ["--rounds", "1", "--steps", "2", "--warmup", "1", "--batch", "32"]
+    args = ["--rounds", "1", "--steps", "2", "--warmup", "1", "--batch", "32", *more]
     done = subprocess.run(
         [sys.executable, str(SCRIPT), *args, "--runs", runs],
         capture_output=True,
@@ -96,10 +96,15 @@ def test_bench_runtime_prints_the_share_of_the_limit_and_where_the_time_goes() -
     done = _smallest_run("pipeoptim pipeoptim,limit,limit +prediction")
     assert re.search(r"\| limit \| [\d,]+ \|", done.stdout), done.stdout
     assert "host allocator: pipeoptim in every run" in done.stdout, done.stdout
-    share = re.search(r"pipeoptim pipeoptim: (\d+\.\d\d)x", done.stdout)
-    assert share is not None and float(share.group(1)) > 0, done.stdout
+    share = re.search(
+        r"pipeoptim pipeoptim: (\d+\.\d\d)x \((\d+\.\d\d)x\) "
+        r"\[(\d+\.\d\d)x \((\d+\.\d\d)x\)\]",
+        done.stdout,
+    )
+    assert share is not None and min(map(float, share.groups())) > 0, done.stdout
     floor = re.search(
-        r"limit \+prediction: (\d+\.\d\d)x the limit; pipeoptim pipeoptim: (\d+\.\d\d)x its",
+        r"limit \+prediction: (\d+\.\d\d)x the limit \[(\d+\.\d\d)x\]; "
+        r"pipeoptim pipeoptim: (\d+\.\d\d)x its floor, steady \[(\d+\.\d\d)x\]",
         done.stdout,
     )
     assert floor is not None and min(map(float, floor.groups())) > 0, done.stdout
@@ -130,6 +135,36 @@ def test_bench_runtime_sets_twin_runs_beside_their_base_runs() -> None:
     ):
         twin = re.search(rf"{what}, same rounds \(steady\):\n  {run}: (\d+\.\d\d)x", done.stdout)
         assert twin is not None and float(twin.group(1)) > 0, done.stdout
+
+
+def test_the_rounds_take_the_runs_in_turn_forwards_and_backwards() -> None:
+    b = bench()
+    runs = ["limit", "pipeoptim pipeoptim", "locked +stash"]
+    assert b.round_order(runs, 0) == runs
+    assert b.round_order(runs, 1) == ["locked +stash", "pipeoptim pipeoptim", "limit"]
+    assert b.round_order(runs, 2) == runs
+    assert runs == ["limit", "pipeoptim pipeoptim", "locked +stash"]  # the caller's untouched
+
+
+def test_paired_ratios_are_the_median_of_each_rounds_own() -> None:
+    """A machine that slows by half between two rounds: the rounds' own ratios stay 0.9;
+    the ratio of the medians mixes the rounds (here 0.99)."""
+    b = bench()
+    assert b.paired([900.0, 450.0, 880.0], [1000.0, 500.0, 1000.0]) == pytest.approx(0.9)
+    with pytest.raises(ValueError):
+        b.paired([1.0, 2.0], [1.0])  # a run missing a round pairs nothing
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_bench_runtime_locks_the_limits_loops_in_the_pipelines_order(ranks: int) -> None:
+    """The limit's loops with PipeDream's stash, waiting on one another as asynchronous
+    1F1B's stages do: every rank finishes (no rank waits on a message never sent, rank 0
+    three forwards ahead at 4 ranks), and the script sets pipedream against it."""
+    done = _smallest_run("pipeoptim pipedream,limit +stash,locked +stash", "--ranks", str(ranks))
+    locked = re.search(r"locked \+stash: (\d+\.\d\d)x limit \+stash \[(\d+\.\d\d)x\]", done.stdout)
+    assert locked is not None and min(map(float, locked.groups())) > 0, done.stdout
+    method = re.search(r"pipeoptim pipedream: (\d+\.\d\d)x locked \+stash", done.stdout)
+    assert method is not None and float(method.group(1)) > 0, done.stdout
 
 
 def test_the_steady_window_leaves_out_the_fill_and_the_drain() -> None:
