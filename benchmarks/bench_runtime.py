@@ -31,13 +31,13 @@ Runs, interleaved round by round so machine noise hits all alike:
   (Ŵ written after every update) or PipeDream (the weights copied before it) adds on every
   rank but the last: the method's own floor, what its pipeline would do with nothing lost
   to messages, waits or the executor;
-* ``locked +stash``: ``limit +stash``'s loops made to
-  wait on one another as asynchronous 1F1B's stages do (one-element gloo messages in the
-  place of the activations and gradients, each forward's weights kept until its backward):
-  the floor with the pipeline's dependencies and nothing else of a runtime. On cores the
-  ranks share, a stage's passes run against whatever the other stages run at that phase of
-  the pipeline, not against a loop drifting freely beside it, and this run measures what
-  that costs apart from the runtime.
+* ``locked +stash``: ``limit +stash``'s loops made to wait on one another as asynchronous
+  1F1B's stages do (one-element gloo messages in the place of the activations and
+  gradients, each forward's weights kept until its backward): the floor with the
+  pipeline's dependencies and nothing else of a runtime. On cores the ranks share, a
+  stage's passes run against whatever the other stages run at that phase of the pipeline,
+  not against a loop drifting freely beside it, and this run measures what that costs
+  apart from the runtime.
 
 Rounds take the runs in the order given, then in reverse, in turn, so that a machine
 speeding up or slowing down through a round favours no run across two rounds. Each ratio is
