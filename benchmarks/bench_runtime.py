@@ -320,38 +320,57 @@ def floor_distance(rank: int, ranks: int) -> int:
     return ranks - 1 - rank
 
 
+class _LimitLoop:
+    """One rank's share of the model and its fixed data, as the limit's loops train it
+    (``limit``, its floors and ``locked +stash`` alike)."""
+
+    def __init__(self, rank: int, ranks: int, batch: int) -> None:
+        self.module = split(blocks(), ranks)[rank]
+        self.params = list(self.module.parameters())
+        self.opt = torch.optim.SGD(self.params, lr=0.01, momentum=0.9)
+        self.x, self.y = data(batch, 1)[0]
+        self.grad = torch.randn(batch, WIDTH, generator=torch.Generator().manual_seed(2))
+        """The output's gradient of every rank but the last (fixed, as its input is)."""
+        if rank > 0:  # the gradient a stage sends back is work the model's own backward does
+            self.x = self.x.clone().requires_grad_()
+        self.last = rank == ranks - 1
+
+    def backward(self, output: torch.Tensor) -> None:
+        """The backward from ``output``: the loss's on the last rank, else the fixed
+        gradient's."""
+        if self.last:
+            nn.functional.cross_entropy(output, self.y).backward()
+        else:
+            output.backward(self.grad)
+
+    def update(self) -> None:
+        """The step, and every gradient cleared for the next backward."""
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.x.grad = None
+
+
 def _limit_rank(rank: int, ranks: int, port: int, args: dict[str, Any], out: Any) -> None:
     """One rank's share of the model trained alone, at the same time as the others; under a
     :data:`FLOORS` name, with that method's weight work as well."""
     from pipeoptim.runtime.optim.predict import predictor_for
 
     _init(rank, ranks, port, args)
-    module = split(blocks(), ranks)[rank]
-    params = list(module.parameters())
-    opt = torch.optim.SGD(params, lr=0.01, momentum=0.9)
-    x, y = data(args["batch"], 1)[0]
-    grad = torch.randn(args["batch"], WIDTH, generator=torch.Generator().manual_seed(2))
-    if rank > 0:  # the gradient a stage sends back is work the model's own backward does
-        x = x.clone().requires_grad_()
+    loop = _LimitLoop(rank, ranks, args["batch"])
+    module, params, x = loop.module, loop.params, loop.x
     distance = floor_distance(rank, ranks)
     predicting = args["run"] == "limit +prediction" and distance > 0
     stashing = args["run"] == "limit +stash" and distance > 0
-    predictor = predictor_for(opt) if predicting else None
+    predictor = predictor_for(loop.opt) if predicting else None
     predicted = [torch.empty_like(p) for p in params] if predicting else []
 
     def step() -> None:
-        output = module(x)
-        if rank == ranks - 1:
-            nn.functional.cross_entropy(output, y).backward()
-        else:
-            output.backward(grad)
+        loop.backward(module(x))
         if stashing:  # the runtime's stash: the parameters move to a copy the step updates
             with torch.no_grad():
                 for p in params:
                     p.data = p.data.clone()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        x.grad = None
+        loop.update()
         if predictor is not None:
             predictor.predict_into(predicted, distance)
 
@@ -373,13 +392,9 @@ def _locked_rank(rank: int, ranks: int, port: int, args: dict[str, Any], out: An
     first forwards ahead (:func:`floor_distance`) and keeps each forward's weights until its
     backward: a copy per step, PipeDream's stash, as in ``limit +stash``."""
     _init(rank, ranks, port, args)
-    module = split(blocks(), ranks)[rank]
-    names, params = zip(*module.named_parameters(), strict=True)
-    opt = torch.optim.SGD(params, lr=0.01, momentum=0.9)
-    x, y = data(args["batch"], 1)[0]
-    grad = torch.randn(args["batch"], WIDTH, generator=torch.Generator().manual_seed(2))
-    if rank > 0:
-        x = x.clone().requires_grad_()
+    loop = _LimitLoop(rank, ranks, args["batch"])
+    module, params, x = loop.module, loop.params, loop.x
+    names = [name for name, _ in module.named_parameters()]
     distance = floor_distance(rank, ranks)
     token, sent = torch.zeros(1), []
 
@@ -407,19 +422,15 @@ def _locked_rank(rank: int, ranks: int, port: int, args: dict[str, Any], out: An
     def step() -> None:
         forward()
         output, weights = in_flight.pop(0)
-        if rank == ranks - 1:
-            nn.functional.cross_entropy(output, y).backward()
-        else:
+        if rank < ranks - 1:
             dist.recv(torch.zeros(1), rank + 1)
-            output.backward(grad)
+        loop.backward(output)
         if rank > 0:
             tell(rank - 1)
         if distance > 0:
             for p, w in zip(params, weights, strict=True):
                 p.grad = w.grad
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        x.grad = None
+        loop.update()
         while len(sent) > 2 * ranks:
             sent.pop(0).wait()
 
@@ -666,8 +677,8 @@ def main() -> None:
         if twins:
             print(f"\n{what}, same rounds (steady):")
             for run in twins:
-                gain = [x / y for x, y in zip(steady[run], steady[run + suffix], strict=True)]
-                print(f"  {run}: {statistics.median(gain):.2f}x (median of the rounds' ratios)")
+                gain = paired(steady[run], steady[run + suffix])
+                print(f"  {run}: {gain:.2f}x (median of the rounds' ratios)")
     bare, logged = "pipeoptim pipeoptim", "pipeoptim pipeoptim +loggers"
     if bare in rates and logged in rates:
         cost = statistics.median(rates[logged]) / statistics.median(rates[bare])
