@@ -514,6 +514,38 @@ RUNS = (
 )
 
 
+def base_name(run: str) -> str:
+    """``run`` without its twin's name ending (:data:`SWITCHES`, :data:`GLIBC_DEFAULTS`)."""
+    for suffix in (GLIBC_DEFAULTS, *SWITCHES):
+        run = run.removesuffix(suffix)
+    return run
+
+
+def run_refusal(run: str) -> str | None:
+    """Why ``--runs`` cannot take ``run``, with the names it can; None where it can: a run
+    of :data:`RUNS` or ``pipeoptim <method>`` (``+loggers`` after it as well), with a twin's
+    ending, and the pipeoptim twins' endings only on pipeoptim runs (no other run reads
+    their switches)."""
+    from pipeoptim.plan.methods import METHODS
+
+    base = base_name(run)
+    method = base.removeprefix("pipeoptim ").removesuffix(" +loggers")
+    pipeoptim_run = base.startswith("pipeoptim ") and method in METHODS
+    if base not in RUNS and not pipeoptim_run:
+        return (
+            f"--runs: no run {run!r}; give runs of {', '.join(RUNS)}, or 'pipeoptim <method>' "
+            f"with a method of {', '.join(METHODS)}, each with a twin's ending if you like "
+            f"({', '.join(repr(s) for s in (*SWITCHES, GLIBC_DEFAULTS))})"
+        )
+    ending = run.removesuffix(GLIBC_DEFAULTS)[len(base) :]
+    if ending and not pipeoptim_run:
+        return (
+            f"--runs: {run!r}: only a pipeoptim run takes the ending {ending!r}; drop it, or "
+            f"name a pipeoptim run (e.g. 'pipeoptim pipeoptim{ending}')"
+        )
+    return None
+
+
 def round_order(runs: list[str], round_: int) -> list[str]:
     """The runs in the order round ``round_`` (from 0) takes them: as given, then reversed,
     in turn (A B, B A, A B, ...), so that a machine growing faster or slower through a round
@@ -537,7 +569,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="1 round of 8 steps")
-    parser.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset")
+    parser.add_argument(
+        "--runs",
+        default=",".join(RUNS),
+        help="comma-separated runs: of the default set, or 'pipeoptim <method>', each with a "
+        "twin's ending if you like (a name it does not know stops the script before any run)",
+    )
     parser.add_argument(
         "--allocator",
         choices=("pipeoptim", "default"),
@@ -562,6 +599,9 @@ def main() -> None:
         "allocator": a.allocator,
     }
     runs = [r for r in a.runs.split(",") if r]
+    refused = [refusal for r in runs if (refusal := run_refusal(r)) is not None]
+    if refused:
+        parser.error("; ".join(refused))
     rates: dict[str, list[float]] = {r: [] for r in runs}
     steady: dict[str, list[float]] = {r: [] for r in runs}
     """Each run's rate in the middle of its fit (:func:`steady_window`): the pipeoptim
@@ -569,9 +609,7 @@ def main() -> None:
     parts: dict[str, list[dict[int, dict[str, float]]]] = {r: [] for r in runs}
     for round_ in range(a.rounds):
         for run in round_order(runs, round_):
-            base_run = run
-            for suffix in (GLIBC_DEFAULTS, *SWITCHES):
-                base_run = base_run.removesuffix(suffix)
+            base_run = base_name(run)
             job = {
                 **args,
                 "run": base_run,

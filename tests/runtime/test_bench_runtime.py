@@ -167,6 +167,38 @@ def test_bench_runtime_locks_the_limits_loops_in_the_pipelines_order(ranks: int)
     assert method is not None and float(method.group(1)) > 0, done.stdout
 
 
+def test_runs_takes_the_known_runs_and_the_twins_of_pipeoptims() -> None:
+    b = bench()
+    for run in (
+        "locked +stash",
+        "limit (glibc defaults)",
+        "pipeoptim xpipe",
+        "pipeoptim pipeoptim +loggers",
+        "pipeoptim 1f1b (weights in the backward) (glibc defaults)",
+    ):
+        assert b.run_refusal(run) is None, run
+    unknown = b.run_refusal("locked")
+    assert unknown is not None and "no run 'locked'" in unknown and "locked +stash" in unknown
+    assert "a method of" in (b.run_refusal("pipeoptim nope") or "")
+    twin = b.run_refusal("limit (gloo)")  # the limit reads no transport switch
+    assert twin == (
+        "--runs: 'limit (gloo)': only a pipeoptim run takes the ending ' (gloo)'; drop it, "
+        "or name a pipeoptim run (e.g. 'pipeoptim pipeoptim (gloo)')"
+    )
+
+
+def test_an_unknown_run_exits_2_naming_it_before_any_run_starts() -> None:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--runs", "limit,locked +stash (gloo)"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "only a pipeoptim run takes the ending ' (gloo)'" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "round 1" not in done.stderr, done.stderr
+
+
 def test_the_steady_window_leaves_out_the_fill_and_the_drain() -> None:
     """From the end of update ``skip`` to the end of update ``n - 1 - skip``: a slow first
     update (the fill) and a slow last one (the drain) do not count."""
