@@ -48,7 +48,7 @@ from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 from pipeoptim.errors import NonFiniteLossError, PipeoptimError, RankFailedError, RuntimeConfigError
 from pipeoptim.runtime.comm import parent_watch
 from pipeoptim.runtime.comm.failure_board import FailureBoard, lost_peer
-from pipeoptim.runtime.comm.parent_watch import stop_if_orphaned
+from pipeoptim.runtime.comm.parent_watch import stop_if_orphaned, write_whole_line
 from pipeoptim.runtime.comm.placement import check_device, pick_device, rank_threads, world_error
 from pipeoptim.runtime.comm.process_model import ProcessModel
 from pipeoptim.runtime.config import TrainConfig
@@ -393,14 +393,14 @@ def worker_main(runner: Runner) -> int:
         dist.barrier()  # nobody leaves while a peer may still be reading from it
     except PipeoptimError as err:
         stop_if_orphaned()  # the launcher went: say that, not what it did to a peer
-        print(f"pipeoptim train: rank {rank}: {err}", file=sys.stderr)
+        write_whole_line(f"pipeoptim train: rank {rank}: {err}")
         code = 1
     except BaseException:
         # a peer that stopped because the launcher died resets this rank's connections,
         # here while the process group connects too: end with the watchdog's line, as the
         # exception hook does for an uncaught error, not with the backend's traceback
         stop_if_orphaned()
-        traceback.print_exc()
+        write_whole_line(traceback.format_exc())
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()

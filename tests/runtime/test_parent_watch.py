@@ -81,3 +81,48 @@ def _alive(pid: int) -> bool:
 def test_the_start_names_its_one_worker_module() -> None:
     with pytest.raises(SystemExit, match="one module"):
         parent_watch.main([])
+
+
+def test_a_ranks_line_reaches_the_shared_stderr_in_one_write(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Ranks that share their launcher's stderr print at the same moment when one dies; two
+    # writes a line (print's text, then its newline) let another rank's line in between.
+    writes: list[tuple[int, bytes]] = []
+
+    def record(fd: int, data: bytes) -> int:
+        writes.append((fd, bytes(data)))
+        return len(data)
+
+    monkeypatch.setattr(os, "write", record)
+    parent_watch.write_whole_line("pipeoptim train: rank 0: lost a peer rank (it stopped or died)")
+    parent_watch.write_whole_line("Traceback (most recent call last):\n  ...\nValueError: x\n")
+    assert writes == [
+        (sys.stderr.fileno(), b"pipeoptim train: rank 0: lost a peer rank (it stopped or died)\n"),
+        (sys.stderr.fileno(), b"Traceback (most recent call last):\n  ...\nValueError: x\n"),
+    ]
+
+
+def test_a_line_longer_than_one_write_takes_is_written_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    taken: list[bytes] = []
+
+    def short_writes(fd: int, data: bytes) -> int:
+        taken.append(bytes(data[:3]))
+        return min(3, len(data))
+
+    monkeypatch.setattr(os, "write", short_writes)
+    parent_watch.write_whole_line("rank 1: é")
+    assert b"".join(taken) == "rank 1: é\n".encode()
+
+
+def test_a_stderr_without_a_descriptor_still_gets_the_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import io
+
+    stream = io.StringIO()  # a notebook's stream: fileno() raises io.UnsupportedOperation
+    monkeypatch.setattr(sys, "stderr", stream)
+    parent_watch.write_whole_line("pipeoptim train: rank 2: stopping")
+    assert stream.getvalue() == "pipeoptim train: rank 2: stopping\n"

@@ -25,12 +25,12 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["exit_with_parent", "orphan_line", "stop_if_orphaned"]
+__all__ = ["exit_with_parent", "orphan_line", "stop_if_orphaned", "write_whole_line"]
 
 LAUNCHER_PID = "PIPEOPTIM_LAUNCHER_PID"
 """The environment variable a spawned rank finds its launcher's pid in."""
 
-_watched: dict[int, bytes] = {}
+_watched: dict[int, str] = {}
 """Launcher pid -> the line to write when it is gone (a script may build several Pipelines)."""
 
 
@@ -53,7 +53,7 @@ def exit_with_parent(parent: int, line: str, period: float = 0.5) -> None:
     if parent in _watched:
         return
     first = not _watched
-    _watched[parent] = (line.rstrip("\n") + "\n").encode()
+    _watched[parent] = line
 
     def watch() -> None:
         while True:
@@ -76,9 +76,26 @@ def stop_if_orphaned() -> None:
     watches (:func:`exit_with_parent`) is gone; else return."""
     for parent, text in list(_watched.items()):
         if os.getppid() != parent:
-            # one write of the whole line: the other ranks print theirs at the same moment
-            os.write(sys.stderr.fileno(), text)
+            write_whole_line(text)
             os._exit(1)
+
+
+def write_whole_line(text: str) -> None:
+    """Write ``text`` and its newline to stderr in one write. The ranks of one run share
+    their launcher's stderr and print at the same moment when one of them dies; Python's
+    unbuffered stderr (not a terminal) gives ``print`` one write for the text and one for
+    the newline, so two ranks' lines ran together (``...by peerpipeoptim train: rank 2``)."""
+    line = text.rstrip("\n") + "\n"
+    sys.stderr.flush()  # what this rank wrote before stays before
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # a notebook's stream has no descriptor
+        sys.stderr.write(line)
+        sys.stderr.flush()
+        return
+    data = line.encode(errors="backslashreplace")
+    while data:  # a pipe takes up to PIPE_BUF (4 KiB) at once, atomically
+        data = data[os.write(fd, data) :]
 
 
 def main(argv: list[str]) -> None:
