@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -164,6 +165,40 @@ def test_json_output_holds_the_summary_and_every_step_result(quick: Run) -> None
     }  # fmt: skip
     assert data["results"]["train_steps"] == 16  # --quick trains a fixed count
     assert "report.html" in data["files"] and "steps/plan.json" in data["files"]
+
+
+@pytest.mark.slow
+def test_bench_demo_repeat_trains_the_demos_plans_again_on_its_folder(
+    quick: Run, tmp_path: Path
+) -> None:
+    """benchmarks/bench_demo_repeat.py on a finished demo: no step reruns, both plans train
+    again, and each rate is set against the plan's offline prediction."""
+    out = tmp_path / "demo"
+    shutil.copytree(quick.out, out)  # the other tests read the fixture's folder
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_demo_repeat.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--quick", "--repeats", "1", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "done in" not in done.stderr  # the demo's steps were current: none ran again
+    plan = json.loads((out / "steps" / "plan.json").read_text())["result"]
+    offline = {r["method"]: r["samples_per_s"] for r in plan["methods"]}
+    repeats = re.findall(
+        r"^repeat 1: (\S+) +([\d,]+) samples/s, offline ([\d,]+) \(([+-]\d+)%\)$",
+        done.stdout,
+        re.MULTILINE,
+    )
+    assert [r[0] for r in repeats] == [plan["recommended"], plan["rival"]], done.stdout
+    for method, rate, predicted, error in repeats:
+        measured = float(rate.replace(",", ""))
+        assert predicted == f"{offline[method]:,.0f}" and measured > 0
+        assert abs(round(100 * (offline[method] / measured - 1)) - int(error)) <= 1
+        assert re.search(rf"^{method}: median .* spread 1\.00x; .* of 1$", done.stdout, re.M)
+    pair = f"{plan['recommended']} / {plan['rival']}: measured"
+    assert re.search(rf"^{pair} \d+\.\d\dx", done.stdout, re.M), done.stdout
 
 
 @pytest.mark.slow
