@@ -76,17 +76,21 @@ def stop_if_orphaned() -> None:
     watches (:func:`exit_with_parent`) is gone; else return."""
     for parent, text in list(_watched.items()):
         if os.getppid() != parent:
-            write_whole_line(text)
+            # no flush: the main thread, blocked mid-write, may hold the stream's lock
+            write_whole_line(text, flush_first=False)
             os._exit(1)
 
 
-def write_whole_line(text: str) -> None:
+def write_whole_line(text: str, *, flush_first: bool = True) -> None:
     """Write ``text`` and its newline to stderr in one write. The ranks of one run share
     their launcher's stderr and print at the same moment when one of them dies; Python's
     unbuffered stderr (not a terminal) gives ``print`` one write for the text and one for
-    the newline, so two ranks' lines ran together (``...by peerpipeoptim train: rank 2``)."""
+    the newline, so two ranks' lines ran together (``...by peerpipeoptim train: rank 2``).
+    ``flush_first``: flush ``sys.stderr`` before, so what this rank wrote there before
+    stays before."""
     line = text.rstrip("\n") + "\n"
-    sys.stderr.flush()  # what this rank wrote before stays before
+    if flush_first:
+        sys.stderr.flush()
     try:
         fd = sys.stderr.fileno()
     except (AttributeError, OSError, ValueError):  # a notebook's stream has no descriptor
