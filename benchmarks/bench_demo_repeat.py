@@ -35,9 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from pipeoptim.demo import measure
-from pipeoptim.demo.options import DemoOptions, sizes_for
+from pipeoptim.demo.options import DemoOptions, check_stages, sizes_for
 from pipeoptim.demo.predict import time_per_mini_batch
 from pipeoptim.demo.run import run_demo
+from pipeoptim.errors import PipeoptimError
 from pipeoptim.metrics import compute_metrics
 from pipeoptim.plan.plan import Plan
 from pipeoptim.trace import Trace
@@ -54,7 +55,8 @@ def measured_rate(trace_path: Path, batch_size: int) -> float:
 
 def repeat_runs(options: DemoOptions, repeats: int, work: Path) -> dict[str, Any]:
     """The demo in ``options.out`` (run or reused), then its two plans trained ``repeats``
-    times more in turn. Returns the predictions, every repeat's rates and the summary."""
+    times more in turn. Returns the methods, their offline predictions and every repeat's
+    rates (what :func:`summary` reads)."""
     run_demo(options, log=lambda line: print(f"  demo: {line}", file=sys.stderr, flush=True))
     out = options.out
     plan = json.loads((out / "steps" / "plan.json").read_text())["result"]
@@ -75,7 +77,7 @@ def repeat_runs(options: DemoOptions, repeats: int, work: Path) -> dict[str, Any
                 f"offline {simulated[method]:,.0f} ({error:+.0%})",
                 flush=True,
             )
-    return {"steps": steps, "methods": methods, "simulated": simulated, "rates": rates}
+    return {"methods": methods, "simulated": simulated, "rates": rates}
 
 
 def summary(found: dict[str, Any]) -> list[str]:
@@ -113,11 +115,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1 (got {args.repeats})")
+    stages = args.stages if args.stages is not None else (2 if args.quick else 4)
+    try:
+        check_stages(stages)  # the demo's own rule, before anything runs
+    except PipeoptimError as err:
+        parser.error(str(err))
     with tempfile.TemporaryDirectory(prefix="bench-demo-repeat-") as tmp:
         work = Path(tmp)
         options = DemoOptions(
             out=args.out or work / "demo",
-            stages=args.stages or (2 if args.quick else 4),
+            stages=stages,
             quick=args.quick,
             sizes=sizes_for("mlp", args.quick),
         )

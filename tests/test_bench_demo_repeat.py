@@ -38,3 +38,11 @@ def test_a_repeat_count_below_one_is_refused() -> None:
         [sys.executable, str(SCRIPT), "--repeats", "0"], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 2 and "--repeats must be at least 1 (got 0)" in done.stderr
+
+
+def test_a_stage_count_below_one_is_refused_by_the_demos_rule() -> None:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--stages", "0"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "--stages must be at least 1 (got 0)" in done.stderr
