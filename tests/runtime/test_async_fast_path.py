@@ -175,9 +175,10 @@ def run_order(stage: Stage, inputs: dict[int, Tensor], grads: dict[int, Tensor])
 
 def test_a_predicted_micro_batch_gets_the_gradients_the_method_defines() -> None:
     """Weight gradients from the activations computed on Ŵ, input gradients through the live
-    weights at the backward (DESIGN.md), on the path where the buffer becomes the live
-    weights at the update between the forward and the backward. Ŵ differs from the weights
-    the forward met and from those the backward meets, so a backward on either would fail."""
+    weights at the backward (docs/design.md, "Weight-version semantics"), on the path where
+    the buffer becomes the live weights at the update between the forward and the backward.
+    Ŵ differs from the weights the forward met and from those the backward meets, so a
+    backward on either would fail."""
     stage = xpipe_stage()
     g = torch.Generator().manual_seed(5)
     inputs = {mb: torch.randn(5, 3, generator=g) for mb in MICRO_BATCHES}

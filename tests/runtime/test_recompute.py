@@ -1,5 +1,5 @@
 """Activation recomputation: a recomputed run is the same computation as the run without it,
-bit for bit, for every method (DESIGN.md, "Activation recomputation and weight versions"),
+bit for bit, for every method (docs/design.md, "Activation recomputation and weight versions"),
 and holds less.
 
 What would break each rule: a recomputation on the live weights instead of Ŵ or the stashed

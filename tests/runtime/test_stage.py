@@ -149,7 +149,7 @@ def assert_bf16_close(got: Tensor, want: Tensor) -> None:
 
 def test_bf16_predicted_forward_and_backward_on_the_current_weights_recast() -> None:
     """Under autocast the op saves the bf16 cast of the weights its forward used (Ŵ); the
-    stage keeps DESIGN.md's rule instead: the input gradient uses bf16(W) of the weights
+    stage keeps docs/design.md's rule instead: the input gradient uses bf16(W) of the weights
     present at backward time, the weight gradient the forward's bf16 activations. Written
     out literally with bf16 matmuls."""
     stage = make_stage("pipeoptim", amp="bf16", lr=1.0)  # a large step: Ŵ far from W
