@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from pipeoptim.plan.methods import METHODS
+from pipeoptim.plan.versions import analyze_order
+
 ROOT = Path(__file__).resolve().parents[1]
 DESIGN = ROOT / "docs" / "design.md"
 SEARCHED = ("pipeoptim", "docs", "examples", "benchmarks", "tests", "README.md")
@@ -130,3 +133,45 @@ def test_the_citation_patterns_find_what_they_are_meant_to() -> None:
     titles = [" ".join(m.group(1).split()) for m in TITLE_CITATION.finditer(text)]
     assert titles == ["Activation recomputation and weight versions"]
     assert slug("One Trace, two producers") == "one-trace-two-producers"
+
+
+def design_table(first_header: str) -> dict[str, list[str]]:
+    """The rows of the design's table whose header starts with ``first_header``: each method
+    its first cell names (comma-separated) to the row's other cells."""
+    rows: dict[str, list[str]] = {}
+    inside = False
+    for line in DESIGN.read_text().splitlines():
+        if line.startswith(f"| {first_header} |"):
+            inside = True
+            continue
+        if inside and not line.startswith("|"):
+            break
+        if inside and not line.startswith("|---"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            rows.update({name: cells[1:] for name in cells[0].split(", ")})
+    return rows
+
+
+def test_the_weight_version_table_names_every_registered_method() -> None:
+    rows = design_table("method | policy")
+    assert sorted(rows) == sorted(METHODS), "docs/design.md's table and the registry differ"
+    for name, cells in rows.items():
+        assert cells[0] == METHODS[name].weight_policy.value.replace("-", " "), name
+
+
+def test_the_derived_figures_of_the_design_are_the_version_analysis() -> None:
+    rows = design_table("method | copies")
+    assert sorted(rows) == sorted(n for n, m in METHODS.items() if not m.interleaved)
+    for name, (copies, distance, staleness) in rows.items():
+        method = METHODS[name]
+        shape = method.shape(4, 4 if method.micro_batched else None, 16)
+        report = analyze_order(
+            method.order_arrays(shape), method.weight_policy, shape.micro_batches
+        )
+        stages = report.stages
+        derived = (
+            " ".join(str(report.weight_copies[k]) for k in stages),
+            " ".join(str(report.max_distance(k)) for k in stages),
+            " ".join(str(report.max_staleness(k)) for k in stages),
+        )
+        assert derived == (copies, distance, staleness), name
