@@ -1,5 +1,4 @@
-"""Item 6 of "Reliability of the library's own promises": `pipeoptim calibrate` of a
-data-parallel run (D replicas x P stages).
+"""`pipeoptim calibrate` of a data-parallel run (D replicas x P stages).
 
 A simulated D = 2 run whose costs and all-reduce are known, dressed as a runtime trace, is
 calibrated back exactly: micro-batches of B/(D·M) samples, the measured update split into
@@ -90,7 +89,7 @@ def per_batch(trace: Trace) -> float:
     return float(trace.meta["batch_size"]) / compute_metrics(trace).steady_throughput
 
 
-def test_item6_calibrate_reads_the_replicas_and_models_their_allreduce() -> None:
+def test_calibrate_reads_the_replicas_and_models_their_allreduce() -> None:
     run = as_measured("1f1b", 3, 4, 12, replicas=2)
     costs = costs_from_trace(run)
     # a micro-batch is B/(D·M) = 64/(2·4) samples, not B/M
@@ -123,7 +122,7 @@ def test_item6_calibrate_reads_the_replicas_and_models_their_allreduce() -> None
 
 
 @pytest.mark.parametrize("method", ["1f1b", "pipeoptim"])
-def test_item6_predict_another_replica_count_as_the_simulator_runs_it(method: str) -> None:
+def test_predict_another_replica_count_as_the_simulator_runs_it(method: str) -> None:
     m = 4 if method == "1f1b" else 1
     run = as_measured(method, 2, m, 12, replicas=2)
     got = what_if(run, method, micro_batches=m if method == "1f1b" else None, data_parallel=4)
@@ -152,7 +151,7 @@ def test_item6_predict_another_replica_count_as_the_simulator_runs_it(method: st
     assert got.trace.meta["batch_size"] == SAMPLES * m * 2  # the global batch, unchanged
 
 
-def test_item6_cli_predicts_another_replica_count_and_refuses_a_bad_one(
+def test_cli_predicts_another_replica_count_and_refuses_a_bad_one(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "run.json"
@@ -195,7 +194,7 @@ def dataset() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_item6_a_real_two_by_two_gloo_run_is_calibrated_per_replica(
+def test_a_real_two_by_two_gloo_run_is_calibrated_per_replica(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """2 replicas x 2 stages on gloo (4 processes), through `pipeoptim train`."""

@@ -1,7 +1,8 @@
-"""Reliability: no input exhausts the machine, loses a finished result or ends in a traceback.
+"""The commands' refusals: no input exhausts the machine, loses a finished result or ends in
+a traceback (work limits, output paths, file fields, broken pipes, unit costs).
 
-One test (or a few) per item of the issue, named after it. The runtime's ``train`` items are
-tested with the runtime; the property-based side is ``test_fuzz.py``.
+``pipeoptim train``'s own cases are in ``test_train_faults.py``; the property-based side is
+``test_fuzz.py``.
 """
 
 from __future__ import annotations
@@ -51,9 +52,9 @@ def profile_file(tmp_path: Path, layers: int = 8) -> Path:
     return path
 
 
-# --------------------------------------------------------------------------- item 1
+# ---------------------------------------------------------------------------- work limits
 @pytest.mark.parametrize("stages", ["100000", "1000"])
-def test_item1_schedule_size_is_estimated_and_refused(
+def test_schedule_size_is_estimated_and_refused(
     capsys: pytest.CaptureFixture[str], stages: str
 ) -> None:
     code, out, err = run(capsys, "schedule", "--method", "pipeoptim", "--stages", stages)
@@ -64,7 +65,7 @@ def test_item1_schedule_size_is_estimated_and_refused(
 
 @pytest.mark.parametrize("engine", ["simpy", "fast"])
 @pytest.mark.parametrize("method", ["pipeoptim", "all"])
-def test_item1_simulate_size_is_estimated_and_refused(
+def test_simulate_size_is_estimated_and_refused(
     capsys: pytest.CaptureFixture[str], engine: str, method: str
 ) -> None:
     code, out, err = run(
@@ -85,7 +86,7 @@ def test_item1_simulate_size_is_estimated_and_refused(
     assert "at most 249,999 fit" in err and "N = 4P = 16" in err
 
 
-def test_item1_estimates_are_exact_for_every_method() -> None:
+def test_work_estimates_are_exact_for_every_method() -> None:
     for name, method in METHODS.items():
         for p, m, n in [(2, None, None), (3, 6, 3), (4, 8, 2)]:
             v = 3 if method.interleaved else None
@@ -102,7 +103,7 @@ def test_item1_estimates_are_exact_for_every_method() -> None:
                 assert estimate.steps == steps, name
 
 
-def test_item1_benchmark_sizes_still_fit() -> None:
+def test_benchmark_sizes_still_fit_the_work_limit() -> None:
     """P=64, N=10,000 (benchmarks/bench_sim.py) is within both limits."""
     shape = check_schedule_size("pipeoptim", 64, None, 10_000, what="simulating")
     estimate = estimate_work(get_method("pipeoptim"), shape)
@@ -111,7 +112,7 @@ def test_item1_benchmark_sizes_still_fit() -> None:
     assert check_schedule_size("1f1b", 8, 1_000, 2).micro_batches == 1_000
 
 
-def test_item1_library_builders_refuse_before_building() -> None:
+def test_library_builders_refuse_before_building() -> None:
     method = get_method("pipeoptim")
     shape = method.shape(4, None, 10**9)
     with pytest.raises(WorkLimitError, match="the limit is"):
@@ -126,7 +127,7 @@ def test_item1_library_builders_refuse_before_building() -> None:
         optimal_partition(Profile.uniform(8_000), 4_001)
 
 
-def test_item1_limit_can_be_moved_and_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_work_limit_can_be_moved_and_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PIPEOPTIM_MAX_ACTIONS", "100")
     assert max_actions() == 100
     with pytest.raises(WorkLimitError, match="the limit is 100 actions"):
@@ -136,7 +137,7 @@ def test_item1_limit_can_be_moved_and_is_checked(monkeypatch: pytest.MonkeyPatch
         max_actions()
 
 
-def test_item1_plan_search_skips_candidates_over_the_work_limit(
+def test_plan_search_skips_candidates_over_the_work_limit(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("PIPEOPTIM_MAX_ACTIONS", "600")
@@ -145,7 +146,7 @@ def test_item1_plan_search_skips_candidates_over_the_work_limit(
     assert "not simulated" in out and "Not simulated (over the work limit" in out
 
 
-# --------------------------------------------------------------------------- item 2
+# --------------------------------------------------------------------------- output paths
 BAD_OUTPUTS = [
     (["schedule", "--method", "gpipe", "--stages", "2"], "--out"),
     (["simulate", "--stages", "2"], "--html"),
@@ -175,7 +176,7 @@ def no_profiling(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 @pytest.mark.parametrize(("argv", "flag"), BAD_OUTPUTS, ids=lambda x: str(x))
 @pytest.mark.parametrize("kind", ["missing folder", "folder", "under a file"])
-def test_item2_bad_output_paths_are_refused_before_any_work(
+def test_bad_output_paths_are_refused_before_any_work(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
     no_profiling: list[str],
@@ -196,15 +197,13 @@ def test_item2_bad_output_paths_are_refused_before_any_work(
     assert no_profiling == []  # nothing was measured (checked first, even before inputs)
 
 
-def test_item2_two_flags_one_file_is_refused(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_two_flags_one_file_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     same = str(tmp_path / "x.json")
     code, _, err = run(capsys, "simulate", "-P", "2", "--trace", same, "--chrome-trace", same)
     assert code == 2 and "--trace and --chrome-trace both write" in err
 
 
-def test_item2_output_over_an_input_is_refused(
+def test_output_over_an_input_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     profile = str(profile_file(tmp_path))
@@ -217,7 +216,7 @@ needs_dev_full = pytest.mark.skipif(not Path("/dev/full").exists(), reason="need
 
 
 @needs_dev_full
-def test_item2_failed_write_prints_the_schedule_and_says_so(
+def test_failed_write_prints_the_schedule_and_says_so(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     code, out, err = run(
@@ -229,7 +228,7 @@ def test_item2_failed_write_prints_the_schedule_and_says_so(
 
 
 @needs_dev_full
-def test_item2_failed_write_prints_the_plan_and_says_so(
+def test_failed_write_prints_the_plan_and_says_so(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code, out, err = run(
@@ -248,7 +247,7 @@ def test_item2_failed_write_prints_the_plan_and_says_so(
 
 
 @needs_dev_full
-def test_item2_failed_write_prints_the_profile_and_says_so(
+def test_failed_write_prints_the_profile_and_says_so(
     capsys: pytest.CaptureFixture[str], no_profiling: list[str]
 ) -> None:
     code, out, err = run(capsys, "profile", "--model", "mlp", "--out", "/dev/full")
@@ -256,7 +255,7 @@ def test_item2_failed_write_prints_the_profile_and_says_so(
     assert '"layers"' in out and "not written: /dev/full" in err
 
 
-def test_item2_failed_trace_write_keeps_the_results(
+def test_failed_trace_write_keeps_the_results(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def full(self: Trace, path: Path) -> None:
@@ -286,8 +285,8 @@ def test_item2_failed_trace_write_keeps_the_results(
     assert code == 2 and json.loads(out)["not_written"] == [f"{out_path} (No space left on device)"]
 
 
-# --------------------------------------------------------------------------- item 5
-def test_item5_binary_schedule_file_is_a_clean_error(
+# ---------------------------------------------------------------- input files and pipes
+def test_binary_schedule_file_is_a_clean_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "s.csv"
@@ -301,7 +300,7 @@ class _ClosedPipe(io.StringIO):
         raise BrokenPipeError(errno.EPIPE, "Broken pipe")
 
 
-def test_item5_broken_pipe_ends_quietly(
+def test_broken_pipe_ends_quietly(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(sys, "stdout", _ClosedPipe())
@@ -309,7 +308,7 @@ def test_item5_broken_pipe_ends_quietly(
     assert "Traceback" not in capsys.readouterr().err
 
 
-def test_item5_broken_pipe_in_a_real_pipe() -> None:
+def test_broken_pipe_in_a_real_pipe() -> None:
     """``pipeoptim ... | head -c 10``: the reader leaves early, the command exits quietly."""
     proc = subprocess.Popen(
         [
@@ -360,7 +359,7 @@ def _plan(**changes: Any) -> dict[str, Any]:
         ({"version": 99}, "has version 99; this pipeoptim reads pipeoptim plan version 1"),
     ],
 )
-def test_item5_plan_fields_are_checked_and_named(
+def test_plan_fields_are_checked_and_named(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], changes: dict[str, Any], expected: str
 ) -> None:
     path = tmp_path / "plan.json"
@@ -382,7 +381,7 @@ def test_item5_plan_fields_are_checked_and_named(
         (lambda d: d.update(memory={}), "field memory must be a list"),
     ],
 )
-def test_item5_trace_fields_are_checked_and_named(
+def test_trace_fields_are_checked_and_named(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], edit: Any, expected: str
 ) -> None:
     trace = tmp_path / "t.json"
@@ -396,7 +395,7 @@ def test_item5_trace_fields_are_checked_and_named(
     assert "must be a mapping" not in err
 
 
-def test_item5_profile_fields_are_checked_and_named(
+def test_profile_fields_are_checked_and_named(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = profile_file(tmp_path)
@@ -412,7 +411,7 @@ def test_item5_profile_fields_are_checked_and_named(
     assert code == 2 and 'field layers[3].forward_s must be a number >= 0 (got "fast")' in err
 
 
-def test_item5_latency_error_names_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+def test_latency_error_names_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, "simulate", "--stages", "4", "--latency", "-1")
     assert code == 2 and "--latency must be a number >= 0 (got -1)" in err
     assert "latency_s" not in err
@@ -422,7 +421,7 @@ def test_item5_latency_error_names_the_flag(capsys: pytest.CaptureFixture[str]) 
 
 @pytest.mark.parametrize("command", ["schedule", "simulate"])
 @pytest.mark.parametrize("method", ["interleaved-1f1b", "gpipe"])
-def test_item5_zero_virtual_stages_error_is_consistent(
+def test_zero_virtual_stages_error_is_consistent(
     capsys: pytest.CaptureFixture[str], command: str, method: str
 ) -> None:
     code, _, err = run(
@@ -432,9 +431,9 @@ def test_item5_zero_virtual_stages_error_is_consistent(
     assert "use interleaved-1f1b for several stages per rank" not in err
 
 
-# --------------------------------------------------------------------------- item 6
+# ----------------------------------------------------------------------------- unit costs
 @pytest.mark.parametrize("uniform", ["0,0", "0,0,0", "-1,2", "1,-2"])
-def test_item6_zero_or_negative_uniform_costs_are_refused(
+def test_zero_or_negative_uniform_costs_are_refused(
     capsys: pytest.CaptureFixture[str], uniform: str
 ) -> None:
     code, out, err = run(capsys, "simulate", "--stages", "2", f"--uniform={uniform}")
@@ -442,9 +441,7 @@ def test_item6_zero_or_negative_uniform_costs_are_refused(
     assert "--uniform" in err and "e.g. --uniform 1,2" in err
 
 
-def test_item6_zero_profile_costs_are_refused(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_zero_profile_costs_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "zero.json"
     Profile.uniform(4, 0.0, 0.0).save(path)
     code, _, err = run(capsys, "simulate", "--stages", "2", "--profile", str(path))

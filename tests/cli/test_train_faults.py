@@ -1,5 +1,5 @@
 """``pipeoptim train`` under bad input and faults: no input exhausts the machine, loses a
-finished result or ends in a traceback. One test (or a few) per item of the issue."""
+finished result or ends in a traceback."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def cli_process(args: list[str], **kw: object) -> subprocess.Popen[str]:
 
 # -- 1. sizes ---------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_item1_a_billion_steps_run_in_bounded_memory() -> None:
+def test_a_billion_steps_run_in_bounded_memory() -> None:
     """`--max-steps 1000000000` trains (it is legitimate) and its memory stops growing:
     segments are bounded, per-step records and the trace keep a bounded window."""
 
@@ -78,7 +78,7 @@ def test_item1_a_billion_steps_run_in_bounded_memory() -> None:
     assert max(samples) < 1.5 * 2**30, samples  # measured: about 0.43 GB, flat after 20 s
 
 
-def test_item1_per_step_records_and_the_trace_are_bounded(
+def test_per_step_records_and_the_trace_are_bounded(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(fit_loop, "HISTORY", 5)
@@ -99,7 +99,7 @@ def test_item1_per_step_records_and_the_trace_are_bounded(
 
 
 # -- 2. output paths --------------------------------------------------------------------------
-def test_item2_bad_output_paths_are_refused_before_any_work(
+def test_bad_output_paths_are_refused_before_any_work(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     start = time.monotonic()
@@ -112,7 +112,7 @@ def test_item2_bad_output_paths_are_refused_before_any_work(
     assert code == 2 and "--checkpoint-dir" in err and "is a file, not a folder" in err
 
 
-def test_item2_results_are_printed_when_the_trace_cannot_be_written(
+def test_results_are_printed_when_the_trace_cannot_be_written(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     def full_disk(self: Trace, path: object) -> None:
@@ -126,7 +126,7 @@ def test_item2_results_are_printed_when_the_trace_cannot_be_written(
 
 
 # -- 3. one checkpoint folder, one run --------------------------------------------------------
-def test_item3_a_second_run_on_a_locked_folder_is_refused(
+def test_a_second_run_on_a_locked_folder_is_refused(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     holder = DirectoryLock(tmp_path)
@@ -141,7 +141,7 @@ def test_item3_a_second_run_on_a_locked_folder_is_refused(
     assert code == 0  # free again
 
 
-def test_item3_a_fresh_run_does_not_take_over_another_runs_folder(
+def test_a_fresh_run_does_not_take_over_another_runs_folder(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     assert run_cli(["--max-steps", "2", "--checkpoint-dir", str(tmp_path)], capsys)[0] == 0
@@ -152,7 +152,7 @@ def test_item3_a_fresh_run_does_not_take_over_another_runs_folder(
     assert latest_step(tmp_path)["step"] == 2  # type: ignore[index]  # untouched
 
 
-def test_item3_keeps_k_checkpoints_and_resumes_past_a_damaged_one(
+def test_keeps_k_checkpoints_and_resumes_past_a_damaged_one(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     args = ["--checkpoint-dir", str(tmp_path), "--checkpoint-every", "2"]
@@ -172,7 +172,7 @@ def test_item3_keeps_k_checkpoints_and_resumes_past_a_damaged_one(
 
 
 # -- 4. NaN -----------------------------------------------------------------------------------
-def test_item4_nan_without_checkpoints_says_nothing_was_kept_and_json_keeps_the_result(
+def test_nan_without_checkpoints_says_nothing_was_kept_and_json_keeps_the_result(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     code, out, err = run_cli(["--lr", "1e4", "--max-steps", "60", "--json"], capsys)
@@ -182,7 +182,7 @@ def test_item4_nan_without_checkpoints_says_nothing_was_kept_and_json_keeps_the_
     assert "non-finite loss" in data["error"] and data["losses"]
 
 
-def test_item4_resume_with_a_lower_lr_is_allowed_and_recorded(
+def test_resume_with_a_lower_lr_is_allowed_and_recorded(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     ckpt, trace = tmp_path / "ckpt", tmp_path / "t.json"
@@ -198,7 +198,7 @@ def test_item4_resume_with_a_lower_lr_is_allowed_and_recorded(
     assert meta["hyperparameters"]["lr"] == 0.005
 
 
-def test_item4_resume_refuses_what_changes_the_state(
+def test_resume_refuses_what_changes_the_state(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     assert run_cli(["--max-steps", "2", "--checkpoint-dir", str(tmp_path)], capsys)[0] == 0
@@ -239,7 +239,7 @@ def write_model(tmp_path: Path, body: str) -> str:
         ),
     ],
 )
-def test_item5_user_model_and_data_errors_name_the_stage(
+def test_user_model_and_data_errors_name_the_stage(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, body: str, message: str
 ) -> None:
     model = write_model(tmp_path, body)
@@ -248,7 +248,7 @@ def test_item5_user_model_and_data_errors_name_the_stage(
     assert re.search(message, err), err
 
 
-def test_item5_zero_stages_is_a_clean_error(capsys: pytest.CaptureFixture[str]) -> None:
+def test_zero_stages_is_a_clean_error(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run_cli(["--stages", "0"], capsys)
     assert code == 2 and "--stages must be at least 1 (got 0)" in err
 
@@ -263,14 +263,14 @@ def test_item5_zero_stages_is_a_clean_error(capsys: pytest.CaptureFixture[str]) 
         (["--keep-checkpoints", "0"], "--keep-checkpoints must be at least 1"),
     ],
 )
-def test_item6_silent_acceptance_is_now_refused(
+def test_flags_once_accepted_silently_are_refused(
     capsys: pytest.CaptureFixture[str], args: list[str], message: str
 ) -> None:
     code, _, err = run_cli([*args, "--max-steps", "2"], capsys)
     assert code == 2 and message in err and "Traceback" not in err
 
 
-def test_item6_a_plan_for_other_stages_says_its_partition_is_dropped(
+def test_a_plan_for_other_stages_says_its_partition_is_dropped(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     plan = Plan("pipeoptim", 4, optimizer=OptimizerSpec("sgd", 0.02), model="mlp", batch_size=32)
@@ -285,7 +285,7 @@ def test_item6_a_plan_for_other_stages_says_its_partition_is_dropped(
 
 # -- 7. launcher death ------------------------------------------------------------------------
 @pytest.mark.slow
-def test_item7_ranks_stop_quietly_when_the_launcher_is_killed(tmp_path: Path) -> None:
+def test_ranks_stop_quietly_when_the_launcher_is_killed(tmp_path: Path) -> None:
     log = (tmp_path / "err.log").open("w")
     launcher = cli_process(
         ["--transport", "dist", "--stages", "2", "--max-steps", "100000", "--device", "cpu"],

@@ -1,4 +1,4 @@
-"""Issue 33, items 1, 6 and 14 with Hugging Face models: a Llama built on the meta device and
+"""Hugging Face models on the meta device, exported and cut: a Llama built on the meta device and
 loaded from a state dict gives ``from_pretrained``'s logits (its rotary buffers are in no state
 dict); an hf export onto an existing file is refused; cutting a model leaves its config as it
 was, so a second cut records the user's setting."""
@@ -43,7 +43,7 @@ def ids() -> torch.Tensor:
     return torch.randint(0, VOCAB, (3, 12), generator=torch.Generator().manual_seed(1))
 
 
-def test_item1_a_meta_llama_loaded_from_a_state_dict_gives_from_pretrained_logits(
+def test_a_meta_llama_loaded_from_a_state_dict_gives_from_pretrained_logits(
     tmp_path: Path,
 ) -> None:
     torch.manual_seed(0)
@@ -69,7 +69,7 @@ def test_item1_a_meta_llama_loaded_from_a_state_dict_gives_from_pretrained_logit
         torch.testing.assert_close(h, reference(x).logits, rtol=0, atol=0)
 
 
-def test_item6_an_hf_export_onto_an_existing_file_is_refused(tmp_path: Path) -> None:
+def test_an_hf_export_onto_an_existing_file_is_refused(tmp_path: Path) -> None:
     torch.manual_seed(0)
     pipe = Pipeline(cut_causal_lm(llama()), method="gpipe", stages=2, device="cpu")
     target = tmp_path / "model"
@@ -81,7 +81,7 @@ def test_item6_an_hf_export_onto_an_existing_file_is_refused(tmp_path: Path) -> 
     assert (folder / "config.json").is_file()
 
 
-def test_item14_cutting_leaves_the_users_config_as_it_was() -> None:
+def test_cutting_leaves_the_users_config_as_it_was() -> None:
     model = llama()
     assert model.config.use_cache is True
     first = cut_causal_lm(model)

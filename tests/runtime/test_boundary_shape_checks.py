@@ -23,7 +23,6 @@ from pipeoptim.workloads.train import train
 HERE = Path(__file__)
 
 
-# ------------------------------------------------------- item 2: data-dependent boundary shapes
 class Trim(nn.Module):
     """Drops the trailing time steps that are padding (zero) in every sample of the batch: the
     boundary's shape depends on the data."""
@@ -84,7 +83,7 @@ SHAPE_REFUSAL = (
 )
 
 
-def test_item2_a_boundary_whose_shape_changes_is_refused_locally() -> None:
+def test_a_boundary_whose_shape_changes_is_refused_locally() -> None:
     pipe = Pipeline(trimming_net(), method="1f1b", stages=2, micro_batches=2, device="cpu")
     assert pipe.parts.bounds == [(0, 3), (3, 6)]
     with pytest.raises(StageError, match=SHAPE_REFUSAL) as err:
@@ -92,13 +91,13 @@ def test_item2_a_boundary_whose_shape_changes_is_refused_locally() -> None:
     assert "pad every batch to one length" in str(err.value)
 
 
-def test_item2_evaluation_refuses_it_too() -> None:
+def test_evaluation_refuses_a_boundary_whose_shape_changes_too() -> None:
     pipe = Pipeline(trimming_net(), method="1f1b", stages=2, micro_batches=2, device="cpu")
     with pytest.raises(StageError, match=r"stage 0, unit 2 \(Tanh\) hands the next stage"):
         pipe.evaluate(batches(8))
 
 
-def test_item2_a_tuple_that_gains_a_tensor_is_refused() -> None:
+def test_a_tuple_that_gains_a_tensor_is_refused() -> None:
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(5)
     data = [
@@ -128,6 +127,6 @@ def config(**kw: object) -> TrainConfig:
 
 
 @pytest.mark.slow
-def test_item2_under_dist_the_same_refusal_names_stage_unit_and_shapes() -> None:
+def test_under_dist_the_same_refusal_names_stage_unit_and_shapes() -> None:
     with pytest.raises(PipeoptimError, match=SHAPE_REFUSAL):
         train(config(max_steps=8))

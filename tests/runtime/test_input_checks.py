@@ -1,8 +1,8 @@
-"""The library's promises on its inputs (issue "Reliability of the library's own promises"):
-a loss that cannot train is refused at the dry run (item 1), a full disk at the checkpoint
-pointer is one clean error that keeps the previous checkpoint (item 8), the small gaps of
-item 9 (raw TypeErrors, arguments accepted silently, LBFGS, a resume past its end, a closed
-dist Pipeline, and three CLI ones), and a hypothesis fuzz of ``Pipeline``'s constructor and
+"""The checks on the library's inputs: a loss that cannot train is refused at the dry run, a
+full disk at the checkpoint pointer is one clean error that keeps the previous checkpoint,
+arguments are checked where they are given (no raw TypeError, nothing accepted silently, no
+LBFGS, no resume past its end, no fit on a closed dist Pipeline, and three CLI cases), and a
+hypothesis fuzz of ``Pipeline``'s constructor and
 ``fit`` arguments: one ``PipeoptimError`` or success, never another exception.
 """
 
@@ -60,7 +60,7 @@ def weights(pipe: Pipeline) -> list[Tensor]:
     return [p.detach().clone() for s in pipe.stages.values() for p in s.module.parameters()]
 
 
-# --------------------------------------------------------------------------- item 1
+# ------------------------------------------------------------ a loss that cannot train
 def _detached(out: Tensor, target: Tensor) -> Tensor:
     return F.cross_entropy(out.detach(), target)
 
@@ -77,7 +77,7 @@ def _argmax_error(out: Tensor, target: Tensor) -> Tensor:
     ("loss_fn", "name"),
     [(_detached, "_detached"), (_constant, "_constant"), (_argmax_error, "_argmax_error")],
 )
-def test_item1_a_loss_that_does_not_require_grad_is_refused_at_the_dry_run(
+def test_a_loss_that_does_not_require_grad_is_refused_at_the_dry_run(
     loss_fn: Callable[[Tensor, Tensor], Tensor], name: str
 ) -> None:
     pipe = Pipeline(layers(), method="pipeoptim", stages=2, loss_fn=loss_fn)
@@ -96,7 +96,7 @@ def test_item1_a_loss_that_does_not_require_grad_is_refused_at_the_dry_run(
     assert pipe.step == 0
 
 
-def test_item1_a_model_without_a_trainable_parameter_is_refused() -> None:
+def test_a_model_without_a_trainable_parameter_is_refused() -> None:
     frozen = layers()
     for unit in frozen:
         unit.requires_grad_(False)
@@ -109,7 +109,7 @@ def test_item1_a_model_without_a_trainable_parameter_is_refused() -> None:
         Pipeline([nn.ReLU(), nn.Identity()], method="gpipe", stages=2).fit(batches(), max_steps=2)
 
 
-def test_item1_an_integer_output_is_refused() -> None:
+def test_an_integer_output_is_refused() -> None:
     class Predict(nn.Module):
         def forward(self, x: Tensor) -> Tensor:
             return x.argmax(dim=-1)
@@ -126,7 +126,7 @@ def test_item1_an_integer_output_is_refused() -> None:
     )
 
 
-def test_item1_the_dry_run_is_no_training_forward() -> None:
+def test_the_dry_run_is_no_training_forward() -> None:
     """The units still run under no_grad in the dry run (a module may count its forwards in
     grad mode as training ones, as tests/runtime/test_checkpoint.py's NanAfter does)."""
     seen: list[bool] = []
@@ -140,7 +140,7 @@ def test_item1_the_dry_run_is_no_training_forward() -> None:
     assert seen == [False, True, True]  # the dry run, then two training forwards
 
 
-def test_item1_parameter_free_stages_and_frozen_parameters_stay_legal() -> None:
+def test_parameter_free_stages_and_frozen_parameters_stay_legal() -> None:
     # a ReLU-only middle stage
     pipe = Pipeline(layers(), method="pipeoptim", stages=3)
     before = weights(pipe)
@@ -155,7 +155,7 @@ def test_item1_parameter_free_stages_and_frozen_parameters_stay_legal() -> None:
     Pipeline(layers(), stages=2, loss_fn=lambda o, t: o.sum() * 0).fit(batches(), max_steps=2)
 
 
-def test_item1_a_parameter_free_stage_checkpoints(tmp_path: Path) -> None:
+def test_a_parameter_free_stage_checkpoints(tmp_path: Path) -> None:
     """Found by the fuzz: the finite-weights check before a checkpoint stacked the empty
     parameter list of a ReLU-only stage (a raw RuntimeError)."""
     pipe = Pipeline(layers(), stages=3, checkpoint_dir=str(tmp_path / "c"), checkpoint_every=1)
@@ -163,7 +163,7 @@ def test_item1_a_parameter_free_stage_checkpoints(tmp_path: Path) -> None:
     assert latest_step(tmp_path / "c")["step"] == 2  # type: ignore[index]
 
 
-def test_item1_evaluate_does_not_refuse_but_a_later_fit_does() -> None:
+def test_evaluate_does_not_refuse_but_a_later_fit_does() -> None:
     frozen = layers()
     for unit in frozen:
         unit.requires_grad_(False)
@@ -194,9 +194,7 @@ def loss(out, target):
 
 
 @pytest.mark.slow
-def test_item1_under_dist_every_rank_refuses(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_under_dist_every_rank_refuses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Stage 0's rank probes; its refusal reaches the last stage's rank too (which fails
     with the same message, not killed), and nothing trains."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -213,8 +211,8 @@ def test_item1_under_dist_every_rank_refuses(
     assert "rank 0 exited with status 1, rank 1 exited with status 1" in message
 
 
-# --------------------------------------------------------------------------- item 8
-def test_item8_a_full_disk_at_the_pointer_is_one_error_and_keeps_the_previous_checkpoint(
+# ---------------------------------------------------- a full disk at the checkpoint pointer
+def test_a_full_disk_at_the_pointer_is_one_error_and_keeps_the_previous_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     root = tmp_path / "ckpt"
@@ -250,7 +248,7 @@ def test_item8_a_full_disk_at_the_pointer_is_one_error_and_keeps_the_previous_ch
     assert result.start_step == 2 and result.end_step == 4
 
 
-def test_item8_the_cli_says_it_in_one_line(
+def test_the_cli_says_it_in_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     real = checkpoint._atomic_write
@@ -271,7 +269,7 @@ def test_item8_the_cli_says_it_in_one_line(
     assert not (root / "latest.json").exists() and not list(root.glob("step-*"))
 
 
-# --------------------------------------------------------------------------- item 9: arguments
+# ------------------------------------------------------------------------------ arguments
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -322,14 +320,14 @@ def test_item8_the_cli_says_it_in_one_line(
         ({"seed": True}, "seed must be an integer in 0..4294967295 (got True)"),
     ],
 )
-def test_item9_constructor_arguments_are_checked(kwargs: dict[str, Any], message: str) -> None:
+def test_constructor_arguments_are_checked(kwargs: dict[str, Any], message: str) -> None:
     kwargs.setdefault("stages", 2)
     with pytest.raises(PipeoptimError) as info:
         Pipeline(layers(), **kwargs)
     assert message in str(info.value)
 
 
-def test_item9_lbfgs_is_refused_at_construction() -> None:
+def test_lbfgs_is_refused_at_construction() -> None:
     with pytest.raises(StageError) as info:
         Pipeline(layers(), stages=2, optimizer=lambda params: torch.optim.LBFGS(params))
     assert str(info.value).startswith(
@@ -357,7 +355,7 @@ def test_item9_lbfgs_is_refused_at_construction() -> None:
         ({"eval_data": 1}, "fit's eval_data must be an iterable of (input, target) batches"),
     ],
 )
-def test_item9_fit_arguments_are_checked(kwargs: dict[str, Any], message: str) -> None:
+def test_fit_arguments_are_checked(kwargs: dict[str, Any], message: str) -> None:
     pipe = Pipeline(layers(), stages=2)
     with pytest.raises(RuntimeConfigError) as info:
         pipe.fit(batches(), max_steps=2, **kwargs)
@@ -365,7 +363,7 @@ def test_item9_fit_arguments_are_checked(kwargs: dict[str, Any], message: str) -
     assert pipe.fit(batches(), max_steps=2).end_step == 2  # still usable
 
 
-def test_item9_a_resume_whose_run_ends_before_the_checkpoint_is_refused(tmp_path: Path) -> None:
+def test_a_resume_whose_run_ends_before_the_checkpoint_is_refused(tmp_path: Path) -> None:
     root = str(tmp_path / "ckpt")
     Pipeline(layers(), stages=2, checkpoint_dir=root).fit(batches(), max_steps=4)
     again = Pipeline(layers(), stages=2, checkpoint_dir=root)
@@ -414,7 +412,7 @@ for call in (lambda: pipe.fit(data, max_steps=2), lambda: pipe.evaluate(data)):
 """
 
 
-def test_item9_fit_after_close_under_dist_is_refused(tmp_path: Path) -> None:
+def test_fit_after_close_under_dist_is_refused(tmp_path: Path) -> None:
     script = tmp_path / "closed.py"
     script.write_text(_CLOSED)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -436,10 +434,8 @@ def test_item9_fit_after_close_under_dist_is_refused(tmp_path: Path) -> None:
     assert lines == [expected, expected], proc.stdout + proc.stderr
 
 
-# --------------------------------------------------------------------------- item 9: CLI
-def test_item9_compare_out_a_file_exits_2(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+# ------------------------------------------------------------------------------------ CLI
+def test_compare_out_a_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "afile"
     out.write_text("x")
     argv = ["compare", "--methods", "gpipe", "--optimizers", "sgd", "--stages", "1"]
@@ -450,7 +446,7 @@ def test_item9_compare_out_a_file_exits_2(
     assert out.read_text() == "x"
 
 
-def test_item9_train_plan_with_replicas_starts_dist(tmp_path: Path) -> None:
+def test_train_plan_with_replicas_starts_dist(tmp_path: Path) -> None:
     plan = tmp_path / "plan.json"
     Plan("1f1b", 2, micro_batches=2, data_parallel=2, batch_size=32).save(plan)
     parser = build_parser()
@@ -461,7 +457,7 @@ def test_item9_train_plan_with_replicas_starts_dist(tmp_path: Path) -> None:
         build_config(parser.parse_args(["train", "--plan", str(plan), "--transport", "local"]))
 
 
-def test_item9_train_prediction_offset_for_a_method_that_does_not_predict(
+def test_train_prediction_offset_for_a_method_that_does_not_predict(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     assert main(["train", "--method", "gpipe", "--prediction-offset", "1", "--max-steps", "1"]) == 2
@@ -473,7 +469,7 @@ def test_item9_train_prediction_offset_for_a_method_that_does_not_predict(
     assert "--prediction-offset must be a whole number in 0..2" in capsys.readouterr().err
 
 
-def test_item9_plan_devices_says_why_micro_batching_methods_are_dropped(
+def test_plan_devices_says_why_micro_batching_methods_are_dropped(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     profile = tmp_path / "profile.json"
@@ -502,7 +498,7 @@ def test_item9_plan_devices_says_why_micro_batching_methods_are_dropped(
     assert len(dropped) == 3  # 1f1b, 2bw and zb-h1 at P=4
 
 
-def test_item9_plan_stages_says_that_auto_does_not_search_the_given_micro_batches(
+def test_plan_stages_says_that_auto_does_not_search_the_given_micro_batches(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     profile = tmp_path / "profile.json"

@@ -1,7 +1,8 @@
-"""One rank of test_reliability_33a.py's export under data parallelism, started by torchrun.
+"""One rank of the export under data parallelism of runtime/checkpoint/test_export_checks.py,
+started by torchrun.
 
 2 stages x 2 replicas fit dp_worker's model with a checkpoint folder and export after each of
-three fits (issue 33 item 8: replica 1 checked the folder before replica 0 had written the
+three fits (replica 1 checked the folder before replica 0 had written the
 fit's last checkpoint). Every rank then checks that the file holds its own stages' weights.
 """
 

@@ -1,4 +1,5 @@
-"""One rank of a run of test_promises_replicas.py, started there by ``torchrun``.
+"""One rank of a run of runtime/comm/test_replica_buffers_and_data_checks.py, started there by
+``torchrun``.
 
 Cases (``--case``):
 

@@ -21,7 +21,7 @@ from pipeoptim.errors import PipeoptimError
 ROOT = Path(__file__).resolve().parents[3]
 
 
-# ------------------------------------------------------------- items 6 and 7: export outputs
+# ----------------------------------------------------------------------- export outputs
 def _trained(folder: Path) -> Pipeline:
     pipe = tw.tied_pipeline("1f1b", checkpoint_dir=str(folder))
     pipe.fit(tw.batches(3), max_steps=3)
@@ -35,7 +35,7 @@ def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
     return code, err
 
 
-def test_item7_export_outputs_are_checked_before_any_work(
+def test_export_outputs_are_checked_before_any_work(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     ckpt = tmp_path / "ckpt"
@@ -62,7 +62,7 @@ def test_item7_export_outputs_are_checked_before_any_work(
     assert code == 0 and (ckpt / "m.pt").is_file()
 
 
-def test_item7_the_live_export_protects_the_checkpoint_folder_too(tmp_path: Path) -> None:
+def test_the_live_export_protects_the_checkpoint_folder_too(tmp_path: Path) -> None:
     pipe = _trained(tmp_path / "ckpt")
     with pytest.raises(PipeoptimError, match="would overwrite the checkpoint's own"):
         pipe.export(tmp_path / "ckpt" / "latest.json", fmt="pt")
@@ -73,7 +73,7 @@ def test_item7_the_live_export_protects_the_checkpoint_folder_too(tmp_path: Path
         pipe.export(tmp_path / "out.pt")
 
 
-def test_item6_an_hf_export_onto_an_existing_file_is_refused(
+def test_an_hf_export_onto_an_existing_file_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Refused before any work (the output is checked before the model's source)."""
@@ -90,12 +90,12 @@ def test_item6_an_hf_export_onto_an_existing_file_is_refused(
     assert target.read_bytes() == b""
 
 
-# -------------------------------------------------- item 8: export under dist, data parallel
+# ------------------------------------------------------ export under dist, data parallel
 WORKER = ROOT / "tests" / "support" / "export_dp_worker.py"
 
 
 @pytest.mark.slow
-def test_item8_export_under_data_parallel_waits_for_the_checkpoint(tmp_path: Path) -> None:
+def test_export_under_data_parallel_waits_for_the_checkpoint(tmp_path: Path) -> None:
     """2 stages x 2 replicas; the worker fits and exports three times (the race lost 5 runs in
     6): every export succeeds on every rank and writes the final weights."""
     with socket.socket() as probe:

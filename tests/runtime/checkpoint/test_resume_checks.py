@@ -1,11 +1,10 @@
-"""The library's own promises about resuming (issue "Reliability of the library's own
-promises", items 3 and 4).
+"""What a resume checks, and what it says.
 
-3. A resume (and ``Pipeline.load_state_dict``) checks everything before it loads anything:
+1. A resume (and ``Pipeline.load_state_dict``) checks everything before it loads anything:
    the optimizer class, the batch size, the method, the split, each stage's weights; a
    refused one names what differs and leaves the Pipeline as it was. Precision may change.
    Checkpoints written before the new keys still resume.
-4. A resume from a checkpoint off the drain grid of an asynchronous method says so in the
+2. A resume from a checkpoint off the drain grid of an asynchronous method says so in the
    result's notes; on the grid (and for a flushing method anywhere) it is bit-exact.
 """
 
@@ -120,7 +119,7 @@ def assert_untouched(p: Pipeline, before: dict[str, Any]) -> None:
     ("saved", "now", "names"),
     [(adam, adamw, ("Adam", "AdamW")), (sgd, adam, ("SGD", "Adam"))],
 )
-def test_item3_resume_refuses_another_optimizer_class_with_nothing_loaded(
+def test_resume_refuses_another_optimizer_class_with_nothing_loaded(
     tmp_path: Path, saved: Factory, now: Factory, names: tuple[str, str]
 ) -> None:
     fit(pipe(tmp_path, optimizer=saved), data(), max_steps=4)
@@ -136,7 +135,7 @@ def test_item3_resume_refuses_another_optimizer_class_with_nothing_loaded(
     assert_untouched(other, before)
 
 
-def test_item3_resume_refuses_another_batch_size_with_nothing_loaded(tmp_path: Path) -> None:
+def test_resume_refuses_another_batch_size_with_nothing_loaded(tmp_path: Path) -> None:
     """Step 4 at batches of 16 is epoch 1, batch 0; at 8 it would be epoch 0, batch 4. The
     batch size is known once the first batch is read: the refusal comes then, before any
     step and before anything is loaded, and the same Pipeline then resumes exactly."""
@@ -162,7 +161,7 @@ def test_item3_resume_refuses_another_batch_size_with_nothing_loaded(tmp_path: P
     assert first.losses + rest.losses == whole.losses  # the same computation: bit for bit
 
 
-def test_item3_other_data_of_the_same_batch_size_moves_the_data_position_and_says_so(
+def test_other_data_of_the_same_batch_size_moves_the_data_position_and_says_so(
     tmp_path: Path,
 ) -> None:
     fit(pipe(tmp_path), data(16), max_steps=4)  # 4 batches per epoch: step 4 is epoch 1
@@ -174,7 +173,7 @@ def test_item3_other_data_of_the_same_batch_size_moves_the_data_position_and_say
     ) in rest.notes
 
 
-def test_item3_precision_may_change_on_resume_in_the_library_and_the_cli(
+def test_precision_may_change_on_resume_in_the_library_and_the_cli(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """README: a resume may change the precision (master weights, optimizer state and
@@ -209,7 +208,7 @@ def _as_written_before(folder: Path) -> None:
     (folder / "latest.json").write_text(json.dumps(record))
 
 
-def test_item3_checkpoints_written_before_the_new_keys_resume_and_are_still_checked(
+def test_checkpoints_written_before_the_new_keys_resume_and_are_still_checked(
     tmp_path: Path,
 ) -> None:
     """An old checkpoint resumes with the same settings (bit-exact); SGD's old state into
@@ -235,7 +234,7 @@ def test_item3_checkpoints_written_before_the_new_keys_resume_and_are_still_chec
 
 
 @pytest.mark.slow
-def test_item3_under_dist_one_ranks_refusal_stops_every_rank(tmp_path: Path) -> None:
+def test_under_dist_one_ranks_refusal_stops_every_rank(tmp_path: Path) -> None:
     """Each rank checks its own stage's file; a refusal on one rank (here stage 1's optimizer
     state made SGD's) is raised on every rank, instead of rank 0 waiting for rank 1."""
 
@@ -306,7 +305,7 @@ def trained() -> Iterator[dict[str, Any]]:
     ],
     ids=["method", "split", "optimizer"],
 )
-def test_item3_load_state_dict_checks_everything_before_loading(
+def test_load_state_dict_checks_everything_before_loading(
     trained: dict[str, Any], build: Callable[[], Pipeline], message: str
 ) -> None:
     other = build()
@@ -317,7 +316,7 @@ def test_item3_load_state_dict_checks_everything_before_loading(
     assert_untouched(other, before)
 
 
-def test_item3_load_state_dict_of_an_old_state_checks_the_stages(
+def test_load_state_dict_of_an_old_state_checks_the_stages(
     trained: dict[str, Any],
 ) -> None:
     """A state saved before the method and the optimizer class were recorded: the stages are
@@ -337,7 +336,7 @@ def test_item3_load_state_dict_of_an_old_state_checks_the_stages(
     assert_same(snapshot(same)["stages"], _copy(trained["stages"]))
 
 
-def test_item3_a_load_that_fails_part_way_marks_the_pipeline_failed(
+def test_a_load_that_fails_part_way_marks_the_pipeline_failed(
     trained: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """What no check foresees (here stage 1's module failing to load) leaves stage 0 loaded:
@@ -372,9 +371,7 @@ def _interrupted(
 
 
 @pytest.mark.parametrize("method", ["pipeoptim", "pipedream", "2bw"])
-def test_item4_off_grid_resume_of_an_asynchronous_method_says_so(
-    tmp_path: Path, method: str
-) -> None:
+def test_off_grid_resume_of_an_asynchronous_method_says_so(tmp_path: Path, method: str) -> None:
     """fit(max_steps=5) drains at 5, which the uninterrupted run (drains at 2, 4, 6...) does
     not: the resumed run differs by that drain, and its result says so."""
     whole, first, rest, warned = _interrupted(tmp_path, method, 5)
@@ -389,7 +386,7 @@ def test_item4_off_grid_resume_of_an_asynchronous_method_says_so(
     assert first.losses + rest.losses != whole.losses  # what the note is about
 
 
-def test_item4_without_checkpoint_every_the_end_of_a_fit_is_off_the_grid(
+def test_without_checkpoint_every_the_end_of_a_fit_is_off_the_grid(
     tmp_path: Path,
 ) -> None:
     _, _, rest, _ = _interrupted(tmp_path, "pipeoptim", 5, every=None)
@@ -404,7 +401,7 @@ def test_item4_without_checkpoint_every_the_end_of_a_fit_is_off_the_grid(
     ("method", "stop"),
     [("pipeoptim", 4), ("gpipe", 5), ("gpipe", 4), ("pipedream+bounded", 4)],
 )
-def test_item4_on_grid_and_flushing_resumes_are_bit_exact_without_a_note(
+def test_on_grid_and_flushing_resumes_are_bit_exact_without_a_note(
     tmp_path: Path, method: str, stop: int
 ) -> None:
     """On the grid the resumed run runs the uninterrupted run's segments; gpipe flushes

@@ -1,8 +1,8 @@
 """One process per stage over torch.distributed (gloo): same numbers as the local transport,
 and failures end the run with an error naming the rank, within a bounded time.
 
-The spawned ranks import this file for the model (``path.py:factory``), so the model and
-its synthetic data cost no download and no scikit-learn import.
+The spawned ranks load the model from ``support/toy_net.py`` (``path.py:factory``), so the
+model and its synthetic data cost no download and no scikit-learn import.
 """
 
 from __future__ import annotations

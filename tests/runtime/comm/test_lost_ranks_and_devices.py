@@ -1,5 +1,5 @@
-"""Items 7 and 9 of "Reliability of the library's own promises": what the ranks of a run do
-when a process they depend on dies, and a device the build cannot have.
+"""What the ranks of a run do when a process they depend on dies, and a device the build
+cannot have.
 
 * A library run under torchrun whose torchrun is killed (``kill -9``) stops on every rank
   within a second or so, each with one line and no traceback, instead of training on as
@@ -92,7 +92,7 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads children from /proc")
-def test_item7_a_library_run_stops_when_its_torchrun_is_killed(tmp_path: Path) -> None:
+def test_a_library_run_stops_when_its_torchrun_is_killed(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(LIBRARY_SCRIPT)
     with socket.socket() as probe:
@@ -159,7 +159,7 @@ def dataset() -> tuple[Tensor, Tensor, Tensor, Tensor]:
 
 
 @pytest.mark.slow
-def test_item7_a_rank_killed_while_the_run_starts_leaves_one_line_per_rank() -> None:
+def test_a_rank_killed_while_the_run_starts_leaves_one_line_per_rank() -> None:
     model = f"{Path(__file__).resolve()}:build_then_die"
     proc = subprocess.run(
         [
@@ -188,7 +188,7 @@ def test_item7_a_rank_killed_while_the_run_starts_leaves_one_line_per_rank() -> 
         assert len(mine) == 1 and "lost a peer rank" in mine[0], proc.stderr
 
 
-def test_item7_a_backend_report_of_a_closed_connection_is_a_lost_peer() -> None:
+def test_a_backend_report_of_a_closed_connection_is_a_lost_peer() -> None:
     from pipeoptim.runtime.comm.failure_board import lost_peer
 
     gloo = RuntimeError(
@@ -209,7 +209,7 @@ def test_item7_a_backend_report_of_a_closed_connection_is_a_lost_peer() -> None:
 # -- 9. a device the build cannot have --------------------------------------------------------
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-only build, or no GPU visible")
 @pytest.mark.parametrize("requested", ["cuda:7", "cuda:0", "cuda"])
-def test_item9_a_cuda_device_without_cuda_is_refused_with_the_fix(requested: str) -> None:
+def test_a_cuda_device_without_cuda_is_refused_with_the_fix(requested: str) -> None:
     with pytest.raises(RuntimeConfigError) as caught:
         pick_device(requested)
     message = str(caught.value)
@@ -219,7 +219,7 @@ def test_item9_a_cuda_device_without_cuda_is_refused_with_the_fix(requested: str
         local_device(requested, None)
 
 
-def test_item9_a_gpu_index_beyond_the_gpus_is_refused_with_the_fix(
+def test_a_gpu_index_beyond_the_gpus_is_refused_with_the_fix(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """As on a machine with 2 GPUs: cuda:7 is out of range, cuda:1 is fine."""
@@ -235,7 +235,7 @@ def test_item9_a_gpu_index_beyond_the_gpus_is_refused_with_the_fix(
         pick_device("cuda:x")
 
 
-def test_item9_a_cpu_only_build_refuses_cuda_in_the_library_before_any_work() -> None:
+def test_a_cpu_only_build_refuses_cuda_in_the_library_before_any_work() -> None:
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible")
     from pipeoptim import Pipeline
@@ -252,7 +252,7 @@ def test_item9_a_cpu_only_build_refuses_cuda_in_the_library_before_any_work() ->
 
 
 @pytest.mark.parametrize("transport", ["local", "dist"])
-def test_item9_pipeoptim_train_refuses_cuda_7_without_a_traceback(
+def test_pipeoptim_train_refuses_cuda_7_without_a_traceback(
     transport: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     if torch.cuda.is_available():

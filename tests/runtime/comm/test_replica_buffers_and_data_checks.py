@@ -1,7 +1,7 @@
-"""The library's promises under data parallelism and ``targets="read"``, over gloo.
+"""Replicas under data parallelism and ``targets="read"``, over gloo.
 
-Item 2: buffers (BatchNorm's running statistics) stay equal across the replicas, bit for bit
-after every update, so every replica evaluates alike. Item 5: the ranks that read the data
+Buffers (BatchNorm's running statistics) stay equal across the replicas, bit for bit
+after every update, so every replica evaluates alike. The ranks that read the data
 check, once per fit, that they read the same first batch and epoch length, and refuse
 otherwise (a rank-dependent order under ``targets="read"``; a ``DistributedSampler`` under
 ``data_parallel=2``).
@@ -32,7 +32,7 @@ def torchrun(tmp_path: Path, *args: str, nproc: int = 4) -> list[dict[str, Any]]
 
 
 @pytest.mark.parametrize(("method", "micro"), [("pipeoptim", 1), ("gpipe", 2), ("pipedream", 1)])
-def test_item2_buffers_stay_equal_across_replicas_and_evaluations_agree(
+def test_buffers_stay_equal_across_replicas_and_evaluations_agree(
     tmp_path: Path, method: str, micro: int
 ) -> None:
     """2 replicas x 2 stages with a BatchNorm on each stage: after every update, each
@@ -75,13 +75,13 @@ def test_item2_buffers_stay_equal_across_replicas_and_evaluations_agree(
     assert all(e == evals[0] for e in evals), evals  # the same merged result on every rank
 
 
-def test_item2_no_buffer_sync_without_replicas_or_buffers() -> None:
+def test_no_buffer_sync_without_replicas_or_buffers() -> None:
     """No cost when D = 1: the stages of a one-replica pipeline get no buffer sync."""
     pipe = Pipeline(replicas_worker.bn_model(), method="1f1b", stages=2, device="cpu")
     assert all(s.buffer_sync is None for s in pipe.stages.values())
 
 
-def test_item5_targets_read_refuses_data_whose_order_depends_on_the_rank(
+def test_targets_read_refuses_data_whose_order_depends_on_the_rank(
     tmp_path: Path,
 ) -> None:
     ranks = torchrun(
@@ -102,7 +102,7 @@ def test_item5_targets_read_refuses_data_whose_order_depends_on_the_rank(
     assert all(not any(h) for r in ranks for h in r["hashes"].values())  # nothing trained
 
 
-def test_item5_distributed_sampler_under_data_parallel_is_refused(tmp_path: Path) -> None:
+def test_distributed_sampler_under_data_parallel_is_refused(tmp_path: Path) -> None:
     ranks = torchrun(tmp_path, "--case", "sampler")
     errors = [r["error"] for r in ranks]
     assert errors[0] is not None and errors == [errors[0]] * 4, errors
@@ -112,7 +112,7 @@ def test_item5_distributed_sampler_under_data_parallel_is_refused(tmp_path: Path
     assert all(not any(h) for r in ranks for h in r["hashes"].values())
 
 
-def test_item5_fingerprints_name_what_differs() -> None:
+def test_fingerprints_name_what_differs() -> None:
     """The cheap fingerprint (first batch's shapes and targets, the epoch length) and the
     differences it names, in one process; inputs drawn otherwise (an augmentation) agree."""
     from pipeoptim.runtime.feed import DataFingerprint  # new in this item

@@ -12,7 +12,6 @@ from pipeoptim import Pipeline
 from pipeoptim.errors import RuntimeConfigError
 
 
-# ---------------------------------------------------------------- item 1: meta-device buffers
 class Rotary(nn.Module):
     """A projection followed by a rotary-style scaling whose table is a non-persistent buffer
     (in no state dict), computed in ``__init__``; ``reset_parameters`` recomputes it, the
@@ -79,7 +78,7 @@ def _outputs(pipe: Pipeline, x: Tensor) -> Tensor:
     return h
 
 
-def test_item1_non_persistent_buffers_come_from_the_modules_own_initialisation() -> None:
+def test_non_persistent_buffers_come_from_the_modules_own_initialisation() -> None:
     reference = _units(Rotary)
     pipe = Pipeline(
         _meta(Rotary), method="gpipe", stages=2, device="cpu", init_weights=_loader(reference)
@@ -92,7 +91,7 @@ def test_item1_non_persistent_buffers_come_from_the_modules_own_initialisation()
         torch.testing.assert_close(_outputs(pipe, x), want, rtol=0, atol=0)
 
 
-def test_item1_a_buffer_nothing_initialises_is_refused_with_its_name() -> None:
+def test_a_buffer_nothing_initialises_is_refused_with_its_name() -> None:
     with pytest.raises(RuntimeConfigError) as err:
         Pipeline(
             _meta(Plain),
@@ -106,7 +105,7 @@ def test_item1_a_buffer_nothing_initialises_is_refused_with_its_name() -> None:
     assert "non-persistent" in text and "reset_parameters" in text, text
 
 
-def test_item1_a_parameter_init_weights_leaves_unwritten_is_refused() -> None:
+def test_a_parameter_init_weights_leaves_unwritten_is_refused() -> None:
     def partial(index: int, unit: nn.Module) -> None:
         for m in unit.modules():
             if isinstance(m, nn.Linear):
@@ -118,7 +117,7 @@ def test_item1_a_parameter_init_weights_leaves_unwritten_is_refused() -> None:
         Pipeline(_meta(Rotary), method="gpipe", stages=2, device="cpu", init_weights=partial)
 
 
-def test_item1_an_init_weights_that_returns_a_new_module_is_refused() -> None:
+def test_an_init_weights_that_returns_a_new_module_is_refused() -> None:
     def replace(index: int, unit: nn.Module) -> nn.Module:
         return nn.Linear(8, 8) if isinstance(unit, nn.Linear) else unit
 
@@ -126,7 +125,7 @@ def test_item1_an_init_weights_that_returns_a_new_module_is_refused() -> None:
         Pipeline(_meta(Rotary), method="gpipe", stages=2, device="cpu", init_weights=replace)
 
 
-def test_item1_returning_the_unit_itself_stays_legal() -> None:
+def test_returning_the_unit_itself_stays_legal() -> None:
     def fill(index: int, unit: nn.Module) -> nn.Module:
         def one(m: nn.Module) -> None:
             if isinstance(m, nn.Linear):
