@@ -14,13 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from support.versions import passes
 from torch import Tensor, nn
 
 from pipeoptim.errors import RuntimeConfigError
-from pipeoptim.plan.actions import Action
 from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.plan import OptimizerSpec, Plan
-from pipeoptim.plan.versions import MicroBatchVersions, analyze_versions
 from pipeoptim.runtime.config import TrainConfig
 from pipeoptim.runtime.optim.update import make_optimizer
 from pipeoptim.runtime.pipeline import Pipeline
@@ -194,12 +193,6 @@ def test_zb_h1_over_gloo_equals_single_process_training(tmp_path: Path) -> None:
 
 
 # -- the stage on its own ------------------------------------------------------------------
-
-
-def passes(method: str, text: str, micro: int) -> dict[int, MicroBatchVersions]:
-    order = {0: [Action.parse(a) for a in text.split()]}
-    report = analyze_versions(order, get_method(method).weight_policy, micro)
-    return {mb: v for (_, mb), v in report.passes.items()}
 
 
 def stack(width: int = 16, depth: int = 3) -> nn.Sequential:
