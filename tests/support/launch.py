@@ -25,10 +25,12 @@ def torchrun(
     nproc: int = 4,
     nodes: int = 1,
     env: dict[str, str] | None = None,
+    timeout: float = 180,
 ) -> list[dict[str, Any]]:
     """Run ``worker`` on ``nproc`` processes, each writing its record to ``--out``; with
     ``nodes`` = 2, as two torchrun invocations that meet over TCP, the way two machines do
-    (static rendezvous). One thread per rank, no GPU; ``env`` adds to the environment."""
+    (static rendezvous). One thread per rank, no GPU; ``env`` adds to the environment; each
+    launch has ``timeout`` seconds."""
     out = tmp_path / "ranks"
     out.mkdir()
     per_node = nproc // nodes
@@ -61,7 +63,7 @@ def torchrun(
     ]
     try:
         for launch in launches:
-            _, err = launch.communicate(timeout=180)
+            _, err = launch.communicate(timeout=timeout)
             assert launch.returncode == 0, err[-3000:]
     finally:
         for launch in launches:

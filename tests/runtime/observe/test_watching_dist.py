@@ -6,37 +6,23 @@ computation); each process's loggers write files of their own."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from support import watch_worker  # tests/runtime is on sys.path
+from support import watch_worker
+from support.launch import torchrun
 
 from pipeoptim import Pipeline
 
 pytestmark = pytest.mark.slow
 WORKER = Path(watch_worker.__file__)
-ROOT = WORKER.parents[2]
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out = tmp_path_factory.mktemp("watch")
-    launch = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", str(WORKER),
-         "--out", str(out)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
-        timeout=240,
-    )  # fmt: skip
-    assert launch.returncode == 0, launch.stderr[-3000:]
-    return [torch.load(out / f"rank-{g}.pt", weights_only=False) for g in range(4)]
+    return torchrun(WORKER, tmp_path_factory.mktemp("watch"), nproc=4, timeout=240)
 
 
 def same(a: dict[int, list[torch.Tensor]], b: dict[int, list[torch.Tensor]]) -> bool:

@@ -10,17 +10,15 @@ runs resume exactly, read as the unsharded run's, and resume onto another D both
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, cast
 
 import pytest
 import torch
 import torch.distributed as dist
-from support import shard_worker  # tests/runtime is on sys.path (pytest's rootdir-relative import)
+from support import shard_worker
+from support.launch import torchrun
 
 from pipeoptim import Pipeline
 from pipeoptim.cli import build_parser
@@ -30,7 +28,6 @@ from pipeoptim.runtime.optim.sharded import shard_optimizer
 
 pytestmark = pytest.mark.slow
 WORKER = Path(shard_worker.__file__)
-ROOT = WORKER.parents[2]
 EPS = torch.finfo(torch.float32).eps
 TOL = 16 * EPS
 """Relative tolerance of a sharded value against the unsharded one: a few float32 ulps."""
@@ -75,29 +72,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     work = tmp_path_factory.mktemp("shard")
     one_process(work / "one" / "False", 6)
     shutil.copytree(work / "one" / "False", work / "one" / "True")
-    out = work / "ranks"
-    out.mkdir()
-    launch = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "4",
-            str(WORKER),
-            "--out",
-            str(out),
-            "--from-one",
-            str(work / "one"),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
-        timeout=180,
-    )
-    assert launch.returncode == 0, launch.stderr[-3000:]
-    records = [torch.load(out / f"rank-{g}.pt", weights_only=False) for g in range(4)]
+    records = torchrun(WORKER, work, "--from-one", str(work / "one"), nproc=4)
     for r in records:
         r["work"] = work
     return records
