@@ -19,8 +19,8 @@ The timed run is the command itself, in-process from the profile file to the pri
 explanation (``--out`` a plan file): the best of ``--repeat`` runs, and the first. The
 search on its own (``pipeoptim.device_search.search_devices``) is timed too. Goal: the
 1,024-device command in under 10 s on a 2-core machine; the script exits with status 1
-when it takes longer (with ``--quick`` as well, which ``tests/test_bench_plan_devices.py``
-runs).
+when it takes longer (with ``--quick`` as well, which
+``tests/benchmarks/test_bench_plan_devices.py`` runs).
 """
 
 from __future__ import annotations
