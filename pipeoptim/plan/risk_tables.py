@@ -33,6 +33,16 @@ __all__ = [
 PACKAGED = "risk_tables.json"
 """The file's name in ``pipeoptim/plan/data``."""
 
+TABLES = (
+    "closure",
+    "kappa",
+    "correction_gain",
+    "depth_excess",
+    "depth_copies",
+    "depth_excess_first",
+)
+"""The tables a ``risk_tables.json`` holds, beside its ``meta``."""
+
 REMEDY = (
     "regenerate it with `python examples/convergence/run.py --report-only` (from the "
     "committed study) or reinstall pipeoptim"
@@ -109,12 +119,7 @@ def risk_tables_from_json(data: object) -> RiskTables:
     """The tables of a parsed ``risk_tables.json`` (the format :func:`risk_tables_json`
     writes), each value checked."""
     top = _mapping(data, "the file")
-    missing = [
-        key
-        for key in ("closure", "kappa", "correction_gain", "depth_excess", "depth_copies")
-        + ("depth_excess_first",)
-        if key not in top
-    ]
+    missing = [key for key in TABLES if key not in top]
     if missing:
         raise PlanError(f"risk tables: the file lacks the tables {missing}; {REMEDY}")
     closure: dict[tuple[str, str], dict[int, float]] = {}
