@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -86,9 +87,9 @@ def test_a_bad_value_is_refused_with_its_key(
     path: tuple[str, ...], value: object, message: str
 ) -> None:
     data = packaged_json()
-    holder = data
+    holder: Any = data
     for key in path[:-1]:
-        holder = holder[key]  # type: ignore[assignment]
+        holder = holder[key]
     holder[path[-1]] = value
     with pytest.raises(PlanError, match=message):
         risk_tables_from_json(data)
