@@ -18,6 +18,7 @@ from pipeoptim.calibrate import (
     compare,
     compute_ratio,
     fitted_costs,
+    with_profile_machine,
 )
 from pipeoptim.errors import PlanError
 from pipeoptim.metrics import RunMetrics, compute_metrics
@@ -29,7 +30,6 @@ from pipeoptim.sim.costs import CostModel
 from pipeoptim.sim.evaluate import evaluate_trace
 from pipeoptim.sim.host import host_notes
 from pipeoptim.trace import Trace
-from pipeoptim.tracefit.costs import with_profile_machine
 
 __all__ = [
     "SYNCHRONOUS_RIVALS",
