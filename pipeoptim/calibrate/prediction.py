@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from pipeoptim.calibrate.fit_costs import with_profile_machine
 from pipeoptim.calibrate.layer_costs import calibrated_profile
@@ -19,6 +19,7 @@ from pipeoptim.sim.evaluate import evaluate_trace
 from pipeoptim.trace import Trace
 
 
+@dataclass(frozen=True)
 class WhatIf:
     """One prediction from a measured run for another method or shape."""
 
