@@ -83,7 +83,7 @@ def costs_from_trace(trace: Trace, cluster: Cluster | None = None) -> CostModel:
     A split backward's halves (I and W) make the stage's backward together, the W's share of
     it its weight-gradient fraction. For a run of several processes (:func:`machine_fit`)
     the fitted work, message costs, latencies and machine replace these medians
-    (:func:`pipeoptim.calibrate.costs.shared_costs`; module docstring: why).
+    (:func:`pipeoptim.calibrate.fit_costs.shared_costs`; module docstring: why).
 
     Under data parallelism (:func:`run_replicas` D > 1) a micro-batch is B/(D·M) samples
     of the global batch B, and each stage's measured update is split into its gradient
