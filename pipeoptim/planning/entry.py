@@ -10,7 +10,7 @@ writes the plan, so the commands keep only their flags and their printing.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,7 +84,7 @@ class PlanChoice:
     devices: DeviceSearch | None = None
     """With ``devices``: the search over every P x D factorisation."""
 
-    def __iter__(self) -> Any:
+    def __iter__(self) -> Iterator[Plan | tuple[Candidate, ...]]:
         """``plan, ranked = plan_for(...)``."""
         return iter((self.plan, self.ranked))
 
@@ -188,37 +188,60 @@ def plan_for(
     p = _check_stages(stages)
     limits.cluster.check_devices(p)
     chosen = None if method == "auto" else resolve_method(method)
+    return _plan_stages(profile, p, chosen, limits, host, optimizer, model, progress)
+
+
+def _plan_stages(
+    profile: Profile,
+    stages: int,
+    chosen: Method | None,
+    limits: PlanLimits,
+    host: ProfiledHost,
+    optimizer: OptimizerSpec,
+    model: str | None,
+    progress: Callable[[str], None] | None,
+) -> PlanChoice:
+    """:func:`plan_for` on ``stages`` stages: every method searched, or ``chosen`` alone."""
     batch = limits.batch_size or profile.batch_size
-    options: dict[str, Any] = {
-        "memory_cap_bytes": limits.memory_cap_bytes,
-        "optimizer": limits.optimizer,
-        "cluster": limits.cluster,
-        "batch_size": batch,
-        "host": host,
-    }
+    cap, cluster = limits.memory_cap_bytes, limits.cluster
     if chosen is None:
         methods = tuple(resolve_methods(None))
         ranked = search(
             profile,
-            p,
+            stages,
+            memory_cap_bytes=cap,
             methods=methods,
             tie_tolerance=limits.tie_tolerance,
             progress=progress,
-            **options,
+            optimizer=limits.optimizer,
+            cluster=cluster,
+            batch_size=batch,
+            host=host,
         )
     else:
         methods = (chosen,)
+        m = _one_count(chosen, stages, batch, limits)
         ranked = [
-            evaluate_candidate(profile, p, chosen, _one_count(chosen, p, batch, limits), **options)
+            evaluate_candidate(
+                profile,
+                stages,
+                chosen,
+                m,
+                memory_cap_bytes=cap,
+                optimizer=limits.optimizer,
+                cluster=cluster,
+                batch_size=batch,
+                host=host,
+            )
         ]
-    why = explain(ranked, limits.memory_cap_bytes)  # raises when nothing fits
+    why = explain(ranked, cap)  # raises when nothing fits
     best = ranked[0]
     notes = {
         **memory_notes(best),
         "predicted_samples_per_s": best.throughput,
         "predicted_bubble_ratio": best.bubble_ratio,
-        "memory_cap_bytes": limits.memory_cap_bytes,
-        **cluster_notes(limits.cluster),
+        "memory_cap_bytes": cap,
+        **cluster_notes(cluster),
         "why": why,
     }
     plan = plan_from_candidate(
