@@ -112,7 +112,7 @@ def closure(rule: str, optimizer: str, s: int) -> float:
 
 
 def uncorrected_distance(
-    method: str,
+    method: str | Method,
     optimizer: str,
     max_distance: int,
     max_staleness: int,
@@ -126,7 +126,7 @@ def uncorrected_distance(
     information delay stays about τ_k mini-batches; what the bound saves is only what the
     prediction of that one update closes). ``closed`` overrides the measured closure of
     :data:`CLOSURE`."""
-    spec = get_method(method)
+    spec = method if isinstance(method, Method) else get_method(method)
     policy = spec.weight_policy
     # per missed update: the share the correction keeps, of the A_k mini-batches it carries
     kept = (1.0 - correction_gain(spec.delay_correction, optimizer)) * accumulation
@@ -162,7 +162,7 @@ class MethodRisk:
 
 
 def method_risk(
-    method: str,
+    method: str | Method,
     optimizer: str,
     distances: Iterable[int],
     staleness: Iterable[int],
@@ -170,11 +170,11 @@ def method_risk(
 ) -> MethodRisk:
     """Risk of ``method`` from the per-stage distances and staleness of its schedule."""
     ds, st = tuple(distances), tuple(staleness)
-    spec = get_method(method)
+    spec = method if isinstance(method, Method) else get_method(method)
     rule = spec.prediction_rule or "optimizer"
     p = len(ds)
     es = [
-        uncorrected_distance(method, optimizer, s, old, accumulation=spec.accumulation(k, p))
+        uncorrected_distance(spec, optimizer, s, old, accumulation=spec.accumulation(k, p))
         for k, (s, old) in enumerate(zip(ds, st, strict=True))
     ]
     worst = max(range(len(es)), key=lambda k: es[k], default=0)

@@ -16,8 +16,8 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
+from pipeoptim.calibrate.clocks import messages
 from pipeoptim.trace import Trace
-from pipeoptim.tracefit.clocks import messages
 
 __all__ = ["LinkFit", "fit_links"]
 

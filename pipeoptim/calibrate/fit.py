@@ -1,7 +1,7 @@
 """The machine model fitted from a trace: cores, the work of each action, each message's cost.
 
-Given the trace on one clock (:mod:`~pipeoptim.tracefit.clocks`) and its busy pieces
-(:mod:`~pipeoptim.tracefit.busy`):
+Given the trace on one clock (:mod:`~pipeoptim.calibrate.clocks`) and its busy pieces
+(:mod:`~pipeoptim.calibrate.busy`):
 
 * **cores** — the machine record's (``meta["machine"]``), else fitted: under the right core
   count the work of every instance of one action (stage and kind) is alike whatever ran
@@ -28,12 +28,12 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from pipeoptim.calibrate.busy import Concurrency, Piece, busy_pieces
+from pipeoptim.calibrate.clocks import align_clocks
+from pipeoptim.calibrate.links import fit_links
 from pipeoptim.metrics import COMPUTE_KINDS
 from pipeoptim.plan.machine import Machine
 from pipeoptim.trace import Trace
-from pipeoptim.tracefit.busy import Concurrency, Piece, busy_pieces
-from pipeoptim.tracefit.clocks import align_clocks
-from pipeoptim.tracefit.links import fit_links
 
 __all__ = ["MachineFit", "fit_machine"]
 
@@ -53,7 +53,7 @@ class MachineFit:
     message_receive_s: float
     """Fixed work the receiving rank spent on each message."""
     latency_s: dict[int, float]
-    """Per stage edge the latency of its messages (:mod:`pipeoptim.tracefit.links`)."""
+    """Per stage edge the latency of its messages (:mod:`pipeoptim.calibrate.links`)."""
     clock_offsets: dict[int, float] = field(default_factory=dict)
     """Seconds each rank's clock was ahead of the lowest rank's."""
     spread: dict[int, float] = field(default_factory=dict)

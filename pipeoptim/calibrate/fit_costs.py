@@ -18,9 +18,9 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
+from pipeoptim.calibrate.fit import MachineFit
 from pipeoptim.plan.machine import Machine
 from pipeoptim.sim.costs import CostModel
-from pipeoptim.tracefit.fit import MachineFit
 
 __all__ = ["profile_meta", "shared_costs", "with_profile_machine"]
 

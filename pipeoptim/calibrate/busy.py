@@ -3,7 +3,7 @@
 A rank is busy (wants a core) during its actions, its sends, the executor's own work between
 two events, and the part of a receive after its message arrived (taking it in); it is not
 busy while a receive waits for its message (a blocked receive sleeps). A message arrives at
-its send's start plus its link's latency (:mod:`pipeoptim.tracefit.clocks`), or at the
+its send's start plus its link's latency (:mod:`pipeoptim.calibrate.clocks`), or at the
 receive's start if that is later.
 
 Under processor sharing (:mod:`pipeoptim.sim.sharing`) n busy ranks of a host with C cores
