@@ -59,6 +59,8 @@ class OptimizerFamily:
     decoupled_decay_option: bool = False
     """Whether its torch constructor couples weight decay into the gradient unless told
     ``decoupled_weight_decay=True`` (NAdam): the study decouples it, as AdamW does."""
+    study_lrs: tuple[float, ...] = ()
+    """The learning rates the convergence study sweeps for it (none: not studied)."""
 
     def state_factor(self, *, momentum: bool | None = None) -> int:
         """Parameter-sized state tensors per parameter; ``momentum=None`` takes the usual
@@ -81,6 +83,7 @@ SGD = OptimizerFamily(
     momentum_by_default=True,
     momentum_option=True,
     shaped_step=False,
+    study_lrs=(0.01, 0.02, 0.04, 0.08),
 )
 ADAM = OptimizerFamily(
     name="adam",
@@ -90,6 +93,7 @@ ADAM = OptimizerFamily(
     momentum_by_default=True,
     momentum_option=False,
     shaped_step=False,
+    study_lrs=(5e-4, 1e-3, 2e-3, 4e-3),
 )
 ADAMW = OptimizerFamily(
     name="adamw",
@@ -99,6 +103,7 @@ ADAMW = OptimizerFamily(
     momentum_by_default=True,
     momentum_option=False,
     shaped_step=False,
+    study_lrs=(5e-4, 1e-3, 2e-3, 4e-3),
 )
 RMSPROP = OptimizerFamily(
     name="rmsprop",
@@ -118,6 +123,7 @@ NADAM = OptimizerFamily(
     momentum_option=False,
     shaped_step=False,
     decoupled_decay_option=True,
+    study_lrs=(5e-4, 1e-3, 2e-3, 4e-3),
 )
 MUON = OptimizerFamily(
     name="muon",
@@ -129,6 +135,8 @@ MUON = OptimizerFamily(
     momentum_by_default=True,
     momentum_option=False,
     shaped_step=True,
+    # MuonWithAdamW matches AdamW's update size (match_rms_adamw): AdamW's rates
+    study_lrs=(5e-4, 1e-3, 2e-3, 4e-3),
 )
 BASIS_ROTATION = OptimizerFamily(
     name="basis-rotation",

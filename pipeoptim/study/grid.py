@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.methods import METHODS, WeightPolicy
-from pipeoptim.plan.optimizer_families import find_family
+from pipeoptim.plan.optimizer_families import FAMILIES, find_family
 from pipeoptim.study.runs import MODEL_METRIC, RunRecord, RunSpec, run_one, split_label
 
 __all__ = [
@@ -49,13 +49,9 @@ PREDICTING = frozenset(
 )
 """Methods whose forward runs on predicted weights (the closure is measured for them)."""
 DEFAULT_RATES: dict[str, tuple[float, ...]] = {
-    "sgd": (0.01, 0.02, 0.04, 0.08),
-    "adam": (5e-4, 1e-3, 2e-3, 4e-3),
-    "adamw": (5e-4, 1e-3, 2e-3, 4e-3),
-    "nadam": (5e-4, 1e-3, 2e-3, 4e-3),
-    # MuonWithAdamW matches AdamW's update size (match_rms_adamw): AdamW's rates
-    "muon": (5e-4, 1e-3, 2e-3, 4e-3),
+    name: family.study_lrs for name, family in FAMILIES.items() if family.study_lrs
 }
+"""The learning rates the study sweeps per family it studies (each family's ``study_lrs``)."""
 
 
 @dataclass(frozen=True)

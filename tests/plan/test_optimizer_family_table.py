@@ -15,6 +15,7 @@ from pipeoptim.plan.optimizer_families import (
 )
 from pipeoptim.plan.plan import OPTIMIZER_FAMILIES, OptimizerSpec
 from pipeoptim.plan.profile import OPTIMIZER_STATE_FACTORS
+from pipeoptim.study.grid import DEFAULT_RATES
 
 NAMES = ("sgd", "adam", "adamw", "rmsprop", "nadam", "muon", "basis-rotation")
 
@@ -46,7 +47,19 @@ def test_each_family_holds_the_values_the_old_tables_held() -> None:
         assert family.state_from_shapes is (name == "basis-rotation")
         assert family.momentum_option is (name in ("sgd", "rmsprop"))
         assert family.decoupled_decay_option is (name == "nadam")
-    assert OPTIMIZER_STATE_FACTORS == state
+    assert state == OPTIMIZER_STATE_FACTORS
+
+
+def test_the_study_sweeps_the_rates_and_families_it_swept() -> None:
+    adam_like = (5e-4, 1e-3, 2e-3, 4e-3)
+    assert {
+        "sgd": (0.01, 0.02, 0.04, 0.08),
+        "adam": adam_like,
+        "adamw": adam_like,
+        "nadam": adam_like,
+        "muon": adam_like,
+    } == DEFAULT_RATES
+    assert list(DEFAULT_RATES) == ["sgd", "adam", "adamw", "nadam", "muon"]  # the study's order
 
 
 def test_the_state_factor_follows_the_momentum_setting() -> None:

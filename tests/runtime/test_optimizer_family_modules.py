@@ -92,7 +92,7 @@ def test_the_family_options_and_the_plans_options_meet_as_before() -> None:
 def test_the_registry_tables_are_the_old_ones() -> None:
     assert OPTIMIZERS == OLD_CLASSES
     assert {cls.__name__: name for name, cls in OLD_CLASSES.items()} == FAMILY_OF_CLASS
-    assert SHAPED_STEPS == {"muon", "basis-rotation"}
+    assert {"muon", "basis-rotation"} == SHAPED_STEPS
     assert {MuonWithAdamW, BasisRotation, SGD, Adam, AdamW, NAdam, RMSprop} <= SHARDABLE
     for cls, predictor in OLD_PREDICTORS.items():
         assert own_predictor(cls) is predictor
