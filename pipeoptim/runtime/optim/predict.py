@@ -74,8 +74,9 @@ _ADAM_LIKE: tuple[type[Optimizer], ...] = (Adam, AdamW, NAdam, RAdam)
 def predictor_for(optimizer: Optimizer, rule: str = "optimizer", **options: Any) -> WeightPredictor:
     """The predictor of a method's prediction rule for this optimizer.
 
-    "optimizer": by ``type(optimizer)`` (SGD, Adam, AdamW, NAdam, RMSprop, Muon,
-    MuonWithAdamW, BasisRotation, else displacement);
+    "optimizer": the rule of the family whose class ``type(optimizer)`` is exactly
+    (``families/``: SGD, Adam, AdamW, NAdam, RMSprop, Muon, MuonWithAdamW, BasisRotation),
+    else displacement;
     "spectrain": smoothed gradient; "xpipe": Adam-form Δ for Adam-like optimizers, the
     optimizer's own rule otherwise; "displacement": last applied displacement; "shrunk":
     the optimizer's own rule with the next s updates weighted by how much of the update
