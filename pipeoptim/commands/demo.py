@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeoptim.commands.common import add_json_flag, format_table, print_json
-from pipeoptim.commands.train import DEFAULT_LR, MODEL_OPTIMIZER
+from pipeoptim.commands.train import MODEL_OPTIMIZER
+from pipeoptim.plan.optimizer_families import optimizer_family
 
 __all__ = ["register", "run"]
 
@@ -87,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         model=args.model,
         stages=stages,
         optimizer=family,
-        lr=lr if lr is not None else DEFAULT_LR[family],
+        lr=lr if lr is not None else optimizer_family(family).default_lr,
         quick=args.quick,
         sizes=sizes_for(args.model, args.quick),
     )

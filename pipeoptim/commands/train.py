@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from pipeoptim.commands.common import add_json_flag, check_output_paths, print_json
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.methods import METHODS, get_method
+from pipeoptim.plan.optimizer_families import ANY_TORCH_OPTIMIZER, FAMILIES, find_family
 from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.plan.recompute import check_shard_optimizer
 from pipeoptim.plan.risk import depth_advice
@@ -31,15 +32,6 @@ line does not import torch before it parses."""
 if TYPE_CHECKING:
     from pipeoptim.runtime.config import TrainConfig
 
-DEFAULT_LR = {
-    "sgd": 0.02,
-    "adam": 1e-3,
-    "adamw": 1e-3,
-    "rmsprop": 1e-3,
-    "nadam": 1e-3,
-    "muon": 1e-3,
-    "basis-rotation": 3e-3,  # the paper's code's default; at 1e-3 it lags AdamW on mlp
-}
 MODEL_OPTIMIZER = {
     "gpt": ("adamw", GPT_DEFAULTS["lr"]),
     "gpt-deep": ("adamw", GPT_DEFAULTS["lr"]),
@@ -75,8 +67,12 @@ unless the module also defines dataset() returning (train_x, train_y, test_x, te
 
 
 def _default_lr_text() -> str:
-    """The default rates as the help states them, from the tables build_config reads."""
-    others = sorted({v for f, v in DEFAULT_LR.items() if f not in ("sgd", "basis-rotation")})
+    """The default rates as the help states them, from each family's ``default_lr`` and the
+    models' own: the rate most families share is the "else"."""
+    rates = [f.default_lr for f in FAMILIES.values()]
+    usual = max(rates, key=rates.count)
+    own = [f for f in FAMILIES.values() if f.default_lr != usual]
+    others = sorted({v for v in rates if v not in {f.default_lr for f in own}})
     by_model: dict[tuple[str, float], list[str]] = {}
     for model, (family, lr) in MODEL_OPTIMIZER.items():
         by_model.setdefault((family, lr), []).append(model)
@@ -85,7 +81,7 @@ def _default_lr_text() -> str:
         for (family, lr), names in by_model.items()
     )
     return (
-        f"{DEFAULT_LR['sgd']:g} for sgd, {DEFAULT_LR['basis-rotation']:g} for basis-rotation, "
+        f"{', '.join(f'{f.default_lr:g} for {f.name}' for f in own)}, "
         f"else {' or '.join(f'{v:g}' for v in others)}; {models}"
     )
 
@@ -293,7 +289,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         if lr is not None
         else model_lr
         if model_lr is not None and family == model_family
-        else DEFAULT_LR.get(family, 1e-3),
+        else (find_family(family) or ANY_TORCH_OPTIMIZER).default_lr,
         dict(base.optimizer.options) if base and same_family else {},
     )
     offset = args.prediction_offset

@@ -29,6 +29,7 @@ from pipeoptim.filecheck import (
 from pipeoptim.jsonfile import read_json
 from pipeoptim.plan.graph import StageGraphFile
 from pipeoptim.plan.methods import Method, get_method
+from pipeoptim.plan.optimizer_families import FAMILY_NAMES
 from pipeoptim.plan.recompute import (
     RecomputeEntry,
     check_recompute_entries,
@@ -39,7 +40,8 @@ from pipeoptim.plan.schedules import Shape
 
 PLAN_FORMAT = "pipeoptim-plan"
 PLAN_VERSION = 1
-OPTIMIZER_FAMILIES = ("sgd", "adam", "adamw", "rmsprop", "nadam", "muon", "basis-rotation")
+OPTIMIZER_FAMILIES = FAMILY_NAMES
+"""The optimizer family names (``plan.optimizer_families``), in the order the CLI lists them."""
 _REMEDY = "make one with `pipeoptim plan ... --out FILE`"
 
 

@@ -34,6 +34,7 @@ from pipeoptim.filecheck import NonNegativeNumber, PositiveWhole, Whole, check
 from pipeoptim.jsonfile import read_json
 from pipeoptim.plan.limits import MAX_LAYER_BYTES
 from pipeoptim.plan.machine import Machine
+from pipeoptim.plan.optimizer_families import FAMILIES, find_family
 from pipeoptim.plan.runtime_costs import RuntimeCosts
 
 _REMEDY = "regenerate it with `pipeoptim profile` or Profile.save"
@@ -55,33 +56,10 @@ PROFILE_FORMAT = "pipeoptim.profile"
 PROFILE_VERSION = 1
 
 OPTIMIZER_STATE_FACTORS: dict[str, tuple[int, int]] = {
-    # optimizer: (state tensors per parameter without momentum, with momentum)
-    "sgd": (0, 1),
-    "adam": (2, 2),
-    "adamw": (2, 2),
-    "rmsprop": (1, 2),
-    "nadam": (2, 2),
-    # Muon keeps one momentum buffer per matrix (most of the bytes); AdamW's two moments
-    # for the rest are counted as one more.
-    "muon": (1, 1),
-    # Basis rotation keeps m and v (2) plus, per matrix side of length n, an n×n covariance
-    # and an n×n basis: 2·(r² + c²)/(r·c) more for an r×c matrix, 4 for a square one (the
-    # count here), more for rectangular ones, none for vectors (2 in all). Not a fixed
-    # multiple: a measured profile records the real bytes (the profiler steps the real
-    # shapes, or counts them from the shapes, `basis_rotation.state_bytes`).
-    "basis-rotation": (6, 6),
+    name: family.state_copies for name, family in FAMILIES.items() if family.state_copies
 }
-"""Optimizer state size in multiples of the parameter bytes, without and with momentum."""
-
-_DEFAULT_MOMENTUM = {
-    "sgd": True,
-    "adam": True,
-    "adamw": True,
-    "rmsprop": False,
-    "nadam": True,
-    "muon": True,
-    "basis-rotation": True,
-}
+"""Optimizer state size in multiples of the parameter bytes, without and with momentum (each
+family's ``state_copies``, ``plan.optimizer_families``)."""
 
 
 def optimizer_state_factor(optimizer: str, *, momentum: bool | None = None) -> int:
@@ -92,16 +70,14 @@ def optimizer_state_factor(optimizer: str, *, momentum: bool | None = None) -> i
     ``momentum=True`` (2). ``momentum=None`` takes the usual setting: SGD with momentum,
     RMSprop without.
     """
-    key = optimizer.lower()
-    if key not in OPTIMIZER_STATE_FACTORS:
+    family = find_family(optimizer)
+    if family is None:
         valid = ", ".join(sorted(OPTIMIZER_STATE_FACTORS))
         raise PlanError(
             f"unknown optimizer {optimizer!r}: the state size is known for {valid}; "
             "pick one of them or give optimizer_state_bytes explicitly"
         )
-    use_momentum = _DEFAULT_MOMENTUM[key] if momentum is None else momentum
-    without, with_momentum = OPTIMIZER_STATE_FACTORS[key]
-    return with_momentum if use_momentum else without
+    return family.state_factor(momentum=momentum)
 
 
 def threads_per_rank(ranks: int, cores: int | None = None) -> int:

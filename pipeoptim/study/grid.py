@@ -24,6 +24,7 @@ from pathlib import Path
 
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.methods import METHODS, WeightPolicy
+from pipeoptim.plan.optimizer_families import FAMILIES, find_family
 from pipeoptim.study.runs import MODEL_METRIC, RunRecord, RunSpec, run_one, split_label
 
 __all__ = [
@@ -48,13 +49,9 @@ PREDICTING = frozenset(
 )
 """Methods whose forward runs on predicted weights (the closure is measured for them)."""
 DEFAULT_RATES: dict[str, tuple[float, ...]] = {
-    "sgd": (0.01, 0.02, 0.04, 0.08),
-    "adam": (5e-4, 1e-3, 2e-3, 4e-3),
-    "adamw": (5e-4, 1e-3, 2e-3, 4e-3),
-    "nadam": (5e-4, 1e-3, 2e-3, 4e-3),
-    # MuonWithAdamW matches AdamW's update size (match_rms_adamw): AdamW's rates
-    "muon": (5e-4, 1e-3, 2e-3, 4e-3),
+    name: family.study_lrs for name, family in FAMILIES.items() if family.study_lrs
 }
+"""The learning rates the study sweeps per family it studies (each family's ``study_lrs``)."""
 
 
 @dataclass(frozen=True)
@@ -296,11 +293,13 @@ def main_specs(config: StudyConfig, rates: dict[str, tuple[float, float | None]]
 def relative_cost(spec: RunSpec) -> float:
     """A run's cost relative to a one-micro-batch AdamW run of the same steps, from the study's
     measured run times on CPU: every micro-batch forward and backward adds a fixed overhead
-    per stage, and Muon's Newton-Schulz iterations add about 40 % (only the order matters:
-    it is what ``run_specs`` schedules the longest runs first by)."""
+    per stage, and Muon's Newton-Schulz iterations add about 40 %, charged to every family
+    whose step cost follows the matrix shapes (only the order matters: it is what
+    ``run_specs`` schedules the longest runs first by)."""
     micro = spec.micro_batches
     per_step = 1.0 + 0.25 * (micro - 1) * max(1, spec.stages) / 16
-    if (spec.trained_optimizer or spec.optimizer) == "muon":
+    family = find_family(spec.trained_optimizer or spec.optimizer)
+    if family is not None and family.shaped_step:
         per_step += 0.4
     return per_step * spec.steps
 

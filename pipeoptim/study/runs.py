@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.plan.optimizer_families import find_family
 from pipeoptim.plan.risk import split_row as split_label
 
 __all__ = ["CurvePoint", "RunRecord", "RunSpec", "run_one", "split_label"]
@@ -203,7 +204,8 @@ def run_one(spec: RunSpec) -> RunRecord:
     options: dict[str, float | bool] = {}
     if spec.weight_decay:
         options["weight_decay"] = spec.weight_decay
-        if family == "nadam":  # decoupled, as AdamW's and the Nesterov method's
+        known = find_family(family)
+        if known is not None and known.decoupled_decay_option:  # as AdamW's, Nesterov's
             options["decoupled_weight_decay"] = True
     scheduler = None
     if spec.recipe:

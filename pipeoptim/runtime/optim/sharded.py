@@ -48,7 +48,7 @@ from torch.optim import Optimizer
 
 from pipeoptim.errors import StageError
 from pipeoptim.runtime.comm.replicas import collective
-from pipeoptim.runtime.optim.basis_rotation import BasisRotation
+from pipeoptim.runtime.optim.families import TORCH_FAMILIES
 from pipeoptim.runtime.optim.optimizers import MuonWithAdamW
 from pipeoptim.runtime.optim.predict import Deltas, WeightPredictor, check_distance
 from pipeoptim.runtime.optim.update_persistence import UpdatePersistence
@@ -83,8 +83,11 @@ _TORCH_ELEMENTWISE = (
 SHARDABLE: frozenset[type[Optimizer]] = frozenset(
     {
         *(getattr(torch.optim, n) for n in _TORCH_ELEMENTWISE if hasattr(torch.optim, n)),
-        MuonWithAdamW,
-        BasisRotation,
+        *(
+            f.optimizer_class
+            for f in TORCH_FAMILIES.values()
+            if f.optimizer_class is not None and f.steps_each_parameter_alone
+        ),
     }
 )
 """Optimizer classes (exact types) whose step updates each parameter from its own gradient

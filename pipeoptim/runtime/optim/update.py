@@ -23,19 +23,18 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.optim import SGD, Adam, AdamW, NAdam, Optimizer, RMSprop, lr_scheduler
+from torch.optim import Optimizer, lr_scheduler
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from pipeoptim.errors import RuntimeConfigError, StageError
 from pipeoptim.plan.plan import OptimizerSpec
-from pipeoptim.runtime.optim.basis_rotation import BasisRotation
 from pipeoptim.runtime.optim.corrections.protocol import (
     DelayCorrection,
     FollowsScheduler,
     RescalesLr,
     StageContext,
 )
-from pipeoptim.runtime.optim.optimizers import MuonWithAdamW
+from pipeoptim.runtime.optim.families import TORCH_FAMILIES, torch_family
 from pipeoptim.runtime.optim.predict import check_distance
 from pipeoptim.runtime.optim.sharded import (
     full_state_dict,
@@ -66,37 +65,28 @@ SchedulerFactory = Callable[[Optimizer], Any]
 """Called with a stage's optimizer; returns a torch.optim.lr_scheduler scheduler of it."""
 
 OPTIMIZERS: dict[str, type[Optimizer]] = {
-    "sgd": SGD,
-    "adam": Adam,
-    "adamw": AdamW,
-    "rmsprop": RMSprop,
-    "nadam": NAdam,
-    # torch.optim.Muon takes only 2-D tensors: Muon on the matrices, AdamW on the rest
-    "muon": MuonWithAdamW,
-    # Adam in each matrix's gradient eigenbasis (Jung et al., ICML 2026), Adam on the rest
-    "basis-rotation": BasisRotation,
+    name: family.optimizer_class
+    for name, family in TORCH_FAMILIES.items()
+    if family.optimizer_class is not None
 }
+"""The torch optimizer class each family builds (``families/``), by family name."""
 FAMILY_OF_CLASS: dict[str, str] = {cls.__name__: name for name, cls in OPTIMIZERS.items()}
 """The family name (``--optimizer``) of each optimizer class name."""
-_DEFAULT_OPTIONS: dict[str, dict[str, float | bool]] = {"sgd": {"momentum": 0.9}}
 
 
 def make_optimizer(spec: OptimizerSpec, params: Iterable[Tensor]) -> Optimizer:
-    """The torch.optim optimizer of ``spec`` (SGD defaults to momentum 0.9; "muon" is
-    :class:`MuonWithAdamW` with one lr for both parts; "basis-rotation" is
-    :class:`~pipeoptim.runtime.optim.basis_rotation.BasisRotation` with the paper's defaults)."""
-    cls = OPTIMIZERS.get(spec.family)
-    if cls is None:
-        raise RuntimeConfigError(
-            f"unknown optimizer {spec.family!r}; choose one of: {', '.join(OPTIMIZERS)}"
-        )
-    options = {**_DEFAULT_OPTIONS.get(spec.family, {}), **spec.options}
+    """The torch.optim optimizer of ``spec``, as its family builds it (``families/``: SGD
+    defaults to momentum 0.9; muon is :class:`MuonWithAdamW` with one lr for both parts;
+    basis rotation is :class:`~pipeoptim.runtime.optim.basis_rotation.BasisRotation` with
+    the paper's defaults)."""
+    family = torch_family(spec.family)
+    options = {**family.default_options, **spec.options}
     try:
-        kwargs: dict[str, Any] = {"lr": spec.lr, **options}
-        return cls(list(params), **kwargs)
+        return family.build(params, spec.lr, spec.options)
     except (TypeError, ValueError) as err:
+        name = family.optimizer_class.__name__ if family.optimizer_class else family.name
         raise RuntimeConfigError(
-            f"cannot build {cls.__name__} with lr={spec.lr} and options {options}: {err}; "
+            f"cannot build {name} with lr={spec.lr} and options {options}: {err}; "
             f"fix the optimizer options in the plan"
         ) from None
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from pipeoptim.runtime.optim.basis_rotation import state_bytes as basis_rotation_state_bytes
+from pipeoptim.runtime.optim.families import TORCH_FAMILIES
 
 __all__ = ["estimated_state_bytes", "optimizer_state_bytes", "tensor_bytes", "trainable_bytes"]
 
@@ -35,9 +35,12 @@ def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
 def estimated_state_bytes(module: nn.Module, optimizer: str, factor: int) -> int:
     """The optimizer state of ``module``'s trainable parameters without stepping it:
     ``factor`` times their bytes, except where the state is not a multiple of the parameter
-    bytes and the shapes give it exactly (``basis-rotation``: m, v and each rotated side's
-    covariance and basis, with the optimizer's default ``max_precondition_dim``)."""
+    bytes and the shapes give it exactly (the family's ``shaped_state_bytes``: basis
+    rotation's m, v and each rotated side's covariance and basis, with the optimizer's default
+    ``max_precondition_dim``)."""
     trainable = [p for p in module.parameters() if p.requires_grad]
-    if optimizer.lower() == "basis-rotation":
-        return sum(basis_rotation_state_bytes(tuple(p.shape), p.element_size()) for p in trainable)
+    family = TORCH_FAMILIES.get(optimizer.lower())
+    shaped = None if family is None else family.shaped_state_bytes
+    if shaped is not None:
+        return sum(shaped(tuple(p.shape), p.element_size()) for p in trainable)
     return factor * sum(tensor_bytes(p) for p in trainable)

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.plan.optimizer_families import FAMILIES, optimizer_family
 from pipeoptim.plan.plan import OptimizerSpec
 from pipeoptim.plan.profile import LayerProfile
 from pipeoptim.runtime.profiling.layer_memory import optimizer_state_bytes
@@ -211,7 +212,7 @@ def streamed_steps(
     ]
 
 
-SHAPED_STEPS = frozenset({"muon", "basis-rotation"})
+SHAPED_STEPS = frozenset(name for name, f in FAMILIES.items() if f.shaped_step)
 """Optimizer families whose step does matrix work on each 2-D parameter (Muon's
 Newton–Schulz, Basis Rotation's rotations and basis refreshes): a flat buffer, which
 :func:`streamed_steps` times, runs only their element-wise part."""
@@ -227,11 +228,12 @@ def shaped_steps(
     repeats: int,
 ) -> list[LayerProfile]:
     """``layers`` with the matrix part of the update and prediction added, for the
-    families of :data:`SHAPED_STEPS` (the others are returned as they are): per layer with
-    a trainable matrix, the step (prediction) on its own parameters' shapes less the same
-    on copies of them flattened to vectors, never below 0. Both run from cache, so the
-    difference is the matrix work; the streamed per-byte time stays the element-wise part."""
-    if optimizer.family not in SHAPED_STEPS:
+    families whose step cost follows the shapes (``shaped_step``; the others are returned
+    as they are): per layer with a trainable matrix, the step (prediction) on its own
+    parameters' shapes less the same on copies of them flattened to vectors, never below 0.
+    Both run from cache, so the difference is the matrix work; the streamed per-byte time
+    stays the element-wise part."""
+    if not optimizer_family(optimizer.family).shaped_step:
         return list(layers)
     out = []
     for layer, module in zip(layers, modules, strict=True):

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.plan.optimizer_families import optimizer_family
 from pipeoptim.plan.plan import OptimizerSpec
 from pipeoptim.plan.profile import (
     OPTIMIZER_STATE_FACTORS,
@@ -289,7 +290,7 @@ def profile_model(
     if steps:
         family = optimizer.lower()
         options: dict[str, Any] = {}
-        if momentum is not None and family in ("sgd", "rmsprop"):
+        if momentum is not None and optimizer_family(family).momentum_option:
             options["momentum"] = 0.9 if momentum else 0.0
         spec = OptimizerSpec(family, 1e-3, options)
 
