@@ -66,7 +66,7 @@ def factorisations(devices: int) -> list[tuple[int, int]]:
 def steady_mini_batches(method: str, num_stages: int, micro_batches: int) -> int:
     """Mini-batches a run needs to show its steady state (module docstring)."""
     spec = get_method(method)
-    if not spec.asynchronous:
+    if spec.flushes:
         return 2
     return 4 if micro_batches >= num_stages else num_stages + 2
 
@@ -148,7 +148,7 @@ class DeviceSearch:
 
 def _options(method: str, stages: int, replica_batch: int, fixed: int | None) -> list[int]:
     spec = get_method(method)
-    if not spec.micro_batched:
+    if spec.runs_whole_mini_batches:
         return [1]
     if fixed is not None:
         return [fixed] if replica_batch % fixed == 0 else []
@@ -251,7 +251,7 @@ def _work(method: str, stages: int, micro_batches: int) -> int:
     try:
         shape = spec.shape(
             stages,
-            micro_batches if spec.micro_batched else None,
+            spec.micro_batches_for(micro_batches),
             steady_mini_batches(method, stages, micro_batches),
         )
     except PlanError:

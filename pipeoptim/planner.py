@@ -153,7 +153,7 @@ def micro_batch_options(method: str, num_stages: int, batch_size: int | None = N
     of P, 2P, 4P, else the three smallest divisors from P on (none when the batch has
     fewer samples than P)."""
     spec = get_method(method)
-    if not spec.micro_batched:
+    if spec.runs_whole_mini_batches:
         return [1]
     wanted = [num_stages, 2 * num_stages, 4 * num_stages]
     if batch_size is None or num_stages < 1:  # Method.shape says what is wrong with P
@@ -345,8 +345,8 @@ def evaluate_candidate(
     steady state, so the throughput is capped at what the busiest stage allows (what a
     long run converges to), not what `simulate` shows at its default run length."""
     spec = get_method(method)
-    shape = spec.shape(num_stages, micro_batches if spec.micro_batched else None, mini_batches)
-    if spec.interleaved:
+    shape = spec.shape(num_stages, spec.micro_batches_for(micro_batches), mini_batches)
+    if spec.places_several_stages_per_rank:
         raise PlanError(
             f"plan search places one stage per device; {method} (several stages per "
             f"device) is not searched — pick it by hand with `pipeoptim simulate`"
@@ -537,7 +537,7 @@ def search(
         if not kept:
             found.append(skipped_candidate(name, m, size, num_stages))
             continue
-        twin = simulated.get((get_method(name).schedule_name, m))
+        twin = simulated.get((get_method(name).schedule_family, m))
         if twin is not None:  # a corrected method: its base's timeline, its own risk
             found.append(_corrected_candidate(twin, name, optimizer))
             continue
@@ -576,7 +576,7 @@ def _actions(method: str, num_stages: int, micro_batches: int, mini_batches: int
     evaluating it raises the rule's own message)."""
     spec = get_method(method)
     try:
-        shape = spec.shape(num_stages, micro_batches if spec.micro_batched else None, mini_batches)
+        shape = spec.shape(num_stages, spec.micro_batches_for(micro_batches), mini_batches)
     except PlanError:
         return 0
     return estimate_work(spec, shape).cost
@@ -619,7 +619,7 @@ def rank(candidates: Sequence[Candidate], tie_tolerance: float = 0.01) -> list[C
         gap = math.log(best / rate) if rate > 0 and best > 0 else math.inf
         bucket = int(gap / math.log1p(tie_tolerance)) if math.isfinite(gap) else 2**31
         method = METHODS.get(c.method)
-        general = 0 if method is not None and method.prediction_rule == "optimizer" else 1
+        general = 0 if method is not None and method.predictor == "optimizer" else 1
         return (
             bucket,
             c.uncorrected,

@@ -43,7 +43,7 @@ def run_device_plan(
     methods = None
     if args.method != "auto":
         spec = get_method(args.method)
-        if spec.interleaved:
+        if spec.places_several_stages_per_rank:
             raise PlanError(
                 f"plan search places one stage per device; {spec.name} (several stages per "
                 f"device) is not searched; pick another --method or auto"

@@ -305,7 +305,7 @@ def run_plan(args: argparse.Namespace) -> int:
         )
     else:
         spec = get_method(args.method)
-        m = args.micro_batches if spec.micro_batched else 1
+        m = spec.micro_batches_for(args.micro_batches)
         if m is None:  # the first count the planner would try: P, or one dividing the batch
             m = next(iter(micro_batch_options(args.method, args.stages, batch)), 0)
             if m == 0:

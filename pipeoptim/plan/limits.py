@@ -202,8 +202,13 @@ class WorkEstimate:
 
 def estimate_work(method: Method, shape: Shape) -> WorkEstimate:
     """The work of ``method`` at ``shape`` (a resolved :meth:`Method.shape`)."""
-    passes = 3 if method.split_backward else 2
-    return WorkEstimate(method.name, method.asynchronous, shape, passes, method.v_shape)
+    return WorkEstimate(
+        method.name,
+        not method.flushes,
+        shape,
+        method.passes_per_micro_batch,
+        method.folds_stages_in_a_v,
+    )
 
 
 def _env_hint() -> str:
