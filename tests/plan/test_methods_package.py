@@ -28,64 +28,67 @@ from pipeoptim.sim.engine import simulate
 
 P = 4
 
-# per method, for P = 4: (weight copies per stage, what a forward reads, what a backward
-# reads, the predictor, the correction, A_k per stage, split backward, flush)
-EXPECTED: dict[str, tuple[list[int], str, str, str | None, str | None, list[int], bool, bool]] = {
-    "gpipe": ([1, 1, 1, 1], "mini-batch version", "mini-batch version", None, None,
-              [1, 1, 1, 1], False, True),
-    "1f1b": ([1, 1, 1, 1], "mini-batch version", "mini-batch version", None, None,
-             [1, 1, 1, 1], False, True),
-    "interleaved-1f1b": ([1, 1, 1, 1], "mini-batch version", "mini-batch version", None, None,
-                         [1, 1, 1, 1], False, True),
-    "pipedream": ([4, 3, 2, 1], "latest", "stashed", None, None, [1, 1, 1, 1], False, False),
-    "2bw": ([2, 2, 2, 2], "one behind", "one behind", None, None, [1, 1, 1, 1], False, False),
-    "spectrain": ([2, 2, 2, 1], "predicted", "latest", "spectrain", None, [1, 1, 1, 1], False,
-                  False),
-    "xpipe": ([2, 2, 2, 1], "predicted", "latest", "xpipe", None, [1, 1, 1, 1], False, False),
-    "pipeoptim": ([2, 2, 2, 1], "predicted", "latest", "optimizer", None, [1, 1, 1, 1], False,
-                  False),
-    "zb-h1": ([1, 1, 1, 1], "mini-batch version", "mini-batch version", None, None,
-              [1, 1, 1, 1], True, True),
-    "zb-v": ([1, 1, 1, 1], "mini-batch version", "mini-batch version", None, None,
-             [1, 1, 1, 1], True, True),
-    "pipeoptim+shrink": ([2, 2, 2, 1], "predicted", "latest", "shrunk", None, [1, 1, 1, 1],
-                         False, False),
-    "pipedream+pipemare": ([4, 3, 2, 1], "latest", "stashed", None, "pipemare-lr",
-                           [1, 1, 1, 1], False, False),
-    "pipeoptim+pipemare": ([2, 2, 2, 1], "predicted", "latest", "optimizer", "pipemare-lr",
-                           [1, 1, 1, 1], False, False),
-    "pipedream+nesterov": ([4, 3, 2, 1], "latest", "stashed", None, "delay-momentum",
-                           [1, 1, 1, 1], False, False),
-    "pipeoptim+nesterov": ([2, 2, 2, 1], "predicted", "latest", "optimizer", "delay-momentum",
-                           [1, 1, 1, 1], False, False),
-    "pipedream+qk-clip": ([4, 3, 2, 1], "latest", "stashed", None, "qk-clip", [1, 1, 1, 1],
-                          False, False),
-    "pipeoptim+qk-clip": ([2, 2, 2, 1], "predicted", "latest", "optimizer", "qk-clip",
-                          [1, 1, 1, 1], False, False),
-    # a forward meets at most one update: one older version at most, A_k = ⌈(P-1-k)/1⌉
-    "pipedream+bounded": ([2, 2, 2, 1], "latest", "stashed", None, None, [3, 2, 1, 1], False,
-                          False),
-    "pipeoptim+bounded": ([2, 2, 2, 1], "predicted", "latest", "optimizer", None,
-                          [3, 2, 1, 1], False, False),
-}  # fmt: skip
+SYNC = ("mini-batch version", "mini-batch version")
+STASH = ("latest", "stashed")
+PREDICT = ("predicted", "latest")
+PIPEDREAM_ROW = ([4, 3, 2, 1], STASH, None)
+PIPEOPTIM_ROW = ([2, 2, 2, 1], PREDICT, "optimizer")
+# per method, for P = 4: weight copies per stage, what a forward and a backward read, the
+# predictor
+COPIES_READS_PREDICTOR: dict[str, tuple[list[int], tuple[str, str], str | None]] = {
+    "gpipe": ([1, 1, 1, 1], SYNC, None),
+    "1f1b": ([1, 1, 1, 1], SYNC, None),
+    "interleaved-1f1b": ([1, 1, 1, 1], SYNC, None),
+    "pipedream": PIPEDREAM_ROW,
+    "2bw": ([2, 2, 2, 2], ("one behind", "one behind"), None),
+    "spectrain": ([2, 2, 2, 1], PREDICT, "spectrain"),
+    "xpipe": ([2, 2, 2, 1], PREDICT, "xpipe"),
+    "pipeoptim": PIPEOPTIM_ROW,
+    "zb-h1": ([1, 1, 1, 1], SYNC, None),
+    "zb-v": ([1, 1, 1, 1], SYNC, None),
+    "pipeoptim+shrink": ([2, 2, 2, 1], PREDICT, "shrunk"),
+    "pipedream+pipemare": PIPEDREAM_ROW,
+    "pipeoptim+pipemare": PIPEOPTIM_ROW,
+    "pipedream+nesterov": PIPEDREAM_ROW,
+    "pipeoptim+nesterov": PIPEOPTIM_ROW,
+    "pipedream+qk-clip": PIPEDREAM_ROW,
+    "pipeoptim+qk-clip": PIPEOPTIM_ROW,
+    # a forward meets at most one update: one older version at most
+    "pipedream+bounded": ([2, 2, 2, 1], STASH, None),
+    "pipeoptim+bounded": PIPEOPTIM_ROW,
+}
+CORRECTION = {
+    "pipedream+pipemare": "pipemare-lr",
+    "pipeoptim+pipemare": "pipemare-lr",
+    "pipedream+nesterov": "delay-momentum",
+    "pipeoptim+nesterov": "delay-momentum",
+    "pipedream+qk-clip": "qk-clip",
+    "pipeoptim+qk-clip": "qk-clip",
+}
+BOUNDED_ACCUMULATION = [3, 2, 1, 1]  # A_k = ⌈(P-1-k)/1⌉, at least 1
+SPLIT_BACKWARD = {"zb-h1", "zb-v"}
+FLUSHED = {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"}
 
 
 def test_every_registered_method_has_its_expected_stage_policies_for_four_stages() -> None:
-    assert sorted(EXPECTED) == sorted(METHODS)
-    for name, (copies, forward, backward, predictor, correction, acc, split, flush) in (
-        EXPECTED.items()
-    ):
+    assert sorted(COPIES_READS_PREDICTOR) == sorted(METHODS)
+    for name, (copies, (forward, backward), predictor) in COPIES_READS_PREDICTOR.items():
         policies = [get_method(name).stage_policy(k, P) for k in range(P)]
         assert all(isinstance(p, StagePolicy) for p in policies)
+        assert [p.stage for p in policies] == list(range(P))
         assert [p.weight_copies for p in policies] == copies, name
         assert {p.forward_reads for p in policies} == {forward}, name
         assert {p.backward_reads for p in policies} == {backward}, name
         assert {p.predictor for p in policies} == {predictor}, name
-        assert {p.correction for p in policies} == {correction}, name
+        assert {p.predicts for p in policies} == {predictor is not None}, name
+        assert {p.stashes for p in policies} == {backward == "stashed"}, name
+        assert {p.double_buffers for p in policies} == {forward == "one behind"}, name
+        assert {p.correction for p in policies} == {CORRECTION.get(name)}, name
+        acc = BOUNDED_ACCUMULATION if name.endswith("+bounded") else [1] * P
         assert [p.accumulation for p in policies] == acc, name
-        assert {p.splits_backward for p in policies} == {split}, name
-        assert {p.flushes for p in policies} == {flush}, name
-        assert [p.stage for p in policies] == list(range(P))
+        assert {p.splits_backward for p in policies} == {name in SPLIT_BACKWARD}, name
+        assert {p.flushes for p in policies} == {name in FLUSHED}, name
+        assert {p.keeps_one_version for p in policies} == {name in FLUSHED}, name
 
 
 def test_the_memory_model_counts_the_copies_the_stage_policy_says() -> None:
@@ -123,10 +126,8 @@ def test_a_stage_outside_the_pipeline_is_refused_with_the_range() -> None:
 
 
 def test_a_correction_keeps_its_bases_schedule_versions_and_memory() -> None:
-    assert CORRECTED == {
-        "pipedream+pipemare", "pipeoptim+pipemare", "pipedream+nesterov",
-        "pipeoptim+nesterov", "pipedream+qk-clip", "pipeoptim+qk-clip",
-    }  # fmt: skip
+    corrections = ("pipemare", "nesterov", "qk-clip")
+    assert {f"{b}+{c}" for b in ("pipedream", "pipeoptim") for c in corrections} == CORRECTED
     for name in CORRECTED:
         method = get_method(name)
         base = get_method(method.schedule_family)
@@ -193,9 +194,8 @@ def test_a_method_from_a_module_and_one_registry_line_is_found_and_simulates() -
         assert mine.meta["makespan"] == theirs.meta["makespan"] > 0
         factors = method_memory_factors("test-gpipe-twin", 3, 3)
         assert [factors(k, 3) for k in range(3)] == [(1, 3), (1, 3), (1, 3)]
-        with pytest.raises(PlanError, match="already registered"):
-            with registered(throwaway):
-                pass
+        with pytest.raises(PlanError, match="already registered"), registered(throwaway):
+            pass
     assert "test-gpipe-twin" not in METHODS
     with pytest.raises(PlanError, match="unknown method 'test-gpipe-twin'"):
         get_method("test-gpipe-twin")

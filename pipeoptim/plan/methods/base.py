@@ -25,12 +25,12 @@ from pipeoptim.plan.orders import OrderArrays
 from pipeoptim.plan.schedules import Order, Shape
 
 __all__ = [
+    "REGISTERED",
     "BackwardReads",
     "CopiesRule",
     "ForwardReads",
     "Method",
     "SlotsRule",
-    "REGISTERED",
     "StagePolicy",
     "WeightPolicy",
 ]
