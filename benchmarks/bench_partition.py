@@ -114,7 +114,7 @@ def transformer_profile(blocks: int = 24, hidden: int = 1024, seq: int = 1024) -
 
 def run_search(stages: int, cap: str) -> None:
     from pipeoptim.plan.units import parse_bandwidth, parse_bytes
-    from pipeoptim.planner import explain, search
+    from pipeoptim.planning import explain, search
 
     profile = transformer_profile()
     start = time.perf_counter()

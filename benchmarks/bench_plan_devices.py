@@ -17,10 +17,10 @@ hidden unit for its backward. The cluster has 8 GPUs per node with
 
 The timed run is the command itself, in-process from the profile file to the printed
 explanation (``--out`` a plan file): the best of ``--repeat`` runs, and the first. The
-search on its own (``pipeoptim.device_search.search_devices``) is timed too. Goal: the
+search on its own (``pipeoptim.planning.search_devices``) is timed too. Goal: the
 1,024-device command in under 10 s on a 2-core machine; the script exits with status 1
-when it takes longer (with ``--quick`` as well, which ``tests/test_bench_plan_devices.py``
-runs).
+when it takes longer (with ``--quick`` as well, which
+``tests/benchmarks/test_bench_plan_devices.py`` runs).
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ import time
 from pathlib import Path
 
 from pipeoptim.cli import main as cli
-from pipeoptim.device_search import search_devices
 from pipeoptim.plan.plan import Plan
 from pipeoptim.plan.profile import Profile
+from pipeoptim.planning import search_devices
 from pipeoptim.sim.collectives import Cluster
 
 GOAL_S = 10.0

@@ -1,7 +1,7 @@
 """The stage's forward path before issue 34, put back for comparison.
 
 Why kept: ``bench_async_step.py --old-path`` times it beside the fast path in the same run,
-and ``tests/runtime/test_async_fast_path.py`` trains on both and compares the weights bit for
+and ``tests/runtime/stage/test_async_fast_path.py`` trains on both and compares the weights bit for
 bit. Before issue 34 every forward on a version other than the module's own ran through
 ``torch.func.functional_call`` on fresh aliases, every predicted micro-batch wrote Ŵ, and
 every predicted forward re-pointed what it saved with a saved-tensor hook. :func:`old_path`

@@ -1,6 +1,7 @@
-"""Layering, read from the source: plan/ below sim/ below the planner, plan/ and sim/ free of
-torch, the runtime free of the simulator and of the built-in workloads, and no import cycle
-among pipeoptim's modules, counting the imports inside functions too."""
+"""Layering, read from the source: plan/ below sim/ below planning/, plan/, sim/, planning/
+and calibrate/ free of torch, the runtime free of the simulator and of the built-in
+workloads, and no import cycle among pipeoptim's modules, counting the imports inside
+functions too."""
 
 from __future__ import annotations
 
@@ -98,6 +99,7 @@ def test_plan_and_sim_import_nothing_above_them_and_no_torch() -> None:
         "pipeoptim.workloads",
         "pipeoptim.planner",
         "pipeoptim.device_search",
+        "pipeoptim.planning",
         "pipeoptim.calibrate",
         "pipeoptim.study",
         "pipeoptim.viz",
@@ -119,11 +121,34 @@ def test_runtime_imports_neither_the_simulator_nor_the_workloads() -> None:
         "pipeoptim.calibrate",
         "pipeoptim.planner",
         "pipeoptim.device_search",
+        "pipeoptim.planning",
         "pipeoptim.study",
         "pipeoptim.commands",
         "pipeoptim.cli",
     )
     assert banned_imports({"pipeoptim.runtime": banned}) == []
+
+
+def test_planning_and_calibration_import_no_torch_and_nothing_above_them() -> None:
+    """Plan search (planning/) and calibration (calibrate/) are torch-free libraries over
+    plan/ and sim/: the commands, the demo and the workloads call them, never the other way;
+    neither reads the runtime (calibration speaks the shared Trace)."""
+    above = (
+        "pipeoptim.runtime",
+        "pipeoptim.workloads",
+        "pipeoptim.study",
+        "pipeoptim.viz",
+        "pipeoptim.demo",
+        "pipeoptim.commands",
+        "pipeoptim.cli",
+        "torch",
+    )
+    rules = {
+        "pipeoptim.planning": (*above, "pipeoptim.calibrate", "pipeoptim.planner"),
+        "pipeoptim.calibrate": (*above, "pipeoptim.planning", "pipeoptim.planner"),
+    }
+    assert banned_imports(rules) == []
+    assert {"pipeoptim.planning.entry", "pipeoptim.calibrate.fit"} <= set(MODULES)
 
 
 RUNTIME = "pipeoptim.runtime"
@@ -270,7 +295,7 @@ def test_the_architecture_map_names_every_package_and_module() -> None:
     readme = (ROOT.parent / "README.md").read_text()
     assert diagram.strip() in readme
     folders = [p for p in ROOT.rglob("*") if p.is_dir() and (p / "__init__.py").exists()]
-    mapped = ("runtime", "workloads", "plan", "sim", "study", "viz", "demo")
+    mapped = ("runtime", "workloads", "plan", "sim", "study", "viz", "demo", "calibrate")
     rows = {line.split("`", 2)[1]: line for line in doc.splitlines() if line.startswith("| `")}
     checked = 0
     for folder in folders:

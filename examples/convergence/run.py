@@ -6,19 +6,24 @@ CNN and the character-level GPT; tables, curves, time to accuracy and prediction
     python examples/convergence/run.py --report-only   # redraw from results/runs.jsonl
 
 Runs are appended to ``results/<model>/runs.jsonl`` as they finish; rerunning resumes.
+A report of every model also rewrites the planner's measured tables
+(``pipeoptim/plan/data/risk_tables.json``, ``--tables``) from the report's ``risk_fit.json``.
 The same study for one model from the command line: ``pipeoptim compare --model mlp``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from pathlib import Path
 from typing import Any
 
+from pipeoptim.plan.risk_tables import packaged_path, risk_tables_json
 from pipeoptim.study.grid import StudyConfig, run_study
 from pipeoptim.study.report import write_study_report
+from pipeoptim.study.risk_fit import risk_tables_from_fit
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -155,6 +160,12 @@ STUDIES = {
 }
 
 
+def write_risk_tables(results: Path, path: Path) -> None:
+    """Write the planner's tables to ``path`` from the report's ``results/risk_fit.json``."""
+    fit = json.loads((results / "risk_fit.json").read_text())
+    path.write_text(risk_tables_json(risk_tables_from_fit(fit)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -164,15 +175,30 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads per run")
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--tables",
+        type=Path,
+        default=packaged_path(),
+        help="where a report of every model writes the planner's risk tables",
+    )
     args = parser.parse_args()
-    for model in args.models.split(","):
+    models = args.models.split(",")
+    for model in models:
         config = STUDIES[model]
         out = args.out / model
         if not args.report_only:
             start = time.perf_counter()
             run_study(config, out, workers=args.workers, threads=args.threads)
             print(f"{model}: study ran in {time.perf_counter() - start:.0f} s")
-    write_study_report(args.out, [STUDIES[m] for m in args.models.split(",")])
+    write_study_report(args.out, [STUDIES[m] for m in models])
+    if set(models) == set(STUDIES):
+        write_risk_tables(args.out, args.tables)
+        print(f"wrote the planner's risk tables to {args.tables}")
+    else:
+        print(
+            f"left the planner's risk tables ({args.tables}) as they are: they are fitted "
+            f"over every model; report all of them ({','.join(STUDIES)}) to rewrite them"
+        )
 
 
 if __name__ == "__main__":

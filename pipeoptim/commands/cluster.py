@@ -19,6 +19,7 @@ from pipeoptim.commands.common import check_number
 from pipeoptim.errors import PlanError
 from pipeoptim.plan.replicas import check_replicas
 from pipeoptim.plan.units import format_bandwidth, parse_bandwidth
+from pipeoptim.planning import cluster_notes  # kept here for importers; plan_for writes them
 from pipeoptim.sim.collectives import Cluster, group_within_node
 from pipeoptim.sim.costs import CostModel
 
@@ -135,23 +136,6 @@ def global_batch(args: argparse.Namespace, plan: Any, profile: Any) -> int | Non
         size = plan.stage_graph.get("graph", {}).get("batch_size")
         return None if size is None else int(size)
     return None
-
-
-def cluster_notes(cluster: Cluster) -> dict[str, Any]:
-    """A plan's notes for ``cluster`` (None for an infinite bandwidth, as JSON has none)."""
-
-    def finite(value: float) -> float | None:
-        return None if math.isinf(value) else value
-
-    notes: dict[str, Any] = {
-        "bandwidth_bytes_per_s": finite(cluster.bandwidth),
-        "latency_s": cluster.latency_s,
-    }
-    if cluster.gpus_per_node is not None:
-        notes["gpus_per_node"] = cluster.gpus_per_node
-        notes["inter_node_bandwidth_bytes_per_s"] = finite(cluster.inter_bandwidth)
-        notes["inter_node_latency_s"] = cluster.inter_latency_s
-    return notes
 
 
 def allreduce_lines(costs: CostModel, num_ranks: int, cluster: Cluster) -> str:

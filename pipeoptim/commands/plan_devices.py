@@ -1,9 +1,9 @@
 """``pipeoptim plan --devices N``: split N devices into P stages x D replicas, and say why.
 
-The search is :mod:`pipeoptim.device_search`; this module turns its result into a plan
-file (``num_stages`` P, ``data_parallel`` D, the global ``batch_size``, the cluster in the
-notes, as :mod:`pipeoptim.commands.cluster` writes them), a table of the best candidate of
-every factorisation and the explanation.
+The search and the plan are :func:`pipeoptim.planning.plan_for` (``devices``): the plan file
+holds ``num_stages`` P, ``data_parallel`` D, the global ``batch_size`` and the cluster in
+its notes; this module prints a table of the best candidate of every factorisation and the
+explanation.
 """
 
 from __future__ import annotations
@@ -14,87 +14,32 @@ import math
 import sys
 from typing import Any
 
-from pipeoptim.commands.cluster import cluster_notes
 from pipeoptim.commands.common import format_table, print_json
 from pipeoptim.commands.plan_files import write_plan_files
-from pipeoptim.device_search import DeviceSearch, explain_devices, search_devices, shares
-from pipeoptim.errors import PlanError
-from pipeoptim.plan.graph import stage_graph_to_dict
-from pipeoptim.plan.methods import RANKED_BY_DEFAULT, get_method
-from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.plan.profile import Profile
-from pipeoptim.plan.recompute_costs import annotate_units, profile_unit_costs
 from pipeoptim.plan.units import format_bytes
-from pipeoptim.planner import Candidate, memory_choice, memory_notes
-from pipeoptim.sim.collectives import Cluster
+from pipeoptim.planning import Candidate, DeviceSearch, PlanLimits, plan_for, shares
 
 __all__ = ["run_device_plan"]
 
 
-def run_device_plan(
-    args: argparse.Namespace,
-    profile: Profile,
-    *,
-    cap: int | None,
-    family: str,
-    cluster: Cluster,
-) -> int:
-    """Search, write the plan (and page), print the tables and the explanation."""
-    methods = None
-    if args.method != "auto":
-        spec = get_method(args.method)
-        if spec.places_several_stages_per_rank:
-            raise PlanError(
-                f"plan search places one stage per device; {spec.name} (several stages per "
-                f"device) is not searched; pick another --method or auto"
-            )
-        methods = [spec.name]
-    result = search_devices(
+def run_device_plan(args: argparse.Namespace, profile: Profile, limits: PlanLimits) -> int:
+    """Search (:func:`~pipeoptim.planning.plan_for` with ``devices``), write the plan (and
+    page), print the tables and the explanation."""
+    choice = plan_for(
         profile,
-        args.devices,
-        cluster=cluster,
-        batch_size=args.global_batch,
-        memory_cap_bytes=cap,
-        methods=methods,
-        micro_batches=args.micro_batches,
-        optimizer=family,
+        devices=args.devices,
+        method=args.method,
+        limits=limits,
+        model=args.model,
         progress=None if args.json else lambda s: print(f"  evaluating {s}", file=sys.stderr),
     )
-    best = result.best  # raises with every factorisation's reason when nothing runs
-    assert best.partition is not None
-    summary = explain_devices(result, profile)
-    choice = memory_choice(best, cap)
-    if choice:
-        summary += " " + choice
-    plan = Plan(
-        method=best.method,
-        num_stages=best.stages,
-        micro_batches=best.micro_batches,
-        data_parallel=best.data_parallel,
-        optimizer=OptimizerSpec(family, args.lr if args.lr is not None else OptimizerSpec().lr),
-        model=args.model or profile.meta.get("model"),
-        batch_size=result.batch_size,
-        boundaries=[(a, b) for a, b in best.partition.boundaries],
-        stage_graph=stage_graph_to_dict(
-            annotate_units(best.partition.stage_graph(profile), profile_unit_costs(profile))
-        ),
-        recompute=best.recompute_entries(),
-        shard_optimizer=best.shard_optimizer,
-        notes={
-            **memory_notes(best),
-            "predicted_samples_per_s": best.throughput,
-            # steady state: a whole run's bubble depends on its length, which the plan
-            # leaves to its consumer
-            "predicted_steady_idle_ratio": best.steady_bubble,
-            "memory_cap_bytes": cap,
-            "devices": result.devices,
-            **cluster_notes(cluster),
-            "why": summary,
-        },
-    )
+    result, best, plan, summary = choice.devices, choice.best, choice.plan, choice.why
+    assert result is not None and best.partition is not None
+    cap = limits.memory_cap_bytes
     files = write_plan_files(args, plan, best.partition, profile, cap, summary)
     written = args.out is not None and str(args.out) in files.written
-    searched = methods or list(RANKED_BY_DEFAULT)
+    searched = [m.name for m in choice.methods]
     dropped = dropped_notes(result, searched, args.micro_batches)
     if args.json:
         print_json(
@@ -127,7 +72,7 @@ def dropped_notes(
 ) -> list[str]:
     """Why each searched method is missing from a factorisation that has candidates, one
     note per reason: the runtime splits every replica's batch evenly into M micro-batches
-    (``device_search._options``), and a method's own rule (e.g. M >= P) refuses others."""
+    (``planning.devices._options``), and a method's own rule (e.g. M >= P) refuses others."""
     notes: list[str] = []
     batch = result.batch_size
     for f in result.factorisations:

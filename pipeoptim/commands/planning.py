@@ -13,7 +13,6 @@ from pipeoptim.commands.cluster import (
     add_cluster_flags,
     check_cluster_flags,
     cluster_from_args,
-    cluster_notes,
 )
 from pipeoptim.commands.common import (
     ResultFiles,
@@ -25,22 +24,13 @@ from pipeoptim.commands.common import (
 )
 from pipeoptim.commands.plan_files import write_plan_files
 from pipeoptim.errors import PlanError
-from pipeoptim.plan.graph import stage_graph_to_dict
 from pipeoptim.plan.limits import MAX_PROFILE_BATCH, MAX_PROFILE_REPEATS
-from pipeoptim.plan.methods import METHODS, get_method
-from pipeoptim.plan.plan import OPTIMIZER_FAMILIES, OptimizerSpec, Plan
+from pipeoptim.plan.methods import METHODS
+from pipeoptim.plan.plan import OPTIMIZER_FAMILIES
 from pipeoptim.plan.profile import Profile, conditions_warning
-from pipeoptim.plan.recompute_costs import annotate_units, profile_unit_costs
 from pipeoptim.plan.risk import depth_advice
 from pipeoptim.plan.units import format_bytes, format_distances, parse_bandwidth, parse_bytes
-from pipeoptim.planner import (
-    Candidate,
-    evaluate_candidate,
-    explain,
-    memory_notes,
-    micro_batch_options,
-    search,
-)
+from pipeoptim.planning import Candidate, PlanLimits, plan_for
 
 
 def register(sub: Any) -> None:
@@ -275,71 +265,37 @@ def run_plan(args: argparse.Namespace) -> int:
             "taken as fast as those within a node",
             file=sys.stderr,
         )
+    limits = PlanLimits(
+        memory_cap_bytes=cap,
+        cluster=cluster,
+        batch_size=args.global_batch,
+        micro_batches=args.micro_batches,
+        optimizer=family,
+        lr=args.lr,
+    )
     if args.devices is not None:
         from pipeoptim.commands.plan_devices import run_device_plan
 
-        return run_device_plan(args, profile, cap=cap, family=family, cluster=cluster)
-    cluster.check_devices(args.stages)
-    batch = args.global_batch or profile.batch_size
-    options: dict[str, Any] = {
-        "memory_cap_bytes": cap,
-        "bandwidth_bytes_per_s": bandwidth,
-        "latency_s": latency,
-        "optimizer": family,
-        "cluster": cluster,
-        "batch_size": batch,
-    }
-    if args.method == "auto":
-        if args.micro_batches is not None:  # the search over methods tries its own counts
-            print(
-                f"note: --micro-batches {args.micro_batches} is not searched with --method "
-                f"auto, which tries P, 2P and 4P micro-batches (those that divide the batch) "
-                f"for every micro-batching method; give --method METHOD to plan that count",
-                file=sys.stderr,
-            )
-        ranked = search(
-            profile,
-            args.stages,
-            **options,
-            progress=None if args.json else lambda s: print(f"  evaluating {s}", file=sys.stderr),
+        return run_device_plan(args, profile, limits)
+    cluster.check_devices(args.stages)  # (plan_for checks it too; before the note below)
+    if args.method == "auto" and args.micro_batches is not None:
+        # the search over methods tries its own counts
+        print(
+            f"note: --micro-batches {args.micro_batches} is not searched with --method "
+            f"auto, which tries P, 2P and 4P micro-batches (those that divide the batch) "
+            f"for every micro-batching method; give --method METHOD to plan that count",
+            file=sys.stderr,
         )
-    else:
-        spec = get_method(args.method)
-        m = spec.micro_batches_for(args.micro_batches)
-        if m is None:  # the first count the planner would try: P, or one dividing the batch
-            m = next(iter(micro_batch_options(args.method, args.stages, batch)), 0)
-            if m == 0:
-                raise PlanError(
-                    f"{args.method} splits a batch into at least {args.stages} micro-batches, "
-                    f"but the batch has {batch} samples; profile with --batch-size "
-                    f"{args.stages} or more, or pass --global-batch {args.stages} or more"
-                )
-        ranked = [evaluate_candidate(profile, args.stages, args.method, m, **options)]
-    summary = explain(ranked, cap)  # raises when nothing fits, with the cap message
-    best = ranked[0]
-    assert best.partition is not None
-    plan = Plan(
-        method=best.method,
-        num_stages=args.stages,
-        micro_batches=best.micro_batches,
-        optimizer=OptimizerSpec(family, args.lr if args.lr is not None else OptimizerSpec().lr),
-        model=args.model or profile.meta.get("model"),
-        batch_size=batch,
-        boundaries=[(a, b) for a, b in best.partition.boundaries],
-        stage_graph=stage_graph_to_dict(
-            annotate_units(best.partition.stage_graph(profile), profile_unit_costs(profile))
-        ),
-        recompute=best.recompute_entries(),
-        shard_optimizer=best.shard_optimizer,
-        notes={
-            **memory_notes(best),
-            "predicted_samples_per_s": best.throughput,
-            "predicted_bubble_ratio": best.bubble_ratio,
-            "memory_cap_bytes": cap,
-            **cluster_notes(cluster),
-            "why": summary,
-        },
+    choice = plan_for(
+        profile,
+        stages=args.stages,
+        method=args.method,
+        limits=limits,
+        model=args.model,
+        progress=None if args.json else lambda s: print(f"  evaluating {s}", file=sys.stderr),
     )
+    plan, ranked, best, summary = choice.plan, choice.ranked, choice.best, choice.why
+    assert best.partition is not None  # only a candidate that runs becomes the plan
     files = write_plan_files(args, plan, best.partition, profile, cap, summary)
     # what the convergence study measured of the chosen method under this optimizer at this
     # depth, and the best it found there (None: it converged, or nothing was measured)

@@ -52,12 +52,13 @@ from pipeoptim.plan.limits import (
     fit_budget,
     max_actions,
 )
-from pipeoptim.plan.methods import METHODS, Method, get_method
+from pipeoptim.plan.methods import METHODS, Method
 from pipeoptim.plan.plan import OPTIMIZER_FAMILIES
 from pipeoptim.plan.replicas import check_batch_split
 from pipeoptim.plan.risk import method_risk
 from pipeoptim.plan.schedules import Shape
 from pipeoptim.plan.units import format_bytes, format_distances
+from pipeoptim.planning import resolve_methods
 from pipeoptim.sim.costs import CostModel
 from pipeoptim.trace import Trace
 
@@ -210,9 +211,11 @@ def _per_method_path(path: Path, method: str, several: bool) -> Path:
 
 
 def _methods(text: str) -> list[Method]:
+    """The methods of ``--method`` (``all``, or names by commas), resolved once, where plan
+    search resolves them (:func:`pipeoptim.planning.resolve_methods`)."""
     if text == "all":
         return list(METHODS.values())
-    return [get_method(name.strip()) for name in text.split(",") if name.strip()]
+    return resolve_methods([name.strip() for name in text.split(",") if name.strip()])
 
 
 def _shape(method: Method, args: argparse.Namespace, num_ranks: int, every: bool) -> Shape:
@@ -459,11 +462,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _risk_text(method: str, m: RunMetrics, optimizer: str) -> str:
     """Extra samples to accuracy the convergence study predicts (``plan/risk.py``)."""
-    if method not in METHODS:
+    spec = METHODS.get(method)
+    if spec is None:
         return "-"
     stages = [st for _, st in sorted(m.stages.items())]
     risk = method_risk(
-        method, optimizer, [st.max_distance for st in stages], [st.max_staleness for st in stages]
+        spec, optimizer, [st.max_distance for st in stages], [st.max_staleness for st in stages]
     )
     return f"+{100 * risk.risk:.0f}%"
 

@@ -18,18 +18,18 @@ from pipeoptim.calibrate import (
     compare,
     compute_ratio,
     fitted_costs,
+    with_profile_machine,
 )
 from pipeoptim.errors import PlanError
 from pipeoptim.metrics import RunMetrics, compute_metrics
 from pipeoptim.plan.methods import get_method
-from pipeoptim.plan.plan import OptimizerSpec, Plan
+from pipeoptim.plan.plan import Plan
 from pipeoptim.plan.profile import Profile
-from pipeoptim.planner import Candidate, explain, search
+from pipeoptim.planning import Candidate, PlanLimits, plan_for, plan_from_candidate
 from pipeoptim.sim.costs import CostModel
 from pipeoptim.sim.evaluate import evaluate_trace
 from pipeoptim.sim.host import host_notes
 from pipeoptim.trace import Trace
-from pipeoptim.tracefit.costs import with_profile_machine
 
 __all__ = [
     "SYNCHRONOUS_RIVALS",
@@ -71,10 +71,15 @@ def plan_methods(
     (each timed by the simulator on the host the profile recorded, ``host``: what it
     charged), the best candidate of each method, the recommendation and its strongest
     synchronous rival, and the plans the real runs will train."""
-    ranked = search(profile, stages, optimizer=optimizer, batch_size=batch_size)
-    why = explain(ranked)  # raises, with the planner's message, when nothing fits
+    # raises, with the planner's message, when nothing fits
+    choice = plan_for(
+        profile,
+        stages=stages,
+        limits=PlanLimits(batch_size=batch_size, optimizer=optimizer, lr=lr),
+        model=model,
+    )
+    ranked, why, best = choice.ranked, choice.why, choice.best
     feasible = [c for c in ranked if c.infeasible is None]
-    best = feasible[0]
     rival = next(
         (c for c in feasible if c.method in SYNCHRONOUS_RIVALS and c.method != best.method), None
     )
@@ -89,16 +94,14 @@ def plan_methods(
         per_method.setdefault(c.method, c)
 
     def plan_of(c: Candidate) -> dict[str, Any]:
-        assert c.partition is not None
-        plan = Plan(
-            c.method,
-            stages,
-            micro_batches=c.micro_batches,
-            optimizer=OptimizerSpec(optimizer, lr),
+        plan = plan_from_candidate(
+            c,
+            profile,
+            optimizer=choice.plan.optimizer,
             model=model,
             batch_size=batch_size,
-            boundaries=[(a, b) for a, b in c.partition.boundaries],
             notes={"predicted_samples_per_s": c.throughput, "source": "pipeoptim demo"},
+            stage_graph=False,  # the demo's plans train the model it built, by boundaries
         )
         return plan.to_dict()
 

@@ -18,11 +18,14 @@ every method on one scale, in updates:
 The **convergence risk** is the extra samples a method needs to reach a target metric,
 relative to a synchronous method: ``risk = κ_optimizer · e`` at the stage with the largest e
 (stage 0 in an asynchronous 1F1B), κ fitted through the origin to the study's measured
-samples-to-target (:data:`KAPPA`; ``risk_fit.json``). The planner ranks candidates by
+samples-to-target (:data:`KAPPA`). The planner ranks candidates by
 ``throughput / (1 + risk)``: samples per second that count toward accuracy.
 
 The constants are from small models (digits MLP and CNN, a character GPT) and are a
 first-order guide, not a guarantee; the study's command re-measures them on a user's model.
+They are package data (``pipeoptim/plan/data/risk_tables.json``, read by
+:mod:`pipeoptim.plan.risk_tables`), which ``examples/convergence/run.py --report-only``
+rewrites from the study's ``risk_fit.json``; a test holds the file to the committed study.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from pipeoptim.plan.methods import METHODS, Method, WeightPolicy, get_method
+from pipeoptim.plan.risk_tables import packaged_risk_tables
 from pipeoptim.plan.versions import analyze_versions
 
 __all__ = [
@@ -56,163 +60,19 @@ __all__ = [
     "uncorrected_distance",
 ]
 
+_TABLES = packaged_risk_tables()
+"""The study's measured tables; the constants below are copies of them, so a caller (a test)
+may change a constant without changing what other readers of the package data see."""
+
 CLOSURE: dict[tuple[str, str], dict[int, float]] = {
-    ("optimizer", "adam"): {1: 0.69, 2: 0.6, 3: 0.57, 4: 0.48, 6: 0.38, 7: 0.38},
-    ("optimizer", "adamw"): {
-        1: 0.64,
-        2: 0.62,
-        3: 0.55,
-        4: 0.51,
-        5: 0.42,
-        6: 0.36,
-        7: 0.37,
-        8: 0.43,
-        9: 0.36,
-        10: 0.34,
-        11: 0.29,
-        12: 0.28,
-        13: 0.21,
-        14: 0.18,
-        15: 0.17,
-        16: 0.24,
-        17: 0.12,
-        18: 0.24,
-        19: 0.19,
-        20: 0.17,
-        21: 0.13,
-        22: 0.11,
-        23: 0.08,
-        24: 0.07,
-        25: -0.0,
-        26: 0.04,
-        27: 0.11,
-        28: 0.0,
-        29: 0.06,
-        30: -0.04,
-        31: -0.1,
-    },
-    ("optimizer", "basis-rotation"): {
-        1: 0.77,
-        2: 0.68,
-        3: 0.64,
-        4: 0.6,
-        5: 0.56,
-        6: 0.52,
-        7: 0.49,
-        8: 0.49,
-        9: 0.47,
-        10: 0.45,
-        11: 0.42,
-        12: 0.4,
-        13: 0.37,
-        14: 0.35,
-        15: 0.32,
-        16: 0.35,
-        17: 0.32,
-        18: 0.32,
-        19: 0.3,
-        20: 0.29,
-        21: 0.27,
-        22: 0.25,
-        23: 0.23,
-        24: 0.21,
-        25: 0.18,
-        26: 0.18,
-        27: 0.17,
-        28: 0.16,
-        29: 0.16,
-        30: 0.16,
-        31: 0.14,
-    },
-    ("optimizer", "muon"): {
-        1: 0.35,
-        2: 0.44,
-        3: 0.42,
-        4: 0.43,
-        5: 0.4,
-        6: 0.37,
-        7: 0.33,
-        8: 0.42,
-        9: 0.4,
-        10: 0.37,
-        11: 0.34,
-        12: 0.32,
-        13: 0.3,
-        14: 0.27,
-        15: 0.22,
-        16: 0.37,
-        17: 0.35,
-        18: 0.33,
-        19: 0.31,
-        20: 0.28,
-        21: 0.26,
-        22: 0.24,
-        23: 0.22,
-        24: 0.21,
-        25: 0.18,
-        26: 0.17,
-        27: 0.13,
-        28: 0.13,
-        29: 0.11,
-        30: 0.1,
-        31: 0.01,
-    },
-    ("optimizer", "nadam"): {1: 0.04, 2: 0.02, 3: -0.02, 4: -0.05, 5: -0.08, 6: -0.15, 7: -0.16},
-    ("optimizer", "sgd"): {1: 0.75, 2: 0.67, 3: 0.58, 4: 0.59, 6: 0.57, 7: 0.51},
-    ("shrunk", "adamw"): {
-        1: 0.71,
-        2: 0.65,
-        3: 0.57,
-        4: 0.58,
-        5: 0.52,
-        6: 0.47,
-        7: 0.42,
-        8: 0.45,
-        9: 0.38,
-        10: 0.36,
-        11: 0.31,
-        12: 0.29,
-        13: 0.26,
-        14: 0.18,
-        15: 0.26,
-    },
-    ("shrunk", "muon"): {1: 0.37, 2: 0.4, 3: 0.39, 4: 0.37, 5: 0.35, 6: 0.33, 7: 0.29},
-    ("spectrain", "adam"): {1: 0.0, 2: 0.0, 3: 0.01, 4: 0.0, 6: 0.0, 7: 0.01},
-    ("spectrain", "adamw"): {
-        1: 0.0,
-        2: 0.0,
-        3: 0.0,
-        4: 0.0,
-        5: 0.0,
-        6: 0.0,
-        7: 0.01,
-        8: 0.0,
-        9: 0.0,
-        10: 0.0,
-        11: 0.0,
-        12: 0.0,
-        13: 0.0,
-        14: 0.0,
-        15: 0.0,
-    },
-    ("spectrain", "sgd"): {1: 0.75, 2: 0.67, 3: 0.58, 4: 0.59, 6: 0.57, 7: 0.51},
-    ("xpipe", "adam"): {1: 0.7},
-    ("xpipe", "adamw"): {1: 0.57},
-    ("xpipe", "sgd"): {1: 0.77},
+    key: dict(by_s) for key, by_s in _TABLES.closure.items()
 }
 """(prediction rule, optimizer) -> {s: share of the stale distance removed}: per stage, the
 median over its predicted forwards, averaged over the study's models and depths
-(``examples/convergence/results/risk_fit.json``, ``closure_table``; a test keeps them equal).
+(``risk_fit.json``, ``closure_table``; ``risk_tables.json``, ``closure``).
 Not monotone in s everywhere: stages with the same s sit at different depths and models."""
 
-KAPPA: dict[str, float] = {
-    "adam": 0.0476,
-    "adamw": 0.3716,
-    "basis-rotation": 0.1141,
-    "muon": 0.1309,
-    "nadam": 0.8649,
-    "sgd": 0.3276,
-}
+KAPPA: dict[str, float] = dict(_TABLES.kappa)
 """Optimizer -> extra samples to target per update of uncorrected distance, fitted through
 the origin over the digits MLP and CNN (3 seeds), the GPT (AdamW, 1 seed) and the language
 model at depth (gpt-deep at 4, 8 and 16 stages: AdamW, and the NAdam and Muon rows against
@@ -221,18 +81,11 @@ gpipe under NAdam and Muon) at the rates the gpipe sweep chose (``risk_fit.json`
 a lower bound where deep pipelines failed outright; gpt-deep's extra is read off gpipe's
 curve (the samples gpipe needed for the loss the method ended with)."""
 
-CORRECTION_GAIN: dict[str, float] = {
-    "delay-momentum/basis-rotation": -0.08,
-    "delay-momentum/muon": 0.18,
-    "delay-momentum/nadam": 0.37,
-    "pipemare-lr/adamw": 0.14,
-    "qk-clip/adamw": 0.01,
-    "qk-clip/muon": -0.19,
-}
+CORRECTION_GAIN: dict[str, float] = dict(_TABLES.correction_gain)
 """``correction/optimizer`` -> the share of its base method's excess final test loss over
 gpipe's that the delay correction removed on the study's language model at depth
 (``gpt-deep``; 1: all of it, 0: none, < 0: worse), the mean over the depths measured
-(``risk_fit.json``, ``correction_gain``; a test keeps them equal). A corrected method's
+(``risk_fit.json`` and ``risk_tables.json``, ``correction_gain``). A corrected method's
 uncorrected distance is its base's times ``1 − gain``; an unmeasured pair gains nothing,
 so the planner ranks it level with its base, and the base, registered first, wins."""
 
@@ -259,7 +112,7 @@ def closure(rule: str, optimizer: str, s: int) -> float:
 
 
 def uncorrected_distance(
-    method: str,
+    method: str | Method,
     optimizer: str,
     max_distance: int,
     max_staleness: int,
@@ -273,7 +126,7 @@ def uncorrected_distance(
     information delay stays about τ_k mini-batches; what the bound saves is only what the
     prediction of that one update closes). ``closed`` overrides the measured closure of
     :data:`CLOSURE`."""
-    spec = get_method(method)
+    spec = method if isinstance(method, Method) else get_method(method)
     policy = spec.version_rule
     # per missed update: the share the correction keeps, of the A_k mini-batches it carries
     kept = (1.0 - correction_gain(spec.correction, optimizer)) * accumulation
@@ -309,7 +162,7 @@ class MethodRisk:
 
 
 def method_risk(
-    method: str,
+    method: str | Method,
     optimizer: str,
     distances: Iterable[int],
     staleness: Iterable[int],
@@ -317,11 +170,11 @@ def method_risk(
 ) -> MethodRisk:
     """Risk of ``method`` from the per-stage distances and staleness of its schedule."""
     ds, st = tuple(distances), tuple(staleness)
-    spec = get_method(method)
+    spec = method if isinstance(method, Method) else get_method(method)
     rule = spec.predictor or "optimizer"
     p = len(ds)
     es = [
-        uncorrected_distance(method, optimizer, s, old, accumulation=spec.accumulation(k, p))
+        uncorrected_distance(spec, optimizer, s, old, accumulation=spec.accumulation(k, p))
         for k, (s, old) in enumerate(zip(ds, st, strict=True))
     ]
     worst = max(range(len(es)), key=lambda k: es[k], default=0)
@@ -415,273 +268,24 @@ def fit_risk(points: Iterable[RiskFitPoint]) -> dict[str, tuple[float, int]]:
 
 
 DEPTH_EXCESS: dict[int, dict[str, float]] = {
-    4: {
-        "gpipe": 0.0,
-        "2bw": 0.0832,
-        "xpipe": 0.0141,
-        "pipedream": 0.4028,
-        "spectrain": 0.4081,
-        "pipeoptim": 0.3244,
-        "pipedream+pipemare": 0.2629,
-        "pipeoptim+pipemare": 0.1599,
-        "pipeoptim+shrink": 0.3138,
-        "pipedream+bounded": 0.2202,
-        "pipeoptim+bounded": 0.1549,
-        "pipeoptim+qk-clip": 0.3173,
-        "gpipe (nadam)": 0.0,
-        "pipedream+nesterov (nadam)": 0.0649,
-        "pipeoptim (muon)": 0.0157,
-        "gpipe (muon)": 0.0,
-        "pipeoptim+nesterov (muon)": 0.0119,
-        "pipeoptim+bounded (muon)": 0.0447,
-        "gpipe (basis-rotation)": 0.0,
-        "pipeoptim (basis-rotation)": 0.0135,
-        "pipeoptim+nesterov (basis-rotation)": 0.0245,
-    },
-    8: {
-        "gpipe": 0.0,
-        "2bw": 0.075,
-        "xpipe": 0.0063,
-        "pipedream": 0.5104,
-        "spectrain": 0.52,
-        "pipeoptim": 0.517,
-        "pipedream+pipemare": 0.5508,
-        "pipeoptim+pipemare": 0.4903,
-        "pipeoptim+shrink": 0.4975,
-        "pipedream+bounded": 0.3766,
-        "pipeoptim+bounded": 0.3143,
-        "pipeoptim+qk-clip": 0.4888,
-        "gpipe (nadam)": 0.0,
-        "pipeoptim (nadam)": 0.5347,
-        "pipedream+nesterov (nadam)": 0.4044,
-        "pipeoptim+nesterov (nadam)": 0.4421,
-        "pipeoptim (muon)": 0.0857,
-        "gpipe (muon)": 0.0,
-        "pipedream (muon)": 0.1407,
-        "pipeoptim+shrink (muon)": 0.0894,
-        "pipeoptim+nesterov (muon)": 0.0586,
-        "pipeoptim+bounded (muon)": 0.1425,
-        "gpipe (basis-rotation)": 0.0,
-        "pipeoptim (basis-rotation)": 0.0529,
-        "pipeoptim+qk-clip (muon)": 0.1024,
-        "pipeoptim+nesterov (basis-rotation)": 0.0365,
-    },
-    16: {
-        "gpipe": 0.0,
-        "2bw": 0.0909,
-        "xpipe": 0.0101,
-        "pipedream": 0.6576,
-        "spectrain": 0.553,
-        "pipeoptim": 0.5585,
-        "pipedream+pipemare": 0.5929,
-        "pipeoptim+pipemare": 0.5895,
-        "pipeoptim+shrink": 0.5818,
-        "pipedream+bounded": 0.4533,
-        "pipeoptim+bounded": 0.4873,
-        "pipeoptim+qk-clip": 0.585,
-        "gpipe (nadam)": 0.0,
-        "pipedream+nesterov (nadam)": 0.5482,
-        "pipeoptim (muon)": 0.2277,
-        "gpipe (muon)": 0.0,
-        "pipeoptim+nesterov (muon)": 0.1665,
-        "pipeoptim+bounded (muon)": 0.3617,
-        "gpipe (basis-rotation)": 0.0,
-        "pipeoptim (basis-rotation)": 0.1157,
-        "pipeoptim+nesterov (basis-rotation)": 0.0851,
-    },
-    32: {
-        "gpipe": 0.0,
-        "xpipe": 0.0602,
-        "pipeoptim": 0.5575,
-        "gpipe (muon)": 0.0,
-        "pipeoptim (muon)": 0.4919,
-        "pipeoptim+nesterov (muon)": 0.4679,
-        "gpipe (basis-rotation)": 0.0,
-        "pipeoptim (basis-rotation)": 0.4533,
-    },
+    p: dict(rows) for p, rows in _TABLES.depth_excess.items()
 }
 """Stages -> row of the study's language-model table (a method, ``method (optimizer)`` for
 another optimizer) -> its final test loss over gpipe's **under the same optimizer** at that
 depth, minus 1 (``gpipe (muon)`` for a Muon row; ``gpt-deep``, AdamW's rate and recipe;
-``risk_fit.json``, ``depth_excess``; a test keeps them equal)."""
+``risk_fit.json`` and ``risk_tables.json``, ``depth_excess``)."""
 
 DEPTH_COPIES: dict[int, dict[str, int]] = {
-    4: {
-        "gpipe": 1,
-        "2bw": 2,
-        "xpipe": 2,
-        "pipedream": 4,
-        "spectrain": 2,
-        "pipeoptim": 2,
-        "pipedream+pipemare": 4,
-        "pipeoptim+pipemare": 2,
-        "pipeoptim+shrink": 2,
-        "pipedream+bounded": 2,
-        "pipeoptim+bounded": 2,
-        "pipeoptim+qk-clip": 2,
-        "gpipe (nadam)": 1,
-        "pipedream+nesterov (nadam)": 4,
-        "pipeoptim (muon)": 2,
-        "gpipe (muon)": 1,
-        "pipeoptim+nesterov (muon)": 2,
-        "pipeoptim+bounded (muon)": 2,
-        "gpipe (basis-rotation)": 1,
-        "pipeoptim (basis-rotation)": 2,
-        "pipeoptim+nesterov (basis-rotation)": 2,
-    },
-    8: {
-        "gpipe": 1,
-        "2bw": 2,
-        "xpipe": 2,
-        "pipedream": 8,
-        "spectrain": 2,
-        "pipeoptim": 2,
-        "pipedream+pipemare": 8,
-        "pipeoptim+pipemare": 2,
-        "pipeoptim+shrink": 2,
-        "pipedream+bounded": 2,
-        "pipeoptim+bounded": 2,
-        "pipeoptim+qk-clip": 2,
-        "gpipe (nadam)": 1,
-        "pipeoptim (nadam)": 2,
-        "pipedream+nesterov (nadam)": 8,
-        "pipeoptim+nesterov (nadam)": 2,
-        "pipeoptim (muon)": 2,
-        "gpipe (muon)": 1,
-        "pipedream (muon)": 8,
-        "pipeoptim+shrink (muon)": 2,
-        "pipeoptim+nesterov (muon)": 2,
-        "pipeoptim+bounded (muon)": 2,
-        "gpipe (basis-rotation)": 1,
-        "pipeoptim (basis-rotation)": 2,
-        "pipeoptim+qk-clip (muon)": 2,
-        "pipeoptim+nesterov (basis-rotation)": 2,
-    },
-    16: {
-        "gpipe": 1,
-        "2bw": 2,
-        "xpipe": 2,
-        "pipedream": 16,
-        "spectrain": 2,
-        "pipeoptim": 2,
-        "pipedream+pipemare": 16,
-        "pipeoptim+pipemare": 2,
-        "pipeoptim+shrink": 2,
-        "pipedream+bounded": 2,
-        "pipeoptim+bounded": 2,
-        "pipeoptim+qk-clip": 2,
-        "gpipe (nadam)": 1,
-        "pipedream+nesterov (nadam)": 16,
-        "pipeoptim (muon)": 2,
-        "gpipe (muon)": 1,
-        "pipeoptim+nesterov (muon)": 2,
-        "pipeoptim+bounded (muon)": 2,
-        "gpipe (basis-rotation)": 1,
-        "pipeoptim (basis-rotation)": 2,
-        "pipeoptim+nesterov (basis-rotation)": 2,
-    },
-    32: {
-        "gpipe": 1,
-        "xpipe": 2,
-        "pipeoptim": 2,
-        "gpipe (muon)": 1,
-        "pipeoptim (muon)": 2,
-        "pipeoptim+nesterov (muon)": 2,
-        "gpipe (basis-rotation)": 1,
-        "pipeoptim (basis-rotation)": 2,
-    },
+    p: dict(rows) for p, rows in _TABLES.depth_copies.items()
 }
 """The weight copies each row of :data:`DEPTH_EXCESS` keeps on its fullest stage."""
 
 DEPTH_EXCESS_FIRST: dict[int, dict[str, float]] = {
-    4: {
-        "gpipe": 0.0,
-        "2bw": 0.0832,
-        "xpipe": 0.0141,
-        "pipedream": 0.4028,
-        "spectrain": 0.4081,
-        "pipeoptim": 0.3244,
-        "pipedream+pipemare": 0.2629,
-        "pipeoptim+pipemare": 0.1599,
-        "pipeoptim+shrink": 0.3138,
-        "pipedream+bounded": 0.2202,
-        "pipeoptim+bounded": 0.1549,
-        "pipeoptim+qk-clip": 0.3173,
-        "gpipe (nadam)": -0.0143,
-        "pipedream+nesterov (nadam)": 0.0496,
-        "pipeoptim (muon)": -0.0727,
-        "gpipe (muon)": -0.087,
-        "pipeoptim+nesterov (muon)": -0.0761,
-        "pipeoptim+bounded (muon)": -0.0462,
-        "gpipe (basis-rotation)": -0.1167,
-        "pipeoptim (basis-rotation)": -0.1047,
-        "pipeoptim+nesterov (basis-rotation)": -0.095,
-    },
-    8: {
-        "gpipe": 0.0,
-        "2bw": 0.075,
-        "xpipe": 0.0063,
-        "pipedream": 0.5104,
-        "spectrain": 0.52,
-        "pipeoptim": 0.517,
-        "pipedream+pipemare": 0.5508,
-        "pipeoptim+pipemare": 0.4903,
-        "pipeoptim+shrink": 0.4975,
-        "pipedream+bounded": 0.3766,
-        "pipeoptim+bounded": 0.3143,
-        "pipeoptim+qk-clip": 0.4888,
-        "gpipe (nadam)": -0.0167,
-        "pipeoptim (nadam)": 0.509,
-        "pipedream+nesterov (nadam)": 0.3809,
-        "pipeoptim+nesterov (nadam)": 0.418,
-        "pipeoptim (muon)": -0.0116,
-        "gpipe (muon)": -0.0896,
-        "pipedream (muon)": 0.0385,
-        "pipeoptim+shrink (muon)": -0.0082,
-        "pipeoptim+nesterov (muon)": -0.0362,
-        "pipeoptim+bounded (muon)": 0.0401,
-        "gpipe (basis-rotation)": -0.1158,
-        "pipeoptim (basis-rotation)": -0.069,
-        "pipeoptim+qk-clip (muon)": 0.0036,
-        "pipeoptim+nesterov (basis-rotation)": -0.0835,
-    },
-    16: {
-        "gpipe": 0.0,
-        "2bw": 0.0909,
-        "xpipe": 0.0101,
-        "pipedream": 0.6576,
-        "spectrain": 0.553,
-        "pipeoptim": 0.5585,
-        "pipedream+pipemare": 0.5929,
-        "pipeoptim+pipemare": 0.5895,
-        "pipeoptim+shrink": 0.5818,
-        "pipedream+bounded": 0.4533,
-        "pipeoptim+bounded": 0.4873,
-        "pipeoptim+qk-clip": 0.585,
-        "gpipe (nadam)": -0.0027,
-        "pipedream+nesterov (nadam)": 0.544,
-        "pipeoptim (muon)": 0.1202,
-        "gpipe (muon)": -0.0875,
-        "pipeoptim+nesterov (muon)": 0.0644,
-        "pipeoptim+bounded (muon)": 0.2425,
-        "gpipe (basis-rotation)": -0.1105,
-        "pipeoptim (basis-rotation)": -0.0076,
-        "pipeoptim+nesterov (basis-rotation)": -0.0348,
-    },
-    32: {
-        "gpipe": 0.0,
-        "xpipe": 0.0602,
-        "pipeoptim": 0.5575,
-        "gpipe (muon)": -0.1088,
-        "pipeoptim (muon)": 0.3296,
-        "pipeoptim+nesterov (muon)": 0.3082,
-        "gpipe (basis-rotation)": -0.151,
-        "pipeoptim (basis-rotation)": 0.2339,
-    },
+    p: dict(rows) for p, rows in _TABLES.depth_excess_first.items()
 }
 """Stages -> row -> its final test loss over **gpipe under AdamW** (the study's first
-optimizer) at that depth, minus 1: what compares rows of two optimizers (``risk_fit.json``,
-``depth_excess_first``; a test keeps them equal)."""
+optimizer) at that depth, minus 1: what compares rows of two optimizers (``risk_fit.json``
+and ``risk_tables.json``, ``depth_excess_first``)."""
 
 WITHIN = 0.03
 """A configuration within this share of gpipe's final loss counts as converging."""

@@ -15,6 +15,9 @@ A cost model comes from
 * a stage graph (:meth:`CostModel.from_stage_graph`) or a :class:`~pipeoptim.plan.plan.Plan`
   (:meth:`CostModel.from_plan`).
 
+The measured ones are built in :mod:`pipeoptim.sim.cost_sources`; the checks every value
+passes are :mod:`pipeoptim.sim.cost_checks`.
+
 Links: edge ``k`` joins stage ``k`` and ``k+1``. A transfer over it takes
 ``latency_s[k] + bytes / bandwidth[k]`` (store-and-forward: the link is busy that long), and
 costs nothing when both stages sit on one rank.
@@ -51,98 +54,28 @@ measured of its host.
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
 
 from pipeoptim.errors import PlanError
 from pipeoptim.plan.machine import Machine
 from pipeoptim.plan.orders import KIND_CODES
 from pipeoptim.plan.profile import optimizer_state_factor
 from pipeoptim.plan.recompute import check_shard_optimizer
-from pipeoptim.plan.recompute_costs import (
-    UNIT_KEYS,
-    UnitCosts,
-    annotate_units,
-    graph_unit_costs,
-    labels_from_names,
-    profile_unit_costs,
-    stage_recompute,
-    stage_unit_sets,
-)
+from pipeoptim.plan.recompute_costs import UNIT_KEYS, annotate_units
 from pipeoptim.plan.replicas import check_replicas
+from pipeoptim.sim import cost_sources
 from pipeoptim.sim.collectives import Cluster, allgather_times, allreduce_times, edge_links
-
-if TYPE_CHECKING:
-    import networkx as nx
-
-    from pipeoptim.plan.plan import Plan
-    from pipeoptim.plan.profile import Profile
+from pipeoptim.sim.cost_checks import (
+    seconds_or_none,
+    stage_floats,
+    stage_ints,
+    weight_grad_shares,
+)
+from pipeoptim.sim.cost_sources import graph_recompute_sets
 
 __all__ = ["UNIT_KEYS", "CostModel", "annotate_units", "graph_recompute_sets", "parse_uniform"]
-
-
-def _expand(name: str, values: float | Sequence[float], count: int) -> list[float]:
-    """One value per stage (or edge): a single number is repeated ``count`` times."""
-    raw = [values] * count if isinstance(values, (int, float)) else list(values)
-    per = "edge" if name.endswith(" (per edge)") else "stage"
-    base = name.removesuffix(" (per edge)")
-    if len(raw) != count:
-        raise PlanError(
-            f"{base} needs one value per {per} (got {len(raw)} values for {count}); pass one "
-            f"number or a list of {count}"
-        )
-    for i, v in enumerate(raw):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
-            where = f"link {i} (between stages {i} and {i + 1})" if per == "edge" else f"stage {i}"
-            raise PlanError(
-                f"the {base} of {where} must be a number >= 0 (got {v!r}); give a value >= 0"
-            )
-    return raw
-
-
-def _floats(name: str, values: float | Sequence[float], count: int) -> tuple[float, ...]:
-    return tuple(float(v) for v in _expand(name, values, count))
-
-
-def _fractions(values: object, count: int) -> tuple[float, ...]:
-    """The per-stage weight-gradient shares: one number in [0, 1], or one per stage."""
-    rule = "the share of a backward that computes the weight gradient"
-    fix = "e.g. 0.5 (the zero-bubble paper's T_I = T_W), or re-profile"
-    if not isinstance(values, (int, float)) and not (
-        isinstance(values, Sequence) and not isinstance(values, str)
-    ):
-        raise PlanError(
-            f"weight_grad_fraction must be a number in [0, 1] ({rule}) or one such number "
-            f"per stage (got {values!r}); give {fix}"
-        )
-    raw = [values] * count if isinstance(values, (int, float)) else list(values)
-    if len(raw) != count:
-        raise PlanError(
-            f"weight_grad_fraction needs one value per stage (got {len(raw)} values "
-            f"{raw!r} for {count} stages); pass one number or a list of {count}"
-        )
-    for i, v in enumerate(raw):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
-            raise PlanError(
-                f"the weight_grad_fraction of stage {i} must be a number in [0, 1], {rule} "
-                f"(got {v!r}); give {fix}"
-            )
-    return tuple(float(v) for v in raw)
-
-
-def _seconds(value: object) -> float | None:
-    """``value`` as seconds where it is a finite number >= 0 (a bool is not), else None."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    number = float(value)
-    return number if math.isfinite(number) and number >= 0 else None
-
-
-def _ints(name: str, values: int | Sequence[int], count: int) -> tuple[int, ...]:
-    return tuple(int(v) for v in _expand(name, values, count))
 
 
 @dataclass(frozen=True)
@@ -235,13 +168,15 @@ class CostModel:
             raise PlanError("a cost model needs at least one stage (got 0 forward times)")
         e = s - 1
         for name in ("forward_s", "backward_s", "update_s", "predict_s"):
-            object.__setattr__(self, name, _floats(name, getattr(self, name), s))
+            object.__setattr__(self, name, stage_floats(name, getattr(self, name), s))
         for name in ("param_bytes", "optimizer_state_bytes", "activation_bytes"):
-            object.__setattr__(self, name, _ints(name, getattr(self, name), s))
+            object.__setattr__(self, name, stage_ints(name, getattr(self, name), s))
         for name in ("send_forward_bytes", "send_backward_bytes"):
-            object.__setattr__(self, name, _ints(f"{name} (per edge)", getattr(self, name), e))
-        object.__setattr__(self, "latency_s", _floats("latency_s (per edge)", self.latency_s, e))
-        bw = _floats("bandwidth (per edge)", self.bandwidth, e)
+            object.__setattr__(self, name, stage_ints(f"{name} (per edge)", getattr(self, name), e))
+        object.__setattr__(
+            self, "latency_s", stage_floats("latency_s (per edge)", self.latency_s, e)
+        )
+        bw = stage_floats("bandwidth (per edge)", self.bandwidth, e)
         if any(b == 0 for b in bw):
             raise PlanError("bandwidth must be > 0 bytes/s on every edge (use inf for free links)")
         object.__setattr__(self, "bandwidth", bw)
@@ -251,16 +186,20 @@ class CostModel:
             )
         check_replicas(self.data_parallel, "data_parallel")
         ar = self.allreduce_s if len(self.allreduce_s) else (0.0,) * s
-        object.__setattr__(self, "allreduce_s", _floats("allreduce_s", ar, s))
+        object.__setattr__(self, "allreduce_s", stage_floats("allreduce_s", ar, s))
         for name in ("recompute_s", "gather_s"):
             given = getattr(self, name)
-            object.__setattr__(self, name, _floats(name, given if len(given) else (0.0,) * s, s))
+            object.__setattr__(
+                self, name, stage_floats(name, given if len(given) else (0.0,) * s, s)
+            )
         for name in ("rebuilt_activation_bytes", "held_weight_bytes"):
             given = getattr(self, name)
-            object.__setattr__(self, name, _ints(name, given if len(given) else (0,) * s, s))
-        object.__setattr__(self, "weight_grad_fraction", _fractions(self.weight_grad_fraction, s))
+            object.__setattr__(self, name, stage_ints(name, given if len(given) else (0,) * s, s))
+        object.__setattr__(
+            self, "weight_grad_fraction", weight_grad_shares(self.weight_grad_fraction, s)
+        )
         for name in ("message_send_s", "message_receive_s"):
-            value = _seconds(getattr(self, name))
+            value = seconds_or_none(getattr(self, name))
             if value is None:
                 raise PlanError(
                     f"{name} is the fixed seconds of one message at one end and must be a "
@@ -277,7 +216,7 @@ class CostModel:
                 )
             fixed: list[float] = []
             for kind, given in zip(KIND_CODES, self.action_s, strict=True):
-                value = _seconds(given)
+                value = seconds_or_none(given)
                 if value is None:
                     raise PlanError(
                         f"action_s[{kind}] is the fixed seconds of one {kind} action beyond "
@@ -478,265 +417,14 @@ class CostModel:
             bandwidth=(bandwidth,) * e,
             samples_per_micro_batch=samples_per_micro_batch,
             optimizer=optimizer,
-            weight_grad_fraction=_fractions(weight_grad_fraction, num_stages),
+            weight_grad_fraction=weight_grad_shares(weight_grad_fraction, num_stages),
         )
 
-    @classmethod
-    def from_stages(
-        cls,
-        stages: Sequence[Mapping[str, Any]],
-        edge_bytes: Sequence[int],
-        *,
-        micro_batches: int = 1,
-        profile_batch: int = 1,
-        batch_size: float | None = None,
-        optimizer: str | None = None,
-        source_optimizer: str = "sgd",
-        update_s: float | Sequence[float] | None = None,
-        predict_s: float | Sequence[float] | None = None,
-        latency_s: float = 0.0,
-        bandwidth: float = math.inf,
-        weight_grad_fraction: float | Sequence[float] | None = None,
-    ) -> CostModel:
-        """From per-stage sums measured on ``profile_batch`` samples.
-
-        ``stages[k]`` has ``forward_s, backward_s, param_bytes, optimizer_state_bytes,
-        activation_bytes`` and optionally ``forward_fixed_s, backward_fixed_s, update_s,
-        predict_s, weight_grad_s`` and, where it recomputes (:func:`_with_recompute`),
-        ``kept_activation_bytes, rebuilt_activation_bytes, recompute_forward_s,
-        recompute_forward_fixed_s, recompute_param_bytes``; ``edge_bytes[k]`` is what
-        crosses edge ``k`` for that batch. A stage's weight-gradient share is
-        ``weight_grad_s / backward_s`` (0.5 without ``weight_grad_s``, or without a
-        backward), unless ``weight_grad_fraction``
-        (one number or one per stage) is given.
-        ``batch_size`` is the samples of one mini-batch (default: ``profile_batch``, i.e.
-        the profile was measured on one mini-batch); a micro-batch has
-        ``batch_size / micro_batches`` samples. Times scale from ``profile_batch`` to it
-        with their fixed part kept (linearly when there is none), activation and transfer
-        bytes linearly; parameter bytes, update and prediction times do not scale.
-        ``update_s``/``predict_s`` given here replace the stages' own. Optimizer state is
-        recomputed from the parameters when ``optimizer`` differs from
-        ``source_optimizer``; so are the update and prediction times, which were measured
-        with the other optimizer (they become 0: unknown).
-        """
-        if micro_batches < 1:
-            raise PlanError(f"micro_batches must be >= 1, got {micro_batches}")
-        mini = float(profile_batch if batch_size is None else batch_size)
-        per_micro = mini / micro_batches
-        scale = per_micro / profile_batch
-        family = optimizer or source_optimizer
-        same = family == source_optimizer
-        if not same:
-            factor = optimizer_state_factor(family)
-            state = [factor * int(st["param_bytes"]) for st in stages]
-        else:
-            state = [int(st["optimizer_state_bytes"]) for st in stages]
-        s = len(stages)
-        sent = [round(int(b) * scale) for b in edge_bytes]
-
-        def scaled(st: Mapping[str, Any], key: str) -> float:
-            fixed = float(st.get(f"{key}_fixed_s", 0.0))
-            return fixed + (float(st[f"{key}_s"]) - fixed) * scale
-
-        def measured(key: str, given: float | Sequence[float] | None) -> tuple[float, ...]:
-            if given is not None:
-                return _floats(key, given, s)
-            return tuple(float(st.get(key, 0.0)) if same else 0.0 for st in stages)
-
-        def rescaled(st: Mapping[str, Any], key: str) -> int:
-            return round(int(st.get(key, 0)) * scale)
-
-        recomputing = any("kept_activation_bytes" in st for st in stages)
-        extra: dict[str, Any] = {}
-        if recomputing:
-            extra = {
-                "recompute_s": tuple(scaled(st, "recompute_forward") for st in stages),
-                "rebuilt_activation_bytes": tuple(
-                    rescaled(st, "rebuilt_activation_bytes") for st in stages
-                ),
-                "held_weight_bytes": tuple(
-                    int(st.get("recompute_param_bytes", 0)) for st in stages
-                ),
-            }
-        kept = "kept_activation_bytes" if recomputing else "activation_bytes"
-
-        return cls(
-            forward_s=tuple(scaled(st, "forward") for st in stages),
-            backward_s=tuple(scaled(st, "backward") for st in stages),
-            update_s=measured("update_s", update_s),
-            predict_s=measured("predict_s", predict_s),
-            param_bytes=tuple(int(st["param_bytes"]) for st in stages),
-            optimizer_state_bytes=tuple(state),
-            activation_bytes=tuple(
-                round(int(st.get(kept, st["activation_bytes"])) * scale) for st in stages
-            ),
-            send_forward_bytes=tuple(sent),
-            send_backward_bytes=tuple(sent),
-            latency_s=(latency_s,) * (s - 1),
-            bandwidth=(bandwidth,) * (s - 1),
-            samples_per_micro_batch=per_micro,
-            optimizer=family,
-            weight_grad_fraction=(
-                tuple(_stage_share(st) for st in stages)
-                if weight_grad_fraction is None
-                else _fractions(weight_grad_fraction, s)
-            ),
-            **extra,
-        )
-
-    @classmethod
-    def from_profile(
-        cls,
-        profile: Profile,
-        boundaries: Sequence[tuple[int, int]],
-        micro_batches: int = 1,
-        **options: Any,
-    ) -> CostModel:
-        """Sum the profile's layers per stage (``boundaries``: half-open layer ranges).
-
-        The bytes crossing edge ``k`` are the output activation of stage ``k``'s last layer.
-        Each stage's weight-gradient share is its layers' W seconds over their backward
-        seconds (``LayerProfile.weight_grad_fraction``). ``options`` as for
-        :meth:`from_stages` (``batch_size``, ``optimizer``, ``update_s``, ``predict_s``,
-        ``latency_s``, ``bandwidth``, ``weight_grad_fraction``). ``recompute``: per stage
-        the stage-local indices of the units it recomputes (None: none; see
-        :func:`pipeoptim.plan.recompute_costs.stage_unit_sets`).
-        """
-        from pipeoptim.plan.graph import validate_boundaries
-
-        recompute: Sequence[frozenset[int]] | None = options.pop("recompute", None)
-
-        ranges = validate_boundaries(boundaries, profile.num_layers)
-        stages = []
-        for start, end in ranges:
-            layers = profile.layers[start:end]
-            stages.append(
-                {
-                    "forward_s": math.fsum(x.forward_s for x in layers),
-                    "backward_s": math.fsum(x.backward_s for x in layers),
-                    "forward_fixed_s": math.fsum(x.forward_fixed_s for x in layers),
-                    "backward_fixed_s": math.fsum(x.backward_fixed_s for x in layers),
-                    "weight_grad_s": math.fsum(x.weight_grad_s for x in layers),
-                    "update_s": math.fsum(x.update_s for x in layers),
-                    "predict_s": math.fsum(x.predict_s for x in layers),
-                    "param_bytes": sum(x.param_bytes for x in layers),
-                    "optimizer_state_bytes": sum(x.optimizer_state_bytes for x in layers),
-                    "activation_bytes": sum(x.activation_bytes for x in layers),
-                }
-            )
-        if recompute is not None:
-            _with_recompute(stages, profile_unit_costs(profile), ranges, recompute)
-        edges = [profile.layers[end - 1].activation_bytes for _, end in ranges[:-1]]
-        return cls.from_stages(
-            stages,
-            edges,
-            micro_batches=micro_batches,
-            profile_batch=profile.batch_size,
-            source_optimizer=profile.optimizer,
-            **options,
-        )
-
-    @classmethod
-    def from_stage_graph(
-        cls, graph: nx.DiGraph, micro_batches: int = 1, **options: Any
-    ) -> CostModel:
-        """From :func:`pipeoptim.plan.graph.stage_graph` output (nodes 0..S-1, edge ``bytes``).
-
-        ``recompute`` (an option): per stage the stage-local units it recomputes, which
-        needs the per-unit costs a planned stage graph carries (:func:`graph_unit_costs`)."""
-        recompute: Sequence[frozenset[int]] | None = options.pop("recompute", None)
-        nodes = sorted(graph.nodes)
-        stages = [dict(graph.nodes[k]) for k in nodes]
-        if recompute is not None:
-            units = graph_unit_costs(graph)
-            ranges = [(int(st["start"]), int(st["end"])) for st in stages]
-            _with_recompute(stages, units, ranges, recompute)
-        edges = [int(graph.edges[a, b].get("bytes", 0)) for a, b in itertools.pairwise(nodes)]
-        return cls.from_stages(
-            stages,
-            edges,
-            micro_batches=micro_batches,
-            profile_batch=int(graph.graph.get("batch_size", 1)),
-            source_optimizer=str(graph.graph.get("optimizer", "sgd")),
-            **options,
-        )
-
-    @classmethod
-    def from_plan(cls, plan: Plan, profile: Profile | None = None, **options: Any) -> CostModel:
-        """From a plan's stage graph, or from ``profile`` cut at the plan's boundaries.
-
-        The plan's ``batch_size`` and optimizer family apply unless ``options`` override
-        them.
-        """
-        options.setdefault("optimizer", plan.optimizer.family)
-        if plan.batch_size is not None:
-            options.setdefault("batch_size", plan.batch_size)
-        m = plan.shape(1).micro_batches
-        if plan.stage_graph is not None:
-            from pipeoptim.plan.graph import stage_graph_from_dict
-
-            graph = stage_graph_from_dict(plan.stage_graph)
-            if plan.recompute is not None and "recompute" not in options:
-                options["recompute"] = graph_recompute_sets(graph, plan.recompute)
-            return cls.from_stage_graph(graph, m, **options)
-        if profile is None:
-            raise PlanError(
-                "the plan has no stage graph with costs, so the simulator has no stage costs; "
-                "pass --profile FILE (cut at the plan's boundaries) or use --uniform F,B"
-            )
-        stages = plan.num_stages * plan.virtual_stages
-        if plan.boundaries is not None:
-            bounds = plan.boundaries
-        else:
-            from pipeoptim.plan.plan import even_boundaries
-
-            bounds = even_boundaries(profile.num_layers, stages)
-        if plan.recompute is not None and "recompute" not in options:
-            labels = labels_from_names([x.name for x in profile.layers])
-            options["recompute"] = stage_unit_sets(plan.recompute, bounds, labels)
-        return cls.from_profile(profile, bounds, m, **options)
-
-
-def graph_recompute_sets(graph: nx.DiGraph, requested: object) -> list[frozenset[int]] | None:
-    """What ``requested`` recomputes on ``graph``'s stages (units named as its
-    ``layer_names`` name them)."""
-    nodes = [graph.nodes[k] for k in sorted(graph.nodes)]
-    names = [str(n) for node in nodes for n in node.get("layer_names", [])]
-    ranges = [(int(node["start"]), int(node["end"])) for node in nodes]
-    if len(names) != (ranges[-1][1] if ranges else 0):
-        names = [str(i) for i in range(ranges[-1][1] if ranges else 0)]
-    return stage_unit_sets(requested, ranges, labels_from_names(names))
-
-
-def _with_recompute(
-    stages: list[dict[str, Any]],
-    units: UnitCosts,
-    ranges: Sequence[tuple[int, int]],
-    recompute: Sequence[frozenset[int]],
-) -> None:
-    """Add each stage's recomputation sums (at the profile batch) to its dict."""
-    if len(recompute) != len(stages):
-        raise PlanError(
-            f"recompute needs one set of units per stage (got {len(recompute)} for "
-            f"{len(stages)} stages)"
-        )
-    for st, (start, end), local in zip(stages, ranges, recompute, strict=True):
-        r = stage_recompute(units, start, end, frozenset(local))
-        st["kept_activation_bytes"] = r.kept_activation_bytes
-        st["rebuilt_activation_bytes"] = r.rebuilt_activation_bytes
-        st["recompute_forward_s"] = r.forward_s
-        st["recompute_forward_fixed_s"] = r.forward_fixed_s
-        st["recompute_param_bytes"] = r.param_bytes
-
-
-def _stage_share(stage: Mapping[str, Any]) -> float:
-    """A stage's weight-gradient share from its summed ``weight_grad_s`` and
-    ``backward_s`` (0.5 when it has no ``weight_grad_s`` or no backward)."""
-    backward = float(stage["backward_s"])
-    weight = stage.get("weight_grad_s")
-    if weight is None or not backward > 0:
-        return 0.5
-    return min(1.0, max(0.0, float(weight) / backward))
+    # built from measured costs (pipeoptim.sim.cost_sources): one signature, one docstring
+    from_stages = classmethod(cost_sources.from_stages)
+    from_profile = classmethod(cost_sources.from_profile)
+    from_stage_graph = classmethod(cost_sources.from_stage_graph)
+    from_plan = classmethod(cost_sources.from_plan)
 
 
 def parse_uniform(text: str) -> tuple[float, float, float]:

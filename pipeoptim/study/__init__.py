@@ -5,5 +5,6 @@
 worker processes, resumable; ``report.py`` turns the records into the study's report:
 ``cells.py`` groups them, ``tables.py`` (final metric, prediction closure, time to target),
 ``targets.py`` (samples and time to the target, the risk-fit points) and ``plots.py``
-(curves) make its parts. ``pipeoptim compare`` is the command line.
+(curves) make its parts; ``risk_fit.py`` gathers the risk fit and the planner's tables.
+``pipeoptim compare`` is the command line.
 """

@@ -15,7 +15,8 @@ their headings, with the text around them; the parts are computed elsewhere:
 * **Curves** (:mod:`pipeoptim.study.plots`): test metric and training loss against samples
   seen, mean over seeds, and the time to target per method.
 * **Risk fit**: the convergence-risk coefficients of ``pipeoptim.plan.risk`` fitted to the
-  measured samples-to-target (:func:`pipeoptim.study.targets.risk_points`).
+  measured samples-to-target (:func:`pipeoptim.study.targets.risk_points`), gathered by
+  :mod:`pipeoptim.study.risk_fit`.
 
 Records are grouped into cells by :mod:`pipeoptim.study.cells`.
 """
@@ -25,53 +26,29 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 from pipeoptim.plan.profile import Profile
-from pipeoptim.plan.risk import WITHIN, RiskFitPoint, closure_from_rows, fit_risk, gain_table
-from pipeoptim.study.cells import aggregate, method_labels, rate_sets, synchronous_label
-from pipeoptim.study.grid import (
-    StudyConfig,
-    choose_rates,
-    load_records,
-    main_specs,
-    sweep_specs,
-)
+from pipeoptim.plan.risk import fit_risk
+from pipeoptim.study.cells import aggregate, rate_sets
+from pipeoptim.study.grid import StudyConfig, sweep_specs
 from pipeoptim.study.plots import curves_figures, time_figure
-from pipeoptim.study.tables import (
-    closure_rows,
-    closure_table,
-    final_table,
-    gap_table,
-    gaps,
-    peak_copies,
-    time_table,
+from pipeoptim.study.risk_fit import (
+    TARGETS,
+    RiskFitParts,
+    closure_rates,
+    model_records,
+    model_targets,
 )
+from pipeoptim.study.tables import closure_rows, closure_table, final_table, gap_table, time_table
 from pipeoptim.study.targets import (
-    Targets,
     check_profile,
-    correction_gains,
-    gpipe_finals,
     machine_profile,
     optimizer_profile,
     profile_fingerprint,
-    risk_points,
     time_to_target,
 )
 
 __all__ = ["TARGETS", "write_study_report"]
-
-TARGETS: dict[str, float | None] = {
-    "mlp": 0.95,
-    "cnn": 0.95,
-    "transformer": 0.95,
-    "gpt": 12.0,
-    "gpt-deep": None,
-    "gpt-deeper": None,
-}
-"""The metric a run must reach to count as trained: test accuracy for the digits models,
-test perplexity (at most) for the language model; None: gpipe's own final test loss at
-each depth plus the goal's 3 % (how soon a method gets where synchronous training gets)."""
 
 
 def _steps_text(config: StudyConfig) -> str:
@@ -105,22 +82,15 @@ def write_study_report(
         "",
     ]
     html_parts: list[str] = []
-    points: list[RiskFitPoint] = []
-    closure_all: list[dict[str, Any]] = []
-    gains: list[dict[str, Any]] = []
-    depth_excess: dict[int, dict[str, float]] = {}
-    depth_copies: dict[int, dict[str, int]] = {}
-    depth_excess_first: dict[int, dict[str, float]] = {}
+    parts = RiskFitParts()
     for config in configs:
-        records = load_records(out / config.model / "runs.jsonl")
-        if not records:
+        found = model_records(out, config)
+        if found is None:
             md += [f"## {config.model}", "", "no runs recorded", ""]
             continue
-        rates = choose_rates(config, records)
-        main = {s.key for s in main_specs(config, rates)}
-        mine = [r for r in records if r.spec.key in main]
+        records, mine, rates = found
         # runs of an earlier configuration (other steps or rates) stay on file, unused
-        used = main | {s.key for s in sweep_specs(config)}
+        used = {r.spec.key for r in mine} | {s.key for s in sweep_specs(config)}
         records = [r for r in records if r.spec.key in used]
         cells = aggregate(mine)
         fixed = TARGETS.get(config.model)
@@ -147,23 +117,8 @@ def write_study_report(
                 *gap_table(config, cells, rates),
                 "",
             ]
-            # the planner's table: at a depth two models measured, the first model's rows
-            # (gpt-deep's grid) and only the rows it lacks from the next (gpt-deeper)
-            for p, rows in gaps(config, cells, rates).items():
-                excess, copies = depth_excess.setdefault(p, {}), depth_copies.setdefault(p, {})
-                for k, v in rows.items():
-                    excess.setdefault(k, round(v, 4))
-                    copies.setdefault(k, peak_copies(k, p))
-            for p, rows in gaps(config, cells, rates, same_optimizer=False).items():
-                first = depth_excess_first.setdefault(p, {})
-                for k, v in rows.items():
-                    first.setdefault(k, round(v, 4))
         closure = closure_rows(mine)
-        # the rows of other optimizers (NAdam, Muon) train at the first optimizer's rate
-        rate_of = {o: r[0] for o, r in rates.items()}
-        rate_of.update({o: rates[config.optimizers[0]][0] for _, o in config.pairs})
-        closure_all += [r for r in closure if r["lr"] == rate_of.get(r["optimizer"])]
-        table = closure_table(closure, rate_of)
+        table = closure_table(closure, closure_rates(config, rates))
         if table:
             md += [
                 "### Prediction closure (chosen rate, seed 0)",
@@ -176,14 +131,8 @@ def write_study_report(
                 "",
             ]
         # each row is held to gpipe's final under its own optimizer, or to the fixed target
-        yardsticks = dict.fromkeys(synchronous_label(m) for m in method_labels(config))
-        targets: Targets = {
-            sync: fixed
-            if fixed is not None
-            else gpipe_finals(config, cells, rates, within=WITHIN, label=sync)
-            for sync in yardsticks
-        }
-        targets = {s: t for s, t in targets.items() if not isinstance(t, Mapping) or t}
+        targets = model_targets(config, cells, rates)
+        parts.add_model(config, cells, rates, targets, closure)
         chosen = (profiles or {}).get(config.model)
         pinned = out / config.model / "profile.json"
         if chosen is not None:
@@ -229,12 +178,10 @@ def write_study_report(
             *time_table(config, times, targets),
             "",
         ]
-        points += risk_points(config, cells, rates, targets, closure)
-        gains += correction_gains(config, cells, rates)
         html_parts.append(f"<h2>{config.model}</h2>")
         for fig in [*curves_figures(config, cells, rates), time_figure(config.model, times)]:
             html_parts.append(fig.to_html(full_html=False, include_plotlyjs=False))
-    fit = fit_risk(points)
+    fit = fit_risk(parts.points)
     md += [
         "## Convergence-risk fit",
         "",
@@ -248,22 +195,7 @@ def write_study_report(
     ]
     (out / "risk_fit.json").write_text(
         json.dumps(
-            {
-                "kappa": {o: round(k, 4) for o, (k, _) in sorted(fit.items())},
-                "closure_table": {
-                    f"{rule}/{opt}": by_s
-                    for (rule, opt), by_s in closure_from_rows(closure_all).items()
-                },
-                "closure": closure_all,
-                "correction_gain": gain_table(gains),
-                "correction_gains": gains,
-                "depth_excess": {str(p): rows for p, rows in sorted(depth_excess.items())},
-                "depth_copies": {str(p): rows for p, rows in sorted(depth_copies.items())},
-                "depth_excess_first": {
-                    str(p): rows for p, rows in sorted(depth_excess_first.items())
-                },
-                "points": [p.to_dict() for p in points],
-            },
+            parts.fit(),
             indent=1,
         )
         + "\n"

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+from support.traces import add_receive_waits
 
 from pipeoptim.calibrate import calibrate, calibrated_profile, costs_from_trace, what_if
 from pipeoptim.cli import main
@@ -20,7 +21,7 @@ from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.plan.profile import Profile
 from pipeoptim.sim.costs import CostModel
 from pipeoptim.sim.evaluate import compile_method, evaluate_trace
-from pipeoptim.trace import Trace, TraceEvent
+from pipeoptim.trace import Trace
 
 SAMPLES = 8  # per micro-batch
 
@@ -41,21 +42,6 @@ def known_costs(stages: int, scale: float = 1.0) -> CostModel:
         forward_s=tuple(f * (1 + 0.25 * k) for k, f in enumerate(base.forward_s)),
         backward_s=tuple(b * (1 + 0.5 * k) for k, b in enumerate(base.backward_s)),
     )
-
-
-def add_receive_waits(trace: Trace) -> None:
-    """The runtime waits for an input inside a receive: its events fill the idle time
-    before each F and B, as the simulator's trace leaves it empty."""
-    waits = []
-    for rank in {e.rank for e in trace.events}:
-        mine = sorted((e for e in trace.events if e.rank == rank), key=lambda e: e.start)
-        end = 0.0
-        for e in mine:
-            if e.start > end and e.kind in ("F", "B"):
-                kind = "RECV_F" if e.kind == "F" else "RECV_B"
-                waits.append(TraceEvent(rank, e.stage, kind, e.mb, end, e.start))
-            end = max(end, e.end)
-    trace.events.extend(waits)
 
 
 def as_measured(method: str, stages: int, m: int, n: int, costs: CostModel) -> Trace:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from headless_chromium import Chromium, png_chunks
+from support.headless_chromium import Chromium, png_chunks
 
 from pipeoptim.cli import main
 from pipeoptim.demo.report import SECTIONS

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import FOLDER
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it: no network
 
@@ -521,7 +522,7 @@ def test_tied_gpt2_on_meta_under_torchrun_equals_one_process_and_exports(tmp_pat
     import json
     import socket
 
-    worker = Path(__file__).with_name("dist_worker.py")
+    worker = FOLDER / "hf_dist_worker.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -13,7 +13,7 @@ from pipeoptim.plan.partition import min_memory_partition
 from pipeoptim.plan.partition_cost import evaluate_partition
 from pipeoptim.plan.plan import Plan
 from pipeoptim.plan.profile import Profile
-from pipeoptim.planner import evaluate_candidate, per_unit_profile
+from pipeoptim.planning import evaluate_candidate, per_unit_profile
 from pipeoptim.sim.costs import CostModel
 from pipeoptim.sim.evaluate import evaluate_method
 

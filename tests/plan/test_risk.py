@@ -19,7 +19,7 @@ from pipeoptim.plan.risk import (
     schedule_versions,
     uncorrected_distance,
 )
-from pipeoptim.planner import explain, search
+from pipeoptim.planning import explain, search
 
 STUDY = Path(__file__).resolve().parents[2] / "examples" / "convergence" / "results"
 

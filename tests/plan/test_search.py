@@ -11,7 +11,7 @@ from pipeoptim.cli import main
 from pipeoptim.errors import PlanError
 from pipeoptim.plan.plan import Plan
 from pipeoptim.plan.profile import Profile
-from pipeoptim.planner import Candidate, evaluate_candidate, explain, rank, search
+from pipeoptim.planning import Candidate, evaluate_candidate, explain, rank, search
 
 
 def uneven(num_layers: int = 12) -> Profile:
@@ -164,7 +164,7 @@ def test_plan_cli_infeasible_cap(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 
 def test_micro_batch_counts_divide_the_batch() -> None:
-    from pipeoptim.planner import micro_batch_options
+    from pipeoptim.planning import micro_batch_options
 
     assert micro_batch_options("1f1b", 4, 64) == [4, 8, 16]
     assert micro_batch_options("1f1b", 3, 32) == [4, 8, 16]  # 3, 6, 12 leave a remainder

@@ -8,19 +8,19 @@ import math
 
 import pytest
 
-from pipeoptim.device_search import (
+from pipeoptim.errors import PlanError
+from pipeoptim.plan.methods import METHODS, RANKED_BY_DEFAULT
+from pipeoptim.plan.partition import optimal_partition
+from pipeoptim.plan.partition_cost import evaluate_partition
+from pipeoptim.plan.profile import Profile
+from pipeoptim.planning import (
+    evaluate_candidate,
     explain_devices,
     factorisations,
     search_devices,
     shares,
     steady_mini_batches,
 )
-from pipeoptim.errors import PlanError
-from pipeoptim.plan.methods import METHODS, RANKED_BY_DEFAULT
-from pipeoptim.plan.partition import optimal_partition
-from pipeoptim.plan.partition_cost import evaluate_partition
-from pipeoptim.plan.profile import Profile
-from pipeoptim.planner import evaluate_candidate
 from pipeoptim.sim.collectives import Cluster, ring_allreduce_s
 
 MB = 10**6

@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from support.torch_schedules import RANKS, mock_stages
 
 from pipeoptim.cli import main
 from pipeoptim.plan import build_schedule
@@ -28,7 +28,7 @@ from pipeoptim.plan.validate import validate
 torch = pytest.importorskip("torch")
 schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
 
-RANKS, MICRO = 4, 8
+MICRO = 8
 CLASSES = [
     "ScheduleInterleaved1F1B",
     "ScheduleLoopedBFS",
@@ -41,22 +41,6 @@ USERS = {
     Kind.RECV_F: {Kind.FORWARD},
     Kind.RECV_B: {Kind.BACKWARD, Kind.BACKWARD_INPUT},  # what a received gradient feeds
 }
-
-
-def mock_stages(name: str, rank: int = 0, ranks: int = RANKS) -> list[Any]:
-    """Rank ``rank``'s two stages of ``ranks``: looped (r, r+P) or, for ZBV, the V
-    (r, 2P-1-r)."""
-    second = 2 * ranks - 1 - rank if name == "ScheduleZBVZeroBubble" else rank + ranks
-    return [
-        SimpleNamespace(
-            stage_index=k,
-            num_stages=2 * ranks,
-            group_rank=rank,
-            group_size=ranks,
-            submod=torch.nn.Identity(),
-        )
-        for k in (rank, second)
-    ]
 
 
 def torch_schedule(name: str) -> Any:

@@ -1,4 +1,4 @@
-"""Version analysis against DESIGN.md's closed forms."""
+"""Version analysis against the closed forms of docs/design.md, "Weight-version semantics"."""
 
 from __future__ import annotations
 

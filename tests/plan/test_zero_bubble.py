@@ -235,7 +235,7 @@ def test_errors() -> None:
 def torch_zbv_order(p: int, m: int) -> dict[int, list[str]]:
     pytest.importorskip("torch")
     schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
-    from test_torch_csv import mock_stages  # imports torch: only where torch is installed
+    from support.torch_schedules import mock_stages  # imports torch: only where torch is installed
 
     out: dict[int, list[str]] = {}
     for r in range(p):

@@ -12,9 +12,9 @@ import dataclasses
 from typing import Any
 
 import pytest
-import tied_worker
 import torch
-from test_async_fast_path import tiny_gpt, trained_pipeline
+from support import tied_worker
+from support.gpt import tiny_gpt, trained_pipeline
 
 from pipeoptim.errors import RuntimeConfigError, ScheduleError
 from pipeoptim.plan.actions import Action, Kind

@@ -1,4 +1,4 @@
-"""Asynchronous methods against a sequential reference that applies DESIGN.md's table literally.
+"""Asynchronous methods against a sequential reference applying docs/design.md's table literally.
 
 The reference never runs a pipeline: it walks mini-batches in order and, for every stage k
 and micro-batch i of mini-batch t = i // M, picks weights by the closed forms of the
@@ -110,7 +110,7 @@ class LinearFB(torch.autograd.Function):
 
 
 def delta(opt: torch.optim.Optimizer, p: Tensor, rule: str) -> Tensor:
-    """Δ of DESIGN.md's table, from the optimizer state, written out independently."""
+    """Δ of docs/design.md's table, from the optimizer state, written out independently."""
     st = opt.state.get(p, {})
     if not st:
         return torch.zeros_like(p)

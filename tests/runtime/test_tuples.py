@@ -11,7 +11,7 @@ import this file for the model (``path.py:net``) and its data (``dataset``).
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -369,16 +369,6 @@ def test_transports_carry_tuples_under_distinct_tags() -> None:
 
 
 # -- 2 processes over gloo, bit for bit ----------------------------------------------------
-
-
-@pytest.fixture
-def one_thread(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """One intra-op thread here and in the ranks: both sum in the same order."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def config(method: str, micro: int, transport: str) -> TrainConfig:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from support.sim_costs import unequal_costs as _costs
 
 from pipeoptim.errors import ScheduleError
 from pipeoptim.plan.actions import Action, B, F, Schedule, U
@@ -30,15 +31,6 @@ def _shapes(name: str) -> list:
 
 
 CASES = [(name, shape) for name in METHODS for shape in _shapes(name)]
-
-
-def _costs(stages: int) -> CostModel:
-    base = CostModel.uniform(stages, 1.0, 2.0, 0.25, latency_s=0.05, bandwidth=1e4)
-    return dataclasses.replace(
-        base,
-        forward_s=tuple(0.5 + 0.25 * (k % 3) for k in range(stages)),
-        predict_s=tuple(0.1 * (k + 1) for k in range(stages)),
-    )
 
 
 @pytest.mark.parametrize(("name", "shape"), CASES)

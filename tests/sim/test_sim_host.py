@@ -23,7 +23,7 @@ from pipeoptim.plan.machine import Machine
 from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.profile import LayerProfile, Profile
 from pipeoptim.plan.runtime_costs import RuntimeCosts
-from pipeoptim.planner import evaluate_candidate
+from pipeoptim.planning import evaluate_candidate
 from pipeoptim.sim import CostModel, Program, evaluate_trace, simulate
 from pipeoptim.sim.evaluate import evaluate_method
 from pipeoptim.sim.host import ProfiledHost, host_notes, on_profiled_host

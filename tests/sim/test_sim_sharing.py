@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from test_program_arrays import _costs  # the same unequal stages and predictions
+from support.sim_costs import unequal_costs as _costs  # the same unequal stages and predictions
 
 from pipeoptim.errors import PlanError
 from pipeoptim.plan.machine import Machine

@@ -132,7 +132,7 @@ def test_the_target_is_gpipes_final_and_the_gap_table_marks_the_goal() -> None:
 
 
 def test_a_row_under_another_optimizer_is_judged_against_gpipe_under_it() -> None:
-    """The yardstick is gpipe under the row's own optimizer (DESIGN.md, "Comparing
+    """The yardstick is gpipe under the row's own optimizer (docs/design.md, "Comparing
     asynchronous with synchronous training"): gpipe (nadam) at 1.45 makes the NAdam row's
     1.53 +5.5 %, not the +2.0 % it is over gpipe under AdamW, which stays beside it; the
     target of its time to target is gpipe (nadam)'s."""

@@ -6,7 +6,7 @@ import re
 import zlib
 from pathlib import Path
 
-from headless_chromium import Chromium, png_chunks
+from support.headless_chromium import Chromium, png_chunks
 
 from pipeoptim.metrics import compute_metrics
 from pipeoptim.plan.methods import get_method

@@ -1,0 +1,197 @@
+"""The study's risk fit: what the report writes to ``risk_fit.json`` and the planner's tables.
+
+:class:`RiskFitParts` gathers, model by model, what the convergence-risk model is fitted
+to (the samples-to-target points, the prediction closure, the corrections' gains, the
+language model's losses at depth); :meth:`RiskFitParts.fit` is ``risk_fit.json`` and
+:func:`risk_tables_from_fit` turns that into the tables the planner reads from
+``pipeoptim/plan/data/risk_tables.json`` (:mod:`pipeoptim.plan.risk_tables`).
+:func:`study_risk_fit` is the report's risk part alone: no profile, simulation or figure,
+so a test can check the package's tables against the committed study in seconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeoptim.plan.risk import WITHIN, RiskFitPoint, closure_from_rows, fit_risk, gain_table
+from pipeoptim.plan.risk_tables import RiskTables, risk_tables_from_json
+from pipeoptim.study.cells import Cell, aggregate, method_labels, synchronous_label
+from pipeoptim.study.grid import StudyConfig, choose_rates, load_records, main_specs
+from pipeoptim.study.runs import RunRecord
+from pipeoptim.study.tables import closure_rows, gaps, peak_copies
+from pipeoptim.study.targets import Targets, correction_gains, gpipe_finals, risk_points
+
+__all__ = [
+    "TABLES_META",
+    "TARGETS",
+    "RiskFitParts",
+    "model_targets",
+    "risk_tables_from_fit",
+    "study_risk_fit",
+]
+
+TARGETS: dict[str, float | None] = {
+    "mlp": 0.95,
+    "cnn": 0.95,
+    "transformer": 0.95,
+    "gpt": 12.0,
+    "gpt-deep": None,
+    "gpt-deeper": None,
+}
+"""The metric a run must reach to count as trained: test accuracy for the digits models,
+test perplexity (at most) for the language model; None: gpipe's own final test loss at
+each depth plus the goal's 3 % (how soon a method gets where synchronous training gets)."""
+
+TABLES_META: dict[str, Any] = {
+    "about": "The convergence study's measured tables read by pipeoptim.plan.risk "
+    "(see that module for what each means).",
+    "produced_by": "python examples/convergence/run.py --report-only",
+    "source": "examples/convergence/results/<model>/runs.jsonl of the models mlp, cnn, gpt, "
+    "gpt-deep and gpt-deeper, through the report's risk_fit.json",
+    "derived_from_committed_results": [
+        "closure",
+        "kappa",
+        "correction_gain",
+        "depth_excess",
+        "depth_copies",
+        "depth_excess_first",
+    ],
+    "not_derived": [],
+}
+"""What ``risk_tables.json`` says of itself: every table is derived from committed runs."""
+
+Rates = dict[str, tuple[float, float | None]]
+"""Per optimizer: the rate the sweep chose and the next one above it (or None)."""
+
+Cells = dict[tuple[str, str, float, int], Cell]
+"""A model's runs grouped by (method label, optimizer, rate, stages)."""
+
+
+def model_targets(config: StudyConfig, cells: Cells, rates: Rates) -> Targets:
+    """Each synchronous yardstick's target for ``config``'s model: the fixed metric of
+    :data:`TARGETS`, else gpipe's final under the row's own optimizer plus :data:`WITHIN`
+    (yardsticks without one are left out)."""
+    fixed = TARGETS.get(config.model)
+    yardsticks = dict.fromkeys(synchronous_label(m) for m in method_labels(config))
+    targets: Targets = {
+        sync: fixed
+        if fixed is not None
+        else gpipe_finals(config, cells, rates, within=WITHIN, label=sync)
+        for sync in yardsticks
+    }
+    return {s: t for s, t in targets.items() if not isinstance(t, Mapping) or t}
+
+
+def closure_rates(config: StudyConfig, rates: Rates) -> dict[str, float]:
+    """The rate whose closure rows count, per optimizer: each optimizer's chosen rate, and
+    the first optimizer's for the rows of other optimizers (NAdam, Muon), which train at it."""
+    rate_of = {o: r[0] for o, r in rates.items()}
+    rate_of.update({o: rates[config.optimizers[0]][0] for _, o in config.pairs})
+    return rate_of
+
+
+@dataclass
+class RiskFitParts:
+    """What the risk fit is made of, gathered model by model (:meth:`add_model`)."""
+
+    points: list[RiskFitPoint] = field(default_factory=list)
+    closure: list[dict[str, Any]] = field(default_factory=list)
+    gains: list[dict[str, Any]] = field(default_factory=list)
+    depth_excess: dict[int, dict[str, float]] = field(default_factory=dict)
+    depth_copies: dict[int, dict[str, int]] = field(default_factory=dict)
+    depth_excess_first: dict[int, dict[str, float]] = field(default_factory=dict)
+
+    def add_model(
+        self,
+        config: StudyConfig,
+        cells: Cells,
+        rates: Rates,
+        targets: Targets,
+        closure: Sequence[dict[str, Any]],
+    ) -> None:
+        """Add one model's parts (``closure``: its :func:`closure_rows`)."""
+        if TARGETS.get(config.model) is None:
+            # the planner's table: at a depth two models measured, the first model's rows
+            # (gpt-deep's grid) and only the rows it lacks from the next (gpt-deeper)
+            for p, rows in gaps(config, cells, rates).items():
+                excess = self.depth_excess.setdefault(p, {})
+                copies = self.depth_copies.setdefault(p, {})
+                for k, v in rows.items():
+                    excess.setdefault(k, round(v, 4))
+                    copies.setdefault(k, peak_copies(k, p))
+            for p, rows in gaps(config, cells, rates, same_optimizer=False).items():
+                first = self.depth_excess_first.setdefault(p, {})
+                for k, v in rows.items():
+                    first.setdefault(k, round(v, 4))
+        rate_of = closure_rates(config, rates)
+        self.closure += [r for r in closure if r["lr"] == rate_of.get(r["optimizer"])]
+        self.points += risk_points(config, cells, rates, targets, closure)
+        self.gains += correction_gains(config, cells, rates)
+
+    def fit(self) -> dict[str, Any]:
+        """The content of ``risk_fit.json``."""
+        return {
+            "kappa": {o: round(k, 4) for o, (k, _) in sorted(fit_risk(self.points).items())},
+            "closure_table": {
+                f"{rule}/{opt}": by_s
+                for (rule, opt), by_s in closure_from_rows(self.closure).items()
+            },
+            "closure": self.closure,
+            "correction_gain": gain_table(self.gains),
+            "correction_gains": self.gains,
+            "depth_excess": {str(p): rows for p, rows in sorted(self.depth_excess.items())},
+            "depth_copies": {str(p): rows for p, rows in sorted(self.depth_copies.items())},
+            "depth_excess_first": {
+                str(p): rows for p, rows in sorted(self.depth_excess_first.items())
+            },
+            "points": [p.to_dict() for p in self.points],
+        }
+
+
+def model_records(
+    out: Path, config: StudyConfig
+) -> tuple[list[RunRecord], list[RunRecord], Rates] | None:
+    """``config``'s records under ``out`` (None: none yet), those of its main grid at the
+    rates its sweep chose, and those rates."""
+    records = load_records(out / config.model / "runs.jsonl")
+    if not records:
+        return None
+    rates = choose_rates(config, records)
+    main = {s.key for s in main_specs(config, rates)}
+    return records, [r for r in records if r.spec.key in main], rates
+
+
+def study_risk_fit(out: Path, configs: Iterable[StudyConfig]) -> dict[str, Any]:
+    """``risk_fit.json`` of the study under ``out``, as :func:`~pipeoptim.study.report.
+    write_study_report` writes it, without the rest of the report."""
+    parts = RiskFitParts()
+    for config in configs:
+        found = model_records(out, config)
+        if found is None:
+            continue
+        _, mine, rates = found
+        cells = aggregate(mine)
+        targets = model_targets(config, cells, rates)
+        parts.add_model(config, cells, rates, targets, closure_rows(mine))
+    return parts.fit()
+
+
+def risk_tables_from_fit(fit: Mapping[str, Any]) -> RiskTables:
+    """The planner's tables (``risk_tables.json``) from a ``risk_fit.json``'s content."""
+    closure: dict[str, dict[str, dict[str, float]]] = {}
+    for (rule, optimizer), by_s in closure_from_rows(fit["closure"]).items():
+        closure.setdefault(rule, {})[optimizer] = {str(s): c for s, c in by_s.items()}
+    return risk_tables_from_json(
+        {
+            "meta": TABLES_META,
+            "closure": closure,
+            "kappa": fit["kappa"],
+            "correction_gain": fit["correction_gain"],
+            "depth_excess": fit["depth_excess"],
+            "depth_copies": fit["depth_copies"],
+            "depth_excess_first": fit["depth_excess_first"],
+        }
+    )
