@@ -98,7 +98,7 @@ def what_if(
     costs = with_profile_machine(costs, calibrated.meta, len(run_bounds), shape.num_ranks)
     if d > 1:
         costs = with_allreduce(costs, d, cluster, shape.num_ranks)
-    if spec.prediction_rule is not None and calibrated.meta.get("predict_estimated"):
+    if spec.predicts and calibrated.meta.get("predict_estimated"):
         notes.append(
             "prediction time estimated (not measured in this run) for the layers of stages "
             f"{calibrated.meta['predict_estimated']} of the run"

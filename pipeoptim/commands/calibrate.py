@@ -176,7 +176,7 @@ def _what_if(
     out = []
     for name in names:
         spec = get_method(name)  # the error lists the methods
-        m = args.micro_batches if spec.micro_batched else None
+        m = None if spec.runs_whole_mini_batches else args.micro_batches
         out.append(
             what_if(
                 measured,

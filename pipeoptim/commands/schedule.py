@@ -59,9 +59,9 @@ def run_methods(args: argparse.Namespace) -> int:
     rows = [
         {
             "name": m.name,
-            "weight_policy": m.weight_policy.value,
-            "asynchronous": m.asynchronous,
-            "micro_batched": m.micro_batched,
+            "weight_policy": m.version_rule.value,
+            "asynchronous": not m.flushes,
+            "micro_batched": not m.runs_whole_mini_batches,
             "description": m.description,
         }
         for m in METHODS.values()
@@ -107,7 +107,7 @@ def run_schedule(args: argparse.Namespace) -> int:
         )
         m = validate(schedule, shape.micro_batches)
         source = args.method
-        report = analyze_versions(schedule, get_method(args.method).weight_policy, m)
+        report = analyze_versions(schedule, get_method(args.method).version_rule, m)
     if args.format == "csv":
         text = schedule_to_csv(schedule, include_updates=not args.torch_compatible)
     else:

@@ -220,9 +220,9 @@ def _methods(text: str) -> list[Method]:
 
 def _shape(method: Method, args: argparse.Namespace, num_ranks: int, every: bool) -> Shape:
     m = args.micro_batches
-    if not method.micro_batched and every:
+    if method.runs_whole_mini_batches and every:
         m = None
-    v = args.virtual_stages if method.interleaved else None
+    v = method.virtual_stages_for(args.virtual_stages)
     return method.shape(num_ranks, m, args.mini_batches, v)
 
 

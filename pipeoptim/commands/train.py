@@ -273,7 +273,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         micro = base.micro_batches
     else:  # P micro-batches, or the next count that divides the batch
         micro = next((m for m in range(stages, batch + 1) if batch % m == 0), stages)
-        micro = micro if spec.micro_batched else 1
+        micro = spec.micro_batches_for(micro)
     if args.lr is not None and not (args.lr > 0 and math.isfinite(args.lr)):
         raise RuntimeConfigError(
             f"--lr must be a positive finite number (got {args.lr}); e.g. --lr 0.05, or leave "
@@ -294,7 +294,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     )
     offset = args.prediction_offset
     same_method = base is not None and base.method == method
-    virtual = base.virtual_stages if base and same_method else 2 if spec.interleaved else 1
+    virtual = base.virtual_stages if base and same_method else spec.default_virtual_stages
     replicas = args.data_parallel or (base.data_parallel if base else 1)
     shard = args.shard_optimizer or (base.shard_optimizer if base else False)
     check_shard_optimizer(shard, replicas, flag="--shard-optimizer", error=RuntimeConfigError)

@@ -95,13 +95,13 @@ class WorkEstimate:
 
     method: str
     """Method name."""
-    asynchronous: bool
+    never_flushes: bool
     """Never flushes (the grid has one warm-up and one drain), else a flush per mini-batch."""
     shape: Shape
     """The resolved sizes."""
     passes: int = 2
     """Compute passes per micro-batch and stage: F and B, or F, I and W (split backward)."""
-    v_shape: bool = False
+    in_a_v: bool = False
     """Two stages per rank in a V (zb-v): its grid's length is bounded, not exact."""
 
     @property
@@ -136,7 +136,7 @@ class WorkEstimate:
         """Idle steps of a rank per flush: fill and drain of the pipeline (a split backward
         leaves one step per rank, its W's fill the drain; a V at most two per stage)."""
         p = self.shape.num_ranks
-        if self.v_shape:
+        if self.in_a_v:
             return 2 * (2 * p - 1)
         return (p - 1) if self.passes == 3 else 2 * (p - 1)
 
@@ -147,7 +147,7 @@ class WorkEstimate:
         s = self.shape
         per_rank = s.virtual_stages * (self.passes * s.micro_batches + 1)
         fill = self._fill
-        if self.asynchronous:
+        if self.never_flushes:
             return s.mini_batches * per_rank + fill
         return s.mini_batches * (per_rank + fill)
 
@@ -161,7 +161,7 @@ class WorkEstimate:
         """Grid cells one more mini-batch adds."""
         s = self.shape
         per_rank = s.virtual_stages * (self.passes * s.micro_batches + 1)
-        if not self.asynchronous:
+        if not self.never_flushes:
             per_rank += self._fill
         return s.num_ranks * per_rank
 
@@ -183,7 +183,7 @@ class WorkEstimate:
                 f"fewer --stages or --micro-batches: even one mini-batch is "
                 f"{fixed + unit:,} {'cells' if grid else 'actions'}"
             )
-        if not self.asynchronous:
+        if not self.never_flushes:
             return (
                 f"fewer --mini-batches (at most {fits:,} fit; every mini-batch is flushed and "
                 f"alike, so N = 2 already shows the steady state)"
@@ -202,8 +202,13 @@ class WorkEstimate:
 
 def estimate_work(method: Method, shape: Shape) -> WorkEstimate:
     """The work of ``method`` at ``shape`` (a resolved :meth:`Method.shape`)."""
-    passes = 3 if method.split_backward else 2
-    return WorkEstimate(method.name, method.asynchronous, shape, passes, method.v_shape)
+    return WorkEstimate(
+        method.name,
+        not method.flushes,
+        shape,
+        method.passes_per_micro_batch,
+        method.folds_stages_in_a_v,
+    )
 
 
 def _env_hint() -> str:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import numpy as np
 
 from pipeoptim.errors import PlanError
-from pipeoptim.plan.methods import METHODS, WeightPolicy
+from pipeoptim.plan.methods import METHODS
 
 __all__ = [
     "MEMORY_METHODS",
@@ -30,36 +30,8 @@ MemoryFactors = Callable[[int, int], tuple[int, int]]
 
 
 MEMORY_METHODS = tuple(METHODS)
-"""Methods :func:`method_memory_factors` knows."""
-
-
-def _factor_rule(method: str, micro_batches: int) -> Callable[[int, int], tuple[int, int]]:
-    m = micro_batches
-    rules: dict[str, Callable[[int, int], tuple[int, int]]] = {
-        # flush methods: one weight version; activations of the micro-batches in flight
-        "gpipe": lambda k, p: (1, m),
-        "1f1b": lambda k, p: (1, min(p - k, m)),
-        "interleaved-1f1b": lambda k, p: (1, min(p - k, m)),
-        # weight stashing: one version per mini-batch in flight (d_k + 1 = P - k)
-        "pipedream": lambda k, p: (p - k, p - k),
-        # double-buffered weights, 1F1B over micro-batches
-        "2bw": lambda k, p: (2, min(p - k, m)),
-        # prediction methods: current + predicted weights (the last stage, s = 0, predicts
-        # nothing); async 1F1B, P - k units in flight
-        "spectrain": lambda k, p: (1 if k == p - 1 else 2, p - k),
-        "xpipe": lambda k, p: (1 if k == p - 1 else 2, p - k),
-        "pipeoptim": lambda k, p: (1 if k == p - 1 else 2, p - k),
-        # bounded delay (one update): a forward meets at most one update, so a stash holds
-        # at most one older version; the gradient buffer (kept across the accumulation) is
-        # the +1 every stage is charged
-        "pipedream+bounded": lambda k, p: (1 if k == p - 1 else 2, p - k),
-        "pipeoptim+bounded": lambda k, p: (1 if k == p - 1 else 2, p - k),
-        # zero bubble: activations held from F until the deferred W, P micro-batches
-        "zb-h1": lambda k, p: (1, min(p, m)),
-        # zb-v: over its 2P stages (the V), stage k holds min(2P - k, M)
-        "zb-v": lambda k, p: (1, min(p - k, m)),
-    }
-    return rules[method]
+"""Methods :func:`method_memory_factors` knows (the registry's; a method carries its own
+rules: :meth:`~pipeoptim.plan.methods.Method.weight_copies` and ``activation_slots``)."""
 
 
 def method_memory_factors(method: str, num_stages: int, micro_batches: int) -> MemoryFactors:
@@ -89,21 +61,24 @@ def method_memory_factors(method: str, num_stages: int, micro_batches: int) -> M
     over stage counts can reuse it); ``num_stages`` here is only validated.
     """
     key = method.strip().lower()
-    if key not in MEMORY_METHODS:
-        raise PlanError(f"unknown method {method!r}; valid methods are {', '.join(MEMORY_METHODS)}")
+    if key not in METHODS:
+        raise PlanError(f"unknown method {method!r}; valid methods are {', '.join(METHODS)}")
     for name, value in (("num_stages", num_stages), ("micro_batches", micro_batches)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise PlanError(f"{name} must be a whole number >= 1, got {value!r}")
     # a corrected method keeps its base's weights and activations (its corrections hold no
-    # weight-sized state)
-    rule = _factor_rule(METHODS[key].schedule_name, micro_batches)
+    # weight-sized state): the method object carries its base's rules
+    method_ = METHODS[key]
 
     def factors(stage_index: int, num_stages: int) -> tuple[int, int]:
         if not 0 <= stage_index < num_stages:
             raise PlanError(
                 f"stage index {stage_index} is outside 0..{num_stages - 1} for {num_stages} stages"
             )
-        return rule(stage_index, num_stages)
+        return (
+            method_.weight_copies(stage_index, num_stages),
+            method_.activation_slots(stage_index, num_stages, micro_batches),
+        )
 
     factors.__name__ = f"{key}_memory_factors"
     return factors
@@ -145,7 +120,7 @@ def method_holds_weights(method: str, num_stages: int) -> list[bool]:
     (PREDICT policy, every stage but the last, whose prediction distance is 0); stashing
     and flushing methods keep the version their backward needs anyway."""
     key = method.strip().lower()
-    if key not in MEMORY_METHODS:
-        raise PlanError(f"unknown method {method!r}; valid methods are {', '.join(MEMORY_METHODS)}")
-    predicts = METHODS[key].weight_policy is WeightPolicy.PREDICT
+    if key not in METHODS:
+        raise PlanError(f"unknown method {method!r}; valid methods are {', '.join(METHODS)}")
+    predicts = METHODS[key].predicts
     return [predicts and k < num_stages - 1 for k in range(num_stages)]

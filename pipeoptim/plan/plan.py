@@ -177,7 +177,7 @@ class Plan:
             self.num_stages,
             self.micro_batches,
             mini_batches if mini_batches is not None else self.mini_batches,
-            self.virtual_stages if m.interleaved else None,
+            m.virtual_stages_for(self.virtual_stages),
         )
 
     def to_dict(self) -> dict[str, Any]:

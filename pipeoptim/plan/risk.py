@@ -127,9 +127,9 @@ def uncorrected_distance(
     prediction of that one update closes). ``closed`` overrides the measured closure of
     :data:`CLOSURE`."""
     spec = method if isinstance(method, Method) else get_method(method)
-    policy = spec.weight_policy
+    policy = spec.version_rule
     # per missed update: the share the correction keeps, of the A_k mini-batches it carries
-    kept = (1.0 - correction_gain(spec.delay_correction, optimizer)) * accumulation
+    kept = (1.0 - correction_gain(spec.correction, optimizer)) * accumulation
     if policy is WeightPolicy.FLUSH:
         return 0.0
     if policy is WeightPolicy.STASH:
@@ -139,7 +139,7 @@ def uncorrected_distance(
     c = (
         closed
         if closed is not None
-        else closure(spec.prediction_rule or "optimizer", optimizer, max_distance)
+        else closure(spec.predictor or "optimizer", optimizer, max_distance)
     )
     return max(0.0, kept * max_distance * (1.0 - c))
 
@@ -171,7 +171,7 @@ def method_risk(
     """Risk of ``method`` from the per-stage distances and staleness of its schedule."""
     ds, st = tuple(distances), tuple(staleness)
     spec = method if isinstance(method, Method) else get_method(method)
-    rule = spec.prediction_rule or "optimizer"
+    rule = spec.predictor or "optimizer"
     p = len(ds)
     es = [
         uncorrected_distance(spec, optimizer, s, old, accumulation=spec.accumulation(k, p))
@@ -179,11 +179,7 @@ def method_risk(
     ]
     worst = max(range(len(es)), key=lambda k: es[k], default=0)
     e = es[worst] if es else 0.0
-    closed = (
-        closure(rule, optimizer, ds[worst])
-        if spec.weight_policy is WeightPolicy.PREDICT and ds
-        else None
-    )
+    closed = closure(rule, optimizer, ds[worst]) if spec.predicts and ds else None
     k = (kappa or KAPPA).get(optimizer, DEFAULT_KAPPA)
     return MethodRisk(ds, st, e, closed, k * e, k)
 
@@ -194,9 +190,9 @@ def schedule_versions(
     """Per stage, the largest prediction distance s and staleness of ``method``'s schedule
     (a run long enough to reach the steady state)."""
     spec = get_method(method)
-    m = (micro_batches or num_stages) if spec.micro_batched else None
+    m = spec.micro_batches_for(micro_batches or num_stages)
     shape = spec.shape(num_stages, m, 2 * num_stages + 2)
-    report = analyze_versions(spec.schedule(shape), spec.weight_policy, shape.micro_batches)
+    report = analyze_versions(spec.schedule(shape), spec.version_rule, shape.micro_batches)
     stages = range(num_stages * shape.virtual_stages)
     return (
         tuple(report.max_distance(k) for k in stages),
@@ -229,9 +225,9 @@ def closure_from_rows(
     sums: dict[tuple[str, str, int], list[float]] = {}
     for row in rows:
         name = str(row.get("rule_of", row["method"]))
-        if name not in METHODS or METHODS[name].delay_correction is not None:
+        if name not in METHODS or METHODS[name].correction is not None:
             continue  # a study variant or a corrected method: not the plain rule's closure
-        rule = get_method(name).prediction_rule or "optimizer"
+        rule = get_method(name).predictor or "optimizer"
         key = (rule, str(row["optimizer"]), int(row["s"]))
         sums.setdefault(key, []).append(float(row["closed"]))
     table: dict[tuple[str, str], dict[int, float]] = {}
@@ -303,13 +299,13 @@ def _method_of(row: str) -> Method | None:
 def _asynchronous(row: str) -> bool:
     """The study row's method never flushes (``xpipe``, ``pipeoptim (muon)``...)."""
     method = _method_of(row)
-    return method is not None and method.asynchronous
+    return method is not None and not method.flushes
 
 
 def _micro_batched(row: str) -> bool:
     """The study row's method splits each mini-batch into micro-batches (``xpipe``)."""
     method = _method_of(row)
-    return method is not None and method.micro_batched
+    return method is not None and not method.runs_whole_mini_batches
 
 
 def split_row(row: str) -> tuple[str, str | None]:

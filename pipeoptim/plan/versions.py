@@ -472,14 +472,14 @@ def steady_delays(method: Method, shape: Shape) -> dict[int, int]:
     mini-batches), so it is right for any schedule; the warm-up's smaller delays are what a
     delay correction sees step by step (``Stage.begin_segment``)."""
     long = replace(shape, mini_batches=max(shape.mini_batches, 2 * shape.num_stages + 2))
-    report = analyze_order(method.order_arrays(long), method.weight_policy, long.micro_batches)
+    report = analyze_order(method.order_arrays(long), method.version_rule, long.micro_batches)
     by_stage: dict[int, list[MicroBatchVersions]] = {}
     for (stage, _), v in report.passes.items():
         by_stage.setdefault(stage, []).append(v)
     p = long.num_stages
     return {
         k: max(
-            gradient_delays(vs, method.weight_policy, method.accumulation(k, p)).values(),
+            gradient_delays(vs, method.version_rule, method.accumulation(k, p)).values(),
             default=0,
         )
         for k, vs in sorted(by_stage.items())

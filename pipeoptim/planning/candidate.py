@@ -119,7 +119,7 @@ def micro_batch_options(
     of P, 2P, 4P, else the three smallest divisors from P on (none when the batch has
     fewer samples than P)."""
     spec = resolve_method(method)
-    if not spec.micro_batched:
+    if spec.runs_whole_mini_batches:
         return [1]
     wanted = [num_stages, 2 * num_stages, 4 * num_stages]
     if batch_size is None or num_stages < 1:  # Method.shape says what is wrong with P

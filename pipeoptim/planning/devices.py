@@ -66,7 +66,7 @@ def factorisations(devices: int) -> list[tuple[int, int]]:
 def steady_mini_batches(method: str | Method, num_stages: int, micro_batches: int) -> int:
     """Mini-batches a run needs to show its steady state (module docstring)."""
     spec = resolve_method(method)
-    if not spec.asynchronous:
+    if spec.flushes:
         return 2
     return 4 if micro_batches >= num_stages else num_stages + 2
 
@@ -147,7 +147,7 @@ class DeviceSearch:
 
 
 def _options(method: Method, stages: int, replica_batch: int, fixed: int | None) -> list[int]:
-    if not method.micro_batched:
+    if method.runs_whole_mini_batches:
         return [1]
     if fixed is not None:
         return [fixed] if replica_batch % fixed == 0 else []
@@ -253,7 +253,7 @@ def _work(method: Method, stages: int, micro_batches: int) -> int:
     try:
         shape = method.shape(
             stages,
-            micro_batches if method.micro_batched else None,
+            method.micro_batches_for(micro_batches),
             steady_mini_batches(method, stages, micro_batches),
         )
     except PlanError:

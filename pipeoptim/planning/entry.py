@@ -253,7 +253,7 @@ def _plan_stages(
 def _one_count(method: Method, stages: int, batch: int, limits: PlanLimits) -> int:
     """M for one method: the given count, else the first the search would try (P, or one
     dividing the batch); 1 for a method that does not micro-batch."""
-    if not method.micro_batched:
+    if method.runs_whole_mini_batches:
         return 1
     if limits.micro_batches is not None:
         return limits.micro_batches
@@ -278,7 +278,7 @@ def _plan_devices(
     progress: Callable[[str], None] | None,
 ) -> PlanChoice:
     """:func:`plan_for` over every P x D factorisation of ``devices``."""
-    if chosen is not None and chosen.interleaved:
+    if chosen is not None and chosen.places_several_stages_per_rank:
         raise PlanError(
             f"plan search places one stage per device; {chosen.name} (several stages per "
             f"device) is not searched; pick another --method or auto"

@@ -52,8 +52,8 @@ def evaluate_candidate(
     and ``host`` (default: the profile's) come resolved from the search, once for all its
     candidates."""
     spec = resolve_method(method)
-    shape = spec.shape(num_stages, micro_batches if spec.micro_batched else None, mini_batches)
-    if spec.interleaved:
+    shape = spec.shape(num_stages, spec.micro_batches_for(micro_batches), mini_batches)
+    if spec.places_several_stages_per_rank:
         raise PlanError(
             f"plan search places one stage per device; {spec.name} (several stages per "
             f"device) is not searched — pick it by hand with `pipeoptim simulate`"

@@ -65,7 +65,7 @@ def search(
         if not kept:
             found.append(skipped_candidate(spec.name, m, size, num_stages))
             continue
-        twin = simulated.get((spec.schedule_name, m))
+        twin = simulated.get((spec.schedule_family, m))
         if twin is not None:  # a corrected method: its base's timeline, its own risk
             found.append(_corrected_candidate(twin, spec, optimizer))
             continue
@@ -104,9 +104,7 @@ def _actions(method: Method, num_stages: int, micro_batches: int, mini_batches: 
     """Simulated actions of one candidate (0 where the method's rules refuse the sizes:
     evaluating it raises the rule's own message)."""
     try:
-        shape = method.shape(
-            num_stages, micro_batches if method.micro_batched else None, mini_batches
-        )
+        shape = method.shape(num_stages, method.micro_batches_for(micro_batches), mini_batches)
     except PlanError:
         return 0
     return estimate_work(method, shape).cost
@@ -127,7 +125,7 @@ def rank(candidates: Sequence[Candidate], tie_tolerance: float = 0.01) -> list[C
         gap = math.log(best / rate) if rate > 0 and best > 0 else math.inf
         bucket = int(gap / math.log1p(tie_tolerance)) if math.isfinite(gap) else 2**31
         method = METHODS.get(c.method)
-        general = 0 if method is not None and method.prediction_rule == "optimizer" else 1
+        general = 0 if method is not None and method.predictor == "optimizer" else 1
         return (
             bucket,
             c.uncorrected,

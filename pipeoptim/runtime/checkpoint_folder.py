@@ -236,7 +236,7 @@ class CheckpointFolder:
         """A note where the resumed step is not one this run drains at, for an asynchronous
         method (whose trajectory depends on where it drains; a flushing one does not)."""
         method = self.parts.method
-        if not method.asynchronous or any(k and step % k == 0 for k in drains):
+        if method.flushes or any(k and step % k == 0 for k in drains):
             return []
         where = (
             f"which is not a multiple of checkpoint_every={checkpoint_every}"

@@ -128,7 +128,7 @@ class TrainConfig:
         if self.warmup is not None and self.warmup < 0:
             raise RuntimeConfigError(f"--warmup must be 0 or more updates (got {self.warmup})")
         spec = self.plan.method_spec
-        if not spec.micro_batched and self.plan.micro_batches != 1:
+        if spec.runs_whole_mini_batches and self.plan.micro_batches != 1:
             spec.shape(self.plan.num_stages, self.plan.micro_batches)  # the registry's error
         ProcessModel.parse(self.transport)
         if self.forwards_first and self.transport != "local":
@@ -259,19 +259,17 @@ def resolve_plan(
         check_whole("virtual_stages", virtual, example="virtual_stages=2 (interleaved-1f1b)")
     same = base is not None and base.method == name
     if micro is None:
-        micro = base.micro_batches if base and same else (p if spec.micro_batched else 1)
-    if not spec.micro_batched and micro != 1:
+        micro = base.micro_batches if base and same else spec.micro_batches_for(p)
+    if spec.runs_whole_mini_batches and micro != 1:
         spec.shape(p, micro)  # the registry's error, which names the fix
-    if virtual is not None and not spec.interleaved and virtual != 1:
+    if virtual is not None and not spec.places_several_stages_per_rank and virtual != 1:
         spec.shape(p, None, None, virtual)  # the registry's error: one stage per rank
     v = (
         virtual
         if virtual is not None
         else base.virtual_stages
         if base and same
-        else 2
-        if spec.interleaved
-        else 1
+        else spec.default_virtual_stages
     )
     keep = base is not None and base.num_stages == p and base.virtual_stages == v
     return Plan(
@@ -463,7 +461,7 @@ def check_offset(
             f"{flag} must be a whole number in 0..{num_stages} (the stage count) "
             f"(got {offset!r}); {rule}"
         )
-    if given and offset and spec.prediction_rule is None:
+    if given and offset and not spec.predicts:
         raise RuntimeConfigError(
             f"{flag} {offset} shifts the distance a predicting method predicts ahead, and "
             f"{spec.name} does not predict; use pipeoptim, spectrain or xpipe, or leave "

@@ -40,7 +40,7 @@ def nonfinite_message(
 
 def _divergence_advice(method: Method, num_stages: int, predicted_backward: bool) -> str:
     """The remedies the convergence study measured, for this method and depth."""
-    if not method.asynchronous or method.micro_batched:
+    if method.flushes or not method.runs_whole_mini_batches:
         return "."
     s = num_stages - 1
     text = (
@@ -49,7 +49,7 @@ def _divergence_advice(method: Method, num_stages: int, predicted_backward: bool
         f"pipelines at 8 stages lost accuracy or diverged under SGD-momentum where gpipe, "
         f"2bw and xpipe (s <= 1) did not: use 2bw or xpipe, or fewer stages"
     )
-    if method.prediction_rule is not None and not predicted_backward:
+    if method.predicts and not predicted_backward:
         text += (
             ", or predicted_backward=True (input gradients through the predicted "
             "weights too, one weight copy per mini-batch in flight)"

@@ -180,7 +180,7 @@ def _connect(config: TrainConfig, rank: int, world: int, store: Store | None) ->
     device = _device_of(config, rank)
     if device.type == "cuda":
         _check_gpus(config, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-        if config.plan.method_spec.interleaved:
+        if config.plan.method_spec.places_several_stages_per_rank:
             raise RuntimeConfigError(
                 "interleaved-1f1b over NCCL is not supported: NCCL matches messages in "
                 "posting order and an interleaved pair of ranks carries two streams; use "

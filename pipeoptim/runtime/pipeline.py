@@ -250,7 +250,7 @@ class Pipeline:
                 "checkpoint_every needs checkpoint_dir (where the checkpoints go)"
             )
         method_ = get_method(run_plan.method)
-        if predicted_backward and method_.prediction_rule is None:
+        if predicted_backward and not method_.predicts:
             raise RuntimeConfigError(
                 f"predicted_backward keeps the predicted weights of a forward for its backward, "
                 f"and {method_.name} does not predict; use pipeoptim, spectrain or xpipe, "

@@ -29,7 +29,7 @@ from functools import lru_cache
 from pipeoptim.errors import RuntimeConfigError, ScheduleError
 from pipeoptim.plan.actions import SPLIT_BACKWARD, Action, Kind
 from pipeoptim.plan.limits import estimate_work
-from pipeoptim.plan.methods import Method, WeightPolicy
+from pipeoptim.plan.methods import Method
 from pipeoptim.plan.passes import add_communication, forwards_first, runs_to_the_end
 from pipeoptim.plan.schedules import Shape, forward_only, stage_ranks
 from pipeoptim.plan.versions import MicroBatchVersions, VersionReport, analyze_versions
@@ -125,7 +125,7 @@ def segment_plan(method: Method, shape: Shape, grouped: bool = False) -> Segment
     flush (no update in between) makes exact.
     """
     order = method.order(shape)
-    if method.weight_policy is not WeightPolicy.FLUSH:
+    if not method.keeps_one_version:
         split = next(
             (
                 (r, a)
@@ -140,7 +140,7 @@ def segment_plan(method: Method, shape: Shape, grouped: bool = False) -> Segment
             raise ScheduleError(
                 f"{method.name}: {a} on rank {r} is half of a split backward (I/W), which the "
                 f"runtime runs only for synchronous (flush) methods (this one's weight policy "
-                f"is {method.weight_policy.name}): an update may come between an I and its W; "
+                f"is {method.version_rule.name}): an update may come between an I and its W; "
                 f"merge each I and W into one B "
                 f"(pipeoptim.plan.passes.merge_backward) to train it"
             )
@@ -150,7 +150,7 @@ def segment_plan(method: Method, shape: Shape, grouped: bool = False) -> Segment
             order = regrouped
     return SegmentPlan(
         shape,
-        analyze_versions(order, method.weight_policy, shape.micro_batches),
+        analyze_versions(order, method.version_rule, shape.micro_batches),
         add_communication(order),
         stage_ranks(order),
     )

@@ -321,7 +321,7 @@ def simulate(
     spec = get_method(method) if isinstance(method, str) else method
     if program is None:
         check_work(estimate_work(spec, shape))
-        program = Program(spec.order_arrays(shape), shape.micro_batches, spec.weight_policy)
+        program = Program(spec.order_arrays(shape), shape.micro_batches, spec.version_rule)
     return _simulate(
         program, costs, jitter, seed, contention, full_duplex, memory, spec.name, shape, None
     )

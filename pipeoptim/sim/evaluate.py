@@ -72,7 +72,7 @@ class Evaluation:
 @lru_cache(maxsize=16)
 def _compile_cached(name: str, shape: Shape) -> Program:
     method = get_method(name)
-    return Program(method.order_arrays(shape), shape.micro_batches, method.weight_policy)
+    return Program(method.order_arrays(shape), shape.micro_batches, method.version_rule)
 
 
 def compile_method(method: str | Method, shape: Shape) -> Program:

@@ -104,7 +104,7 @@ def on_profiled_host(
         costs = replace(costs, machine=machine)
     if runtime is not None and runtime.charges:
         spec = method if isinstance(method, Method) else get_method(method)
-        actions: tuple[float, ...] = runtime.actions(spec.weight_policy.value)
+        actions: tuple[float, ...] = runtime.actions(spec.version_rule.value)
         # ranks that wait for each other's messages work in bursts, slower than in a loop
         shared = machine is not None and machine.shares_cores
         slower = runtime.shared_burst_slowdown if shared else runtime.burst_slowdown

@@ -23,7 +23,7 @@ from multiprocessing import get_context
 from pathlib import Path
 
 from pipeoptim.errors import RuntimeConfigError
-from pipeoptim.plan.methods import METHODS, WeightPolicy
+from pipeoptim.plan.methods import METHODS
 from pipeoptim.plan.optimizer_families import FAMILIES, find_family
 from pipeoptim.study.runs import MODEL_METRIC, RunRecord, RunSpec, run_one, split_label
 
@@ -44,9 +44,7 @@ __all__ = [
 ALL_METHODS = ("gpipe", "1f1b", "zb-h1", "pipedream", "2bw", "spectrain", "xpipe", "pipeoptim")
 """Every method with one stage per rank (interleaved-1f1b and zb-v have gpipe's numerics,
 as zb-h1 does; zb-h1 is in for its time to accuracy, the synchronous rival's)."""
-PREDICTING = frozenset(
-    name for name, m in METHODS.items() if m.weight_policy is WeightPolicy.PREDICT
-)
+PREDICTING = frozenset(name for name, m in METHODS.items() if m.predicts)
 """Methods whose forward runs on predicted weights (the closure is measured for them)."""
 DEFAULT_RATES: dict[str, tuple[float, ...]] = {
     name: family.study_lrs for name, family in FAMILIES.items() if family.study_lrs

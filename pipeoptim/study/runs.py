@@ -108,7 +108,7 @@ class RunSpec:
     def micro_batches(self) -> int:
         from pipeoptim.plan.methods import get_method
 
-        return self.stages if get_method(self.method).micro_batched else 1
+        return get_method(self.method).micro_batches_for(self.stages)
 
 
 _NAMED_IN_KEY = frozenset(

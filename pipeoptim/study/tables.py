@@ -94,10 +94,10 @@ def peak_copies(label: str, stages: int) -> int:
     model's count (``plan.memory_factors``); the predicted-backward variant keeps one Ŵ per
     mini-batch in flight, as a stash does."""
     method = get_method(schedule_of(label))
-    m = stages if method.micro_batched else 1
+    m = method.micro_batches_for(stages)
     if "Ŵbackward" in label:
         return stages  # current weights and a Ŵ per mini-batch in flight (P−1 at stage 0)
-    factors = method_memory_factors(method.schedule_name, stages, m)
+    factors = method_memory_factors(method.schedule_family, stages, m)
     return max(factors(k, stages)[0] for k in range(stages))
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeoptim.errors import RuntimeConfigError
-from pipeoptim.plan.methods import WeightPolicy, get_method
+from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.profile import Profile
 from pipeoptim.plan.risk import RiskFitPoint, join_row, schedule_versions, uncorrected_distance
 from pipeoptim.study.cells import (
@@ -122,7 +122,7 @@ def simulated_seconds_per_sample(profile: Profile, method: str, stages: int) -> 
     from pipeoptim.sim.evaluate import compile_method, evaluate_program
 
     spec = get_method(method)
-    m = stages if spec.micro_batched else 1
+    m = spec.micro_batches_for(stages)
     shape = spec.shape(stages, m, 4 * stages)
     costs = CostModel.from_profile(profile, even_boundaries(profile.num_layers, stages), m)
     result = evaluate_program(compile_method(method, shape), costs)
@@ -308,7 +308,7 @@ def risk_points(
                 base = cells.get((sync, opt, lr, p))
                 cell = cells.get((label, opt, lr, p))
                 target = targets.get(sync)
-                if base is None or cell is None or get_method(method).delay_correction:
+                if base is None or cell is None or get_method(method).correction:
                     continue  # κ is the plain methods' (a correction has its own gain)
                 if target is None:
                     continue
@@ -377,7 +377,7 @@ def _measured_distance(method: str, optimizer: str, stages: int, closed: dict[in
     the fit never reads the constants it produces). A predicting method's stages without a
     measurement hold no weights (a lone ReLU) or never predict (s = 0): nothing is stale."""
     distances, staleness = schedule_versions(method, stages, stages)
-    predicting = get_method(method).weight_policy is WeightPolicy.PREDICT
+    predicting = get_method(method).predicts
     spec = get_method(method)
     values = [
         uncorrected_distance(
@@ -413,12 +413,12 @@ def correction_gains(
 
     for label in method_labels(config):
         method = get_method(schedule_of(label))
-        if method.delay_correction is None or method.corrects is None:
+        if method.correction is None:
             continue
         trained = split_label(label)[1] or opt
         # one reference for the row at every depth, so its gains average like with like:
         # its optimizer's rows where the study trained them wherever the row trained
-        references = (method.corrects, "gpipe")
+        references = (method.schedule_family, "gpipe")
         own = trained != opt and all(
             (f"{m} ({trained})", opt, lr, p) in cells
             for p in config.stages
@@ -436,7 +436,7 @@ def correction_gains(
                 {
                     "model": config.model,
                     "method": label,
-                    "correction": method.delay_correction,
+                    "correction": method.correction,
                     "optimizer": trained,
                     "stages": p,
                     "gain": 1.0 - (mine - sync) / (base - sync),

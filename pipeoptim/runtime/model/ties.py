@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from pipeoptim.errors import RuntimeConfigError
-from pipeoptim.plan.methods import METHODS, Method, WeightPolicy
+from pipeoptim.plan.methods import FLUSHING, Method
 from pipeoptim.runtime.comm.transport import MessageKey, Transport
 
 __all__ = ["Tie", "TieExchange", "find_ties", "refuse_for", "untie_copies"]
@@ -129,8 +129,8 @@ def refuse_for(method: Method, ties: Sequence[Tie], amp: str | None) -> None:
     if not ties:
         return
     listed = "; ".join(t.describe() for t in ties)
-    if method.weight_policy is not WeightPolicy.FLUSH:
-        synchronous = [n for n, m in METHODS.items() if m.weight_policy is WeightPolicy.FLUSH]
+    if not method.keeps_one_version:
+        synchronous = list(FLUSHING)
         raise RuntimeConfigError(
             f"{listed}: {method.name} updates each stage at its own time, so a weight shared "
             f"across stages would be trained as two different weights (or the pipeline would "

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
-from pipeoptim.plan.methods import Method, WeightPolicy
+from pipeoptim.plan.methods import Method
 from pipeoptim.plan.plan import OptimizerSpec
 from pipeoptim.runtime.optim.corrections.protocol import DelayCorrection, StageContext
 from pipeoptim.runtime.optim.corrections.registry import build_correction
@@ -38,7 +38,7 @@ def reads_delays(method: Method, optimizer: OptimizerSpec | OptimizerFactory) ->
     """Whether a stage's rule reads its delay τ_k: where the method names a delay correction
     or the optimizer factory takes the stage's :class:`StageContext`. τ_k is read off a long
     schedule, so the assembly computes it only then."""
-    if method.delay_correction is not None:
+    if method.correction is not None:
         return True
     return not isinstance(optimizer, OptimizerSpec) and takes_context(optimizer)
 
@@ -81,6 +81,7 @@ def build_stage_rule(
     across them (``sharded.py``: ZeRO-1) and the predictor reads this replica's shard."""
     if not params:
         return StageRule(context, None, None, None)
+    policy = method.stage_policy(context.index, context.num_stages)
     opt = build_optimizer(optimizer, params, context.index, context)
     if shard_group is not None:
         opt = shard_optimizer(opt, shard_group, stage=context.index)
@@ -90,12 +91,11 @@ def build_stage_rule(
         scheduler=scheduler,
         scaler=scaler,
         grad_clip=grad_clip,
-        correction=build_correction(method.delay_correction, method.name, context, opt),
-        accumulation=method.accumulation(context.index, context.num_stages),
+        correction=build_correction(policy.correction, method.name, context, opt),
+        accumulation=policy.accumulation,
         note=note,
     )
     predictor = None
-    if method.weight_policy is WeightPolicy.PREDICT:
-        rule = method.prediction_rule or "optimizer"
-        predictor = shard_predictor(predictor_for(local_optimizer(opt), rule), opt)
+    if policy.predictor is not None:
+        predictor = shard_predictor(predictor_for(local_optimizer(opt), policy.predictor), opt)
     return StageRule(context, opt, update, predictor)

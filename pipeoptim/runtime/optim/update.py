@@ -4,7 +4,7 @@ the slot where a delay correction plugs in.
 Why apart from the stage: the update is the one place an asynchronous method's training rule
 differs beyond which weights a pass reads. A *delay correction* (DESIGN.md, "Delay
 corrections") changes how a stage updates as a function of its delay; it is one small object,
-named by the method registry (``Method.delay_correction``) and built from
+named by the method (``StagePolicy.correction``) and built from
 :data:`~pipeoptim.runtime.optim.corrections.registry.CORRECTIONS` (by
 :mod:`~pipeoptim.runtime.optim.builder`), so a correction is added without touching the
 stage's forward or backward. The update is always the user's ``torch.optim`` optimizer; a

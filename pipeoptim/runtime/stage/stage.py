@@ -159,7 +159,9 @@ class Stage:
         # units may hand on tuples (unit(*h)); the same object, so state_dict keys stay
         self.module = as_chain(layers).to(self.device)
         self.method = method
-        self.policy = method.weight_policy
+        self.stage_policy = method.stage_policy(index, num_stages)
+        """What this stage does under its method: versions, copies, predictor, A_k."""
+        self.policy = self.stage_policy.versions
         self.micro_batches = micro_batches
         self.prediction_offset = prediction_offset
         self.loss_fn = loss_fn
@@ -169,7 +171,7 @@ class Stage:
         """What this stage does differently from DESIGN.md's rule, said once each."""
         self._params = [p for p in self.module.parameters() if p.requires_grad]
         self.precision = Precision(amp, self.device, stage=index, has_weights=bool(self._params))
-        if method.split_backward and self.policy is not WeightPolicy.FLUSH:
+        if self.stage_policy.splits_backward and not self.stage_policy.keeps_one_version:
             raise StageError(split_refusal(method.name, self.policy))
         self.amp_dtype = self.precision.dtype
         rule = build_stage_rule(
@@ -187,14 +189,14 @@ class Stage:
         )
         self.context = rule.context
         """What the optimizer factory and the delay correction are told of this stage."""
-        self.accumulation = method.accumulation(index, num_stages)
+        self.accumulation = self.stage_policy.accumulation
         """A_k: the mini-batches this stage accumulates per update (1 but under a bounded
         delay, where :meth:`update` applies their mean gradient)."""
         adds_up = micro_batches > 1 or self.accumulation > 1
         sends_gradient = index > 0
         in_product = (
             AccumulateInProduct(self.module)
-            if (adds_up or sends_gradient) and not method.split_backward
+            if (adds_up or sends_gradient) and not self.stage_policy.splits_backward
             else None
         )
         self._in_product = in_product if in_product is not None and in_product.active else None
@@ -254,7 +256,7 @@ class Stage:
         self._unit_params = unit_params(self.module, self._params)
         """Trainable weights of each unit, where the stage can run its units one by one for
         a split backward (None: it cannot; the stage is then one unit)."""
-        self._split = method.split_backward
+        self._split = self.stage_policy.splits_backward
         self._units_out: dict[int, KeptUnits] = {}
         """mb -> (unit output, its weights) of each weighted unit, kept by a split forward."""
         self._weight_half: dict[int, WeightHalf] = {}

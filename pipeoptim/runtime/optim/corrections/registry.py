@@ -1,4 +1,4 @@
-"""The delay corrections by the name a method gives in ``Method.delay_correction``.
+"""The delay corrections by the name a method gives in ``StagePolicy.correction``.
 
 A new correction is its own file beside this one and one line in :data:`CORRECTIONS`.
 """
