@@ -102,7 +102,7 @@ def method_labels(config: StudyConfig) -> list[str]:
 
 def synchronous_label(label: str, method: str = "gpipe") -> str:
     """The synchronous row a row is judged against: gpipe (or ``method``, a twin) under the
-    same optimizer, ``gpipe (muon)`` for ``pipeoptim+nesterov (muon)`` (DESIGN.md,
+    same optimizer, ``gpipe (muon)`` for ``pipeoptim+nesterov (muon)`` (docs/design.md,
     "Comparing asynchronous with synchronous training")."""
     return join_row(method, split_label(label)[1])
 

@@ -2,11 +2,11 @@
 
 Why: in asynchronous 1F1B (no flush) stage k runs mini-batch t's forward while s updates are
 still to come before t's backward; PipeOptim runs that forward on ``Ŵ = W − lr·s·Δ`` so both
-passes see (nearly) one version. SpecTrain and XPipe differ only in Δ (DESIGN.md,
-"Weight-version semantics", "Δ per optimizer"). Δ is *read* from the user's ``torch.optim``
-state (or computed by torch's own functions from it, as Muon's orthogonalisation), never
-re-implemented. Where the state lacks the applied direction (SGD with μ = 0 or
-Nesterov, RMSprop without momentum, other optimizers) the last applied displacement
+passes see (nearly) one version. SpecTrain and XPipe differ only in Δ (docs/design.md,
+"Weight-version semantics", "Prediction per optimizer family"). Δ is *read* from the user's
+``torch.optim`` state (or computed by torch's own functions from it, as Muon's
+orthogonalisation), never re-implemented. Where the state lacks the applied direction (SGD with
+μ = 0 or Nesterov, RMSprop without momentum, other optimizers) the last applied displacement
 ``(W^(j-1) − W^(j)) / lr`` is recorded around ``step()``: exact, for one extra copy.
 Prediction uses ``torch._foreach_*`` ops, so it costs about one optimizer step.
 

@@ -2,7 +2,7 @@
 the slot where a delay correction plugs in.
 
 Why apart from the stage: the update is the one place an asynchronous method's training rule
-differs beyond which weights a pass reads. A *delay correction* (DESIGN.md, "Delay
+differs beyond which weights a pass reads. A *delay correction* (docs/design.md, "Delay
 corrections") changes how a stage updates as a function of its delay; it is one small object,
 named by the method (``StagePolicy.correction``) and built from
 :data:`~pipeoptim.runtime.optim.corrections.registry.CORRECTIONS` (by

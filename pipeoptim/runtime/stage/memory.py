@@ -3,7 +3,7 @@ activations.
 
 Why counted rather than read from the allocator: several stages share a process under the
 local transport, and CPU has no allocator statistics; counting what the stage itself holds
-gives the per-stage figures the simulator's memory model predicts (DESIGN.md, "Calibration"),
+gives the per-stage figures the simulator's memory model predicts (docs/design.md, "Calibration"),
 on any device. The executor samples :meth:`StageMemory.snapshot` after every action, so
 everything here is kept up to date as it changes, never recomputed per sample: sizes that
 change only at an update are recounted the first time they are read after one.

@@ -3,11 +3,11 @@
 Why the re-cast: master weights, optimizer state and prediction stay fp32, and the forward
 runs under ``torch.autocast``. Autocast casts a weight to bf16/fp16 and the op saves that cast
 for its backward, so the backward would see the cast of the *forward's* weights (Ŵ, or a
-stashed version). DESIGN.md's rule is that the backward reads the weights the policy says it
-uses, so a saved tensor that is a cast (or a view of a cast) of a weight alias is not kept:
-it is replaced by a :class:`Recast` that casts those weights again when the backward unpacks
-it. The stage's forward does the packing (it knows which alias stands for which weights);
-this module holds what a cast is and how to tell one.
+stashed version). The rule of docs/design.md ("Weight-version semantics") is that the backward
+reads the weights the policy says it uses, so a saved tensor that is a cast (or a view of a
+cast) of a weight alias is not kept: it is replaced by a :class:`Recast` that casts those
+weights again when the backward unpacks it. The stage's forward does the packing (it knows
+which alias stands for which weights); this module holds what a cast is and how to tell one.
 """
 
 from __future__ import annotations

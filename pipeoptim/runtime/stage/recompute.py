@@ -4,7 +4,7 @@ How: each run of consecutive recomputed units is one region run under
 ``torch.utils.checkpoint`` (non-reentrant), which keeps only the region's input and, at its
 backward, runs its forward again, with the RNG state and autocast of the first run, before
 walking its graph (so recomputing a whole stage keeps only the stage's input). What that
-second forward reads decides whether it is the same computation (DESIGN.md, "Activation
+second forward reads decides whether it is the same computation (docs/design.md, "Activation
 recomputation and weight versions"):
 
 * flush methods: the module's own parameters, unchanged between a forward and its backward;

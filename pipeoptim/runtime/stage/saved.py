@@ -8,7 +8,8 @@ forward's code, so they work for any layer. The hook
   :class:`~pipeoptim.runtime.stage.precision.Recast` instead, so the backward casts the weights the
   policy says it reads (``aliases``: each weight alias's node to those weights);
 * for a predicted forward, re-points a saved view of Ŵ (the prediction buffer) at the same
-  view of the live weights, so the backward runs on the current weights (DESIGN.md).
+  view of the live weights, so the backward runs on the current weights (docs/design.md,
+  "Weight-version semantics").
 
 The stage installs it only where one of these is needed (see ``Stage.forward``).
 """

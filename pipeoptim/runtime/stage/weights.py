@@ -35,7 +35,7 @@ parameters' gradients so far move onto the leaves its graph reads, and back afte
 same order, as through aliases (the same weights bit for bit), and between passes ``.grad``
 holds it as always.
 
-Per policy (DESIGN.md, "Weight-version semantics"): FLUSH runs everything on the live
+Per policy (docs/design.md, "Weight-version semantics"): FLUSH runs everything on the live
 weights. STASH forwards on the live weights, which are frozen at the next update if the
 mini-batch is still in flight (one copy per version in flight). DOUBLE_BUFFER runs every
 micro-batch of mini-batch t on ``W^(t-1)`` (the live weights or the one frozen previous

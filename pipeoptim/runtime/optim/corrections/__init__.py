@@ -1,4 +1,4 @@
-"""Delay corrections: how a stage's update changes with its delay τ (DESIGN.md, "Delay
+"""Delay corrections: how a stage's update changes with its delay τ (docs/design.md, "Delay
 corrections").
 
 A correction is one file here implementing :class:`~.protocol.DelayCorrection` and one line in
