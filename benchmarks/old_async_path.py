@@ -25,6 +25,8 @@ from pipeoptim.plan.methods import WeightPolicy
 from pipeoptim.plan.versions import MicroBatchVersions
 from pipeoptim.runtime.optim.predict import XPipePredictor
 from pipeoptim.runtime.stage import weights
+from pipeoptim.runtime.stage.forward import StageForward
+from pipeoptim.runtime.stage.prediction import StagePrediction
 from pipeoptim.runtime.stage.stage import Stage
 from pipeoptim.runtime.stage.swap import ParameterSlots
 
@@ -74,8 +76,8 @@ def old_path() -> Iterator[None]:
         (ParameterSlots, "__init__", named_slots),
         (ParameterSlots, "call", by_functional_call),
         (weights.WeightVersions, "aliases", fresh_aliases),
-        (Stage, "_write_prediction", every_time),
-        (Stage, "_on_parameters", flush_only),
+        (StagePrediction, "_write_prediction", every_time),
+        (StageForward, "_on_parameters", flush_only),
         (Stage, "_buffer_becomes_live", never),
         (Stage, "_grads_on_leaves", no_leaves),
         (XPipePredictor, "fuses_first_write", False),

@@ -19,7 +19,7 @@ shared by two of the stage's modules (a tied weight) runs as it was. A module th
 layer twice in a forward gets both gradients added in turn, so its sum may round
 differently from autograd's, by the dtype's rounding. The stage uses it
 only where a forward runs on the parameters themselves, with no recomputation and no split
-backward (those keep autograd's own graph: ``stage.py``).
+backward (those keep autograd's own graph: ``forward.py``).
 
 With :attr:`AccumulateInProduct.defer` set, a backward computes only the input gradients
 and queues each weight's product; :meth:`AccumulateInProduct.finish` runs the queue, in the

@@ -15,7 +15,7 @@ from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.plan import OptimizerSpec
 from pipeoptim.plan.versions import MicroBatchVersions, analyze_versions
 from pipeoptim.runtime.comm.local import LocalTransport
-from pipeoptim.runtime.stage import stage as stage_module
+from pipeoptim.runtime.stage import forward as forward_module
 from pipeoptim.runtime.stage import weights as weights_module
 from pipeoptim.runtime.stage.rng import draws_random_numbers
 from pipeoptim.runtime.stage.stage import Stage
@@ -58,7 +58,7 @@ def test_forwards_no_update_separates_from_their_backward_run_without_aliases(
     update comes before its backwards (``test_async_fast_path.py`` counts 2bw's aliases
     where versions move: one per weight and version)."""
     calls = []
-    for module in (stage_module, weights_module):
+    for module in (forward_module, weights_module):
         original = module.alias
         monkeypatch.setattr(module, "alias", lambda p, s, o=original: calls.append(1) or o(p, s))
     stage = make(method, nn.Linear(3, 2))
