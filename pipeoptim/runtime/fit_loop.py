@@ -60,6 +60,7 @@ from pipeoptim.runtime.observe.callbacks import (
     Stop,
 )
 from pipeoptim.runtime.observe.signals import StageSignals, read_learning_rate
+from pipeoptim.runtime.options.built import FitOptions
 from pipeoptim.runtime.payload import Payload, batch_len, head
 from pipeoptim.runtime.probe import probe_stage, probe_stages, stand_in
 from pipeoptim.runtime.result import EvalResult, FitResult, build_trace, merge
@@ -77,30 +78,6 @@ __all__ = ["HISTORY", "FitLoop", "FitOptions"]
 
 HISTORY = 100_000
 """Per-step losses kept in memory (the newest); a run of 10^9 steps keeps no more."""
-
-
-class FitOptions:
-    """How the loop reports and cuts a run (see ``Pipeline``'s arguments)."""
-
-    def __init__(
-        self,
-        *,
-        checkpoint_dir: str | None,
-        checkpoint_every: int | None,
-        progress: bool,
-        log_every: int,
-        memory_every: int,
-        targets: str,
-        segment_limit: int,
-        forwards_first: bool = False,
-    ) -> None:
-        self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
-        self.progress, self.log_every, self.memory_every = progress, log_every, memory_every
-        self.targets = targets
-        self.segment_limit = segment_limit
-        self.forwards_first = forwards_first
-        """Local transport: each rank's forwards between two updates run first (see
-        ``Pipeline``), except in segments a callback may cut short."""
 
 
 class FitLoop:
