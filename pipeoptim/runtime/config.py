@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.methods import get_method
@@ -21,9 +21,6 @@ from pipeoptim.plan.recompute import parse_recompute_flag
 from pipeoptim.plan.replicas import check_replicas as plan_replicas
 from pipeoptim.runtime.comm.process_model import ProcessModel
 from pipeoptim.runtime.observe.loggers.spec import check_logger_spec
-
-if TYPE_CHECKING:
-    from pipeoptim.runtime.options import PipelineConfig
 
 __all__ = [
     "AMP_MODES",
@@ -208,39 +205,6 @@ class TrainConfig:
             "grad_clip": self.grad_clip,
             "amp": self.amp,
         }
-
-    def pipeline_config(self) -> PipelineConfig:
-        """The options tree of this run (``Pipeline(options=...)``): the plan and every
-        option the command line sets. What only the training process can make (the
-        scheduler, the model's loss, the loggers, the store) it adds with
-        ``with_keywords``."""
-        from pipeoptim.runtime.options import (  # torch: only where a Pipeline is built
-            CheckpointOptions,
-            CommOptions,
-            MemoryOptions,
-            OptimizerOptions,
-            PipelineConfig,
-            PrecisionOptions,
-            ScheduleOptions,
-        )
-
-        recompute = None
-        if self.recompute is not None:  # None: the plan's
-            recompute = parse_recompute_flag(self.recompute, error=RuntimeConfigError)
-        return PipelineConfig(
-            plan=self.plan,
-            seed=self.seed,
-            schedule=ScheduleOptions(forwards_first=self.forwards_first),
-            optim=OptimizerOptions(grad_clip=self.grad_clip),  # the optimizer: the plan's
-            precision=PrecisionOptions(amp=self.amp),
-            memory=MemoryOptions(recompute=recompute),
-            comm=CommOptions(transport=self.transport, device=self.device, timeout=self.timeout),
-            checkpoint=CheckpointOptions(
-                checkpoint_dir=self.checkpoint_dir,
-                checkpoint_every=self.checkpoint_every,
-                keep_checkpoints=self.keep_checkpoints,
-            ),
-        )
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "plan": self.plan.to_dict()})

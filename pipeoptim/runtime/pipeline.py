@@ -50,9 +50,10 @@ from pipeoptim.runtime.host_allocator import keep_freed_memory
 from pipeoptim.runtime.model.units import ModelUnits
 from pipeoptim.runtime.observe.callbacks import Callbacks
 from pipeoptim.runtime.optim.prediction_closure import PredictionClosure
-from pipeoptim.runtime.options import PipelineConfig
+from pipeoptim.runtime.options import FitOptions, PipelineConfig
 from pipeoptim.runtime.options.resolve import resolve_run
 from pipeoptim.runtime.result import EvalResult, FitResult
+from pipeoptim.runtime.segments import segment_limit
 from pipeoptim.runtime.stage.stage import Stage
 from pipeoptim.trace import Trace
 
@@ -158,7 +159,11 @@ class Pipeline:
             "amp": config.precision.amp,
         }
         """What a resume may change (recorded in checkpoints and the trace)."""
-        self.options = run.fit
+        self.options = FitOptions.of(
+            config,
+            one_process=self.parts.process_model.one_process,
+            segment_limit=segment_limit(run.method, self.parts.shape),
+        )
         self.state = RunState()
         stages, family = self.parts.shape.num_stages, self.plan.optimizer.family
         advice = depth_advice(run.method.name, stages, family)

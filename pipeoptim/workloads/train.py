@@ -24,6 +24,7 @@ from pipeoptim.runtime.config import TrainConfig, run_length
 from pipeoptim.runtime.model.layout import stage_boundaries
 from pipeoptim.runtime.observe.loggers.spec import logger_from_spec
 from pipeoptim.runtime.optim.lr import scheduler_factory
+from pipeoptim.runtime.options import PipelineConfig
 from pipeoptim.runtime.pipeline import Pipeline, unit_labels
 from pipeoptim.runtime.result import FitResult
 from pipeoptim.workloads.data import DatasetLoader
@@ -43,7 +44,7 @@ def build_run(
     test_data = DatasetLoader(data.test_x, data.test_y, config.batch_size, shuffle=False)
     per_epoch = len(train_data)
     total = run_length(config.epochs, config.max_steps, per_epoch)
-    options = config.pipeline_config().with_keywords(
+    options = PipelineConfig.from_train_config(config).with_keywords(
         scheduler=scheduler_factory(config.lr_schedule, total, config.warmup),
         loss_fn=model_loss(config.model),
         progress=not config.quiet and sys.stderr.isatty(),
@@ -66,7 +67,7 @@ def check_run(config: TrainConfig) -> None:
     check_batch_split(
         config.batch_size, config.plan.data_parallel, shape.micro_batches, error=RuntimeConfigError
     )
-    requested = config.pipeline_config().memory.recompute
+    requested = PipelineConfig.from_train_config(config).memory.recompute
     resolve_recompute(
         config.plan.recompute if requested is None else requested,
         bounds,

@@ -4,10 +4,10 @@
 ``optim``, ``precision``, ``memory``, ``comm``, ``checkpoint``, ``observe``, each a frozen
 dataclass whose fields say type, default and meaning and which checks itself. ``Pipeline``
 takes the tree (``options=``) or the same options as keywords (each keyword is a field
-name); ``pipeoptim train`` builds it (``TrainConfig.pipeline_config``), and a Plan file is
-its ``plan``. ``resolve.py`` resolves the tree once against the plan, method and model into
-the views the parts read (``built.py``: ``StageOptions``, ``PipelineOptions``,
-``FitOptions``).
+name); ``pipeoptim train`` builds it (``PipelineConfig.from_train_config``), and a Plan
+file is its ``plan`` (``PipelineConfig.from_plan``). ``resolve.py`` resolves the tree once
+against the plan, method and model into the views the parts read (``built.py``:
+``StageOptions``, ``PipelineOptions``, ``FitOptions``).
 """
 
 from pipeoptim.runtime.options.built import FitOptions, PipelineOptions, StageOptions

@@ -19,6 +19,7 @@ from pipeoptim.plan.plan import OptimizerSpec
 from pipeoptim.runtime.comm.process_model import ProcessModel
 from pipeoptim.runtime.model.units import InitWeights
 from pipeoptim.runtime.optim.update import OptimizerFactory, SchedulerFactory
+from pipeoptim.runtime.options.tree import PipelineConfig
 from pipeoptim.runtime.stage.loss import LossFn
 
 __all__ = ["FitOptions", "PipelineOptions", "StageOptions"]
@@ -96,3 +97,20 @@ class FitOptions:
     forwards_first: bool = False
     """Local transport: each rank's forwards between two updates run first (see
     ``ScheduleOptions.forwards_first``), except in segments a callback may cut short."""
+
+    @classmethod
+    def of(cls, config: PipelineConfig, *, one_process: bool, segment_limit: int) -> FitOptions:
+        """The fit loop's view of ``config``, for a run in one process or not, whose
+        segments the method limits to ``segment_limit`` mini-batches."""
+        observe, checkpoint = config.observe, config.checkpoint
+        return cls(
+            checkpoint_dir=checkpoint.checkpoint_dir,
+            checkpoint_every=checkpoint.checkpoint_every,
+            progress=observe.progress,
+            log_every=observe.log_every,
+            memory_every=observe.memory_every,
+            # one process has no targets to send (CommOptions.targets: dist only)
+            targets="send" if one_process else config.comm.targets,
+            segment_limit=segment_limit,
+            forwards_first=config.schedule.forwards_first,
+        )

@@ -25,9 +25,8 @@ from pipeoptim.runtime.comm.process_model import ProcessModel
 from pipeoptim.runtime.config import check_offset, check_replicas, resolve_plan
 from pipeoptim.runtime.model.layout import stage_boundaries
 from pipeoptim.runtime.model.units import ModelUnits
-from pipeoptim.runtime.options.built import FitOptions, PipelineOptions, StageOptions
+from pipeoptim.runtime.options.built import PipelineOptions, StageOptions
 from pipeoptim.runtime.options.tree import PipelineConfig
-from pipeoptim.runtime.segments import segment_limit
 
 __all__ = ["ResolvedRun", "resolve_run"]
 
@@ -44,8 +43,6 @@ class ResolvedRun:
     """Each stage's unit range ``[start, end)``."""
     pipeline: PipelineOptions
     """What the assembly and every stage are built with."""
-    fit: FitOptions
-    """What the fit loop reads."""
 
 
 def resolve_run(config: PipelineConfig, model: ModelUnits, labels: UnitLabels) -> ResolvedRun:
@@ -121,16 +118,4 @@ def resolve_run(config: PipelineConfig, model: ModelUnits, labels: UnitLabels) -
     pipeline = PipelineOptions(
         stage, process_model, comm.device, comm.timeout, comm.store, init_weights
     )
-    observe, checkpoint = config.observe, config.checkpoint
-    fit = FitOptions(
-        checkpoint_dir=checkpoint.checkpoint_dir,
-        checkpoint_every=checkpoint.checkpoint_every,
-        progress=observe.progress,
-        log_every=observe.log_every,
-        memory_every=observe.memory_every,
-        # how training targets reach the last stage's rank under dist (CommOptions.targets)
-        targets="send" if process_model.one_process else comm.targets,
-        segment_limit=segment_limit(method, shape),
-        forwards_first=schedule.forwards_first,
-    )
-    return ResolvedRun(run_plan, method, bounds, pipeline, fit)
+    return ResolvedRun(run_plan, method, bounds, pipeline)

@@ -14,6 +14,8 @@ from typing import Any
 
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.plan import Plan
+from pipeoptim.plan.recompute import parse_recompute_flag
+from pipeoptim.runtime.config import TrainConfig
 from pipeoptim.runtime.options.groups import (
     CheckpointOptions,
     CommOptions,
@@ -107,6 +109,31 @@ class PipelineConfig:
         """The tree of a Plan file (what ``Pipeline(plan=...)`` runs), with ``keywords``
         over it."""
         return cls(plan=plan).with_keywords(**keywords)
+
+    @classmethod
+    def from_train_config(cls, config: TrainConfig) -> PipelineConfig:
+        """The tree of a ``pipeoptim train`` run: its plan and every option the command line
+        sets. What only the training process can make (the scheduler, the model's loss, the
+        loggers, the store) it adds with :meth:`with_keywords`."""
+        recompute = None
+        if config.recompute is not None:  # None: the plan's
+            recompute = parse_recompute_flag(config.recompute, error=RuntimeConfigError)
+        return cls(
+            plan=config.plan,
+            seed=config.seed,
+            schedule=ScheduleOptions(forwards_first=config.forwards_first),
+            optim=OptimizerOptions(grad_clip=config.grad_clip),  # the optimizer: the plan's
+            precision=PrecisionOptions(amp=config.amp),
+            memory=MemoryOptions(recompute=recompute),
+            comm=CommOptions(
+                transport=config.transport, device=config.device, timeout=config.timeout
+            ),
+            checkpoint=CheckpointOptions(
+                checkpoint_dir=config.checkpoint_dir,
+                checkpoint_every=config.checkpoint_every,
+                keep_checkpoints=config.keep_checkpoints,
+            ),
+        )
 
     def with_keywords(self, **keywords: object) -> PipelineConfig:
         """This tree with the options named by ``Pipeline``'s keywords replaced; an unknown
