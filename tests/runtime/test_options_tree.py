@@ -124,11 +124,11 @@ def test_keywords_and_a_tree_build_the_same_pipeline() -> None:
 
 
 def test_an_unknown_keyword_or_a_wrong_tree_is_refused() -> None:
-    with pytest.raises(TypeError, match="unexpected keyword argument 'stage'.*stages"):
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'stage'.*stages"):
         Pipeline(layers(), stage=2)
-    with pytest.raises(RuntimeConfigError, match="options must be a PipelineConfig.*dict"):
+    with pytest.raises(RuntimeConfigError, match=r"options must be a PipelineConfig.*dict"):
         Pipeline(layers(), options={"stages": 2})  # type: ignore[arg-type]
-    with pytest.raises(RuntimeConfigError, match="PipelineConfig.comm must be a CommOptions"):
+    with pytest.raises(RuntimeConfigError, match=r"PipelineConfig.comm must be a CommOptions"):
         PipelineConfig(comm=PrecisionOptions())  # type: ignore[arg-type]
 
 
@@ -174,13 +174,13 @@ def test_each_check_names_the_option_the_value_and_the_fix(
 
 
 def test_the_checks_that_need_the_plan_name_the_option_and_the_fix() -> None:
-    with pytest.raises(RuntimeConfigError, match="predicted_backward.*gpipe does not predict"):
+    with pytest.raises(RuntimeConfigError, match=r"predicted_backward.*gpipe does not predict"):
         Pipeline(layers(), "gpipe", stages=2, predicted_backward=True)
-    with pytest.raises(RuntimeConfigError, match="forwards_first.*transport='dist'.*leave"):
+    with pytest.raises(RuntimeConfigError, match=r"forwards_first.*transport='dist'.*leave"):
         PipelineConfig(
             schedule=ScheduleOptions(forwards_first=True), comm=CommOptions(transport="dist")
         )
-    with pytest.raises(RuntimeConfigError, match="data_parallel 2.*transport='dist'"):
+    with pytest.raises(RuntimeConfigError, match=r"data_parallel 2.*transport='dist'"):
         Pipeline(layers(), "gpipe", stages=2, data_parallel=2)
 
 
