@@ -4,8 +4,10 @@ One module, imported alike by the launcher (which ships it to spawned ranks as J
 the code that turns it into a :class:`~pipeoptim.runtime.pipeline.Pipeline`. A library user
 never needs ``TrainConfig``: they hand ``Pipeline`` their own layers, optimizer, loss and
 data; this config names the built-in equivalents so a run can be described on a command
-line. The checks of ``Pipeline``'s own arguments live here too (:func:`resolve_plan`,
-:func:`check_options`), torch-free like the rest of the module.
+line; ``PipelineConfig.from_train_config`` turns it into the Pipeline's options tree
+(``runtime/options/``). The checks both share live here too (:func:`resolve_plan`,
+:func:`check_offset`, :func:`check_replicas`, :func:`check_whole`), torch-free like the
+rest of the module.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ refuses further work, with the way to resume.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -490,3 +491,24 @@ class Pipeline:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _signature() -> inspect.Signature:
+    """``Pipeline``'s signature as ``help``, editors and ``inspect`` show it: every option of
+    the tree as a keyword with its default (``__init__`` takes them as ``**keywords``)."""
+    named = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    params = [
+        inspect.Parameter("self", named),
+        inspect.Parameter("layers", named),
+        inspect.Parameter("method", named, default=None),
+    ]
+    params += [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
+        for name, default in PipelineConfig().keywords().items()
+        if name != "method"
+    ]
+    params.append(inspect.Parameter("options", inspect.Parameter.KEYWORD_ONLY, default=None))
+    return inspect.Signature(params, return_annotation=None)
+
+
+Pipeline.__init__.__signature__ = _signature()  # type: ignore[attr-defined]
