@@ -32,7 +32,6 @@ from torch import nn
 
 from pipeoptim.errors import NonFiniteLossError, RuntimeConfigError
 from pipeoptim.plan.plan import Plan
-from pipeoptim.plan.recompute import UnitLabels
 from pipeoptim.plan.risk import depth_advice
 from pipeoptim.runtime.assembly import Assembly, RunState
 from pipeoptim.runtime.checkpoint.export import (
@@ -48,7 +47,7 @@ from pipeoptim.runtime.config import check_fit_arguments, check_whole, is_whole
 from pipeoptim.runtime.executor import Boundary, RankResult, Recorder
 from pipeoptim.runtime.fit_loop import FitLoop
 from pipeoptim.runtime.host_allocator import keep_freed_memory
-from pipeoptim.runtime.model.units import ModelUnits
+from pipeoptim.runtime.model.units import ModelUnits, as_model_units, unit_labels
 from pipeoptim.runtime.observe.callbacks import Callbacks
 from pipeoptim.runtime.optim.prediction_closure import PredictionClosure
 from pipeoptim.runtime.options import FitOptions, PipelineConfig
@@ -59,34 +58,6 @@ from pipeoptim.runtime.stage.stage import Stage
 from pipeoptim.trace import Trace
 
 __all__ = ["Pipeline"]
-
-
-def unit_labels(layers: object) -> UnitLabels:
-    """What ``recompute`` may name each unit by: its key in an ``nn.Sequential`` (else its
-    index) and its class."""
-    if isinstance(layers, ModelUnits):
-        units: list[Any] = list(layers.units)
-        names = [str(i) for i in range(len(units))]
-    elif isinstance(layers, nn.Sequential):
-        units, names = list(layers), list(layers._modules)
-    elif isinstance(layers, (list, tuple)):
-        units, names = list(layers), [str(i) for i in range(len(layers))]
-    else:
-        units, names = [], []
-    return UnitLabels(tuple(names), tuple(type(u).__name__ for u in units))
-
-
-def _units(layers: nn.Module | Sequence[nn.Module] | ModelUnits) -> ModelUnits:
-    if isinstance(layers, ModelUnits):
-        return layers
-    units = list(layers) if isinstance(layers, (nn.Sequential, list, tuple)) else None
-    if not units or not all(isinstance(u, nn.Module) for u in units):
-        raise RuntimeConfigError(
-            f"Pipeline takes an nn.Sequential, a non-empty list of nn.Module units or a "
-            f"ModelUnits (got {type(layers).__name__}); a unit takes the previous unit's "
-            f"output (a tensor, or a tuple of tensors as its arguments)"
-        )
-    return ModelUnits(units)
 
 
 class Pipeline:
@@ -141,7 +112,7 @@ class Pipeline:
         """The run's options tree, as given (before the plan and the model resolve it)."""
         watchers = config.observe.watchers()
         labels = unit_labels(layers)
-        self.model_units = _units(layers)
+        self.model_units = as_model_units(layers)
         """The units and what the model says of them (names for export, initialiser)."""
         run = resolve_run(config, self.model_units, labels)
         self.parts = Assembly(

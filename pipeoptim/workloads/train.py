@@ -22,10 +22,11 @@ from pipeoptim.plan.replicas import check_batch_split
 from pipeoptim.runtime import launch
 from pipeoptim.runtime.config import TrainConfig, run_length
 from pipeoptim.runtime.model.layout import stage_boundaries
+from pipeoptim.runtime.model.units import unit_labels
 from pipeoptim.runtime.observe.loggers.spec import logger_from_spec
 from pipeoptim.runtime.optim.lr import scheduler_factory
 from pipeoptim.runtime.options import PipelineConfig
-from pipeoptim.runtime.pipeline import Pipeline, unit_labels
+from pipeoptim.runtime.pipeline import Pipeline
 from pipeoptim.runtime.result import FitResult
 from pipeoptim.workloads.data import DatasetLoader
 from pipeoptim.workloads.loader import build_model, model_loss
