@@ -164,6 +164,8 @@ SPINE = tuple(
         "launch",
         "pipeline",
         "fit_loop",
+        "fit_evaluation",
+        "fit_watch",
         "divergence",
         "probe",
         "result",

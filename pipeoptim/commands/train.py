@@ -311,6 +311,10 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         devices=base.devices if base else None,
         data_parallel=replicas,
         shard_optimizer=shard,
+        # per stage: the plan's where its layout is kept (--recompute overrides it)
+        recompute=base.recompute
+        if same_layout and base and virtual == base.virtual_stages
+        else None,
     )
     # D > 1 replicas are D x P processes: a plan (or --data-parallel) asking for them starts
     # them, as `pipeoptim plan --devices` promises; an explicit --transport local is refused

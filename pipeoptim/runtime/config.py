@@ -4,14 +4,15 @@ One module, imported alike by the launcher (which ships it to spawned ranks as J
 the code that turns it into a :class:`~pipeoptim.runtime.pipeline.Pipeline`. A library user
 never needs ``TrainConfig``: they hand ``Pipeline`` their own layers, optimizer, loss and
 data; this config names the built-in equivalents so a run can be described on a command
-line. The checks of ``Pipeline``'s own arguments live here too (:func:`resolve_plan`,
-:func:`check_options`), torch-free like the rest of the module.
+line; ``PipelineConfig.from_train_config`` turns it into the Pipeline's options tree
+(``runtime/options/``). The checks both share live here too (:func:`resolve_plan`,
+:func:`check_offset`, :func:`check_replicas`, :func:`check_whole`), torch-free like the
+rest of the module.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -29,9 +30,7 @@ __all__ = [
     "LR_SCHEDULES",
     "TrainConfig",
     "check_fit_arguments",
-    "check_fit_options",
     "check_offset",
-    "check_options",
     "check_replicas",
     "check_whole",
     "is_whole",
@@ -286,82 +285,6 @@ def resolve_plan(
     )
 
 
-def check_options(
-    optimizer: Any,
-    loss_fn: Any,
-    transport: str,
-    amp: str | None,
-    grad_clip: float | None,
-    log_every: int,
-    timeout: float,
-) -> None:
-    if optimizer is not None and not (isinstance(optimizer, OptimizerSpec) or callable(optimizer)):
-        raise RuntimeConfigError(
-            f"optimizer must be a factory params -> torch.optim.Optimizer (got "
-            f"{type(optimizer).__name__}), e.g. lambda params: torch.optim.SGD(params, lr=0.1)"
-        )
-    if not callable(loss_fn):
-        raise RuntimeConfigError(
-            f"loss_fn must be a callable (output, target) -> scalar (got {type(loss_fn).__name__})"
-        )
-    ProcessModel.parse(transport)
-    if amp is not None and amp not in AMP_MODES:
-        raise RuntimeConfigError(f"unknown amp {amp!r}; use None, 'bf16' or 'fp16' (CUDA)")
-    if grad_clip is not None and (not _is_number(grad_clip) or not grad_clip > 0):
-        raise RuntimeConfigError(
-            f"grad_clip must be a positive number, the largest gradient norm of a stage "
-            f"(got {grad_clip!r}); e.g. grad_clip=1.0, or None for no clipping"
-        )
-    check_whole("log_every", log_every, example="log_every=50")
-    if not _is_number(timeout) or not 0 < timeout <= MAX_TIMEOUT:
-        raise RuntimeConfigError(
-            f"timeout must be a number of seconds in (0, {MAX_TIMEOUT:g}] (got {timeout!r}): "
-            f"how long a rank waits for another; e.g. timeout=300"
-        )
-
-
-def check_fit_options(
-    *,
-    scheduler: Any,
-    device: object,
-    seed: object,
-    memory_every: object,
-    keep_checkpoints: object,
-    checkpoint_dir: object,
-    predicted_backward: object,
-    run_identity: object,
-    hyperparameters: object,
-) -> None:
-    """The rest of ``Pipeline``'s arguments: types and ranges, before anything is built."""
-    if scheduler is not None and not callable(scheduler):
-        raise RuntimeConfigError(
-            f"scheduler must be a factory optimizer -> LR scheduler (got "
-            f"{type(scheduler).__name__}), e.g. lambda opt: "
-            f"torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000)"
-        )
-    if not isinstance(device, str):
-        raise RuntimeConfigError(
-            f"device must be a name: 'auto', 'cpu', 'cuda' or 'cuda:N' (got "
-            f"{type(device).__name__})"
-        )
-    if not is_whole(seed, 0, MAX_SEED):
-        raise RuntimeConfigError(f"seed must be an integer in 0..{MAX_SEED} (got {seed!r})")
-    check_whole("memory_every", memory_every, example="memory_every=4 (every 4th micro-batch)")
-    check_whole("keep_checkpoints", keep_checkpoints, example="keep_checkpoints=2")
-    if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
-        raise RuntimeConfigError(
-            f"checkpoint_dir must be a folder path (str or os.PathLike; got "
-            f"{type(checkpoint_dir).__name__}), e.g. checkpoint_dir='ckpt'"
-        )
-    if not isinstance(predicted_backward, bool):
-        raise RuntimeConfigError(
-            f"predicted_backward must be True or False (got {predicted_backward!r})"
-        )
-    for name, value in (("run_identity", run_identity), ("hyperparameters", hyperparameters)):
-        if value is not None and not isinstance(value, dict):
-            raise RuntimeConfigError(f"{name} must be a dict or None (got {type(value).__name__})")
-
-
 def check_fit_arguments(
     data: object,
     *,
@@ -413,10 +336,6 @@ def _iterable(value: object) -> bool:
     without calling ``iter``: that would start a DataLoader's workers."""
     kind = type(value)
     return hasattr(kind, "__iter__") or hasattr(kind, "__getitem__")
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def is_whole(value: object, minimum: int | None = 0, maximum: int | None = None) -> bool:

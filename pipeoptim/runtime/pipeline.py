@@ -11,8 +11,9 @@ emulate P stages on one device) or as one rank per stage under ``torchrun``
 (``transport="dist"``). Every stage builds its own optimizer (and scheduler) from the
 factories over its own parameters and steps it once per update.
 
-This module is the front: it checks the arguments once, hands them on as typed options
-(:mod:`~pipeoptim.runtime.options`), builds the parts (:mod:`~pipeoptim.runtime.assembly`),
+This module is the front: it builds the options tree from the arguments
+(:mod:`~pipeoptim.runtime.options`), resolves it once into the views the parts read
+(``options/resolve.py``), builds the parts (:mod:`~pipeoptim.runtime.assembly`),
 and hands ``fit`` and ``evaluate`` to the fit loop
 (:mod:`~pipeoptim.runtime.fit_loop`) and the checkpoint folder
 (:mod:`~pipeoptim.runtime.checkpoint_folder`). A Pipeline that failed with passes in flight
@@ -21,24 +22,16 @@ refuses further work, with the way to resume.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
-from torch._C._distributed_c10d import Store
 
 from pipeoptim.errors import NonFiniteLossError, RuntimeConfigError
-from pipeoptim.plan.methods import get_method
-from pipeoptim.plan.plan import OptimizerSpec, Plan
-from pipeoptim.plan.recompute import (
-    UnitLabels,
-    check_shard_optimizer,
-    recompute_units,
-    resolve_recompute,
-)
+from pipeoptim.plan.plan import Plan
 from pipeoptim.plan.risk import depth_advice
 from pipeoptim.runtime.assembly import Assembly, RunState
 from pipeoptim.runtime.checkpoint.export import (
@@ -48,63 +41,23 @@ from pipeoptim.runtime.checkpoint.export import (
     write_export,
 )
 from pipeoptim.runtime.checkpoint.state_check import refusal
-from pipeoptim.runtime.checkpoint.store import DEFAULT_KEEP, latest_step
+from pipeoptim.runtime.checkpoint.store import latest_step
 from pipeoptim.runtime.checkpoint_folder import CheckpointFolder
-from pipeoptim.runtime.comm.process_model import ProcessModel
-from pipeoptim.runtime.config import (
-    check_fit_arguments,
-    check_fit_options,
-    check_offset,
-    check_options,
-    check_replicas,
-    check_whole,
-    is_whole,
-    resolve_plan,
-)
+from pipeoptim.runtime.config import check_fit_arguments, check_whole, is_whole
 from pipeoptim.runtime.executor import Boundary, RankResult, Recorder
-from pipeoptim.runtime.fit_loop import FitLoop, FitOptions
+from pipeoptim.runtime.fit_loop import FitLoop
 from pipeoptim.runtime.host_allocator import keep_freed_memory
-from pipeoptim.runtime.model.layout import stage_boundaries
-from pipeoptim.runtime.model.units import InitWeights, ModelUnits
-from pipeoptim.runtime.observe.callbacks import Callbacks, check_callbacks
+from pipeoptim.runtime.model.units import ModelUnits, as_model_units, unit_labels
+from pipeoptim.runtime.observe.callbacks import Callbacks
 from pipeoptim.runtime.optim.prediction_closure import PredictionClosure
-from pipeoptim.runtime.optim.update import OptimizerFactory, SchedulerFactory
-from pipeoptim.runtime.options import PipelineOptions, StageOptions
+from pipeoptim.runtime.options import FitOptions, PipelineConfig
+from pipeoptim.runtime.options.resolve import resolve_run
 from pipeoptim.runtime.result import EvalResult, FitResult
 from pipeoptim.runtime.segments import segment_limit
-from pipeoptim.runtime.stage.loss import LossFn
 from pipeoptim.runtime.stage.stage import Stage
 from pipeoptim.trace import Trace
 
 __all__ = ["Pipeline"]
-
-
-def unit_labels(layers: object) -> UnitLabels:
-    """What ``recompute`` may name each unit by: its key in an ``nn.Sequential`` (else its
-    index) and its class."""
-    if isinstance(layers, ModelUnits):
-        units: list[Any] = list(layers.units)
-        names = [str(i) for i in range(len(units))]
-    elif isinstance(layers, nn.Sequential):
-        units, names = list(layers), list(layers._modules)
-    elif isinstance(layers, (list, tuple)):
-        units, names = list(layers), [str(i) for i in range(len(layers))]
-    else:
-        units, names = [], []
-    return UnitLabels(tuple(names), tuple(type(u).__name__ for u in units))
-
-
-def _units(layers: nn.Module | Sequence[nn.Module] | ModelUnits) -> ModelUnits:
-    if isinstance(layers, ModelUnits):
-        return layers
-    units = list(layers) if isinstance(layers, (nn.Sequential, list, tuple)) else None
-    if not units or not all(isinstance(u, nn.Module) for u in units):
-        raise RuntimeConfigError(
-            f"Pipeline takes an nn.Sequential, a non-empty list of nn.Module units or a "
-            f"ModelUnits (got {type(layers).__name__}); a unit takes the previous unit's "
-            f"output (a tensor, or a tuple of tensors as its arguments)"
-        )
-    return ModelUnits(units)
 
 
 class Pipeline:
@@ -117,53 +70,25 @@ class Pipeline:
     process that trains them and initialised by ``init_weights(index, unit)``. A Parameter
     used by units on two stages is kept one weight under synchronous methods and refused
     by asynchronous ones (``ties.py``).
-    ``method``/``stages`` or ``plan`` (a Plan from ``pipeoptim plan``: its method, sizes and
-    boundaries; explicit arguments override it). ``optimizer(params)`` and
-    ``scheduler(optimizer)`` are called once per stage. ``loss_fn(output, target)`` returns
-    the mean loss. ``amp``: None, ``"bf16"`` (CPU and CUDA) or ``"fp16"`` (CUDA, loss
-    scaling per stage). ``grad_clip`` clips each stage's own gradient norm (stages update
-    independently, so there is no global norm). ``checkpoint_dir``/``checkpoint_every``
-    write per-stage checkpoints; ``fit(..., resume=True)`` continues from the latest.
-    ``log_every``: mini-batches between reads of the loss (the only host syncs of the
-    training loop); ``progress`` shows a progress bar. ``targets`` (``dist`` only):
-    ``"send"`` (default) has stage 0's rank send each micro-batch's targets to the last
-    stage's rank, one small message each; ``"read"`` has the last stage's rank iterate the
-    data itself, no message, at the cost of loading every batch there too, and only right
-    for data that yields the same batches on every rank (a DataLoader, shuffled or not,
-    does under pipeoptim's per-epoch seeding; a stream from a shared queue does not).
-    ``predicted_backward`` (predicting methods; beyond the paper): each predicted forward
-    keeps its Ŵ for its backward, so the input gradients also go through Ŵ (consistent, as
-    PipeDream's stash) at one weight copy per mini-batch in flight instead of PipeOptim's
-    one extra copy; measured in ``examples/convergence``. ``data_parallel`` (``dist`` only):
-    D replicas of the pipeline in D x P processes (``torchrun --nproc-per-node`` times
-    ``--nnodes`` = D x P; global rank = replica x P + pipeline rank); each replica trains on
-    its own 1/D of every batch the data yields (so the batch divides into D x M), and the
-    replicas of a stage average their gradients before each update (``replicas.py``).
-    Replica 0's weights are broadcast at start; only replica 0 writes checkpoints (every
-    replica reads them on resume, so put ``checkpoint_dir`` on a shared file system across
-    nodes); evaluation runs the whole data on every replica; the replicas draw the same
-    dropout masks (one RNG stream per stage, as a resume restores it).
-    ``loggers`` and ``callbacks``: objects with some of the hooks ``on_fit_start``,
-    ``on_step_end``, ``on_eval_end``, ``on_checkpoint``, ``on_fit_end``
-    (:class:`~pipeoptim.runtime.observe.callbacks.Callback`), called in that order, loggers
-    first, at the points where the fit already reads the losses (every ``log_every``), so
-    they add no host synchronisation; ``TensorBoardLogger``, ``WandbLogger`` and
-    ``JsonlLogger`` are in :mod:`pipeoptim.runtime.observe`. A callback may end the fit
-    (``info.request_stop()``): it drains, checkpoints and evaluates as an end does.
-    ``tune_allocator`` (CPU): raise glibc's mmap and trim thresholds in this process, so
-    each step reuses the memory the last one freed instead of fresh pages
-    (:mod:`~pipeoptim.runtime.host_allocator`; up to 256 MiB of freed memory stays in the
-    process); False, or either of glibc's ``MALLOC_MMAP_THRESHOLD_`` and
-    ``MALLOC_TRIM_THRESHOLD_`` set, leaves the allocator as it is.
-    ``forwards_first`` (``transport="local"``): each rank runs its forwards between two of
-    its updates back to back, then its backwards, as gpipe does, instead of the schedule's
-    alternation (``plan.passes.forwards_first``). The same weights, losses and gradients
-    bit for bit: nothing a forward reads changes between two updates, and the backwards
-    keep their order. One thread runs every stage here, and 1F1B's alternation costs it
-    more than the forwards in a row (xpipe's step at 16 stages, ``benchmarks/README.md``);
-    the price is a rank's activations of up to one more mini-batch. A segment that a
-    callback may cut short (``request_stop``) keeps the schedule's order, so the run stops
-    where a ``dist`` run of it would.
+
+    The options: ``method`` (also the second positional argument) and the keywords, each a
+    field of the options tree :class:`~pipeoptim.runtime.options.PipelineConfig` where it is
+    documented and checked (``stages``, ``plan``, ``optimizer``, ``amp``,
+    ``checkpoint_dir``, ...), or ``options=`` a whole tree (keywords given too replace its
+    options). ``optimizer(params)`` and ``scheduler(optimizer)`` are called once per stage;
+    a plan's method, sizes and boundaries are overridden by the options given. Under
+    ``data_parallel`` (``dist`` only), D replicas of the pipeline run in D x P processes
+    (global rank = replica x P + pipeline rank); each trains on its own 1/D of every batch
+    (so the batch divides into D x M), and the replicas of a stage average their gradients
+    before each update (``replicas.py``). Replica 0's weights are broadcast at start; only
+    replica 0 writes checkpoints (every replica reads them on resume, so put
+    ``checkpoint_dir`` on a shared file system across nodes); evaluation runs the whole data
+    on every replica; the replicas draw the same dropout masks. Loggers and callbacks are
+    called at the points where the fit already reads the losses (every ``log_every``), so
+    they add no host synchronisation; a callback may end the fit (``info.request_stop()``):
+    it drains, checkpoints and evaluates as an end does. Under ``forwards_first`` a segment
+    that a callback may cut short keeps the schedule's order, so the run stops where a
+    ``dist`` run of it would.
     """
 
     def __init__(
@@ -171,174 +96,49 @@ class Pipeline:
         layers: nn.Module | Sequence[nn.Module] | ModelUnits,
         method: str | None = None,
         *,
-        stages: int | None = None,
-        plan: Plan | None = None,
-        optimizer: OptimizerFactory | OptimizerSpec | None = None,
-        scheduler: SchedulerFactory | None = None,
-        loss_fn: LossFn | None = None,
-        micro_batches: int | None = None,
-        virtual_stages: int | None = None,
-        prediction_offset: int | None = None,
-        transport: str = "local",
-        device: str = "auto",
-        amp: str | None = None,
-        grad_clip: float | None = None,
-        checkpoint_dir: str | None = None,
-        checkpoint_every: int | None = None,
-        seed: int = 0,
-        timeout: float = 300.0,
-        progress: bool = False,
-        log_every: int = 50,
-        memory_every: int = 4,
-        keep_checkpoints: int = DEFAULT_KEEP,
-        targets: str = "send",
-        store: Store | None = None,
-        run_identity: dict[str, Any] | None = None,
-        hyperparameters: dict[str, Any] | None = None,
-        predicted_backward: bool = False,
-        data_parallel: int | None = None,
-        init_weights: InitWeights | None = None,
-        recompute: object = None,
-        shard_optimizer: bool | None = None,
-        loggers: Sequence[Any] | None = None,
-        callbacks: Sequence[Any] | None = None,
-        tune_allocator: bool = True,
-        forwards_first: bool = False,
+        options: PipelineConfig | None = None,
+        **keywords: Any,
     ) -> None:
-        watchers = [
-            *check_callbacks(loggers, "loggers"),
-            *check_callbacks(callbacks, "callbacks"),
-        ]
+        if options is not None and not isinstance(options, PipelineConfig):
+            raise RuntimeConfigError(
+                f"options must be a PipelineConfig (got {type(options).__name__}); e.g. "
+                f"options=PipelineConfig(schedule=ScheduleOptions(stages=4)), or pass the "
+                f"options as keywords"
+            )
+        if method is not None:
+            keywords["method"] = method
+        config = (options or PipelineConfig()).with_keywords(**keywords)
+        self.config = config
+        """The run's options tree, as given (before the plan and the model resolve it)."""
+        watchers = config.observe.watchers()
         labels = unit_labels(layers)
-        self.model_units = _units(layers)
+        self.model_units = as_model_units(layers)
         """The units and what the model says of them (names for export, initialiser)."""
-        units = self.model_units.units
-        if loss_fn is None:
-            loss_fn = self.model_units.loss_fn or F.cross_entropy
-        if init_weights is None:
-            init_weights = self.model_units.init_weights
-        elif not callable(init_weights):
-            raise RuntimeConfigError(
-                f"init_weights must be a callable (index, unit) -> None that fills a unit's "
-                f"tensors in place (got {type(init_weights).__name__})"
-            )
-        run_plan = resolve_plan(plan, method, stages, micro_batches, virtual_stages)
-        if data_parallel is None:
-            data_parallel = plan.data_parallel if isinstance(plan, Plan) else 1
-        run_plan.data_parallel = check_replicas(data_parallel, transport)
-        if prediction_offset is not None:
-            run_plan.prediction_offset = prediction_offset
-        check_options(optimizer, loss_fn, transport, amp, grad_clip, log_every, timeout)
-        check_fit_options(
-            scheduler=scheduler,
-            device=device,
-            seed=seed,
-            memory_every=memory_every,
-            keep_checkpoints=keep_checkpoints,
-            checkpoint_dir=checkpoint_dir,
-            predicted_backward=predicted_backward,
-            run_identity=run_identity,
-            hyperparameters=hyperparameters,
+        run = resolve_run(config, self.model_units, labels)
+        self.parts = Assembly(
+            self.model_units.units, run.plan, run.method, run.bounds, run.pipeline
         )
-        if checkpoint_every is not None and not is_whole(checkpoint_every, 1):
-            raise RuntimeConfigError(
-                f"checkpoint_every must be a positive number of mini-batches (got "
-                f"{checkpoint_every!r})"
-            )
-        if checkpoint_every is not None and not checkpoint_dir:
-            raise RuntimeConfigError(
-                "checkpoint_every needs checkpoint_dir (where the checkpoints go)"
-            )
-        method_ = get_method(run_plan.method)
-        if predicted_backward and not method_.predicts:
-            raise RuntimeConfigError(
-                f"predicted_backward keeps the predicted weights of a forward for its backward, "
-                f"and {method_.name} does not predict; use pipeoptim, spectrain or xpipe, "
-                f"or leave predicted_backward off"
-            )
-        if not isinstance(tune_allocator, bool):
-            raise RuntimeConfigError(
-                f"tune_allocator must be True or False (got {tune_allocator!r})"
-            )
-        if not isinstance(forwards_first, bool):
-            raise RuntimeConfigError(
-                f"forwards_first must be True or False (got {forwards_first!r})"
-            )
-        if forwards_first and transport != "local":
-            raise RuntimeConfigError(
-                f"forwards_first orders the ranks that one process runs together "
-                f"(transport='local'); under transport={transport!r} each rank runs in a "
-                f"process of its own, where it would only hold more activations: leave "
-                f"forwards_first off there"
-            )
-        if targets not in ("send", "read"):
-            raise RuntimeConfigError(f"unknown targets {targets!r}; use 'send' or 'read'")
-        shape = run_plan.shape(1)
-        check_offset(
-            run_plan.prediction_offset,
-            run_plan.method,
-            shape.num_stages,
-            given=prediction_offset is not None,
-        )
-        limit = segment_limit(method_, shape)
-        bounds = stage_boundaries(
-            len(units),
-            shape.num_stages,
-            run_plan.boundaries,
-            run_plan.model,
-            virtual_stages=shape.virtual_stages,
-            method=run_plan.method,
-        )
-        if recompute is None and isinstance(plan, Plan):
-            recompute = plan.recompute
-        run_plan.recompute = resolve_recompute(recompute, bounds, labels, error=RuntimeConfigError)
-        if shard_optimizer is None:
-            shard_optimizer = plan.shard_optimizer if isinstance(plan, Plan) else False
-        run_plan.shard_optimizer = check_shard_optimizer(
-            shard_optimizer, run_plan.data_parallel, error=RuntimeConfigError
-        )
-        stage_options = StageOptions(
-            optimizer=optimizer if optimizer is not None else run_plan.optimizer,
-            scheduler=scheduler,
-            loss_fn=loss_fn,
-            amp=amp,
-            grad_clip=grad_clip,
-            prediction_offset=run_plan.prediction_offset,
-            predicted_backward=predicted_backward,
-            seed=seed,
-            recompute={
-                k: units_of
-                for k, entry in enumerate(run_plan.recompute or [])
-                if (units_of := recompute_units(entry, *bounds[k], labels))
-            },
-            shard_optimizer=run_plan.shard_optimizer,
-        )
-        options = PipelineOptions(
-            stage_options, ProcessModel.parse(transport), device, timeout, store, init_weights
-        )
-        self.parts = Assembly(units, run_plan, method_, bounds, options)
-        if tune_allocator and self.parts.device.type == "cpu":
+        if config.memory.tune_allocator and self.parts.device.type == "cpu":
             keep_freed_memory()
         cut = self.model_units
         if cut.names is not None or cut.source:
             self.parts.model_record = {"names": cut.names, "source": cut.source}
-        self.identity = run_identity or self.parts.identity()
-        self.keep_checkpoints = keep_checkpoints
-        self.hyperparameters = hyperparameters or {"lr": run_plan.optimizer.lr, "amp": amp}
+        saved = config.checkpoint
+        self.identity = saved.run_identity or self.parts.identity()
+        self.keep_checkpoints = saved.keep_checkpoints
+        self.hyperparameters = saved.hyperparameters or {
+            "lr": run.plan.optimizer.lr,
+            "amp": config.precision.amp,
+        }
         """What a resume may change (recorded in checkpoints and the trace)."""
-        self.options = FitOptions(
-            checkpoint_dir=checkpoint_dir,
-            checkpoint_every=checkpoint_every,
-            progress=progress,
-            log_every=log_every,
-            memory_every=memory_every,
-            # how training targets reach the last stage's rank under dist (see the class)
-            targets="send" if self.parts.process_model.one_process else targets,
-            segment_limit=limit,
-            forwards_first=forwards_first,
+        self.options = FitOptions.of(
+            config,
+            one_process=self.parts.process_model.one_process,
+            segment_limit=segment_limit(run.method, self.parts.shape),
         )
         self.state = RunState()
-        advice = depth_advice(method_.name, shape.num_stages, self.plan.optimizer.family)
+        stages, family = self.parts.shape.num_stages, self.plan.optimizer.family
+        advice = depth_advice(run.method.name, stages, family)
         if advice is not None:  # the study found this method to stall at this depth
             self.state.notes.append(advice)
         self.closed = False
@@ -662,3 +462,24 @@ class Pipeline:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _signature() -> inspect.Signature:
+    """``Pipeline``'s signature as ``help``, editors and ``inspect`` show it: every option of
+    the tree as a keyword with its default (``__init__`` takes them as ``**keywords``)."""
+    named = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    params = [
+        inspect.Parameter("self", named),
+        inspect.Parameter("layers", named),
+        inspect.Parameter("method", named, default=None),
+    ]
+    params += [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
+        for name, default in PipelineConfig().keywords().items()
+        if name != "method"
+    ]
+    params.append(inspect.Parameter("options", inspect.Parameter.KEYWORD_ONLY, default=None))
+    return inspect.Signature(params, return_annotation=None)
+
+
+Pipeline.__init__.__signature__ = _signature()  # type: ignore[attr-defined]

@@ -17,14 +17,16 @@ import sys
 from torch._C._distributed_c10d import Store
 
 from pipeoptim.errors import RuntimeConfigError
-from pipeoptim.plan.recompute import parse_recompute_flag, resolve_recompute
+from pipeoptim.plan.recompute import resolve_recompute
 from pipeoptim.plan.replicas import check_batch_split
 from pipeoptim.runtime import launch
 from pipeoptim.runtime.config import TrainConfig, run_length
 from pipeoptim.runtime.model.layout import stage_boundaries
+from pipeoptim.runtime.model.units import unit_labels
 from pipeoptim.runtime.observe.loggers.spec import logger_from_spec
 from pipeoptim.runtime.optim.lr import scheduler_factory
-from pipeoptim.runtime.pipeline import Pipeline, unit_labels
+from pipeoptim.runtime.options import PipelineConfig
+from pipeoptim.runtime.pipeline import Pipeline
 from pipeoptim.runtime.result import FitResult
 from pipeoptim.workloads.data import DatasetLoader
 from pipeoptim.workloads.loader import build_model, model_loss
@@ -43,38 +45,18 @@ def build_run(
     test_data = DatasetLoader(data.test_x, data.test_y, config.batch_size, shuffle=False)
     per_epoch = len(train_data)
     total = run_length(config.epochs, config.max_steps, per_epoch)
-    pipe = Pipeline(
-        layers,
-        plan=config.plan,
-        optimizer=config.plan.optimizer,
+    options = PipelineConfig.from_train_config(config).with_keywords(
         scheduler=scheduler_factory(config.lr_schedule, total, config.warmup),
         loss_fn=model_loss(config.model),
-        transport=config.transport,
-        device=config.device,
-        amp=config.amp,
-        grad_clip=config.grad_clip,
-        checkpoint_dir=config.checkpoint_dir,
-        checkpoint_every=config.checkpoint_every,
-        seed=config.seed,
-        timeout=config.timeout,
         progress=not config.quiet and sys.stderr.isatty(),
-        keep_checkpoints=config.keep_checkpoints,
         targets="read",  # the built-in loaders yield the same batches on every rank
         store=store,
         run_identity=config.identity(),
         hyperparameters=config.hyperparameters(),
-        recompute=_recompute(config),
         loggers=[logger_from_spec(spec) for spec in config.log],
-        forwards_first=config.forwards_first,
     )
+    pipe = Pipeline(layers, options=options)
     return pipe, train_data, test_data
-
-
-def _recompute(config: TrainConfig) -> object:
-    """``--recompute`` as ``Pipeline(recompute=)`` takes it (None: the plan's)."""
-    if config.recompute is None:
-        return None
-    return parse_recompute_flag(config.recompute, error=RuntimeConfigError)
 
 
 def check_run(config: TrainConfig) -> None:
@@ -86,7 +68,7 @@ def check_run(config: TrainConfig) -> None:
     check_batch_split(
         config.batch_size, config.plan.data_parallel, shape.micro_batches, error=RuntimeConfigError
     )
-    requested = _recompute(config)
+    requested = PipelineConfig.from_train_config(config).memory.recompute
     resolve_recompute(
         config.plan.recompute if requested is None else requested,
         bounds,

@@ -40,6 +40,7 @@ from pipeoptim.runtime.checkpoint import store as checkpoint
 from pipeoptim.runtime.checkpoint.store import latest_step
 from pipeoptim.runtime.config import TrainConfig
 from pipeoptim.runtime.observe import Callback
+from pipeoptim.runtime.options import ObserveOptions, PipelineConfig
 from pipeoptim.workloads.train import train
 
 
@@ -608,6 +609,10 @@ CONSTRUCTOR = {
     "callbacks": _mix([None, [], [Callback()]], ("on_step_end", [object()], 7)),
     "tune_allocator": _mix([True, False], ("yes", 1, None)),
     "forwards_first": _mix([False, True], ("yes", 1, None)),
+    "options": _mix(
+        [None, PipelineConfig(), PipelineConfig(seed=3, observe=ObserveOptions(log_every=1))],
+        ({"stages": 2}, 5),
+    ),
 }
 """Every argument but ``store``, ``progress`` and the run identity (internal to the CLI).
 ``transport="dist"`` is left out: it joins a process group (tests/runtime/test_dist.py)."""

@@ -23,9 +23,10 @@ from typing import Any
 from torch import Tensor, nn
 
 from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.plan.recompute import UnitLabels
 from pipeoptim.runtime.stage.loss import LossFn
 
-__all__ = ["InitWeights", "ModelUnits", "source_names"]
+__all__ = ["InitWeights", "ModelUnits", "as_model_units", "source_names", "unit_labels"]
 
 InitWeights = Callable[[int, nn.Module], None]
 """``init_weights(index, unit)``: give the unit's parameters and buffers their initial values
@@ -127,3 +128,33 @@ class ModelUnits:
         if self.names is not None:
             return self.names[index]
         return {key: [f"{index}.{key}"] for key in self.units[index].state_dict()}
+
+
+def unit_labels(layers: object) -> UnitLabels:
+    """What ``recompute`` may name each unit by: its key in an ``nn.Sequential`` (else its
+    index) and its class."""
+    if isinstance(layers, ModelUnits):
+        units: list[Any] = list(layers.units)
+        names = [str(i) for i in range(len(units))]
+    elif isinstance(layers, nn.Sequential):
+        units, names = list(layers), list(layers._modules)
+    elif isinstance(layers, (list, tuple)):
+        units, names = list(layers), [str(i) for i in range(len(layers))]
+    else:
+        units, names = [], []
+    return UnitLabels(tuple(names), tuple(type(u).__name__ for u in units))
+
+
+def as_model_units(layers: nn.Module | Sequence[nn.Module] | ModelUnits) -> ModelUnits:
+    """``Pipeline``'s ``layers`` as units (a ``ModelUnits`` as it is), or the error that says
+    what it takes."""
+    if isinstance(layers, ModelUnits):
+        return layers
+    units = list(layers) if isinstance(layers, (nn.Sequential, list, tuple)) else None
+    if not units or not all(isinstance(u, nn.Module) for u in units):
+        raise RuntimeConfigError(
+            f"Pipeline takes an nn.Sequential, a non-empty list of nn.Module units or a "
+            f"ModelUnits (got {type(layers).__name__}); a unit takes the previous unit's "
+            f"output (a tensor, or a tuple of tensors as its arguments)"
+        )
+    return ModelUnits(units)

@@ -1,9 +1,10 @@
-"""The Pipeline's settings as typed objects: what every stage is built with, and what the
-assembly of a run needs besides.
+"""The views of the options tree that the parts of a run are built with: what every stage
+is built with, what the assembly of one process needs besides, and what the fit loop reads.
 
-Why: the Pipeline takes its settings as keyword arguments (a user's script reads best that
-way), checks them once, and hands them on as one object, so the assembly and the stages do
-not each repeat the keyword list (and cannot drift from it).
+Why views: the tree (``options/tree.py``) says what the user asked for; a view says what a
+part runs with once the plan, the method and the model resolved it (the model's loss, the
+plan's recompute per stage, the transport's targets), built once by ``options/resolve.py``,
+so no part repeats the resolution or takes the options as loose arguments.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from pipeoptim.plan.plan import OptimizerSpec
 from pipeoptim.runtime.comm.process_model import ProcessModel
 from pipeoptim.runtime.model.units import InitWeights
 from pipeoptim.runtime.optim.update import OptimizerFactory, SchedulerFactory
+from pipeoptim.runtime.options.tree import PipelineConfig
 from pipeoptim.runtime.stage.loss import LossFn
 
-__all__ = ["PipelineOptions", "StageOptions"]
+__all__ = ["FitOptions", "PipelineOptions", "StageOptions"]
 
 
 @dataclass(frozen=True)
@@ -71,3 +73,44 @@ class PipelineOptions:
     """The process group's store (None: the default group's, under ``dist``)."""
     init_weights: InitWeights | None = None
     """``init_weights(index, unit)`` fills a unit built on the meta device, in place."""
+
+
+@dataclass(kw_only=True)
+class FitOptions:
+    """How the fit loop reports and cuts a run (``memory_every`` may change until the first
+    fit builds the executors: ``Pipeline.memory_every``)."""
+
+    checkpoint_dir: str | None
+    """Where the checkpoints go (None: none)."""
+    checkpoint_every: int | None
+    """Mini-batches between checkpoints (None: only at the end)."""
+    progress: bool
+    """Show a progress bar."""
+    log_every: int
+    """Mini-batches between reads of the loss."""
+    memory_every: int
+    """Actions between memory samples of each stage."""
+    targets: str
+    """How training targets reach the last stage's rank (always ``"send"`` in one process)."""
+    segment_limit: int
+    """Mini-batches per never-flushed segment at most."""
+    forwards_first: bool = False
+    """Local transport: each rank's forwards between two updates run first (see
+    ``ScheduleOptions.forwards_first``), except in segments a callback may cut short."""
+
+    @classmethod
+    def of(cls, config: PipelineConfig, *, one_process: bool, segment_limit: int) -> FitOptions:
+        """The fit loop's view of ``config``, for a run in one process or not, whose
+        segments the method limits to ``segment_limit`` mini-batches."""
+        observe, checkpoint = config.observe, config.checkpoint
+        return cls(
+            checkpoint_dir=checkpoint.checkpoint_dir,
+            checkpoint_every=checkpoint.checkpoint_every,
+            progress=observe.progress,
+            log_every=observe.log_every,
+            memory_every=observe.memory_every,
+            # one process has no targets to send (CommOptions.targets: dist only)
+            targets="send" if one_process else config.comm.targets,
+            segment_limit=segment_limit,
+            forwards_first=config.schedule.forwards_first,
+        )

@@ -1,0 +1,161 @@
+"""The root of the options tree: one :class:`PipelineConfig` that ``Pipeline``, ``pipeoptim
+train`` and a Plan file all build.
+
+Why a tree with flat keywords: a user's script reads best as ``Pipeline(layers, stages=4,
+amp="bf16")``, while the code that uses an option should read it from the group it belongs
+to. Every option's keyword is its field name in its group, and the names are unique across
+the groups, so the keywords map onto the tree without a table to keep in step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.plan.plan import Plan
+from pipeoptim.plan.recompute import parse_recompute_flag
+from pipeoptim.runtime.config import TrainConfig
+from pipeoptim.runtime.options.groups import (
+    CheckpointOptions,
+    CommOptions,
+    MemoryOptions,
+    ModelOptions,
+    ObserveOptions,
+    OptimizerOptions,
+    PrecisionOptions,
+    ScheduleOptions,
+    check_seed,
+)
+
+__all__ = ["GROUPS", "PipelineConfig", "keyword_homes"]
+
+GROUPS: dict[str, type] = {
+    "model": ModelOptions,
+    "schedule": ScheduleOptions,
+    "optim": OptimizerOptions,
+    "precision": PrecisionOptions,
+    "memory": MemoryOptions,
+    "comm": CommOptions,
+    "checkpoint": CheckpointOptions,
+    "observe": ObserveOptions,
+}
+"""The tree's groups by their attribute on :class:`PipelineConfig`."""
+
+ROOT_KEYWORDS = ("plan", "seed")
+"""The options that belong to no one group."""
+
+
+def keyword_homes() -> dict[str, str]:
+    """Every keyword ``Pipeline`` takes -> the group that holds it ('' for the root)."""
+    homes = dict.fromkeys(ROOT_KEYWORDS, "")
+    for group, kind in GROUPS.items():
+        for f in fields(kind):
+            assert f.name not in homes, f"option {f.name} is in two groups"
+            homes[f.name] = group
+    return homes
+
+
+_HOMES = keyword_homes()
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """Every option of a Pipeline run, grouped by concern; checked when built.
+
+    ``Pipeline(layers, options=PipelineConfig(schedule=ScheduleOptions(stages=4)))`` and
+    ``Pipeline(layers, stages=4)`` build the same run; :meth:`with_keywords` is the bridge.
+    """
+
+    plan: Plan | None = None
+    """A Plan (``pipeoptim plan``): its method, sizes, boundaries, optimizer spec, recompute,
+    optimizer sharding and replicas; the options set here override it."""
+    seed: int = 0
+    """The run's seed: initial weights, data order, and stage k's random stream (seeded
+    ``seed * 1000 + k + 1``)."""
+    model: ModelOptions = field(default_factory=ModelOptions)
+    schedule: ScheduleOptions = field(default_factory=ScheduleOptions)
+    optim: OptimizerOptions = field(default_factory=OptimizerOptions)
+    precision: PrecisionOptions = field(default_factory=PrecisionOptions)
+    memory: MemoryOptions = field(default_factory=MemoryOptions)
+    comm: CommOptions = field(default_factory=CommOptions)
+    checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
+    observe: ObserveOptions = field(default_factory=ObserveOptions)
+
+    def __post_init__(self) -> None:
+        for name, kind in GROUPS.items():
+            if not isinstance(getattr(self, name), kind):
+                raise RuntimeConfigError(
+                    f"PipelineConfig.{name} must be a {kind.__name__} (got "
+                    f"{type(getattr(self, name)).__name__}); e.g. {name}={kind.__name__}()"
+                )
+        if self.plan is not None and not isinstance(self.plan, Plan):
+            raise RuntimeConfigError(
+                f"plan must be a pipeoptim Plan (got {type(self.plan).__name__}); load one "
+                f"with Plan.load('plan.json')"
+            )
+        check_seed(self.seed)
+        transport = self.comm.transport
+        if self.schedule.forwards_first and transport != "local":
+            raise RuntimeConfigError(
+                f"forwards_first orders the ranks that one process runs together "
+                f"(transport='local'); under transport={transport!r} each rank runs in a "
+                f"process of its own, where it would only hold more activations: leave "
+                f"forwards_first off there"
+            )
+
+    @classmethod
+    def from_plan(cls, plan: Plan, **keywords: object) -> PipelineConfig:
+        """The tree of a Plan file (what ``Pipeline(plan=...)`` runs), with ``keywords``
+        over it."""
+        return cls(plan=plan).with_keywords(**keywords)
+
+    @classmethod
+    def from_train_config(cls, config: TrainConfig) -> PipelineConfig:
+        """The tree of a ``pipeoptim train`` run: its plan and every option the command line
+        sets. What only the training process can make (the scheduler, the model's loss, the
+        loggers, the store) it adds with :meth:`with_keywords`."""
+        recompute = None
+        if config.recompute is not None:  # None: the plan's
+            recompute = parse_recompute_flag(config.recompute, error=RuntimeConfigError)
+        return cls(
+            plan=config.plan,
+            seed=config.seed,
+            schedule=ScheduleOptions(forwards_first=config.forwards_first),
+            optim=OptimizerOptions(grad_clip=config.grad_clip),  # the optimizer: the plan's
+            precision=PrecisionOptions(amp=config.amp),
+            memory=MemoryOptions(recompute=recompute),
+            comm=CommOptions(
+                transport=config.transport, device=config.device, timeout=config.timeout
+            ),
+            checkpoint=CheckpointOptions(
+                checkpoint_dir=config.checkpoint_dir,
+                checkpoint_every=config.checkpoint_every,
+                keep_checkpoints=config.keep_checkpoints,
+            ),
+        )
+
+    def with_keywords(self, **keywords: object) -> PipelineConfig:
+        """This tree with the options named by ``Pipeline``'s keywords replaced; an unknown
+        keyword is refused as Python refuses one, naming the options there are."""
+        unknown = sorted(set(keywords) - set(_HOMES))
+        if unknown:
+            raise TypeError(
+                f"Pipeline() got an unexpected keyword argument {unknown[0]!r}; its options "
+                f"are: {', '.join(sorted(_HOMES))} (see PipelineConfig)"
+            )
+        by_group: dict[str, dict[str, object]] = {}
+        for name, value in keywords.items():
+            by_group.setdefault(_HOMES[name], {})[name] = value
+        root: dict[str, Any] = dict(by_group.pop("", {}))
+        for group, changed in by_group.items():
+            root[group] = replace(getattr(self, group), **changed)
+        return replace(self, **root) if root else self
+
+    def keywords(self) -> dict[str, Any]:
+        """The tree as ``Pipeline``'s keywords (every option, defaults included)."""
+        flat: dict[str, Any] = {name: getattr(self, name) for name in ROOT_KEYWORDS}
+        for group in GROUPS:
+            held = getattr(self, group)
+            flat.update({f.name: getattr(held, f.name) for f in fields(held)})
+        return flat
