@@ -143,8 +143,8 @@ def memory_report(
 ) -> MemoryReport:
     """Walk each rank's actions in order with their times and account memory per stage."""
     policy = program.policy or WeightPolicy.FLUSH
-    keeps = policy in (WeightPolicy.STASH, WeightPolicy.DOUBLE_BUFFER)
-    holds = policy is WeightPolicy.PREDICT  # a recomputation must meet the forward's Ŵ
+    keeps = policy.keeps_past_versions
+    holds = policy.reads_predicted  # a recomputation must meet the forward's Ŵ
     mb = program.mb
     version, _, predicted = program.flat_versions()
     starts, ends = timing.starts, timing.ends

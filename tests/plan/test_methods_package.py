@@ -199,3 +199,17 @@ def test_a_method_from_a_module_and_one_registry_line_is_found_and_simulates() -
     assert "test-gpipe-twin" not in METHODS
     with pytest.raises(PlanError, match="unknown method 'test-gpipe-twin'"):
         get_method("test-gpipe-twin")
+
+
+def test_each_weight_rule_answers_the_questions_its_readers_ask() -> None:
+    # (keeps one version, keeps past versions, reads predicted) per rule
+    answers = {
+        rule.value: (rule.keeps_one_version, rule.keeps_past_versions, rule.reads_predicted)
+        for rule in WeightPolicy
+    }
+    assert answers == {
+        "flush": (True, False, False),
+        "stash": (False, True, False),
+        "double-buffer": (False, True, False),
+        "predict": (False, False, True),
+    }

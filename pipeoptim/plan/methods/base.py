@@ -48,6 +48,24 @@ class WeightPolicy(str, enum.Enum):
     PREDICT = "predict"
     """Forward reads predicted weights of the version its backward will meet."""
 
+    # The questions the stage, the simulator and the risk model ask of a rule, so that
+    # no code outside the methods and the version analysis compares the members.
+    @property
+    def keeps_one_version(self) -> bool:
+        """Every pass of mini-batch t reads W^(t): no update between a micro-batch's passes."""
+        return self is WeightPolicy.FLUSH
+
+    @property
+    def keeps_past_versions(self) -> bool:
+        """A stage keeps versions older than the live one for later passes (a stash, or the
+        second buffer)."""
+        return self in (WeightPolicy.STASH, WeightPolicy.DOUBLE_BUFFER)
+
+    @property
+    def reads_predicted(self) -> bool:
+        """Forwards read predicted weights (the live weights moved forward)."""
+        return self is WeightPolicy.PREDICT
+
 
 ForwardReads = Literal["mini-batch version", "latest", "one behind", "predicted"]
 """What a forward reads: the version of its mini-batch (a flush keeps every micro-batch of

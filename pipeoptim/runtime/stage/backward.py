@@ -17,7 +17,6 @@ import torch
 from torch import Tensor
 
 from pipeoptim.errors import StageError
-from pipeoptim.plan.methods import WeightPolicy
 from pipeoptim.plan.versions import MicroBatchVersions
 from pipeoptim.runtime.payload import (
     Gradients,
@@ -178,7 +177,7 @@ class StageBackward(StageFields):
         self._retire(v)
 
     def _check_split(self, half: str, mb: int) -> None:
-        if self.policy is not WeightPolicy.FLUSH:
+        if not self.policy.keeps_one_version:
             raise StageError(split_refusal(self.method.name, self.policy, half))
         if mb not in self._saved:
             raise RuntimeError(f"stage {self.index}: {half} of micro-batch {mb} before its F")

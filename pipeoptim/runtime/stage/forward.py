@@ -21,7 +21,6 @@ import torch
 from torch import Tensor
 
 from pipeoptim.errors import StageError
-from pipeoptim.plan.methods import WeightPolicy
 from pipeoptim.plan.versions import MicroBatchVersions
 from pipeoptim.runtime.payload import Payload, checked_payload_loss, checked_tuple
 from pipeoptim.runtime.stage.backward import StageBackward
@@ -91,7 +90,7 @@ class StageForward(StageBackward, StagePrediction):
         weights. Always under flush methods; under asynchronous ones a forward of s = 0 on
         the live weights (XPipe's that predict nothing). Its backward reads what the forward
         read, as an alias of the live storage would."""
-        if self.policy is WeightPolicy.FLUSH:
+        if self.policy.keeps_one_version:
             return True
         return s == 0 and v.distance == 0 and v.forward_version == self.weights.current
 

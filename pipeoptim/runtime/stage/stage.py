@@ -61,7 +61,7 @@ from torch.nn.utils import parametrize
 from torch.optim import Optimizer
 
 from pipeoptim.errors import StageError
-from pipeoptim.plan.methods import Method, WeightPolicy
+from pipeoptim.plan.methods import Method
 from pipeoptim.plan.plan import OptimizerSpec
 from pipeoptim.plan.versions import MicroBatchVersions, gradient_delays, prediction_distance
 from pipeoptim.runtime.optim.builder import build_stage_rule
@@ -326,7 +326,7 @@ class Stage(StageForward, StageState):
     def recompute_held_bytes(self) -> int:
         """Bytes of Ŵ a predicted forward's recomputed units hold until its backward (0: the
         stage does not predict, or recomputes nothing)."""
-        if self.recompute is None or self.policy is not WeightPolicy.PREDICT:
+        if self.recompute is None or not self.policy.reads_predicted:
             return 0
         if self.predicted_backward or self.predictor is None:
             return 0  # a predicted backward's Ŵ is the copy its graph holds anyway
@@ -406,7 +406,7 @@ class Stage(StageForward, StageState):
         re-cast from the weights an alias's node names), without recomputation (a
         recomputed unit reruns on fresh aliases, whose gradients reach the parameters in
         the middle of a backward that also adds to the leaves)."""
-        if self.policy is WeightPolicy.FLUSH or self.recompute is not None:
+        if self.policy.keeps_one_version or self.recompute is not None:
             return False
         return self.precision.dtype is None
 

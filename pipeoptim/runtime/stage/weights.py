@@ -98,7 +98,7 @@ class WeightVersions:
     def __init__(self, policy: WeightPolicy, params: Sequence[Tensor], stage: int) -> None:
         self.stage = stage
         self.params = params
-        self.tracks = policy is not WeightPolicy.PREDICT
+        self.tracks = not policy.reads_predicted
         """Whether passes read kept versions (every policy but PREDICT)."""
         self.passes: dict[int, MicroBatchVersions] = {}
         self.current = 0
