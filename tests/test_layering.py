@@ -171,13 +171,18 @@ SPINE = tuple(
         "result",
         "checkpoint_folder",
         "executor",
+        "rank_messages",
+        "recorder",
+        "rank_result",
+        "boundary",
         "segments",
         "feed",
         "assembly",
     )
 )
 """The runtime's spine, top down: launch -> the Pipeline front -> the fit loop (with its dry
-run, its divergence words and its result) -> the checkpoint folder -> the executor (with the
+run, its divergence words and its result) -> the checkpoint folder -> the executor (with its
+messages, its trace recorder, a process's result and the boundaries it allocates from; the
 segments it runs and the data it feeds) -> the assembly of the built parts."""
 STAGE = f"{RUNTIME}.stage.stage"
 STAGE_PARTS = tuple(

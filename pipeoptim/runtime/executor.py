@@ -23,23 +23,28 @@ model is built by :mod:`~pipeoptim.runtime.assembly`, checkpoints are
 :mod:`~pipeoptim.runtime.fit_loop`'s, and the segments it runs are laid out by
 :mod:`~pipeoptim.runtime.segments`.
 Losses stay on the device; nothing here synchronises with the host per micro-batch.
+
+The executor's parts, one concern each: its messages (names, receive specs, receives posted
+ahead: :mod:`~pipeoptim.runtime.rank_messages`, its base class), the boundaries it allocates
+from (:mod:`~pipeoptim.runtime.boundary`), the trace it records into
+(:mod:`~pipeoptim.runtime.recorder`) and what a process returns
+(:mod:`~pipeoptim.runtime.rank_result`); their names stay importable from here.
 """
 
 from __future__ import annotations
 
-import json
-import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields, is_dataclass
-from typing import Any, TypeAlias
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from pipeoptim.errors import StageError
 from pipeoptim.plan.actions import Action, Kind
+from pipeoptim.runtime.boundary import Boundary, TensorSpec
 from pipeoptim.runtime.comm.stop_channel import StopChannel
-from pipeoptim.runtime.comm.transport import MessageKey, Parts, Transport
+from pipeoptim.runtime.comm.transport import Transport
 from pipeoptim.runtime.feed import TrainFeed
 from pipeoptim.runtime.model.ties import TieExchange
 from pipeoptim.runtime.payload import (
@@ -47,9 +52,11 @@ from pipeoptim.runtime.payload import (
     Payload,
     boundary_mismatch,
     boundary_refusal,
-    payload_bytes,
     to_device,
 )
+from pipeoptim.runtime.rank_messages import RankMessages
+from pipeoptim.runtime.rank_result import RankResult
+from pipeoptim.runtime.recorder import Recorder
 from pipeoptim.runtime.segments import Segment, SegmentPlan, step_of
 from pipeoptim.runtime.stage.loss import evaluation_weight
 from pipeoptim.runtime.stage.stage import Stage
@@ -64,38 +71,6 @@ __all__ = [
     "TensorSpec",
     "drive_local",
 ]
-
-LOOKAHEAD = 8
-"""How many upcoming actions a rank scans to post its receives early."""
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One sample of a tensor a stage hands on (or of the targets): what a receiving rank
-    allocates."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def grad_dtype(self) -> torch.dtype:
-        return self.dtype if self.dtype.is_floating_point else torch.float32
-
-
-Boundary: TypeAlias = TensorSpec | tuple[TensorSpec, ...]
-"""What crosses a stage boundary, per sample: one tensor, or a tuple of them (the next
-stage's first unit takes them as its positional arguments). The gradient sent back carries
-the floating-point tensors of a tuple only."""
-
-RecvSpec: TypeAlias = (
-    tuple[MessageKey, int, tuple[int, ...], torch.dtype] | tuple[MessageKey, int, Parts]
-)
-"""A receive: (key, peer, shape, dtype) of one tensor, or (key, peer, parts) of a tuple."""
-
-
-def _parts(b: tuple[TensorSpec, ...], n: int, grad: bool) -> Parts:
-    """A tuple boundary's tensors for ``n`` samples; ``grad``: the floating-point ones."""
-    return tuple(((n, *p.shape), p.dtype) for p in b if not grad or p.dtype.is_floating_point)
 
 
 @dataclass
@@ -112,95 +87,12 @@ class EvalSums:
     where targets are ignored (``stage.loss.evaluation_weight``)."""
 
 
-Mark = float | torch.cuda.Event
-
-
-class Recorder:
-    """Trace events and memory samples of the ranks one process runs.
-
-    Times are seconds since ``origin``, a ``perf_counter`` value taken after all ranks met
-    (ranks of one machine share the clock). On CUDA actions are timed with events, resolved
-    at segment ends, so timing never stalls the device mid-segment; resolved events are
-    recorded again later instead of creating two new ones per action. At most ``limit``
-    events (and as many memory samples) are kept, the first ones of the run: a trace of a
-    very long run shows its beginning and ``truncated`` says so.
-    """
-
-    def __init__(self, device: torch.device, origin: float, limit: int = 500_000) -> None:
-        self.cuda = device.type == "cuda"
-        self.device = device
-        self.origin = origin
-        self.limit = limit
-        self.truncated = False
-        self.events: list[TraceEvent] = []
-        self.memory: list[MemorySample] = []
-        self._pending: list[tuple[TraceEvent | MemorySample, Any, Any]] = []
-        self._spare: list[torch.cuda.Event] = []  # resolved events, free to record again
-        self._base = torch.cuda.Event(enable_timing=True) if self.cuda else None  # type: ignore[no-untyped-call]
-        if self._base is not None:
-            self._base.record()
-        self._base_time = time.perf_counter() - origin
-
-    def mark(self) -> Mark:
-        if self.cuda:
-            ev = self._spare.pop() if self._spare else torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            ev.record()
-            return ev
-        return time.perf_counter() - self.origin
-
-    @property
-    def full(self) -> bool:
-        return len(self.events) + len(self._pending) >= self.limit
-
-    def add(self, item: TraceEvent | MemorySample, start: Mark, end: Mark) -> None:
-        if self.full:
-            self.truncated = True
-            return
-        if isinstance(start, float) and isinstance(end, float):
-            self._store(item, start, end)
-        else:
-            self._pending.append((item, start, end))
-
-    def _store(self, item: TraceEvent | MemorySample, start: float, end: float) -> None:
-        if isinstance(item, TraceEvent):
-            # built field by field: dataclasses.replace costs a few microseconds per action
-            self.events.append(
-                TraceEvent(
-                    item.rank,
-                    item.stage,
-                    item.kind,
-                    item.mb,
-                    start,
-                    end,
-                    item.weight_version,
-                    item.bytes,
-                    item.distance,
-                )
-            )
-        else:
-            self.memory.append(MemorySample(item.rank, end, item.bytes, item.detail))
-
-    def resolve(self) -> None:
-        """Turn pending CUDA events into times (one device synchronisation)."""
-        if not self._pending or self._base is None:
-            return
-        torch.cuda.synchronize(self.device)
-        base = self._base
-        spare: dict[int, torch.cuda.Event] = {}  # an event may mark two items' times
-        for item, start, end in self._pending:
-            t0 = self._base_time + base.elapsed_time(start) / 1e3
-            self._store(item, t0, self._base_time + base.elapsed_time(end) / 1e3)
-            spare[id(start)], spare[id(end)] = start, end
-        self._spare.extend(spare.values())
-        self._pending = []
-
-
 StepCallback = Callable[[int, Tensor, Tensor | None, int], None]
 """Called on the rank of the last stage with (global step, loss, correct, targets counted);
 loss and correct are device tensors, read by the caller at its log points."""
 
 
-class RankExecutor:
+class RankExecutor(RankMessages):
     """Runs one rank's action list, one segment (or evaluation chunk) at a time."""
 
     def __init__(
@@ -308,10 +200,6 @@ class RankExecutor:
         self._eval, self._eval_sizes = None, []
         self._inputs.clear()
         self._targets.clear()
-
-    @property
-    def evaluating(self) -> bool:
-        return bool(self._eval_sizes)
 
     @property
     def done(self) -> bool:
@@ -527,30 +415,6 @@ class RankExecutor:
             self.transport.send(y, self.rank_of[self.last], self._target_spec(mb)[0])
         return x
 
-    def _needs_target_message(self, a: Action) -> bool:
-        if self.targets_read and not self.evaluating:
-            return False
-        return a.kind is Kind.FORWARD and a.stage == self.last and 0 not in self.stages
-
-    def _take_target(self, mb: int) -> Tensor:
-        if mb in self._targets:
-            y = self._targets.pop(mb)
-        elif self.target_feed is not None and not self.evaluating:
-            step, j = divmod(mb, self._m)
-            y = self.target_feed.micro_batch(self._first + step, j)[1]
-        else:
-            y = self.transport.recv(*self._target_spec(mb))
-        return y
-
-    def _target_spec(self, mb: int) -> tuple[MessageKey, int, tuple[int, ...], torch.dtype]:
-        key: MessageKey = (
-            ("eval_target", self.last, self._eval_first + mb)
-            if self.evaluating
-            else ("target", self.last, self._global(mb))
-        )
-        n = self._size(mb)
-        return key, self.rank_of[0], (n, *self.target.shape), self.target.dtype
-
     def _forward_eval(self, stage: Stage, mb: int) -> None:
         k = stage.index
         x = self._stage_input(k, mb, lambda: self._eval_batch(mb))
@@ -581,74 +445,6 @@ class RankExecutor:
         x, y = self._eval[mb]
         device = self.stages[0].device
         return to_device(x, device), y.to(device, non_blocking=True)
-
-    def _size(self, mb: int) -> int:
-        return self._eval_sizes[mb] if self.evaluating else self.micro_size
-
-    def _communicate(self, a: Action) -> tuple[int, int, int]:
-        k, mb = a.stage, a.mb
-        act, grad = ("eval", "eval") if self.evaluating else ("act", "grad")
-        t: Payload
-        if a.kind is Kind.SEND_F:
-            t = self._inputs.pop((k + 1, mb))
-            self.transport.send(t, self.rank_of[k + 1], (act, k + 1, self._message_mb(mb)))
-        elif a.kind is Kind.SEND_B:
-            g = self._grads.pop((k - 1, mb))
-            # a tuple's gradient travels for its floating-point tensors only
-            t = g if isinstance(g, Tensor) else tuple(p for p in g if p is not None)
-            self.transport.send(t, self.rank_of[k - 1], (grad, k - 1, self._message_mb(mb)))
-        elif a.kind in (Kind.RECV_F, Kind.RECV_B):
-            spec = self._recv_spec(a)
-            waited = time.perf_counter()
-            t = self.transport.recv(*spec) if len(spec) == 4 else self.transport.recv_parts(*spec)
-            self.wait_s += time.perf_counter() - waited
-            (self._inputs if a.kind is Kind.RECV_F else self._grads)[(k, mb)] = t
-        else:
-            raise RuntimeError(f"rank {self.rank}: action {a} is for a stage it does not hold")
-        return 0, t.numel() * t.element_size() if isinstance(t, Tensor) else payload_bytes(t), 0
-
-    def _recv_key(self, a: Action) -> MessageKey:
-        """The name of the message a receive action takes (the first item of its spec)."""
-        mb = self._message_mb(a.mb)
-        if a.kind is Kind.RECV_F:
-            return ("eval" if self.evaluating else "act", a.stage, mb)
-        return ("grad", a.stage, mb)
-
-    def _recv_spec(self, a: Action) -> RecvSpec:
-        n, k, key = self._size(a.mb), a.stage, self._recv_key(a)
-        if a.kind is Kind.RECV_F:
-            b = self.boundaries[k - 1]
-            if isinstance(b, tuple):
-                return key, self.rank_of[k - 1], _parts(b, n, grad=False)
-            return key, self.rank_of[k - 1], (n, *b.shape), b.dtype
-        b = self.boundaries[k]
-        if isinstance(b, tuple):
-            return key, self.rank_of[k + 1], _parts(b, n, grad=True)
-        return key, self.rank_of[k + 1], (n, *b.shape), b.grad_dtype
-
-    def _global(self, mb: int) -> int:
-        """A segment's micro-batch id as the run counts it (messages and the trace)."""
-        return self._first * self._m + mb
-
-    def _message_mb(self, mb: int) -> int:
-        return self._eval_first + mb if self.evaluating else self._global(mb)
-
-    def _post_ahead(self) -> None:
-        if not self._posts_receives:
-            return
-        # no receive past a stop decision not yet taken: it might never be sent
-        horizon = self._gates[0][1] if self._gates else None
-        for a in self._actions[self._pos : self._pos + LOOKAHEAD]:
-            if horizon is not None and self._first + step_of(a, self._m) > horizon:
-                break
-            if a.kind in (Kind.RECV_F, Kind.RECV_B):
-                spec = self._recv_spec(a)
-                if len(spec) == 4:
-                    self.transport.post_recv(*spec)
-                else:
-                    self.transport.post_recv_parts(*spec)
-            elif self._needs_target_message(a):
-                self.transport.post_recv(*self._target_spec(a.mb))
 
     def _record_loss(self, step: int, loss: Tensor, correct: Tensor | None, targets: int) -> None:
         acc = self._loss.get(step)
@@ -699,63 +495,3 @@ def drive_local(executors: Sequence[RankExecutor]) -> None:
         if idle_waves == 2:
             waiting = ", ".join(f"rank {e.rank} at {e.next_action()}" for e in pending)
             raise RuntimeError(f"pipeline deadlock: every rank waits for a message ({waiting})")
-
-
-def _dataclass_as_dict(value: Any) -> dict[str, Any]:
-    """A dataclass met inside a result's plain values (JSON's fallback), as ``asdict``."""
-    if is_dataclass(value) and not isinstance(value, type):
-        return asdict(value)
-    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
-
-
-@dataclass
-class RankResult:
-    """What one process measured; plain data, so it travels as JSON between processes."""
-
-    ranks: list[int]
-    steps_per_epoch: int = 0
-    skipped_samples: int = 0
-    batch_size: int = 0
-    start_step: int = 0
-    end_step: int = 0
-    losses: dict[int, float] = field(default_factory=dict)
-    correct: dict[int, int] = field(default_factory=dict)
-    targets: dict[int, int] = field(default_factory=dict)
-    evals: list[dict[str, Any]] = field(default_factory=list)
-    weight_copies: dict[int, int] = field(default_factory=dict)
-    predict_s: dict[int, float] = field(default_factory=dict)
-    """Median seconds of a prediction per predicting stage (CPU runs)."""
-    recompute_held_bytes: dict[int, int] = field(default_factory=dict)
-    """Bytes of Ŵ a predicted forward's recomputed units hold until its backward, per
-    stage that holds any (``stage/recompute.py``)."""
-    meta: dict[str, Any] = field(default_factory=dict)
-    """What the rank knows about the run for the trace (boundaries, threads...)."""
-    train_seconds: float = 0.0
-    notes: list[str] = field(default_factory=list)
-    events: list[TraceEvent] = field(default_factory=list)
-    memory: list[MemorySample] = field(default_factory=list)
-
-    def to_json(self) -> str:
-        # field by field, the events as their own dicts: ``asdict`` copies every value
-        # deeply, about 11 µs an event (seconds at a fit's end for a long trace)
-        plain = {f.name: getattr(self, f.name) for f in fields(self)}
-        plain["events"] = [vars(e) for e in self.events]
-        plain["memory"] = [vars(m) for m in self.memory]
-        return json.dumps(plain, default=_dataclass_as_dict)
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> RankResult:
-        d = json.loads(text)
-        keys = (
-            "losses",
-            "correct",
-            "targets",
-            "weight_copies",
-            "predict_s",
-            "recompute_held_bytes",
-        )
-        for key in keys:
-            d[key] = {int(k): v for k, v in d[key].items()}
-        d["events"] = [TraceEvent(**e) for e in d["events"]]
-        d["memory"] = [MemorySample(**m) for m in d["memory"]]
-        return cls(**d)

@@ -1,0 +1,168 @@
+"""A rank's messages: what it sends and receives, under which names and in which shapes.
+
+The executor (``executor.py``) runs a rank's actions; both ends of every message must agree
+on its name (stage, micro-batch, evaluation or training) and on the shape the receiver
+allocates before it arrives, and that agreement is this module's concern: the message
+actions, the names, the receive specs, the receives posted ahead and where the last stage
+takes its targets from. :class:`RankMessages` is the executor's base class, so a call costs
+what it did inside one class.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, TypeAlias
+
+import torch
+from torch import Tensor
+
+from pipeoptim.plan.actions import Action, Kind
+from pipeoptim.runtime.boundary import Boundary, TensorSpec
+from pipeoptim.runtime.comm.transport import MessageKey, Parts, Transport
+from pipeoptim.runtime.payload import Gradients, Payload, payload_bytes
+from pipeoptim.runtime.segments import step_of
+
+if TYPE_CHECKING:
+    from pipeoptim.runtime.feed import TrainFeed
+    from pipeoptim.runtime.stage.stage import Stage
+
+__all__ = ["LOOKAHEAD", "RankMessages", "RecvSpec"]
+
+LOOKAHEAD = 8
+"""How many upcoming actions a rank scans to post its receives early."""
+
+
+RecvSpec: TypeAlias = (
+    tuple[MessageKey, int, tuple[int, ...], torch.dtype] | tuple[MessageKey, int, Parts]
+)
+"""A receive: (key, peer, shape, dtype) of one tensor, or (key, peer, parts) of a tuple."""
+
+
+def _parts(b: tuple[TensorSpec, ...], n: int, grad: bool) -> Parts:
+    """A tuple boundary's tensors for ``n`` samples; ``grad``: the floating-point ones."""
+    return tuple(((n, *p.shape), p.dtype) for p in b if not grad or p.dtype.is_floating_point)
+
+
+class RankMessages:
+    """The message side of :class:`~pipeoptim.runtime.executor.RankExecutor`, its base class.
+
+    It holds no state of its own: ``RankExecutor.__init__`` sets what is declared here."""
+
+    rank: int
+    stages: dict[int, Stage]
+    transport: Transport
+    _posts_receives: bool
+    boundaries: list[Boundary]
+    target: TensorSpec
+    micro_size: int
+    rank_of: dict[int, int]
+    last: int
+    target_feed: TrainFeed | None
+    targets_read: bool
+    wait_s: float
+    _actions: list[Action]
+    _pos: int
+    _first: int
+    _m: int
+    _inputs: dict[tuple[int, int], Payload]
+    _grads: dict[tuple[int, int], Gradients]
+    _targets: dict[int, Tensor]
+    _eval_sizes: list[int]
+    _eval_first: int
+    _gates: list[tuple[int, int]]
+
+    @property
+    def evaluating(self) -> bool:
+        return bool(self._eval_sizes)
+
+    def _needs_target_message(self, a: Action) -> bool:
+        if self.targets_read and not self.evaluating:
+            return False
+        return a.kind is Kind.FORWARD and a.stage == self.last and 0 not in self.stages
+
+    def _take_target(self, mb: int) -> Tensor:
+        if mb in self._targets:
+            y = self._targets.pop(mb)
+        elif self.target_feed is not None and not self.evaluating:
+            step, j = divmod(mb, self._m)
+            y = self.target_feed.micro_batch(self._first + step, j)[1]
+        else:
+            y = self.transport.recv(*self._target_spec(mb))
+        return y
+
+    def _target_spec(self, mb: int) -> tuple[MessageKey, int, tuple[int, ...], torch.dtype]:
+        key: MessageKey = (
+            ("eval_target", self.last, self._eval_first + mb)
+            if self.evaluating
+            else ("target", self.last, self._global(mb))
+        )
+        n = self._size(mb)
+        return key, self.rank_of[0], (n, *self.target.shape), self.target.dtype
+
+    def _size(self, mb: int) -> int:
+        return self._eval_sizes[mb] if self.evaluating else self.micro_size
+
+    def _communicate(self, a: Action) -> tuple[int, int, int]:
+        k, mb = a.stage, a.mb
+        act, grad = ("eval", "eval") if self.evaluating else ("act", "grad")
+        t: Payload
+        if a.kind is Kind.SEND_F:
+            t = self._inputs.pop((k + 1, mb))
+            self.transport.send(t, self.rank_of[k + 1], (act, k + 1, self._message_mb(mb)))
+        elif a.kind is Kind.SEND_B:
+            g = self._grads.pop((k - 1, mb))
+            # a tuple's gradient travels for its floating-point tensors only
+            t = g if isinstance(g, Tensor) else tuple(p for p in g if p is not None)
+            self.transport.send(t, self.rank_of[k - 1], (grad, k - 1, self._message_mb(mb)))
+        elif a.kind in (Kind.RECV_F, Kind.RECV_B):
+            spec = self._recv_spec(a)
+            waited = time.perf_counter()
+            t = self.transport.recv(*spec) if len(spec) == 4 else self.transport.recv_parts(*spec)
+            self.wait_s += time.perf_counter() - waited
+            (self._inputs if a.kind is Kind.RECV_F else self._grads)[(k, mb)] = t
+        else:
+            raise RuntimeError(f"rank {self.rank}: action {a} is for a stage it does not hold")
+        return 0, t.numel() * t.element_size() if isinstance(t, Tensor) else payload_bytes(t), 0
+
+    def _recv_key(self, a: Action) -> MessageKey:
+        """The name of the message a receive action takes (the first item of its spec)."""
+        mb = self._message_mb(a.mb)
+        if a.kind is Kind.RECV_F:
+            return ("eval" if self.evaluating else "act", a.stage, mb)
+        return ("grad", a.stage, mb)
+
+    def _recv_spec(self, a: Action) -> RecvSpec:
+        n, k, key = self._size(a.mb), a.stage, self._recv_key(a)
+        if a.kind is Kind.RECV_F:
+            b = self.boundaries[k - 1]
+            if isinstance(b, tuple):
+                return key, self.rank_of[k - 1], _parts(b, n, grad=False)
+            return key, self.rank_of[k - 1], (n, *b.shape), b.dtype
+        b = self.boundaries[k]
+        if isinstance(b, tuple):
+            return key, self.rank_of[k + 1], _parts(b, n, grad=True)
+        return key, self.rank_of[k + 1], (n, *b.shape), b.grad_dtype
+
+    def _global(self, mb: int) -> int:
+        """A segment's micro-batch id as the run counts it (messages and the trace)."""
+        return self._first * self._m + mb
+
+    def _message_mb(self, mb: int) -> int:
+        return self._eval_first + mb if self.evaluating else self._global(mb)
+
+    def _post_ahead(self) -> None:
+        if not self._posts_receives:
+            return
+        # no receive past a stop decision not yet taken: it might never be sent
+        horizon = self._gates[0][1] if self._gates else None
+        for a in self._actions[self._pos : self._pos + LOOKAHEAD]:
+            if horizon is not None and self._first + step_of(a, self._m) > horizon:
+                break
+            if a.kind in (Kind.RECV_F, Kind.RECV_B):
+                spec = self._recv_spec(a)
+                if len(spec) == 4:
+                    self.transport.post_recv(*spec)
+                else:
+                    self.transport.post_recv_parts(*spec)
+            elif self._needs_target_message(a):
+                self.transport.post_recv(*self._target_spec(a.mb))
