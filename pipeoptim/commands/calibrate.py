@@ -36,7 +36,7 @@ from pipeoptim.commands.common import (
     print_json,
 )
 from pipeoptim.errors import PipeoptimError
-from pipeoptim.plan.limits import check_work, estimate_work
+from pipeoptim.plan.limits import check_work
 from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.plan import Plan
 from pipeoptim.plan.profile import Profile
@@ -137,7 +137,7 @@ def _check_measured(trace: Trace, source: str) -> None:
         )
     mini_batches = trace.meta.get("mini_batches")
     if isinstance(mini_batches, int) and mini_batches >= 1:
-        estimate = estimate_work(plan.method_spec, plan.shape(mini_batches))
+        estimate = plan.method_spec.work(plan.shape(mini_batches))
         check_work(estimate, what="calibrating")
 
 

@@ -24,7 +24,7 @@ from pipeoptim.commands.cluster import global_batch
 from pipeoptim.errors import PlanError
 from pipeoptim.plan.recompute import check_shard_optimizer, parse_recompute_flag
 from pipeoptim.plan.recompute_costs import labels_from_names, stage_unit_sets
-from pipeoptim.plan.schedules import Shape
+from pipeoptim.plan.shape import Shape
 from pipeoptim.plan.units import parse_bandwidth, parse_bytes
 from pipeoptim.sim.costs import UNIT_KEYS, CostModel, graph_recompute_sets, parse_uniform
 

@@ -48,7 +48,6 @@ from pipeoptim.plan.limits import (
     MAX_JITTER,
     check_total,
     check_work,
-    estimate_work,
     fit_budget,
     max_actions,
 )
@@ -56,7 +55,7 @@ from pipeoptim.plan.methods import METHODS, Method
 from pipeoptim.plan.plan import OPTIMIZER_FAMILIES
 from pipeoptim.plan.replicas import check_batch_split
 from pipeoptim.plan.risk import method_risk
-from pipeoptim.plan.schedules import Shape
+from pipeoptim.plan.shape import Shape
 from pipeoptim.plan.units import format_bytes, format_distances
 from pipeoptim.planning import resolve_methods
 from pipeoptim.sim.costs import CostModel
@@ -250,7 +249,7 @@ def _fit(
     jobs: list[tuple[Method, Shape]], every: bool, skipped: list[tuple[str, str]]
 ) -> list[tuple[Method, Shape]]:
     """Refuse (one method) or skip with a note (several) what is over the work limit."""
-    estimates = [estimate_work(method, shape) for method, shape in jobs]
+    estimates = [method.work(shape) for method, shape in jobs]
     if not every:
         check_total(estimates)
         return jobs

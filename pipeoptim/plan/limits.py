@@ -24,8 +24,7 @@ from typing import TYPE_CHECKING
 from pipeoptim.errors import WorkLimitError
 
 if TYPE_CHECKING:  # types only: at run time this module imports nothing from pipeoptim.plan
-    from pipeoptim.plan.methods import Method
-    from pipeoptim.plan.schedules import Shape
+    from pipeoptim.plan.shape import Shape
 
 __all__ = [
     "BYTES_PER_ACTION",
@@ -45,7 +44,6 @@ __all__ = [
     "check_partition_size",
     "check_total",
     "check_work",
-    "estimate_work",
     "fit_budget",
     "max_actions",
 ]
@@ -198,17 +196,6 @@ class WorkEstimate:
             f"fewer --mini-batches (at most {fits:,} fit) and fewer --stages (the steady state "
             f"needs N of about 4P = {shows:,})"
         )
-
-
-def estimate_work(method: Method, shape: Shape) -> WorkEstimate:
-    """The work of ``method`` at ``shape`` (a resolved :meth:`Method.shape`)."""
-    return WorkEstimate(
-        method.name,
-        not method.flushes,
-        shape,
-        method.passes_per_micro_batch,
-        method.folds_stages_in_a_v,
-    )
 
 
 def _env_hint() -> str:

@@ -36,7 +36,7 @@ from pipeoptim.plan.recompute import (
     check_shard_optimizer,
 )
 from pipeoptim.plan.replicas import check_replicas
-from pipeoptim.plan.schedules import Shape
+from pipeoptim.plan.shape import Shape
 
 PLAN_FORMAT = "pipeoptim-plan"
 PLAN_VERSION = 1

@@ -10,7 +10,6 @@ one continuous pipeline: they never flush.
 from __future__ import annotations
 
 from collections.abc import Container, Mapping, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -26,31 +25,10 @@ from pipeoptim.plan.actions import (
     format_grid,
 )
 from pipeoptim.plan.orders import KIND_B, KIND_F, KIND_U, OrderArrays
+from pipeoptim.plan.shape import Shape
 
 Order = dict[int, list[Action]]
 """Per-rank actions in execution order, without idle steps."""
-
-
-@dataclass(frozen=True)
-class Shape:
-    """The size of a run a generator lays out."""
-
-    num_ranks: int
-    """Pipeline ranks P (devices). Stage count is ``num_ranks * virtual_stages``."""
-    micro_batches: int = 1
-    """Micro-batches M per mini-batch; 1 for methods that do not micro-batch."""
-    mini_batches: int = 1
-    """Mini-batches N in the run (one optimizer update per stage each)."""
-    virtual_stages: int = 1
-    """Stages per rank (chunks v of interleaved 1F1B); 1 everywhere else."""
-
-    @property
-    def num_stages(self) -> int:
-        return self.num_ranks * self.virtual_stages
-
-    @property
-    def total_micro_batches(self) -> int:
-        return self.micro_batches * self.mini_batches
 
 
 def dependencies(

@@ -32,7 +32,7 @@ from pipeoptim.plan.orders import (
     KeyIndex,
     OrderArrays,
 )
-from pipeoptim.plan.schedules import Shape
+from pipeoptim.plan.shape import Shape
 
 BoolArray = npt.NDArray[np.bool_]
 

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pipeoptim.errors import PlanError, WorkLimitError
-from pipeoptim.plan.limits import estimate_work, fit_budget
+from pipeoptim.plan.limits import fit_budget
 from pipeoptim.plan.memory_factors import method_memory_factors
 from pipeoptim.plan.methods import Method
 from pipeoptim.plan.partition import min_memory_partition
@@ -258,7 +258,7 @@ def _work(method: Method, stages: int, micro_batches: int) -> int:
         )
     except PlanError:
         return 0  # evaluating it raises the rule's own message
-    return estimate_work(method, shape).cost
+    return method.work(shape).cost
 
 
 def _why_none(

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from pipeoptim.errors import PlanError
-from pipeoptim.plan.limits import estimate_work, fit_budget
+from pipeoptim.plan.limits import fit_budget
 from pipeoptim.plan.methods import METHODS, Method
 from pipeoptim.plan.profile import Profile
 from pipeoptim.plan.risk import method_risk
@@ -107,7 +107,7 @@ def _actions(method: Method, num_stages: int, micro_batches: int, mini_batches: 
         shape = method.shape(num_stages, method.micro_batches_for(micro_batches), mini_batches)
     except PlanError:
         return 0
-    return estimate_work(method, shape).cost
+    return method.work(shape).cost
 
 
 def rank(candidates: Sequence[Candidate], tie_tolerance: float = 0.01) -> list[Candidate]:

@@ -21,7 +21,7 @@ from typing import Any
 from tqdm import tqdm
 
 from pipeoptim.errors import PipeoptimError, RuntimeConfigError
-from pipeoptim.plan.schedules import Shape
+from pipeoptim.plan.shape import Shape
 from pipeoptim.runtime.checkpoint_folder import CheckpointFolder
 from pipeoptim.runtime.comm.replicas import gather_over_replicas
 from pipeoptim.runtime.config import run_length

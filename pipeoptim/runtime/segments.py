@@ -28,10 +28,10 @@ from functools import lru_cache
 
 from pipeoptim.errors import RuntimeConfigError, ScheduleError
 from pipeoptim.plan.actions import SPLIT_BACKWARD, Action, Kind
-from pipeoptim.plan.limits import estimate_work
 from pipeoptim.plan.methods import Method
 from pipeoptim.plan.passes import add_communication, forwards_first, runs_to_the_end
-from pipeoptim.plan.schedules import Shape, forward_only, stage_ranks
+from pipeoptim.plan.schedules import forward_only, stage_ranks
+from pipeoptim.plan.shape import Shape
 from pipeoptim.plan.versions import MicroBatchVersions, VersionReport, analyze_versions
 
 __all__ = [
@@ -83,7 +83,7 @@ def segment_limit(method: Method, shape: Shape) -> int:
     SEGMENT_ACTIONS."""
     per_step = shape.num_stages * shape.micro_batches
     limit = max(4 * shape.num_ranks, SEGMENT_PASSES // per_step)
-    work = estimate_work(method, replace(shape, mini_batches=limit))
+    work = method.work(replace(shape, mini_batches=limit))
     if work.actions > SEGMENT_ACTIONS:
         raise RuntimeConfigError(
             f"one never-flushed segment ({limit} mini-batches of "

@@ -26,11 +26,11 @@ import simpy
 
 from pipeoptim.errors import ScheduleError, WorkLimitError
 from pipeoptim.plan.actions import Action
-from pipeoptim.plan.limits import check_work, estimate_work, max_actions
+from pipeoptim.plan.limits import check_work, max_actions
 from pipeoptim.plan.machine import Machine
 from pipeoptim.plan.methods import Method, WeightPolicy, get_method
 from pipeoptim.plan.orders import KIND_CODES
-from pipeoptim.plan.schedules import Shape
+from pipeoptim.plan.shape import Shape
 from pipeoptim.sim.costs import CostModel
 from pipeoptim.sim.memory import memory_report
 from pipeoptim.sim.program import Program, Timing
@@ -320,7 +320,7 @@ def simulate(
     """
     spec = get_method(method) if isinstance(method, str) else method
     if program is None:
-        check_work(estimate_work(spec, shape))
+        check_work(spec.work(shape))
         program = Program(spec.order_arrays(shape), shape.micro_batches, spec.version_rule)
     return _simulate(
         program, costs, jitter, seed, contention, full_duplex, memory, spec.name, shape, None

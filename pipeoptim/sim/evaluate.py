@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 
 from pipeoptim.metrics import steady_state_throughput
-from pipeoptim.plan.limits import check_work, estimate_work
+from pipeoptim.plan.limits import check_work
 from pipeoptim.plan.methods import Method, get_method
 from pipeoptim.plan.orders import IntArray
-from pipeoptim.plan.schedules import Shape
+from pipeoptim.plan.shape import Shape
 from pipeoptim.sim.costs import CostModel
 from pipeoptim.sim.program import FloatArray, Program, Timing
 from pipeoptim.sim.sharing import shared_schedule
@@ -79,7 +79,7 @@ def compile_method(method: str | Method, shape: Shape) -> Program:
     """The compiled order of ``method`` for ``shape`` (cached by method name and shape);
     refuses a run over :data:`pipeoptim.plan.limits.MAX_ACTIONS` before compiling it."""
     spec = get_method(method) if isinstance(method, str) else method
-    check_work(estimate_work(spec, shape))
+    check_work(spec.work(shape))
     return _compile_cached(spec.name, shape)
 
 

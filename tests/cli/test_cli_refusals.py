@@ -23,7 +23,6 @@ from pipeoptim.commands import planning
 from pipeoptim.errors import PipeoptimError, WorkLimitError
 from pipeoptim.plan.limits import (
     MAX_ACTIONS,
-    estimate_work,
     max_actions,
 )
 from pipeoptim.plan.methods import METHODS, build_schedule, check_schedule_size, get_method
@@ -94,7 +93,7 @@ def test_work_estimates_are_exact_for_every_method() -> None:
                 schedule, shape = build_schedule(name, p, m, n, v)
             except PipeoptimError:
                 continue  # the method's own size rules refuse it
-            estimate = estimate_work(method, shape)
+            estimate = method.work(shape)
             assert estimate.actions == sum(a is not None for r in schedule.values() for a in r)
             steps = max(len(r) for r in schedule.values())
             if method.v_shape:  # a V's mini-batches overlap: the closed form is a bound
@@ -106,7 +105,7 @@ def test_work_estimates_are_exact_for_every_method() -> None:
 def test_benchmark_sizes_still_fit_the_work_limit() -> None:
     """P=64, N=10,000 (benchmarks/bench_sim.py) is within both limits."""
     shape = check_schedule_size("pipeoptim", 64, None, 10_000, what="simulating")
-    estimate = estimate_work(get_method("pipeoptim"), shape)
+    estimate = get_method("pipeoptim").work(shape)
     assert estimate.actions == 1_920_000 <= MAX_ACTIONS
     assert estimate.grid_cells <= MAX_ACTIONS
     assert check_schedule_size("1f1b", 8, 1_000, 2).micro_batches == 1_000

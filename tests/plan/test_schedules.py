@@ -8,13 +8,13 @@ from pipeoptim.errors import PlanError, ScheduleError
 from pipeoptim.plan import METHODS, build_schedule, get_method
 from pipeoptim.plan.actions import format_schedule
 from pipeoptim.plan.schedules import (
-    Shape,
     accumulation_steps,
     async_one_f_one_b,
     bounded_async_one_f_one_b_arrays,
     forward_only,
     retime,
 )
+from pipeoptim.plan.shape import Shape
 from pipeoptim.plan.validate import validate
 
 

@@ -214,7 +214,8 @@ def test_runtime_plans_a_synchronous_split_backward() -> None:
     """The runtime's planning step takes a flushed schedule with I/W as it is: the lowered
     order receives the gradient before each I and sends its input gradient after it."""
     from pipeoptim.plan.methods import Method, WeightPolicy
-    from pipeoptim.plan.schedules import Shape, one_f_one_b
+    from pipeoptim.plan.schedules import one_f_one_b
+    from pipeoptim.plan.shape import Shape
     from pipeoptim.runtime.segments import segment_plan
 
     def split(shape: Shape) -> dict[int, list[Action]]:

@@ -8,7 +8,8 @@ import pytest
 
 from pipeoptim.errors import PlanError
 from pipeoptim.plan.actions import Action, B, F, Kind, U, compact, format_schedule
-from pipeoptim.plan.schedules import Shape, dependencies, one_f_one_b
+from pipeoptim.plan.schedules import dependencies, one_f_one_b
+from pipeoptim.plan.shape import Shape
 from pipeoptim.plan.validate import validate
 from pipeoptim.plan.zero_bubble import zb_h1, zb_h1_order, zb_v, zb_v_order
 

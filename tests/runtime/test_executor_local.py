@@ -13,7 +13,7 @@ from torch import nn
 from pipeoptim.errors import PipeoptimError, PlanError, RuntimeConfigError
 from pipeoptim.plan.methods import METHODS, get_method
 from pipeoptim.plan.plan import OptimizerSpec, Plan
-from pipeoptim.plan.schedules import Shape
+from pipeoptim.plan.shape import Shape
 from pipeoptim.plan.versions import analyze_versions
 from pipeoptim.runtime.config import TrainConfig
 from pipeoptim.runtime.optim.update import make_optimizer

@@ -20,7 +20,8 @@ from pipeoptim.errors import RuntimeConfigError, ScheduleError
 from pipeoptim.plan.actions import Action, Kind
 from pipeoptim.plan.methods import METHODS, get_method
 from pipeoptim.plan.passes import forwards_first, runs_to_the_end
-from pipeoptim.plan.schedules import Order, Shape, retime
+from pipeoptim.plan.schedules import Order, retime
+from pipeoptim.plan.shape import Shape
 from pipeoptim.plan.versions import analyze_versions
 from pipeoptim.runtime.pipeline import Pipeline
 from pipeoptim.runtime.segments import segment_plan

@@ -19,7 +19,7 @@ from pipeoptim.metrics import compute_metrics
 from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.plan.profile import Profile
-from pipeoptim.plan.schedules import Shape
+from pipeoptim.plan.shape import Shape
 from pipeoptim.sim.collectives import Cluster, ring_allgather_s
 from pipeoptim.sim.costs import CostModel
 from pipeoptim.sim.evaluate import compile_method, evaluate_method, evaluate_trace

@@ -20,9 +20,10 @@ from typing import Literal, overload
 from pipeoptim.errors import PlanError
 from pipeoptim.plan import schedules
 from pipeoptim.plan.actions import Schedule
-from pipeoptim.plan.limits import check_grid, estimate_work
+from pipeoptim.plan.limits import WorkEstimate, check_grid
 from pipeoptim.plan.orders import OrderArrays
-from pipeoptim.plan.schedules import Order, Shape
+from pipeoptim.plan.schedules import Order
+from pipeoptim.plan.shape import Shape
 
 __all__ = [
     "REGISTERED",
@@ -425,10 +426,21 @@ class Method:
             return self.array_generator(shape)
         return OrderArrays.from_order(self.generator(shape))
 
+    def work(self, shape: Shape) -> WorkEstimate:
+        """The work of this method at ``shape`` (resolved by :meth:`shape`), estimated in
+        closed form before anything is built (:mod:`pipeoptim.plan.limits`)."""
+        return WorkEstimate(
+            self.name,
+            not self.flushes,
+            shape,
+            self.passes_per_micro_batch,
+            self.folds_stages_in_a_v,
+        )
+
     def schedule(self, shape: Shape) -> Schedule:
         """The clock grid of this method for ``shape``; refuses a grid over
         :data:`pipeoptim.plan.limits.MAX_GRID_CELLS` before building it."""
-        check_grid(estimate_work(self, shape))
+        check_grid(self.work(shape))
         return schedules.retime(self.generator(shape), shape.micro_batches)
 
 

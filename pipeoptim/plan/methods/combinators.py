@@ -9,7 +9,8 @@ from dataclasses import replace
 from pipeoptim.plan import schedules
 from pipeoptim.plan.methods.base import Method
 from pipeoptim.plan.orders import OrderArrays
-from pipeoptim.plan.schedules import Order, Shape
+from pipeoptim.plan.schedules import Order
+from pipeoptim.plan.shape import Shape
 
 __all__ = ["bounded", "corrected", "shrunk"]
 

@@ -12,13 +12,13 @@ from contextlib import contextmanager
 
 from pipeoptim.errors import PlanError
 from pipeoptim.plan.actions import Schedule
-from pipeoptim.plan.limits import check_work, estimate_work
+from pipeoptim.plan.limits import check_work
 from pipeoptim.plan.methods.asynchronous import PIPEDREAM, PIPEOPTIM, SPECTRAIN, TWO_BW, XPIPE
 from pipeoptim.plan.methods.base import REGISTERED, Method
 from pipeoptim.plan.methods.combinators import bounded, corrected, shrunk
 from pipeoptim.plan.methods.synchronous import GPIPE, INTERLEAVED_1F1B, ONE_F_ONE_B
 from pipeoptim.plan.methods.zero_bubble import ZB_H1, ZB_V
-from pipeoptim.plan.schedules import Shape
+from pipeoptim.plan.shape import Shape
 
 __all__ = [
     "CORRECTED",
@@ -137,5 +137,5 @@ def check_schedule_size(
     """
     spec = get_method(method) if isinstance(method, str) else method
     shape = spec.shape(num_ranks, micro_batches, mini_batches, virtual_stages)
-    check_work(estimate_work(spec, shape), max_actions=max_actions, what=what)
+    check_work(spec.work(shape), max_actions=max_actions, what=what)
     return shape

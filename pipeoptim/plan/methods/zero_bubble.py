@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pipeoptim.plan import zero_bubble
 from pipeoptim.plan.methods.base import Method, WeightPolicy
-from pipeoptim.plan.schedules import Order, Shape
+from pipeoptim.plan.schedules import Order
+from pipeoptim.plan.shape import Shape
 
 
 def _zb_h1(shape: Shape) -> Order:
