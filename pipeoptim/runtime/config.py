@@ -101,7 +101,9 @@ class TrainConfig:
     """A training run of a built-in (or ``module:factory``) model.
 
     ``plan.model`` and ``plan.batch_size`` name the model and the samples per mini-batch
-    (defaults ``mlp`` and 32).
+    (defaults ``mlp`` and 32). The options shared with ``Pipeline`` are the options tree's
+    (``runtime/options/groups.py``: their meaning, default and check are defined there); the
+    rest are the command's own.
     """
 
     plan: Plan = field(default_factory=_default_plan)
@@ -111,33 +113,33 @@ class TrainConfig:
     max_steps: int | None = None
     """Stop after this many mini-batches in all (counted from the run's start)."""
     transport: str = option_default("transport")
-    """``local`` (every stage in this process) or ``dist`` (one process per stage)."""
+    """``--transport``: the tree's ``CommOptions.transport``."""
     checkpoint_dir: str | None = option_default("checkpoint_dir")
-    """Write per-stage checkpoints here (and resume from here with ``resume``)."""
+    """``--checkpoint-dir``: ``CheckpointOptions.checkpoint_dir`` (``resume`` reads it)."""
     checkpoint_every: int | None = option_default("checkpoint_every")
-    """Drain the pipeline and checkpoint every K mini-batches (default: only at the end)."""
+    """``--checkpoint-every``: ``CheckpointOptions.checkpoint_every``."""
     resume: bool = False
     """Continue from the latest checkpoint in ``checkpoint_dir``."""
     trace: str | None = None
     """Write the run's trace (pipeoptim trace JSON) here."""
     seed: int = option_default("seed")
-    """Initial weights, data order and every stage's RNG stream."""
+    """``--seed``: the tree's ``PipelineConfig.seed`` (also the data order)."""
     device: str = option_default("device")
-    """``auto`` (cuda where present, else cpu), ``cpu``, ``cuda`` or ``cuda:N``."""
+    """``--device``: ``CommOptions.device``."""
     quiet: bool = True
     """No progress bar."""
     timeout: float = option_default("timeout")
-    """Seconds a rank waits for another before giving up (process-group timeout)."""
+    """``--timeout``: ``CommOptions.timeout``."""
     lr_schedule: str = "constant"
     """One of LR_SCHEDULES; stepped once per update on every stage."""
     warmup: int | None = None
     """Warm-up updates of ``warmup-cosine`` (default: 5 % of the run)."""
     amp: str | None = option_default("amp")
-    """Mixed precision: None (fp32), ``bf16`` (CPU and CUDA) or ``fp16`` (CUDA)."""
+    """``--amp``: ``PrecisionOptions.amp``."""
     grad_clip: float | None = option_default("grad_clip")
-    """Clip each stage's gradient norm to this value before its update."""
+    """``--grad-clip``: ``OptimizerOptions.grad_clip``."""
     keep_checkpoints: int = option_default("keep_checkpoints")
-    """Checkpoints kept in ``checkpoint_dir`` (a resume falls back past a damaged one)."""
+    """``--keep-checkpoints``: ``CheckpointOptions.keep_checkpoints``."""
     recompute: str | None = option_default("recompute")
     """``--recompute``: ``none``, ``full``, ``stages:0,1`` or ``units:NAME,...``
     (``plan.recompute.parse_recompute_flag``); None: the plan's ``recompute``."""
@@ -145,9 +147,7 @@ class TrainConfig:
     """``--log`` (repeatable): ``tensorboard:DIR``, ``wandb:PROJECT`` or ``jsonl:FILE``
     (``observe.loggers.spec``), each a logger of the run."""
     forwards_first: bool = option_default("forwards_first")
-    """``--forwards-first`` (``local`` only): each rank's forwards between two of its
-    updates run back to back, then its backwards; the same weights bit for bit, a cheaper
-    order for the one thread that runs every stage (``Pipeline(forwards_first=)``)."""
+    """``--forwards-first``: ``ScheduleOptions.forwards_first``."""
 
     def __post_init__(self) -> None:
         self.plan.model = self.plan.model or "mlp"
