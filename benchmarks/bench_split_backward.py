@@ -27,6 +27,7 @@ from pipeoptim.plan.actions import Action
 from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.plan import OptimizerSpec
 from pipeoptim.plan.versions import MicroBatchVersions, analyze_versions
+from pipeoptim.runtime.options import StageOptions
 from pipeoptim.runtime.stage.stage import Stage
 
 
@@ -38,7 +39,7 @@ def build(method: str, width: int, blocks: int, micro_batches: int) -> Stage:
         layers,
         num_stages=3,
         method=get_method(method),
-        optimizer=OptimizerSpec("sgd", 0.1),
+        options=StageOptions(OptimizerSpec("sgd", 0.1)),
         micro_batches=micro_batches,
     )
     passes = ("F", "I", "W") if method == "zb-h1" else ("F", "B")

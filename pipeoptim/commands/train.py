@@ -24,6 +24,7 @@ from pipeoptim.plan.recompute import check_shard_optimizer
 from pipeoptim.plan.risk import depth_advice
 from pipeoptim.runtime.comm.process_model import ProcessModel
 from pipeoptim.runtime.config import AMP_MODES, LR_SCHEDULES, check_offset
+from pipeoptim.runtime.options.tree import option_default
 
 GPT_DEFAULTS = {"lr": 5e-4}
 """What the gpt workload was tuned with (``workloads/gpt.py``); kept here so the command
@@ -152,7 +153,11 @@ def register(subparsers: Any) -> None:
         "and updates 1/D of it, then the weights are gathered; needs --data-parallel 2 or "
         "more (default: the plan's, else off)",
     )
-    p.add_argument("--device", default="auto", help="auto (cuda if present), cpu, cuda, cuda:N")
+    p.add_argument(
+        "--device",
+        default=option_default("device"),
+        help="auto (cuda if present), cpu, cuda, cuda:N",
+    )
     p.add_argument("--checkpoint-dir", metavar="D", help="write per-stage checkpoints here")
     p.add_argument(
         "--checkpoint-every",
@@ -166,10 +171,13 @@ def register(subparsers: Any) -> None:
         type=int,
         metavar="K",
         help="keep the K newest checkpoints; a resume falls back to an older one when the "
-        "newest is damaged (default 2)",
+        f"newest is damaged (default {option_default('keep_checkpoints')})",
     )
     p.add_argument("--trace", metavar="FILE", help="write the run's trace (pipeoptim trace JSON)")
-    p.add_argument("--seed", type=int, default=0, help="weights and data order (default 0)")
+    seed = option_default("seed")
+    p.add_argument(
+        "--seed", type=int, default=seed, help=f"weights and data order (default {seed})"
+    )
     p.add_argument(
         "--prediction-offset",
         type=int,
@@ -179,8 +187,9 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--timeout",
         type=float,
-        default=300.0,
-        help="seconds a rank waits for another before failing (default 300)",
+        default=option_default("timeout"),
+        help=f"seconds a rank waits for another before failing (default "
+        f"{option_default('timeout'):g})",
     )
     p.add_argument(
         "--lr-schedule",
@@ -339,7 +348,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         warmup=args.warmup,
         amp=args.amp,
         grad_clip=args.grad_clip,
-        keep_checkpoints=args.keep_checkpoints or 2,
+        keep_checkpoints=args.keep_checkpoints or option_default("keep_checkpoints"),
         forwards_first=args.forwards_first,
     )
 

@@ -117,7 +117,7 @@ class Assembly:
             if r not in ranks:
                 continue
             a, b = bounds[k]
-            self.stages[k] = Stage.from_options(
+            self.stages[k] = Stage(
                 k,
                 nn.Sequential(*units[a:b]),
                 options.stage,

@@ -4,35 +4,51 @@ One module, imported alike by the launcher (which ships it to spawned ranks as J
 the code that turns it into a :class:`~pipeoptim.runtime.pipeline.Pipeline`. A library user
 never needs ``TrainConfig``: they hand ``Pipeline`` their own layers, optimizer, loss and
 data; this config names the built-in equivalents so a run can be described on a command
-line; ``PipelineConfig.from_train_config`` turns it into the Pipeline's options tree
-(``runtime/options/``). The checks both share live here too (:func:`resolve_plan`,
-:func:`check_offset`, :func:`check_replicas`, :func:`check_whole`), torch-free like the
-rest of the module.
+line. The options it shares with ``Pipeline`` (seed, transport, precision, checkpoints,
+...) are the options tree's (``runtime/options/``): their defaults are the tree's groups'
+and their checks are the groups' own, run by building the tree
+(``PipelineConfig.from_train_config``) and worded with the flags of :data:`TREE_FLAGS`;
+only what the command alone has (the model and data names, epochs, the learning-rate
+schedule, the trace and the loggers) is defined here. The checks ``Pipeline`` and the
+command share live here too (:func:`resolve_plan`, :func:`check_offset`,
+:func:`check_replicas`).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.plan import OptimizerSpec, Plan
-from pipeoptim.plan.recompute import parse_recompute_flag
 from pipeoptim.plan.replicas import check_replicas as plan_replicas
 from pipeoptim.runtime.comm.process_model import ProcessModel
 from pipeoptim.runtime.observe.loggers.spec import check_logger_spec
+from pipeoptim.runtime.options.checks import (
+    AMP_MODES,
+    MAX_SEED,
+    MAX_TIMEOUT,
+    check_whole,
+    is_whole,
+)
+from pipeoptim.runtime.options.tree import PipelineConfig, option_default
 
 __all__ = [
     "AMP_MODES",
     "DEFAULT_EPOCHS",
     "LR_SCHEDULES",
+    "MAX_SEED",
+    "MAX_TIMEOUT",
+    "TREE_FLAGS",
     "TrainConfig",
     "check_fit_arguments",
     "check_offset",
     "check_replicas",
     "check_whole",
+    "flag_worded",
     "is_whole",
     "resolve_plan",
     "run_length",
@@ -45,14 +61,35 @@ run is past 95 % test accuracy by then)."""
 LR_SCHEDULES = ("constant", "cosine", "warmup-cosine", "step")
 """Names ``--lr-schedule`` accepts (``pipeoptim.runtime.optim.lr.scheduler_factory``)."""
 
-AMP_MODES = ("bf16", "fp16")
+TREE_FLAGS = {
+    "seed": "--seed",
+    "transport": "--transport",
+    "device": "--device",
+    "timeout": "--timeout",
+    "amp": "--amp",
+    "grad_clip": "--grad-clip",
+    "checkpoint_dir": "--checkpoint-dir",
+    "checkpoint_every": "--checkpoint-every",
+    "keep_checkpoints": "--keep-checkpoints",
+    "forwards_first": "--forwards-first",
+}
+"""The options of the tree that ``pipeoptim train`` sets from a flag -> that flag: the
+tree's errors name the option (``grad_clip``), the command's the flag (``--grad-clip``).
+(``--recompute`` is parsed by its own flag parser, whose errors name the flag already.)"""
 
-MAX_SEED = 2**32 - 1
-"""Seeds go up to this: per-stage and per-epoch seeds derived from it must fit in 64 bits."""
 
-MAX_TIMEOUT = 1e9
-"""Seconds a rank may wait for another at most (about 31 years): the process group holds
-its timeout as a ``timedelta``, which overflows past about 8.6e13 s (and at infinity)."""
+def flag_worded(message: str) -> str:
+    """The tree's error ``message`` with each option of :data:`TREE_FLAGS` named by its flag,
+    and ``option=value`` written as on the command line (``--transport dist``)."""
+    for name, flag in TREE_FLAGS.items():
+
+        def as_typed(match: re.Match[str], flag: str = flag) -> str:
+            quoted, bare = match.groups()
+            return f"{flag} {quoted if quoted is not None else bare}"
+
+        message = re.sub(rf"(?<![\w.-]){name}=(?:'([^']*)'|([\w.+-]+))", as_typed, message)
+        message = re.sub(rf"(?<![\w.-]){name}\b", flag, message)
+    return message
 
 
 def _default_plan() -> Plan:
@@ -64,7 +101,9 @@ class TrainConfig:
     """A training run of a built-in (or ``module:factory``) model.
 
     ``plan.model`` and ``plan.batch_size`` name the model and the samples per mini-batch
-    (defaults ``mlp`` and 32).
+    (defaults ``mlp`` and 32). The options shared with ``Pipeline`` are the options tree's
+    (``runtime/options/groups.py``: their meaning, default and check are defined there); the
+    rest are the command's own.
     """
 
     plan: Plan = field(default_factory=_default_plan)
@@ -73,44 +112,42 @@ class TrainConfig:
     """Epochs to train; with ``max_steps`` also None, DEFAULT_EPOCHS."""
     max_steps: int | None = None
     """Stop after this many mini-batches in all (counted from the run's start)."""
-    transport: str = "local"
-    """``local`` (every stage in this process) or ``dist`` (one process per stage)."""
-    checkpoint_dir: str | None = None
-    """Write per-stage checkpoints here (and resume from here with ``resume``)."""
-    checkpoint_every: int | None = None
-    """Drain the pipeline and checkpoint every K mini-batches (default: only at the end)."""
+    transport: str = option_default("transport")
+    """``--transport``: the tree's ``CommOptions.transport``."""
+    checkpoint_dir: str | None = option_default("checkpoint_dir")
+    """``--checkpoint-dir``: ``CheckpointOptions.checkpoint_dir`` (``resume`` reads it)."""
+    checkpoint_every: int | None = option_default("checkpoint_every")
+    """``--checkpoint-every``: ``CheckpointOptions.checkpoint_every``."""
     resume: bool = False
     """Continue from the latest checkpoint in ``checkpoint_dir``."""
     trace: str | None = None
     """Write the run's trace (pipeoptim trace JSON) here."""
-    seed: int = 0
-    """Initial weights, data order and every stage's RNG stream."""
-    device: str = "auto"
-    """``auto`` (cuda where present, else cpu), ``cpu``, ``cuda`` or ``cuda:N``."""
+    seed: int = option_default("seed")
+    """``--seed``: the tree's ``PipelineConfig.seed`` (also the data order)."""
+    device: str = option_default("device")
+    """``--device``: ``CommOptions.device``."""
     quiet: bool = True
     """No progress bar."""
-    timeout: float = 300.0
-    """Seconds a rank waits for another before giving up (process-group timeout)."""
+    timeout: float = option_default("timeout")
+    """``--timeout``: ``CommOptions.timeout``."""
     lr_schedule: str = "constant"
     """One of LR_SCHEDULES; stepped once per update on every stage."""
     warmup: int | None = None
     """Warm-up updates of ``warmup-cosine`` (default: 5 % of the run)."""
-    amp: str | None = None
-    """Mixed precision: None (fp32), ``bf16`` (CPU and CUDA) or ``fp16`` (CUDA)."""
-    grad_clip: float | None = None
-    """Clip each stage's gradient norm to this value before its update."""
-    keep_checkpoints: int = 2
-    """Checkpoints kept in ``checkpoint_dir`` (a resume falls back past a damaged one)."""
-    recompute: str | None = None
+    amp: str | None = option_default("amp")
+    """``--amp``: ``PrecisionOptions.amp``."""
+    grad_clip: float | None = option_default("grad_clip")
+    """``--grad-clip``: ``OptimizerOptions.grad_clip``."""
+    keep_checkpoints: int = option_default("keep_checkpoints")
+    """``--keep-checkpoints``: ``CheckpointOptions.keep_checkpoints``."""
+    recompute: str | None = option_default("recompute")
     """``--recompute``: ``none``, ``full``, ``stages:0,1`` or ``units:NAME,...``
     (``plan.recompute.parse_recompute_flag``); None: the plan's ``recompute``."""
     log: tuple[str, ...] = ()
     """``--log`` (repeatable): ``tensorboard:DIR``, ``wandb:PROJECT`` or ``jsonl:FILE``
     (``observe.loggers.spec``), each a logger of the run."""
-    forwards_first: bool = False
-    """``--forwards-first`` (``local`` only): each rank's forwards between two of its
-    updates run back to back, then its backwards; the same weights bit for bit, a cheaper
-    order for the one thread that runs every stage (``Pipeline(forwards_first=)``)."""
+    forwards_first: bool = option_default("forwards_first")
+    """``--forwards-first``: ``ScheduleOptions.forwards_first``."""
 
     def __post_init__(self) -> None:
         self.plan.model = self.plan.model or "mlp"
@@ -118,29 +155,16 @@ class TrainConfig:
         if self.epochs is None and self.max_steps is None:
             self.epochs = DEFAULT_EPOCHS
         counts = {"epochs": self.epochs, "max-steps": self.max_steps}
-        counts.update({"checkpoint-every": self.checkpoint_every, "batch-size": self.batch_size})
+        counts.update({"batch-size": self.batch_size})
         for flag, value in counts.items():
             if value is not None and value < 1:
                 raise RuntimeConfigError(f"--{flag} must be at least 1 (got {value})")
-        if not 0 <= self.seed <= MAX_SEED:
-            raise RuntimeConfigError(f"--seed must be in 0..{MAX_SEED} (got {self.seed})")
         if self.warmup is not None and self.warmup < 0:
             raise RuntimeConfigError(f"--warmup must be 0 or more updates (got {self.warmup})")
         spec = self.plan.method_spec
         if spec.runs_whole_mini_batches and self.plan.micro_batches != 1:
             spec.shape(self.plan.num_stages, self.plan.micro_batches)  # the registry's error
-        ProcessModel.parse(self.transport)
-        if self.forwards_first and self.transport != "local":
-            raise RuntimeConfigError(
-                f"--forwards-first orders the stages that one process runs (--transport "
-                f"local); under --transport {self.transport} each stage has a process of its "
-                f"own: drop --forwards-first"
-            )
-        if not 0 < self.timeout <= MAX_TIMEOUT:
-            raise RuntimeConfigError(
-                f"--timeout must be a number of seconds in (0, {MAX_TIMEOUT:g}] (got "
-                f"{self.timeout})"
-            )
+        self.options()  # the shared options' checks: the tree's, worded with the flags
         if self.lr_schedule not in LR_SCHEDULES:
             raise RuntimeConfigError(
                 f"unknown --lr-schedule {self.lr_schedule!r}; choose one of: "
@@ -152,23 +176,19 @@ class TrainConfig:
                 f"the schedule is {self.lr_schedule}; add --lr-schedule warmup-cosine, or drop "
                 f"--warmup"
             )
-        if self.amp is not None and self.amp not in AMP_MODES:
-            raise RuntimeConfigError(
-                f"unknown --amp {self.amp!r}; choose bf16 (CPU and CUDA) or fp16 (CUDA)"
-            )
-        if self.recompute is not None:
-            parse_recompute_flag(self.recompute, error=RuntimeConfigError)
         for logged in self.log:
             check_logger_spec(logged)
-        if self.grad_clip is not None and not self.grad_clip > 0:
-            raise RuntimeConfigError(f"--grad-clip must be positive (got {self.grad_clip})")
-        if self.checkpoint_every is not None and not self.checkpoint_dir:
-            raise RuntimeConfigError(
-                "--checkpoint-every needs --checkpoint-dir (where the checkpoints go)"
-            )
         if self.resume and not self.checkpoint_dir:
             raise RuntimeConfigError("--resume needs --checkpoint-dir D")
         check_replicas(self.plan.data_parallel, self.transport, flag="--data-parallel")
+
+    def options(self) -> PipelineConfig:
+        """This run's options tree (``PipelineConfig.from_train_config``); its errors name
+        the flags (:data:`TREE_FLAGS`)."""
+        try:
+            return PipelineConfig.from_train_config(self)
+        except RuntimeConfigError as error:
+            raise RuntimeConfigError(flag_worded(str(error))) from None
 
     @property
     def model(self) -> str:
@@ -336,28 +356,6 @@ def _iterable(value: object) -> bool:
     without calling ``iter``: that would start a DataLoader's workers."""
     kind = type(value)
     return hasattr(kind, "__iter__") or hasattr(kind, "__getitem__")
-
-
-def is_whole(value: object, minimum: int | None = 0, maximum: int | None = None) -> bool:
-    """``value`` is a whole number (an ``int``, not a ``bool``) in ``minimum..maximum`` (None:
-    unbounded): the one test behind every count the runtime takes (its callers word their
-    own errors)."""
-    return (
-        isinstance(value, int)
-        and not isinstance(value, bool)
-        and (minimum is None or minimum <= value)
-        and (maximum is None or value <= maximum)
-    )
-
-
-def check_whole(name: str, value: object, *, minimum: int = 1, example: str = "") -> int:
-    """``value`` as a whole number >= ``minimum``, or the error naming ``name`` (a library
-    argument) and an ``example`` of a good value."""
-    if not is_whole(value, minimum):
-        fix = f"; e.g. {example}" if example else ""
-        raise RuntimeConfigError(f"{name} must be a whole number >= {minimum} (got {value!r}){fix}")
-    assert isinstance(value, int)  # is_whole said so; for the type checker
-    return value
 
 
 def check_offset(

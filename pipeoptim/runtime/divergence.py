@@ -8,6 +8,7 @@ the convergence study measured at their depth.
 from __future__ import annotations
 
 from pipeoptim.plan.methods import Method
+from pipeoptim.runtime.options import StageOptions
 
 __all__ = ["nonfinite_message"]
 
@@ -20,9 +21,10 @@ def nonfinite_message(
     checkpoint_dir: str | None,
     method: Method,
     num_stages: int,
-    predicted_backward: bool,
+    options: StageOptions,
 ) -> str:
-    """The error of a non-finite loss ``value`` at ``step``."""
+    """The error of a non-finite loss ``value`` at ``step`` of a run whose stages were built
+    with ``options`` (the remedies name what the run did not already use)."""
     last, where = last_checkpoint, checkpoint_dir
     if last is not None:
         kept = f"the last good checkpoint (step {last}) in {where} was kept"
@@ -34,11 +36,11 @@ def nonfinite_message(
     return (
         f"non-finite loss ({value}) at step {step} (mini-batches count from 0); training "
         f"stopped and {kept}. Lower the learning rate{resume}"
-        + _divergence_advice(method, num_stages, predicted_backward)
+        + _divergence_advice(method, num_stages, options)
     )
 
 
-def _divergence_advice(method: Method, num_stages: int, predicted_backward: bool) -> str:
+def _divergence_advice(method: Method, num_stages: int, options: StageOptions) -> str:
     """The remedies the convergence study measured, for this method and depth."""
     if method.flushes or not method.runs_whole_mini_batches:
         return "."
@@ -49,7 +51,7 @@ def _divergence_advice(method: Method, num_stages: int, predicted_backward: bool
         f"pipelines at 8 stages lost accuracy or diverged under SGD-momentum where gpipe, "
         f"2bw and xpipe (s <= 1) did not: use 2bw or xpipe, or fewer stages"
     )
-    if method.predicts and not predicted_backward:
+    if method.predicts and not options.predicted_backward:
         text += (
             ", or predicted_backward=True (input gradients through the predicted "
             "weights too, one weight copy per mini-batch in flight)"

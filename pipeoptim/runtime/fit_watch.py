@@ -161,7 +161,7 @@ class FitWatching:
             checkpoint_dir=self.options.checkpoint_dir,
             method=p.method,
             num_stages=p.shape.num_stages,
-            predicted_backward=p.options.stage.predicted_backward,
+            options=p.options.stage,
         )
 
     def close_bar(self) -> None:

@@ -115,6 +115,9 @@ class Pipeline:
         self.model_units = as_model_units(layers)
         """The units and what the model says of them (names for export, initialiser)."""
         run = resolve_run(config, self.model_units, labels)
+        # before the parts are built: a refused size must cost nothing (a segment's schedule
+        # of millions of actions would be laid out first)
+        limit = segment_limit(run.method, run.plan.shape(1))
         self.parts = Assembly(
             self.model_units.units, run.plan, run.method, run.bounds, run.pipeline
         )
@@ -134,7 +137,7 @@ class Pipeline:
         self.options = FitOptions.of(
             config,
             one_process=self.parts.process_model.one_process,
-            segment_limit=segment_limit(run.method, self.parts.shape),
+            segment_limit=limit,
         )
         self.state = RunState()
         stages, family = self.parts.shape.num_stages, self.plan.optimizer.family

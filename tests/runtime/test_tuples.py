@@ -31,6 +31,7 @@ from pipeoptim.runtime.comm.local import LocalTransport
 from pipeoptim.runtime.comm.transport import MessageKey
 from pipeoptim.runtime.config import TrainConfig
 from pipeoptim.runtime.executor import TensorSpec
+from pipeoptim.runtime.options import StageOptions
 from pipeoptim.runtime.payload import MAX_PARTS, Payload, split
 from pipeoptim.runtime.result import FitResult
 from pipeoptim.runtime.stage.chain import UnitChain
@@ -188,7 +189,7 @@ def test_stage_backward_of_a_tuple_gives_float_gradients_and_zeros() -> None:
         nn.Sequential(UsesHalf()),
         num_stages=3,
         method=get_method("gpipe"),
-        optimizer=OptimizerSpec("sgd", 0.1),
+        options=StageOptions(OptimizerSpec("sgd", 0.1)),
         micro_batches=1,
     )
     stage.begin_segment(passes("1F0 1B0 1U0"))

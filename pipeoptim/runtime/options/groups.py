@@ -20,7 +20,13 @@ from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.plan import OptimizerSpec
 from pipeoptim.runtime.checkpoint.store import DEFAULT_KEEP
 from pipeoptim.runtime.comm.process_model import ProcessModel
-from pipeoptim.runtime.config import AMP_MODES, MAX_SEED, MAX_TIMEOUT, check_whole, is_whole
+from pipeoptim.runtime.options.checks import (
+    AMP_MODES,
+    MAX_SEED,
+    MAX_TIMEOUT,
+    check_whole,
+    is_whole,
+)
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
@@ -134,8 +140,9 @@ class OptimizerOptions:
             )
         clip = self.grad_clip
         if clip is not None and (not _is_number(clip) or not clip > 0):
+            kind = "positive" if _is_number(clip) else "a positive number"
             raise RuntimeConfigError(
-                f"grad_clip must be a positive number, the largest gradient norm of a stage "
+                f"grad_clip must be {kind}, the largest gradient norm of a stage "
                 f"(got {clip!r}); e.g. grad_clip=1.0, or None for no clipping"
             )
         if self.scheduler is not None and not callable(self.scheduler):

@@ -10,12 +10,11 @@ the groups, so the keywords map onto the tree without a table to keep in step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.plan import Plan
 from pipeoptim.plan.recompute import parse_recompute_flag
-from pipeoptim.runtime.config import TrainConfig
 from pipeoptim.runtime.options.groups import (
     CheckpointOptions,
     CommOptions,
@@ -28,7 +27,11 @@ from pipeoptim.runtime.options.groups import (
     check_seed,
 )
 
-__all__ = ["GROUPS", "PipelineConfig", "keyword_homes"]
+if TYPE_CHECKING:
+    # only read: config.py takes its shared options' defaults and checks from this module
+    from pipeoptim.runtime.config import TrainConfig
+
+__all__ = ["GROUPS", "PipelineConfig", "keyword_homes", "option_default"]
 
 GROUPS: dict[str, type] = {
     "model": ModelOptions,
@@ -57,6 +60,15 @@ def keyword_homes() -> dict[str, str]:
 
 
 _HOMES = keyword_homes()
+
+
+def option_default(name: str) -> Any:
+    """The default of the option ``name`` (a ``Pipeline`` keyword), as its group defines it:
+    what a front end that holds the option flat (``pipeoptim train``'s ``TrainConfig``)
+    defaults it to, so no default is written twice."""
+    home = GROUPS[_HOMES[name]] if _HOMES[name] else PipelineConfig
+    (default,) = (f.default for f in fields(home) if f.name == name)
+    return default
 
 
 @dataclass(frozen=True)
@@ -100,8 +112,8 @@ class PipelineConfig:
             raise RuntimeConfigError(
                 f"forwards_first orders the ranks that one process runs together "
                 f"(transport='local'); under transport={transport!r} each rank runs in a "
-                f"process of its own, where it would only hold more activations: leave "
-                f"forwards_first off there"
+                f"process of its own, where it would only hold more activations: leave it "
+                f"off there (drop forwards_first)"
             )
 
     @classmethod

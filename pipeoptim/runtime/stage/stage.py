@@ -55,26 +55,23 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 from torch.optim import Optimizer
 
 from pipeoptim.errors import StageError
 from pipeoptim.plan.methods import Method
-from pipeoptim.plan.plan import OptimizerSpec
 from pipeoptim.plan.versions import MicroBatchVersions, gradient_delays, prediction_distance
 from pipeoptim.runtime.optim.builder import build_stage_rule
 from pipeoptim.runtime.optim.corrections.protocol import StageContext
 from pipeoptim.runtime.optim.predict import WeightPredictor
 from pipeoptim.runtime.optim.prediction_closure import PredictionClosure
-from pipeoptim.runtime.optim.update import OptimizerFactory, SchedulerFactory, StageUpdate
+from pipeoptim.runtime.optim.update import StageUpdate
 from pipeoptim.runtime.options import StageOptions
 from pipeoptim.runtime.payload import Payload
 from pipeoptim.runtime.stage.accumulate_in_product import AccumulateInProduct
 from pipeoptim.runtime.stage.chain import UnitChain, as_chain
 from pipeoptim.runtime.stage.forward import StageForward
-from pipeoptim.runtime.stage.loss import LossFn
 from pipeoptim.runtime.stage.memory import StageMemory
 from pipeoptim.runtime.stage.precision import Precision
 from pipeoptim.runtime.stage.recompute import Recomputation
@@ -117,25 +114,24 @@ class Stage(StageForward, StageState):
         self,
         index: int,
         layers: nn.Sequential,
+        options: StageOptions,
         *,
         num_stages: int,
         method: Method,
-        optimizer: OptimizerSpec | OptimizerFactory,
         micro_batches: int,
-        prediction_offset: int = 0,
         device: torch.device | str = "cpu",
-        seed: int = 0,
-        loss_fn: LossFn = F.cross_entropy,
-        scheduler: SchedulerFactory | None = None,
-        amp: str | None = None,
-        grad_clip: float | None = None,
         first_unit: int = 0,
-        predicted_backward: bool = False,
         delay: int = 0,
         shard_group: Any = None,
-        recompute: frozenset[int] = frozenset(),
     ) -> None:
+        """Stage ``index`` of ``num_stages``, built with the run's ``options`` (what every
+        stage of the run is built with: ``options/built.py``) and what only this stage has:
+        its ``layers``, the first unit's index, the steady ``delay`` a correction reads and
+        its replicas' ``shard_group``."""
         self.index = index
+        self.options = options
+        """What every stage of the run is built with; the stage reads its options here."""
+        optimizer, scheduler, grad_clip = options.optimizer, options.scheduler, options.grad_clip
         self.is_last = index == num_stages - 1
         self.device = torch.device(device)
         # units may hand on tuples (unit(*h)); the same object, so state_dict keys stay
@@ -145,15 +141,17 @@ class Stage(StageForward, StageState):
         """What this stage does under its method: versions, copies, predictor, A_k."""
         self.policy = self.stage_policy.versions
         self.micro_batches = micro_batches
-        self.prediction_offset = prediction_offset
-        self.loss_fn = loss_fn
+        self.prediction_offset = options.prediction_offset
+        self.loss_fn = options.loss_fn
         self.first_unit = first_unit
         self.grad_clip = grad_clip
         self.notes: list[str] = []
         """What this stage does differently from the rule of docs/design.md ("Weight-version
         semantics"), said once each."""
         self._params = [p for p in self.module.parameters() if p.requires_grad]
-        self.precision = Precision(amp, self.device, stage=index, has_weights=bool(self._params))
+        self.precision = Precision(
+            options.amp, self.device, stage=index, has_weights=bool(self._params)
+        )
         if self.stage_policy.splits_backward and not self.stage_policy.keeps_one_version:
             raise StageError(split_refusal(method.name, self.policy))
         self.amp_dtype = self.precision.dtype
@@ -226,7 +224,7 @@ class Stage(StageForward, StageState):
         long run keeps no per-forward list."""
         self.correct: Tensor | None = None
         """Last stage: correct predictions of the latest forward (None: not a classifier)."""
-        self.predicted_backward = predicted_backward and self.predictor is not None
+        self.predicted_backward = options.predicted_backward and self.predictor is not None
         """Keep Ŵ of each predicted forward for its backward (input gradients through Ŵ,
         consistent as PipeDream's stash, at one weight copy per mini-batch in flight)."""
         self.closure: PredictionClosure | None = None
@@ -248,7 +246,8 @@ class Stage(StageForward, StageState):
         # that draws random numbers: its units decide
         chained = isinstance(self.module, UnitChain)
         units = nn.ModuleList(self.module) if chained else self.module
-        self.random = StageRandom(units, self.device, seed)
+        self.random = StageRandom(units, self.device, options.stage_seed(index))
+        recompute = options.recompute.get(index, frozenset())
         self.recompute: Recomputation | None = (
             Recomputation(self.module, recompute, self._params, index) if recompute else None
         )
@@ -256,44 +255,6 @@ class Stage(StageForward, StageState):
         self.buffer_sync: Callable[[], None] | None = None
         """Set under data parallelism where the stage has floating-point buffers: gives
         every replica replica 0's buffers at each update (``replicas.BufferBroadcast``)."""
-
-    @classmethod
-    def from_options(
-        cls,
-        index: int,
-        layers: nn.Sequential,
-        options: StageOptions,
-        *,
-        num_stages: int,
-        method: Method,
-        micro_batches: int,
-        device: torch.device | str,
-        first_unit: int,
-        delay: int,
-        shard_group: Any = None,
-    ) -> Stage:
-        """Stage ``index`` of a run built with the run's :class:`StageOptions` (the
-        Pipeline's path; the keyword form serves a stage built alone)."""
-        return cls(
-            index,
-            layers,
-            num_stages=num_stages,
-            method=method,
-            optimizer=options.optimizer,
-            micro_batches=micro_batches,
-            prediction_offset=options.prediction_offset,
-            device=device,
-            seed=options.stage_seed(index),
-            loss_fn=options.loss_fn,
-            scheduler=options.scheduler,
-            amp=options.amp,
-            grad_clip=options.grad_clip,
-            first_unit=first_unit,
-            predicted_backward=options.predicted_backward,
-            delay=delay,
-            shard_group=shard_group,
-            recompute=options.recompute.get(index, frozenset()),
-        )
 
     def _note(self, text: str) -> None:
         if text not in self.notes:

@@ -26,6 +26,7 @@ from pipeoptim.plan.versions import analyze_order, steady_delays
 from pipeoptim.runtime.optim.corrections import registry
 from pipeoptim.runtime.optim.corrections.protocol import StageContext
 from pipeoptim.runtime.optim.update import future_lrs
+from pipeoptim.runtime.options import StageOptions
 from pipeoptim.runtime.pipeline import Pipeline
 from pipeoptim.runtime.stage.stage import Stage
 
@@ -38,9 +39,8 @@ def first_of_three(method: str, lr: float = 0.1, **kw: Any) -> Stage:
         nn.Sequential(nn.Linear(3, 2)),
         num_stages=3,
         method=get_method(method),
-        optimizer=OptimizerSpec("sgd", lr, {"momentum": 0.0}),
+        options=StageOptions(OptimizerSpec("sgd", lr, {"momentum": 0.0}), **kw),
         micro_batches=1,
-        **kw,
     )
 
 

@@ -25,6 +25,7 @@ from pipeoptim.plan.methods import METHODS, get_method
 from pipeoptim.plan.plan import OptimizerSpec
 from pipeoptim.runtime.optim.corrections import registry
 from pipeoptim.runtime.optim.corrections.protocol import StageContext
+from pipeoptim.runtime.options import StageOptions
 from pipeoptim.runtime.pipeline import Pipeline
 from pipeoptim.runtime.stage.stage import Stage
 
@@ -81,7 +82,7 @@ def stage_of(method: str, lr: float = 0.1) -> Stage:
         nn.Sequential(nn.Linear(3, 2)),
         num_stages=2,
         method=get_method(method),
-        optimizer=OptimizerSpec("sgd", lr, {"momentum": 0.0}),
+        options=StageOptions(OptimizerSpec("sgd", lr, {"momentum": 0.0})),
         micro_batches=1,
     )
 

@@ -32,6 +32,7 @@ from pipeoptim.plan.methods import WeightPolicy, get_method
 from pipeoptim.plan.plan import OptimizerSpec
 from pipeoptim.plan.versions import MicroBatchVersions, analyze_versions
 from pipeoptim.runtime.optim.predict import XPipePredictor
+from pipeoptim.runtime.options import StageOptions
 from pipeoptim.runtime.pipeline import Pipeline
 from pipeoptim.runtime.stage import saved, weights
 from pipeoptim.runtime.stage.stage import Stage
@@ -105,7 +106,7 @@ def xpipe_stage() -> Stage:
         nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)),
         num_stages=3,
         method=get_method("xpipe"),
-        optimizer=OptimizerSpec("adam", 0.1),
+        options=StageOptions(OptimizerSpec("adam", 0.1)),
         micro_batches=2,
     )
 
@@ -246,7 +247,7 @@ def test_two_bw_makes_one_leaf_per_weight_and_version(monkeypatch: pytest.Monkey
         nn.Sequential(nn.Linear(3, 2)),
         num_stages=3,
         method=get_method("2bw"),
-        optimizer=OptimizerSpec("sgd", 0.1),
+        options=StageOptions(OptimizerSpec("sgd", 0.1)),
         micro_batches=3,
     )
     # mini-batch 0 on the live W^(0), no update before its backward: the parameters; 1 and 2

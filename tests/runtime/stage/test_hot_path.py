@@ -15,6 +15,7 @@ from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.plan import OptimizerSpec
 from pipeoptim.plan.versions import MicroBatchVersions, analyze_versions
 from pipeoptim.runtime.comm.local import LocalTransport
+from pipeoptim.runtime.options import StageOptions
 from pipeoptim.runtime.stage import forward as forward_module
 from pipeoptim.runtime.stage import weights as weights_module
 from pipeoptim.runtime.stage.rng import draws_random_numbers
@@ -36,7 +37,7 @@ def make(method: str, module: nn.Module, m: int = 2) -> Stage:
         nn.Sequential(module),
         num_stages=3,
         method=get_method(method),
-        optimizer=OptimizerSpec("sgd", 0.1),
+        options=StageOptions(OptimizerSpec("sgd", 0.1)),
         micro_batches=m,
     )
 
@@ -156,7 +157,7 @@ def test_xpipe_writes_each_prediction_in_one_pass_and_keeps_no_delta(
         nn.Sequential(nn.Linear(3, 2)),
         num_stages=4,
         method=method,
-        optimizer=OptimizerSpec("adam", 0.01),
+        options=StageOptions(OptimizerSpec("adam", 0.01)),
         micro_batches=m,
     )
     assert isinstance(stage.predictor, XPipePredictor)

@@ -15,6 +15,7 @@ from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.plan import OptimizerSpec
 from pipeoptim.runtime.optim.update import make_optimizer
+from pipeoptim.runtime.options import StageOptions
 from pipeoptim.runtime.stage.stage import Stage
 
 
@@ -32,9 +33,8 @@ def make_stage(
         nn.Sequential(layers if layers is not None else nn.Linear(3, 2)),
         num_stages=2,
         method=get_method(method),
-        optimizer=OptimizerSpec(family, lr),
+        options=StageOptions(OptimizerSpec(family, lr), amp=amp),
         micro_batches=m,
-        amp=amp,
     )
 
 
@@ -276,9 +276,11 @@ def test_resume_with_another_base_lr_rescales_the_scheduled_rate() -> None:
             nn.Sequential(nn.Linear(3, 2)),
             num_stages=2,
             method=get_method("pipeoptim"),
-            optimizer=OptimizerSpec("sgd", lr),
+            options=StageOptions(
+                OptimizerSpec("sgd", lr),
+                scheduler=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10),
+            ),
             micro_batches=1,
-            scheduler=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10),
         )
 
     a = stage(0.1)
@@ -305,9 +307,8 @@ def test_predicted_backward_variant_takes_input_gradients_through_w_hat() -> Non
         nn.Sequential(nn.Linear(3, 2)),
         num_stages=3,
         method=get_method("pipeoptim"),
-        optimizer=OptimizerSpec("sgd", 0.1),
+        options=StageOptions(OptimizerSpec("sgd", 0.1), predicted_backward=True),
         micro_batches=1,
-        predicted_backward=True,
     )
     warm_up(stage)
     stage.begin_segment(passes("pipeoptim", "0F0 0F1 0B0 0U0 0B1 0U1"))

@@ -22,6 +22,7 @@ from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.runtime.config import TrainConfig
 from pipeoptim.runtime.optim.update import make_optimizer
+from pipeoptim.runtime.options import StageOptions
 from pipeoptim.runtime.pipeline import Pipeline
 from pipeoptim.runtime.stage.stage import Stage
 from pipeoptim.trace import Trace
@@ -206,7 +207,7 @@ def make_stage(layers: nn.Sequential, method: str = "zb-h1", index: int = 1) -> 
         layers,
         num_stages=3,
         method=get_method(method),
-        optimizer=OptimizerSpec("sgd", 0.1),
+        options=StageOptions(OptimizerSpec("sgd", 0.1)),
         micro_batches=2,
     )
 
