@@ -7,7 +7,7 @@ data; this config names the built-in equivalents so a run can be described on a 
 line. The options it shares with ``Pipeline`` (seed, transport, precision, checkpoints,
 ...) are the options tree's (``runtime/options/``): their defaults are the tree's groups'
 and their checks are the groups' own, run by building the tree
-(``PipelineConfig.from_train_config``) and worded with the flags of :data:`TREE_FLAGS`;
+(``TrainConfig.options``) and worded with the flags of :data:`TREE_FLAGS`;
 only what the command alone has (the model and data names, epochs, the learning-rate
 schedule, the trace and the loggers) is defined here. The checks ``Pipeline`` and the
 command share live here too (:func:`resolve_plan`, :func:`check_offset`,
@@ -24,6 +24,7 @@ from typing import Any
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.plan import OptimizerSpec, Plan
+from pipeoptim.plan.recompute import parse_recompute_flag
 from pipeoptim.plan.replicas import check_replicas as plan_replicas
 from pipeoptim.runtime.comm.process_model import ProcessModel
 from pipeoptim.runtime.observe.loggers.spec import check_logger_spec
@@ -33,6 +34,14 @@ from pipeoptim.runtime.options.checks import (
     MAX_TIMEOUT,
     check_whole,
     is_whole,
+)
+from pipeoptim.runtime.options.groups import (
+    CheckpointOptions,
+    CommOptions,
+    MemoryOptions,
+    OptimizerOptions,
+    PrecisionOptions,
+    ScheduleOptions,
 )
 from pipeoptim.runtime.options.tree import PipelineConfig, option_default
 
@@ -183,12 +192,33 @@ class TrainConfig:
         check_replicas(self.plan.data_parallel, self.transport, flag="--data-parallel")
 
     def options(self) -> PipelineConfig:
-        """This run's options tree (``PipelineConfig.from_train_config``); its errors name
-        the flags (:data:`TREE_FLAGS`)."""
+        """The tree of this ``pipeoptim train`` run: its plan and every option the command
+        line sets (what only the training process can make, the scheduler, the model's loss,
+        the loggers, the store, is added with :meth:`PipelineConfig.with_keywords`); the
+        tree's errors name the flags (:data:`TREE_FLAGS`)."""
         try:
-            return PipelineConfig.from_train_config(self)
+            return self._tree()
         except RuntimeConfigError as error:
             raise RuntimeConfigError(flag_worded(str(error))) from None
+
+    def _tree(self) -> PipelineConfig:
+        recompute = None
+        if self.recompute is not None:  # None: the plan's
+            recompute = parse_recompute_flag(self.recompute, error=RuntimeConfigError)
+        return PipelineConfig(
+            plan=self.plan,
+            seed=self.seed,
+            schedule=ScheduleOptions(forwards_first=self.forwards_first),
+            optim=OptimizerOptions(grad_clip=self.grad_clip),  # the optimizer: the plan's
+            precision=PrecisionOptions(amp=self.amp),
+            memory=MemoryOptions(recompute=recompute),
+            comm=CommOptions(transport=self.transport, device=self.device, timeout=self.timeout),
+            checkpoint=CheckpointOptions(
+                checkpoint_dir=self.checkpoint_dir,
+                checkpoint_every=self.checkpoint_every,
+                keep_checkpoints=self.keep_checkpoints,
+            ),
+        )
 
     @property
     def model(self) -> str:

@@ -25,7 +25,6 @@ from pipeoptim.runtime.model.layout import stage_boundaries
 from pipeoptim.runtime.model.units import unit_labels
 from pipeoptim.runtime.observe.loggers.spec import logger_from_spec
 from pipeoptim.runtime.optim.lr import scheduler_factory
-from pipeoptim.runtime.options import PipelineConfig
 from pipeoptim.runtime.pipeline import Pipeline
 from pipeoptim.runtime.result import FitResult
 from pipeoptim.workloads.data import DatasetLoader
@@ -45,7 +44,7 @@ def build_run(
     test_data = DatasetLoader(data.test_x, data.test_y, config.batch_size, shuffle=False)
     per_epoch = len(train_data)
     total = run_length(config.epochs, config.max_steps, per_epoch)
-    options = PipelineConfig.from_train_config(config).with_keywords(
+    options = config.options().with_keywords(
         scheduler=scheduler_factory(config.lr_schedule, total, config.warmup),
         loss_fn=model_loss(config.model),
         progress=not config.quiet and sys.stderr.isatty(),
@@ -68,7 +67,7 @@ def check_run(config: TrainConfig) -> None:
     check_batch_split(
         config.batch_size, config.plan.data_parallel, shape.micro_batches, error=RuntimeConfigError
     )
-    requested = PipelineConfig.from_train_config(config).memory.recompute
+    requested = config.options().memory.recompute
     resolve_recompute(
         config.plan.recompute if requested is None else requested,
         bounds,

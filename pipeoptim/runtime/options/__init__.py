@@ -5,7 +5,7 @@
 dataclass whose fields say type, default and meaning and which checks itself. ``Pipeline``
 takes the tree (``options=``) or the same options as keywords (each keyword is a field
 name); ``pipeoptim train``'s ``TrainConfig`` takes its shared options' defaults and checks
-from the groups and builds the tree (``PipelineConfig.from_train_config``), and a Plan
+from the groups and builds the tree (``TrainConfig.options``), and a Plan
 file is its ``plan`` (``PipelineConfig.from_plan``). ``resolve.py`` resolves the tree once
 against the plan, method and model into the views the parts read (``built.py``:
 ``StageOptions``, ``PipelineOptions``, ``FitOptions``).

@@ -10,11 +10,10 @@ the groups, so the keywords map onto the tree without a table to keep in step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.plan import Plan
-from pipeoptim.plan.recompute import parse_recompute_flag
 from pipeoptim.runtime.options.groups import (
     CheckpointOptions,
     CommOptions,
@@ -26,10 +25,6 @@ from pipeoptim.runtime.options.groups import (
     ScheduleOptions,
     check_seed,
 )
-
-if TYPE_CHECKING:
-    # only read: config.py takes its shared options' defaults and checks from this module
-    from pipeoptim.runtime.config import TrainConfig
 
 __all__ = ["GROUPS", "PipelineConfig", "keyword_homes", "option_default"]
 
@@ -121,31 +116,6 @@ class PipelineConfig:
         """The tree of a Plan file (what ``Pipeline(plan=...)`` runs), with ``keywords``
         over it."""
         return cls(plan=plan).with_keywords(**keywords)
-
-    @classmethod
-    def from_train_config(cls, config: TrainConfig) -> PipelineConfig:
-        """The tree of a ``pipeoptim train`` run: its plan and every option the command line
-        sets. What only the training process can make (the scheduler, the model's loss, the
-        loggers, the store) it adds with :meth:`with_keywords`."""
-        recompute = None
-        if config.recompute is not None:  # None: the plan's
-            recompute = parse_recompute_flag(config.recompute, error=RuntimeConfigError)
-        return cls(
-            plan=config.plan,
-            seed=config.seed,
-            schedule=ScheduleOptions(forwards_first=config.forwards_first),
-            optim=OptimizerOptions(grad_clip=config.grad_clip),  # the optimizer: the plan's
-            precision=PrecisionOptions(amp=config.amp),
-            memory=MemoryOptions(recompute=recompute),
-            comm=CommOptions(
-                transport=config.transport, device=config.device, timeout=config.timeout
-            ),
-            checkpoint=CheckpointOptions(
-                checkpoint_dir=config.checkpoint_dir,
-                checkpoint_every=config.checkpoint_every,
-                keep_checkpoints=config.keep_checkpoints,
-            ),
-        )
 
     def with_keywords(self, **keywords: object) -> PipelineConfig:
         """This tree with the options named by ``Pipeline``'s keywords replaced; an unknown

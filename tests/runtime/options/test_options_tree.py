@@ -185,9 +185,7 @@ def test_the_checks_that_need_the_plan_name_the_option_and_the_fix() -> None:
 
 
 def train_tree(*flags: str) -> PipelineConfig:
-    return PipelineConfig.from_train_config(
-        build_config(build_parser().parse_args(["train", *flags]))
-    )
+    return build_config(build_parser().parse_args(["train", *flags])).options()
 
 
 def test_pipeoptim_train_and_a_plan_file_build_the_same_tree(tmp_path: Path) -> None:
