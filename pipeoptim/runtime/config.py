@@ -10,8 +10,8 @@ and their checks are the groups' own, run by building the tree
 (``TrainConfig.options``) and worded with the flags of :data:`TREE_FLAGS`;
 only what the command alone has (the model and data names, epochs, the learning-rate
 schedule, the trace and the loggers) is defined here. The checks ``Pipeline`` and the
-command share live here too (:func:`resolve_plan`, :func:`check_offset`,
-:func:`check_replicas`).
+command share (:func:`resolve_plan`, :func:`check_offset`, :func:`check_replicas`) live in
+``runtime/options/checks.py`` and are re-exported here.
 """
 
 from __future__ import annotations
@@ -22,18 +22,18 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pipeoptim.errors import RuntimeConfigError
-from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.plan.recompute import parse_recompute_flag
-from pipeoptim.plan.replicas import check_replicas as plan_replicas
-from pipeoptim.runtime.comm.process_model import ProcessModel
 from pipeoptim.runtime.observe.loggers.spec import check_logger_spec
 from pipeoptim.runtime.options.checks import (
     AMP_MODES,
     MAX_SEED,
     MAX_TIMEOUT,
+    check_offset,
+    check_replicas,
     check_whole,
     is_whole,
+    resolve_plan,
 )
 from pipeoptim.runtime.options.groups import (
     CheckpointOptions,
@@ -274,67 +274,6 @@ def run_length(epochs: int | None, max_steps: int | None, steps_per_epoch: int) 
     return min(total, max_steps) if max_steps is not None else total
 
 
-def resolve_plan(
-    base: Plan | None,
-    method: str | None,
-    stages: int | None,
-    micro: int | None,
-    virtual: int | None,
-) -> Plan:
-    """The Plan of ``Pipeline``'s arguments: explicit ones over ``base`` over defaults.
-    The base's boundaries stay only where its stage layout is kept."""
-    if base is not None and not isinstance(base, Plan):
-        raise RuntimeConfigError(
-            f"plan must be a pipeoptim Plan (got {type(base).__name__}); load one with "
-            f"Plan.load('plan.json')"
-        )
-    if method is not None and not isinstance(method, str):
-        raise RuntimeConfigError(
-            f"method must be a method's name, e.g. method='pipeoptim' (got "
-            f"{type(method).__name__}); see `pipeoptim methods`"
-        )
-    name = method or (base.method if base else "pipeoptim")
-    spec = get_method(name)
-    p = stages if stages is not None else (base.num_stages if base else None)
-    if p is None:
-        raise RuntimeConfigError(
-            "Pipeline needs stages=P (the number of pipeline ranks) or plan=Plan.load(...)"
-        )
-    if not is_whole(p, 1):
-        raise RuntimeConfigError(f"stages must be a positive integer (got {p!r})")
-    if micro is not None:
-        check_whole("micro_batches", micro, example="micro_batches=4 (it must divide the batch)")
-    if virtual is not None:
-        check_whole("virtual_stages", virtual, example="virtual_stages=2 (interleaved-1f1b)")
-    same = base is not None and base.method == name
-    if micro is None:
-        micro = base.micro_batches if base and same else spec.micro_batches_for(p)
-    if spec.runs_whole_mini_batches and micro != 1:
-        spec.shape(p, micro)  # the registry's error, which names the fix
-    if virtual is not None and not spec.places_several_stages_per_rank and virtual != 1:
-        spec.shape(p, None, None, virtual)  # the registry's error: one stage per rank
-    v = (
-        virtual
-        if virtual is not None
-        else base.virtual_stages
-        if base and same
-        else spec.default_virtual_stages
-    )
-    keep = base is not None and base.num_stages == p and base.virtual_stages == v
-    return Plan(
-        name,
-        p,
-        micro_batches=micro,
-        virtual_stages=v,
-        prediction_offset=base.prediction_offset if base else 0,
-        optimizer=base.optimizer if base else OptimizerSpec("sgd", 0.02),
-        model=base.model if base else None,
-        batch_size=base.batch_size if base else None,
-        boundaries=base.boundaries if keep and base else None,
-        devices=base.devices if base else None,
-    )
-
-
 def check_fit_arguments(
     data: object,
     *,
@@ -386,47 +325,3 @@ def _iterable(value: object) -> bool:
     without calling ``iter``: that would start a DataLoader's workers."""
     kind = type(value)
     return hasattr(kind, "__iter__") or hasattr(kind, "__getitem__")
-
-
-def check_offset(
-    offset: object, method: str, num_stages: int, *, given: bool, flag: str = "prediction_offset"
-) -> int:
-    """The prediction offset of a run: a whole number of updates added to the derived
-    prediction distance s (``plan.versions.prediction_distance``), in 0..P. Below 0 it
-    would cut s (down to 0, which is no prediction at all: that is a non-predicting method),
-    and past P it predicts further ahead than any stage of a P-stage schedule waits (s is at
-    most P-1) while the predictor steps a copy of the LR schedule s times per forward.
-    ``given``: passed as an argument (not a plan's value), so a method that does not predict
-    refuses it instead of ignoring it. ``flag``: the argument's name in the messages."""
-    spec = get_method(method)
-    rule = (
-        f"it adds updates to the derived prediction distance s (at most P-1 = "
-        f"{num_stages - 1} here): 0 is the paper's rule, 1 the reference code's (D - rank)"
-    )
-    if not is_whole(offset, 0, num_stages):
-        raise RuntimeConfigError(
-            f"{flag} must be a whole number in 0..{num_stages} (the stage count) "
-            f"(got {offset!r}); {rule}"
-        )
-    if given and offset and not spec.predicts:
-        raise RuntimeConfigError(
-            f"{flag} {offset} shifts the distance a predicting method predicts ahead, and "
-            f"{spec.name} does not predict; use pipeoptim, spectrain or xpipe, or leave "
-            f"{flag} out"
-        )
-    assert isinstance(offset, int)  # is_whole said so; for the type checker
-    return offset
-
-
-def check_replicas(data_parallel: object, transport: str, flag: str = "data_parallel") -> int:
-    """``data_parallel`` as a replica count, or the error that says how to fix it (naming
-    ``flag``: the library argument or the command-line option)."""
-    replicas = plan_replicas(data_parallel, flag, error=RuntimeConfigError)
-    if replicas > 1 and ProcessModel.parse(transport).one_process:
-        option = "--transport dist" if flag.startswith("--") else "transport='dist'"
-        raise RuntimeConfigError(
-            f"{flag} {replicas} runs {replicas} replicas of the pipeline as separate "
-            f"processes, which needs {option}; the local transport runs one pipeline in this "
-            f"process"
-        )
-    return replicas

@@ -83,7 +83,7 @@ class ScheduleOptions:
     """The method and the sizes of the pipeline (each over the plan's, when a plan is given).
 
     The method, stage count, micro-batches and virtual stages are checked against each other
-    when the Pipeline resolves them (``runtime.config.resolve_plan``)."""
+    when the Pipeline resolves them (``options.checks.resolve_plan``)."""
 
     method: str | None = None
     """A method's name (``pipeoptim methods``); None: the plan's, else ``"pipeoptim"``."""
@@ -98,7 +98,7 @@ class ScheduleOptions:
     prediction_offset: int | None = None
     """Updates added to the derived prediction distance s (predicting methods), in 0..P;
     None: the plan's (0: the paper's rule). Checked against the method and P when the
-    Pipeline is built (``runtime.config.check_offset``)."""
+    Pipeline is built (``options.checks.check_offset``)."""
     predicted_backward: bool = False
     """Predicting methods, beyond the paper: each predicted forward keeps its Ŵ for its
     backward, so the input gradients also go through Ŵ (consistent, as PipeDream's stash),

@@ -22,10 +22,10 @@ from pipeoptim.plan.recompute import (
     resolve_recompute,
 )
 from pipeoptim.runtime.comm.process_model import ProcessModel
-from pipeoptim.runtime.config import check_offset, check_replicas, resolve_plan
 from pipeoptim.runtime.model.layout import stage_boundaries
 from pipeoptim.runtime.model.units import ModelUnits
 from pipeoptim.runtime.options.built import PipelineOptions, StageOptions
+from pipeoptim.runtime.options.checks import check_offset, check_replicas, resolve_plan
 from pipeoptim.runtime.options.tree import PipelineConfig
 
 __all__ = ["ResolvedRun", "resolve_run"]
