@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from pipeoptim.cli import main
 from pipeoptim.plan.plan import OptimizerSpec, Plan
-from pipeoptim.runtime import fit_loop, segments
+from pipeoptim.runtime import fit_watch, segments
 from pipeoptim.runtime.checkpoint.store import DirectoryLock, latest_step
 from pipeoptim.runtime.executor import Recorder
 from pipeoptim.runtime.pipeline import Pipeline
@@ -81,7 +81,7 @@ def test_a_billion_steps_run_in_bounded_memory() -> None:
 def test_per_step_records_and_the_trace_are_bounded(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(fit_loop, "HISTORY", 5)
+    monkeypatch.setattr(fit_watch, "HISTORY", 5)
     monkeypatch.setattr(segments, "SEGMENT_PASSES", 12)  # 4 mini-batches x 3 stages
     x, y = torch.randn(64, 6), torch.randint(0, 3, (64,))
     layers = [torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)]
