@@ -200,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.device.startswith("cuda"):  # the allocator's statistics read this device
+        torch.cuda.set_device(torch.device(args.device))
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 products in fp32: the bound's u
     torch.backends.cudnn.allow_tf32 = False
     size = QUICK if args.quick else FULL
