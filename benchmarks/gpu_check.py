@@ -171,6 +171,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def chosen_methods(names: str | None) -> list[str]:
+    """The methods named (comma-separated), else every registered one, read when called so
+    that a method registered later is in."""
+    from pipeoptim.plan.methods.registry import METHODS
+
+    return list(METHODS) if not names else names.split(",")
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--sharded-worker":
         from gpu_check_sections import sharded_worker
@@ -191,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    methods = list(METHODS) if not args.methods else args.methods.split(",")
+    methods = chosen_methods(args.methods)
     unknown = sorted(set(methods) - set(METHODS))
     if unknown or (args.steps is not None and args.steps < 1):
         print(

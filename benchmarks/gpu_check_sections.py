@@ -37,6 +37,12 @@ DEVICE_WORKSPACE = 32 * MIB
 tensors the model does not count (a quarter more at most, said the check), plus cuBLAS's
 workspace (up to 32 MiB)."""
 
+STEADY_MINI_BATCHES = 2
+"""Mini-batches per rank in a memory run: an asynchronous pipeline reaches its steady
+peak after about P of them (at 3 mini-batches for P = 4, pipeoptim's and spectrain's first
+ranks ended a weight copy below the peak the model gives the steady state; at 2P the two
+agree to the byte on CPU)."""
+
 TORCH_COUNTERPARTS: dict[str, tuple[str | None, str]] = {
     "gpipe": ("ScheduleLoopedBFS", "P stages on one rank: its order there is GPipe's"),
     "1f1b": (None, "Schedule1F1B holds one stage per rank: P stages need P processes"),
@@ -124,9 +130,13 @@ def check_precision(report: Any, method: str) -> None:
         )
 
 
-def _peak_run(method: str, size: Size, device: str, **options: Any) -> dict[str, Any]:
-    """One run of ``size.steps`` mini-batches with a memory sample at every action: its
-    losses, trace, and on CUDA the allocator's peak over what was allocated before."""
+def _peak_run(
+    method: str, size: Size, device: str, steps: int | None = None, **options: Any
+) -> dict[str, Any]:
+    """One run of ``steps`` (default ``size.steps``) mini-batches with a memory sample at
+    every action: its losses, trace, and on CUDA the allocator's peak over what was
+    allocated before."""
+    steps = steps or size.steps
     cuda = device.startswith("cuda")
     if cuda:
         synchronize(device)
@@ -134,7 +144,7 @@ def _peak_run(method: str, size: Size, device: str, **options: Any) -> dict[str,
         before = torch.cuda.memory_allocated()
     pipe = pipeline(method, size, device, memory_every=1, **options)
     try:
-        result = pipe.fit(batches(size, size.steps), max_steps=size.steps)
+        result = pipe.fit(batches(size, steps), max_steps=steps)
         synchronize(device)
         peak = torch.cuda.max_memory_allocated() - before if cuda else None
         return {"losses": list(result.losses), "trace": pipe.trace(), "device_peak": peak}
@@ -193,11 +203,12 @@ def check_memory(report: Any, methods: list[str]) -> None:
     from pipeoptim.calibrate import predict_run
 
     size, device = report.size, report.device
+    steps = max(size.steps, STEADY_MINI_BATCHES * size.ranks)
     for method in methods:
         if not report.budget.allows(f"memory {method}"):
             return
         with report.item("memory", method):
-            run = _peak_run(method, size, device)
+            run = _peak_run(method, size, device, steps)
             predicted = _stage_peaks(predict_run(run["trace"]))
             per_stage = {str(k): v for k, v in predicted.items()}
             if device.startswith("cuda"):
@@ -217,6 +228,7 @@ def check_memory(report: Any, methods: list[str]) -> None:
                         f"largest stage .. {DEVICE_SLACK} x all + {DEVICE_WORKSPACE // MIB} MiB",
                         device_peak=peak,
                         predicted_per_stage=per_stage,
+                        mini_batches=steps,
                         note="one process holds every stage: the allocator's peak is "
                         "theirs together",
                     )
@@ -242,6 +254,7 @@ def check_memory(report: Any, methods: list[str]) -> None:
                     ),
                     f"each rank's stages within {100 * MEMORY_AGREEMENT:.0f} %",
                     predicted_per_stage=per_stage,
+                    mini_batches=steps,
                     counted_per_stage={str(k): v for k, v in counted.items()},
                     worst_rank_difference=worst,
                     note="CPU: against the runtime's own byte count"
