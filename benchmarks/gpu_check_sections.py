@@ -362,13 +362,14 @@ def check_against_torch(report: Any, methods: list[str]) -> None:
 def start_group(device: str) -> None:
     """A process group of one for PyTorch's schedules (every stage on this rank)."""
     import torch.distributed as dist
+    from torch._C._distributed_c10d import HashStore
 
     if dist.is_initialized():
         return
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(torch.device(device))
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(backend, store=HashStore(), rank=0, world_size=1)
 
 
 def stop_group() -> None:

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from support import benchmark_scripts
 
@@ -25,7 +26,7 @@ SECTIONS = {
 }
 
 
-def _run(tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], dict]:
+def _run(tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
     out = tmp_path / "check.json"
     script = benchmark_scripts.FOLDER / "gpu_check.py"
     argv = [sys.executable, str(script), "--device", "cpu", "--quick", "--methods", METHODS]
