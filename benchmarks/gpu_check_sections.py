@@ -283,9 +283,29 @@ def one_method_per_weight_policy(methods: list[str]) -> list[str]:
     return out
 
 
+def shared_device_step(trace: Any) -> float:
+    """The calibrated simulator's steady time per mini-batch of ``trace``'s run with its P
+    ranks sharing one device (``Machine(1, P, 1)``: processor sharing), as a one-process run
+    has them: every stage takes turns on the one GPU or thread."""
+    import dataclasses
+
+    from pipeoptim.calibrate.runs import trace_plan
+    from pipeoptim.calibrate.trace_costs import costs_from_trace
+    from pipeoptim.metrics import compute_metrics
+    from pipeoptim.plan.machine import Machine
+    from pipeoptim.sim.evaluate import evaluate_trace
+
+    plan = trace_plan(trace)
+    shape = plan.shape(int(trace.meta["mini_batches"]))
+    costs = dataclasses.replace(costs_from_trace(trace), machine=Machine(1, shape.num_ranks, 1))
+    rate = compute_metrics(evaluate_trace(plan.method, shape, costs)).steady_throughput
+    return float(trace.meta.get("batch_size") or 1) / rate
+
+
 def check_calibration(report: Any, methods: list[str]) -> None:
-    """Each method's run calibrated from its own trace, as ``pipeoptim calibrate`` does:
-    the predicted time per mini-batch (steady state) and throughput against the run's."""
+    """Each method's run calibrated from its own trace as ``pipeoptim calibrate`` does (each
+    rank on a device of its own), and on one device the ranks share: the predicted time per
+    mini-batch (steady state) and throughput against the run's."""
     from pipeoptim.calibrate import calibrate
 
     size, device = report.size, report.device
@@ -298,19 +318,24 @@ def check_calibration(report: Any, methods: list[str]) -> None:
             found = {r.quantity: r for r in rows}
             step = found["time per mini-batch (steady state)"]
             whole = found["whole-run throughput"]
+            shared = shared_device_step(run.trace)
+            shared_error = (shared - step.measured) / step.measured
             report.add(
                 row(
                     "calibrated simulator",
                     method,
                     "info",
-                    f"time/mini-batch {step.measured * 1e3:.2f} ms, predicted "
-                    f"{step.predicted * 1e3:.2f} ({100 * step.relative_error:+.0f} %); "
+                    f"time/mini-batch {step.measured * 1e3:.2f} ms; predicted "
+                    f"{step.predicted * 1e3:.2f} ({100 * step.relative_error:+.0f} %), "
+                    f"one device shared {shared * 1e3:.2f} ({100 * shared_error:+.0f} %); "
                     f"throughput {100 * whole.relative_error:+.0f} %",
                     "reported, not bounded",
                     rows=[r.to_dict() for r in rows],
+                    shared_device_step_s=shared,
+                    shared_device_relative_error=shared_error,
                     wall_samples_per_s=run.samples_per_s,
-                    note="one process: the simulator gives each rank a device of its own, "
-                    "the run has every stage take turns on one",
+                    note="as pipeoptim calibrate: a device per rank; one device shared: "
+                    "the P ranks take turns on one, as this one-process run has them",
                 )
             )
 

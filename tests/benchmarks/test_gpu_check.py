@@ -73,6 +73,7 @@ def test_cpu_fallback_writes_every_section_within_its_tolerances(tmp_path: Path)
     assert torch_rows["gpipe"]["values"]["torch_samples_per_s"] > 0
     for r in (r for r in rows if r["check"] == "calibrated simulator"):
         assert {q["quantity"] for q in r["values"]["rows"]} >= {"whole-run throughput"}
+        assert r["values"]["shared_device_step_s"] > 0
     table = done.stdout.splitlines()
     assert table[0] == "| check | subject | status | measured | bound | note |"
     assert len([line for line in table if line.startswith("| ")]) == len(rows) + 1
