@@ -1,5 +1,6 @@
 """The checks of ``benchmarks/gpu_check.py``, one function per section; each appends rows to
-the report and asks its budget before every run."""
+the report and asks its budget before every run. ``GPU_CHECK_SHARDED_ON_CPU=1`` runs the
+D = 2 check's two processes on CPU over gloo, to try that path without GPUs."""
 
 from __future__ import annotations
 
