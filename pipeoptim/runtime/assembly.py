@@ -91,7 +91,12 @@ class Assembly:
         self.device, ranks = self._place(device)
         self.ranks = ranks
         self.transports: dict[int, Transport] = self.process_model.transports(
-            self.shape.num_ranks, ranks[0], self.device, self.replicas.global_rank(0), self.timeout
+            self.shape.num_ranks,
+            ranks[0],
+            self.device,
+            self.replicas.global_rank(0),
+            self.timeout,
+            one_tag=options.one_tag,
         )
         self.chained_probe = not self.process_model.one_process and bool(meta_units(units))
         """No rank holds the whole model (built on the meta device): the dry run goes stage
@@ -168,6 +173,7 @@ class Assembly:
             self.device,
             first_rank=self.replicas.global_rank(0),
             group=dist.new_group(),
+            one_tag=self.options.one_tag,
         )
 
     def _place(self, requested: str) -> tuple[torch.device, list[int]]:

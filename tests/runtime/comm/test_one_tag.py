@@ -1,0 +1,78 @@
+"""Every method over NCCL's matching rule, checked on CPU: gloo with one tag for every
+message matches a pair's messages in posting order per direction, as NCCL does, so a run in
+that mode finishes only if each receiver posts its receives in the order the sender posts
+its sends (``RankMessages.agreed_order``); it must then compute bit for bit what the
+default run (a tag per message) does.
+
+Each launch runs many methods in one process group (``support/one_tag_worker.py``): every
+registered method, so a method added later is covered without a line here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from support import FOLDER
+from support.launch import torchrun
+
+from pipeoptim.plan.methods.registry import METHODS
+
+pytestmark = pytest.mark.slow
+WORKER = FOLDER / "one_tag_worker.py"
+
+
+def assert_one_tag_equals_tagged(records: list[dict[str, Any]], methods: list[str]) -> None:
+    for rank, record in enumerate(records):
+        assert sorted(record) == sorted(methods)
+        for method, runs in record.items():
+            tagged, one = runs["each"], runs["one"]
+            where = f"{method} on rank {rank}"
+            assert one["ordered"] == [True] and tagged["ordered"] == [False], where
+            assert one["losses"] == tagged["losses"], where
+            assert one["evaluations"] == tagged["evaluations"], where
+            assert len(tagged["evaluations"]) >= 2, where  # evaluation passes between segments
+            assert one["weights"].keys() == tagged["weights"].keys(), where
+            for k, weights in tagged["weights"].items():
+                for name, tensor in weights.items():
+                    assert torch.equal(one["weights"][k][name], tensor), f"{where}: {name}"
+    assert any(record[m]["each"]["losses"] for record in records for m in methods)
+
+
+def test_every_method_runs_with_one_tag_on_two_ranks_bit_for_bit(tmp_path: Any) -> None:
+    # every message over gloo (no shared-memory ring): the matching rule is gloo's alone
+    records = torchrun(WORKER, tmp_path, nproc=2, env={"PIPEOPTIM_SHARED_MEMORY": "0"}, timeout=900)
+    assert_one_tag_equals_tagged(records, sorted(METHODS))
+
+
+def test_the_shared_memory_fallback_and_tuples_keep_the_order(tmp_path: Any) -> None:
+    # rings of 256 bytes: a 4-sample hidden state (128 bytes) goes through a ring, an
+    # 8-sample one (every evaluation batch) over gloo, so one channel mixes both paths
+    methods = ["interleaved-1f1b", "zb-v", "pipedream", "1f1b"]
+    records = torchrun(
+        WORKER,
+        tmp_path,
+        "--methods",
+        ",".join(methods),
+        "--model",
+        "tuples",
+        nproc=2,
+        env={"PIPEOPTIM_SHARED_MEMORY": "0.0003"},
+        timeout=600,
+    )
+    assert_one_tag_equals_tagged(records, methods)
+
+
+def test_two_stages_per_rank_with_one_tag_on_four_ranks(tmp_path: Any) -> None:
+    methods = ["interleaved-1f1b", "zb-v", "pipeoptim"]
+    records = torchrun(
+        WORKER,
+        tmp_path,
+        "--methods",
+        ",".join(methods),
+        nproc=4,
+        env={"PIPEOPTIM_SHARED_MEMORY": "0"},
+        timeout=600,
+    )
+    assert_one_tag_equals_tagged(records, methods)
