@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from pipeoptim.plan.actions import Action, Kind
 from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.plan.actions import Action, Kind
 from pipeoptim.runtime.boundary import Boundary, TensorSpec
 from pipeoptim.runtime.comm.transport import MessageKey, Parts, RecvSpec, Transport
 from pipeoptim.runtime.payload import Gradients, Payload, payload_bytes

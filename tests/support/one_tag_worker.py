@@ -6,7 +6,8 @@ with one tag for every message (``one_tag=True``: gloo then matches a pair's mes
 posting order, as NCCL does), evaluating every few steps (so the run is cut into segments
 with evaluation passes between them), and saves each run's losses, evaluation losses and
 its stages' final weights to ``OUT/rank-R.pt``. ``--model tuples`` trains a model whose
-stages hand on tuples of tensors (test_tuples.py's).
+stages hand on tuples of tensors (test_tuples.py's); ``--stop-at S``: a callback stops each
+run at step S, inside a segment (a log point every step).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pipeoptim import Pipeline
+from pipeoptim import Callback, Pipeline
 from pipeoptim.plan.methods.registry import METHODS
 
 STEPS, EVAL_EVERY, BATCH = 4, 2, 8
@@ -58,8 +59,20 @@ def adam(params: list[Tensor]) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=0.01)
 
 
-def run(method: str, stages: int, model: str, one_tag: bool) -> dict[str, Any]:
+class StopAt(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, info: Any, pipeline: Any) -> None:
+        if info.step >= self.step:
+            info.request_stop(f"reached {info.step}")
+
+
+def run(method: str, stages: int, model: str, one_tag: bool, stop_at: int) -> dict[str, Any]:
     units = tuple_units() if model == "tuples" else toy_units()
+    stops: dict[str, Any] = {}
+    if stop_at >= 0:
+        stops = {"callbacks": [StopAt(stop_at)], "log_every": 1}
     pipe = Pipeline(
         units,
         method=method,
@@ -70,10 +83,14 @@ def run(method: str, stages: int, model: str, one_tag: bool) -> dict[str, Any]:
         device="cpu",
         timeout=60,
         one_tag=one_tag,
+        **stops,
     )
-    result = pipe.fit(data(STEPS), max_steps=STEPS, eval_data=data(2), eval_every=EVAL_EVERY)
+    steps = STEPS if stop_at < 0 else 2 * STEPS
+    every = EVAL_EVERY if stop_at < 0 else steps  # no evaluation cuts the segment short
+    result = pipe.fit(data(steps), max_steps=steps, eval_data=data(2), eval_every=every)
     record = {
         "ordered": [t.needs_order for t in pipe.parts.transports.values()],
+        "step": pipe.step,
         "losses": result.losses,
         "evaluations": [e.loss for e in result.eval_history],
         "weights": {
@@ -89,6 +106,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--methods", default="")
     parser.add_argument("--model", choices=("toy", "tuples"), default="toy")
+    parser.add_argument("--stop-at", type=int, default=-1)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -96,7 +114,10 @@ def main() -> None:
     stages = dist.get_world_size()
     methods = args.methods.split(",") if args.methods else sorted(METHODS)
     record = {
-        method: {tag: run(method, stages, args.model, tag == "one") for tag in ("each", "one")}
+        method: {
+            tag: run(method, stages, args.model, tag == "one", args.stop_at)
+            for tag in ("each", "one")
+        }
         for method in methods
     }
     torch.save(record, args.out / f"rank-{dist.get_rank()}.pt")

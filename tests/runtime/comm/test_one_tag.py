@@ -23,16 +23,19 @@ pytestmark = pytest.mark.slow
 WORKER = FOLDER / "one_tag_worker.py"
 
 
-def assert_one_tag_equals_tagged(records: list[dict[str, Any]], methods: list[str]) -> None:
+def assert_one_tag_equals_tagged(
+    records: list[dict[str, Any]], methods: list[str], evaluations: int = 2
+) -> None:
     for rank, record in enumerate(records):
         assert sorted(record) == sorted(methods)
         for method, runs in record.items():
             tagged, one = runs["each"], runs["one"]
             where = f"{method} on rank {rank}"
             assert one["ordered"] == [True] and tagged["ordered"] == [False], where
+            assert one["step"] == tagged["step"], where
             assert one["losses"] == tagged["losses"], where
             assert one["evaluations"] == tagged["evaluations"], where
-            assert len(tagged["evaluations"]) >= 2, where  # evaluation passes between segments
+            assert len(tagged["evaluations"]) >= evaluations, where
             assert one["weights"].keys() == tagged["weights"].keys(), where
             for k, weights in tagged["weights"].items():
                 for name, tensor in weights.items():
@@ -43,7 +46,7 @@ def assert_one_tag_equals_tagged(records: list[dict[str, Any]], methods: list[st
 def test_every_method_runs_with_one_tag_on_two_ranks_bit_for_bit(tmp_path: Any) -> None:
     # every message over gloo (no shared-memory ring): the matching rule is gloo's alone
     records = torchrun(WORKER, tmp_path, nproc=2, env={"PIPEOPTIM_SHARED_MEMORY": "0"}, timeout=900)
-    assert_one_tag_equals_tagged(records, sorted(METHODS))
+    assert_one_tag_equals_tagged(records, sorted(METHODS))  # evaluations between segments
 
 
 def test_the_shared_memory_fallback_and_tuples_keep_the_order(tmp_path: Any) -> None:
@@ -76,3 +79,24 @@ def test_two_stages_per_rank_with_one_tag_on_four_ranks(tmp_path: Any) -> None:
         timeout=600,
     )
     assert_one_tag_equals_tagged(records, methods)
+
+
+def test_a_stop_inside_a_segment_cuts_alike_with_one_tag(tmp_path: Any) -> None:
+    # a receive posted for a send the stop cancels would take the next message of its
+    # channel: neither the deciding rank nor the others post past a stop's horizon
+    methods = ["interleaved-1f1b", "zb-v", "pipeoptim", "2bw"]
+    records = torchrun(
+        WORKER,
+        tmp_path,
+        "--methods",
+        ",".join(methods),
+        "--stop-at",
+        "2",
+        nproc=2,
+        env={"PIPEOPTIM_SHARED_MEMORY": "0"},
+        timeout=600,
+    )
+    assert_one_tag_equals_tagged(records, methods, evaluations=1)
+    # stopped inside the segment of 8 steps (after step 2's horizon: later where a method
+    # runs ahead)
+    assert all(3 <= runs["one"]["step"] < 8 for record in records for runs in record.values())
