@@ -30,7 +30,13 @@ from pipeoptim.runtime.comm.replicas import (
 from pipeoptim.runtime.comm.stop_channel import StopChannel
 from pipeoptim.runtime.comm.transport import Transport
 from pipeoptim.runtime.model.materialize import materialize_units, meta_units
-from pipeoptim.runtime.model.ties import TieExchange, find_ties, refuse_for, untie_copies
+from pipeoptim.runtime.model.ties import (
+    TieExchange,
+    find_ties,
+    refuse_for,
+    refuse_mixed_streams,
+    untie_copies,
+)
 from pipeoptim.runtime.optim.builder import reads_delays
 from pipeoptim.runtime.optim.corrections.qk_clip import QKClip
 from pipeoptim.runtime.optim.sharded import optimizer_class_name
@@ -141,6 +147,8 @@ class Assembly:
         """Sums the gradients of weights shared across stages at each update (``ties.py``)."""
         # every rank makes the group (a collective), whether or not it holds a member
         tie_transport = self._tie_transport() if self.ties else None
+        if tie_transport is not None and tie_transport.ordered:
+            refuse_mixed_streams(method, self.ties, self.rank_of)
         if tied:
             for k, entries in tied.items():
                 updater = self.stages[k].updater

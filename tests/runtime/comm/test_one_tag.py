@@ -15,9 +15,12 @@ from typing import Any
 import pytest
 import torch
 from support import FOLDER
-from support.launch import torchrun
+from support import tied_worker as tw
+from support.launch import tied_torchrun, torchrun
 
-from pipeoptim.plan.methods.registry import METHODS
+from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.plan.methods.registry import METHODS, get_method
+from pipeoptim.runtime.model.ties import Tie, refuse_mixed_streams
 
 pytestmark = pytest.mark.slow
 WORKER = FOLDER / "one_tag_worker.py"
@@ -100,3 +103,30 @@ def test_a_stop_inside_a_segment_cuts_alike_with_one_tag(tmp_path: Any) -> None:
     # stopped inside the segment of 8 steps (after step 2's horizon: later where a method
     # runs ahead)
     assert all(3 <= runs["one"]["step"] < 8 for record in records for runs in record.values())
+
+
+def test_a_weight_tied_across_two_stages_per_rank_with_one_tag(tmp_path: Any) -> None:
+    # interleaved on 2 ranks: the embedding on stage 0 (rank 0), its output projection on
+    # stage 3 (rank 1), so the shared gradients cross the pair that carries both legs
+    steps, micro = 4, 2
+    args = ["--mode", "tied", "--method", "interleaved-1f1b", "--steps", str(steps)]
+    ranks = tied_torchrun(tmp_path, 2, *args, "--micro-batches", str(micro), "--one-tag")
+    local = tw.tied_pipeline("interleaved-1f1b", micro=micro)
+    result = local.fit(tw.batches(steps), max_steps=steps)
+    assert ranks[0]["losses"] == ranks[1]["losses"] == result.losses  # bit for bit
+    for rank in ranks:
+        for k, weights in rank["weights"].items():
+            for name, tensor in weights.items():
+                assert torch.equal(tensor, local.stages[k].module.state_dict()[name]), name
+
+
+def test_ties_that_cross_one_pair_of_ranks_twice_are_refused_where_order_matters() -> None:
+    rank_of = {0: 0, 1: 1, 2: 0, 3: 1}  # interleaved, P = 2
+    method = get_method("interleaved-1f1b")
+    shared = Tie(0, "unit 0 (Embedding).weight", ((0, 0, "w"), (3, 7, "w")), (4,), torch.float32)
+    refuse_mixed_streams(method, [shared], rank_of)  # one pair of stages per direction
+    four = Tie(
+        0, "unit 0 (Linear).weight", tuple((k, 2 * k, "w") for k in range(4)), (4,), torch.float32
+    )
+    with pytest.raises(RuntimeConfigError, match=r"rank 0 would send rank 1 .* of 4 pairs"):
+        refuse_mixed_streams(method, [four], rank_of)
