@@ -225,6 +225,11 @@ class CommOptions:
             )
         if self.targets not in TARGETS:
             raise RuntimeConfigError(f"unknown targets {self.targets!r}; use 'send' or 'read'")
+        if not isinstance(self.one_tag, bool):
+            raise RuntimeConfigError(
+                f"one_tag must be True or False (got {self.one_tag!r}): whether every gloo "
+                f"message goes under one tag"
+            )
 
 
 @dataclass(frozen=True)
