@@ -30,7 +30,13 @@ from pipeoptim.runtime.comm.replicas import (
 from pipeoptim.runtime.comm.stop_channel import StopChannel
 from pipeoptim.runtime.comm.transport import Transport
 from pipeoptim.runtime.model.materialize import materialize_units, meta_units
-from pipeoptim.runtime.model.ties import TieExchange, find_ties, refuse_for, untie_copies
+from pipeoptim.runtime.model.ties import (
+    TieExchange,
+    find_ties,
+    refuse_for,
+    refuse_mixed_streams,
+    untie_copies,
+)
 from pipeoptim.runtime.optim.builder import reads_delays
 from pipeoptim.runtime.optim.corrections.qk_clip import QKClip
 from pipeoptim.runtime.optim.sharded import optimizer_class_name
@@ -91,7 +97,12 @@ class Assembly:
         self.device, ranks = self._place(device)
         self.ranks = ranks
         self.transports: dict[int, Transport] = self.process_model.transports(
-            self.shape.num_ranks, ranks[0], self.device, self.replicas.global_rank(0), self.timeout
+            self.shape.num_ranks,
+            ranks[0],
+            self.device,
+            self.replicas.global_rank(0),
+            self.timeout,
+            one_tag=options.one_tag,
         )
         self.chained_probe = not self.process_model.one_process and bool(meta_units(units))
         """No rank holds the whole model (built on the meta device): the dry run goes stage
@@ -136,6 +147,8 @@ class Assembly:
         """Sums the gradients of weights shared across stages at each update (``ties.py``)."""
         # every rank makes the group (a collective), whether or not it holds a member
         tie_transport = self._tie_transport() if self.ties else None
+        if tie_transport is not None and tie_transport.ordered:
+            refuse_mixed_streams(method, self.ties, self.rank_of)
         if tied:
             for k, entries in tied.items():
                 updater = self.stages[k].updater
@@ -168,6 +181,7 @@ class Assembly:
             self.device,
             first_rank=self.replicas.global_rank(0),
             group=dist.new_group(),
+            one_tag=self.options.one_tag,
         )
 
     def _place(self, requested: str) -> tuple[torch.device, list[int]]:

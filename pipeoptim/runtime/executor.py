@@ -130,6 +130,7 @@ class RankExecutor(RankMessages):
         """Training targets: read by the last stage's rank itself (True) or sent to it by
         stage 0's rank (False). Evaluation targets are always sent."""
         self._actions: list[Action] = []
+        self._lists: dict[int, list[Action]] = {}  # every rank's actions of the segment
         self._pos = 0
         self._first = 0  # global step of the segment's first mini-batch
         self._m = 1
@@ -150,6 +151,11 @@ class RankExecutor(RankMessages):
         self.stopped_after: int | None = None
         """The last mini-batch of the segment when a stop cut it short (``truncate``)."""
         self._gates: list[tuple[int, int]] = []  # (log point, horizon) not yet passed
+        self.post_limits: list[tuple[int, int]] = []
+        """On the process that decides a stop, where receives are posted in an agreed order:
+        (log point, horizon) whose decision is not taken yet; no receive past the horizon is
+        posted before it (one posted for a send that a stop cancels would take the next
+        message of its channel). Set before :meth:`begin`."""
         self._channel: StopChannel | None = None
         self._steps = 0  # mini-batches in the segment
         self.on_log_update: Callable[[int], None] | None = None
@@ -180,6 +186,8 @@ class RankExecutor(RankMessages):
             channel.post(self._gates[0][0])
         for k, stage in self.stages.items():
             stage.begin_segment(plan.passes(k))
+        self._lists = plan.actions
+        self._agree(plan.actions, stops=bool(self._gates or self.post_limits))
         self._post_ahead()
 
     def begin_eval(
@@ -193,6 +201,7 @@ class RankExecutor(RankMessages):
         self._actions, self._pos = plan.actions.get(self.rank, []), 0
         self._first, self._m = 0, 1
         self._eval, self._eval_sizes, self._eval_first = batches, list(sizes), first
+        self._agree(plan.actions, stops=False)
         self._post_ahead()
 
     def end_eval(self) -> None:
@@ -247,6 +256,7 @@ class RankExecutor(RankMessages):
         else:
             rest = [a for a in self._actions[self._pos :] if first + step_of(a, m) <= last_step]
             self._actions = done + rest
+        self._agree_after_cut(self._lists, None if shorter is None else shorter.actions, last_step)
         kept = set(self._actions[self._pos :])
         for k, stage in self.stages.items():
             stage.forget_passes(
@@ -258,6 +268,7 @@ class RankExecutor(RankMessages):
             )
         self.stopped_after = last_step
         self._gates = []
+        self.post_limits = []
 
     def _pass_gates(self, a: Action) -> None:
         """Wait for the stop decisions this action must not run ahead of (dist)."""
@@ -459,6 +470,8 @@ class RankExecutor(RankMessages):
             del self._loss[step]
             if self.on_step is not None:
                 self.on_step(step, acc[0], acc[1], acc[3])
+            while self.post_limits and self.post_limits[0][0] <= step:  # decided
+                self.post_limits.pop(0)
 
 
 _BACKWARD_KINDS = frozenset((Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT))

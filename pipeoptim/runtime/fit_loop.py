@@ -281,6 +281,8 @@ class FitLoop(FitEvaluation):
 
         self.state.busy = True  # an error from here on leaves passes in flight
         for ex in self._executors:
+            if self.decides and ex.transport.needs_order:
+                ex.post_limits = sorted(self._horizons.items())
             ex.begin(seg, plan, gates, self.parts.stop_channel if gates else None)
             ex.replan = replan if self._control else None
         self._drive()

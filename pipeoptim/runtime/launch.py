@@ -179,13 +179,9 @@ def _connect(config: TrainConfig, rank: int, world: int, store: Store | None) ->
         raise world_error(world, config.plan.num_stages, config.plan.data_parallel)
     device = _device_of(config, rank)
     if device.type == "cuda":
+        # NCCL matches a pair's messages in posting order: every method posts its receives
+        # in the order agreed from the schedule (rank_messages.RankMessages.agreed_order)
         _check_gpus(config, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-        if config.plan.method_spec.places_several_stages_per_rank:
-            raise RuntimeConfigError(
-                "interleaved-1f1b over NCCL is not supported: NCCL matches messages in "
-                "posting order and an interleaved pair of ranks carries two streams; use "
-                "--transport local or --device cpu"
-            )
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=config.timeout)

@@ -6,19 +6,30 @@ allocates before it arrives, and that agreement is this module's concern: the me
 actions, the names, the receive specs, the receives posted ahead and where the last stage
 takes its targets from. :class:`RankMessages` is the executor's base class, so a call costs
 what it did inside one class.
+
+The agreed order (NCCL's matching rule): where a transport matches a pair's messages in
+posting order (``Transport.needs_order``: NCCL, or gloo with one tag), every rank computes,
+from the segment's lowered action lists that every rank holds, the messages each other rank
+sends it, in the order that rank posts them (:meth:`RankMessages.agreed_order`, built on
+:meth:`RankMessages.sent_by`, the one list of what an action sends), and its transport posts
+its receives in exactly that order. Nothing in it depends on timing: the lists are plain
+data, so both ends of each direction of each pair derive the same sequence, whatever the
+method (two stages per rank, asynchronous, evaluation passes, segments).
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, TypeAlias
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.actions import Action, Kind
 from pipeoptim.runtime.boundary import Boundary, TensorSpec
-from pipeoptim.runtime.comm.transport import MessageKey, Parts, Transport
+from pipeoptim.runtime.comm.transport import MessageKey, Parts, RecvSpec, Transport
 from pipeoptim.runtime.payload import Gradients, Payload, payload_bytes
 from pipeoptim.runtime.segments import step_of
 
@@ -30,12 +41,6 @@ __all__ = ["LOOKAHEAD", "RankMessages", "RecvSpec"]
 
 LOOKAHEAD = 8
 """How many upcoming actions a rank scans to post its receives early."""
-
-
-RecvSpec: TypeAlias = (
-    tuple[MessageKey, int, tuple[int, ...], torch.dtype] | tuple[MessageKey, int, Parts]
-)
-"""A receive: (key, peer, shape, dtype) of one tensor, or (key, peer, parts) of a tuple."""
 
 
 def _parts(b: tuple[TensorSpec, ...], n: int, grad: bool) -> Parts:
@@ -70,6 +75,7 @@ class RankMessages:
     _eval_sizes: list[int]
     _eval_first: int
     _gates: list[tuple[int, int]]
+    post_limits: list[tuple[int, int]]
 
     @property
     def evaluating(self) -> bool:
@@ -150,11 +156,116 @@ class RankMessages:
     def _message_mb(self, mb: int) -> int:
         return self._eval_first + mb if self.evaluating else self._global(mb)
 
+    # -- the agreed order of each channel (transports that match in posting order) ---------
+
+    def sent_by(self, a: Action, holder: int) -> list[tuple[int, RecvSpec]]:
+        """What rank ``holder``'s action ``a`` sends, in posting order: (receiving rank, the
+        receive that takes it, ``holder`` as its peer). Every message of the pipeline's
+        transport is listed here and nowhere else, so a new kind of message (sent where the
+        executor runs the action) is one more entry here."""
+        k, mb = a.stage, a.mb
+        if a.kind is Kind.FORWARD and k == 0 and self.rank_of[self.last] != holder:
+            if self.evaluating or not self.targets_read:  # the targets ride with stage 0's input
+                key, _, shape, dtype = self._target_spec(mb)
+                return [(self.rank_of[self.last], (key, holder, shape, dtype))]
+        elif a.kind is Kind.SEND_F:
+            return [(self.rank_of[k + 1], self._recv_spec(Action(k + 1, Kind.RECV_F, mb)))]
+        elif a.kind is Kind.SEND_B:
+            return [(self.rank_of[k - 1], self._recv_spec(Action(k - 1, Kind.RECV_B, mb)))]
+        return []
+
+    def agreed_order(self, lists: Mapping[int, Sequence[Action]]) -> dict[int, list[RecvSpec]]:
+        """Per other rank, the receives of what it sends this rank, in its posting order
+        (``lists``: every rank's lowered actions). Checked against this rank's own receives,
+        so a message one end lists and the other does not is named before anything runs."""
+        orders: dict[int, list[RecvSpec]] = {}
+        for sender, actions in lists.items():
+            if sender == self.rank:
+                continue
+            mine = [s for a in actions for to, s in self.sent_by(a, sender) if to == self.rank]
+            if mine:
+                orders[sender] = mine
+        agreed = sorted(spec[0] for order in orders.values() for spec in order)
+        taken = sorted(self._taken_keys(lists.get(self.rank, ())))
+        if agreed != taken:
+            odd = sorted(set(agreed) ^ set(taken))
+            raise RuntimeError(
+                f"rank {self.rank}: the messages the other ranks' actions send it and the "
+                f"receives of its own actions differ ({len(agreed)} against {len(taken)}, "
+                f"e.g. {odd[:3]}); RankMessages.sent_by must list every message the executor "
+                f"sends"
+            )
+        return orders
+
+    def _taken_keys(self, actions: Sequence[Action]) -> list[MessageKey]:
+        """The names of the messages ``actions`` (this rank's) receive."""
+        keys = []
+        for a in actions:
+            if a.kind in (Kind.RECV_F, Kind.RECV_B):
+                keys.append(self._recv_key(a))
+            elif self._needs_target_message(a):
+                keys.append(self._target_spec(a.mb)[0])
+        return keys
+
+    def _agree(self, lists: Mapping[int, Sequence[Action]], stops: bool) -> None:
+        """Hand the transport the agreed order of this segment (or evaluation chunk), where
+        it matches in posting order. ``stops``: a callback may cut the segment at a log
+        point, and no receive may be posted past one before its decision (``segments.
+        stop_horizons``): each channel's steps must then never go back, so posting a receive
+        never posts one of a later step before it."""
+        if not self.transport.needs_order:
+            return
+        orders = self.agreed_order(lists)
+        if stops:
+            for sender, order in orders.items():
+                steps = [spec[0][2] // self._m for spec in order]
+                back = next((i for i in range(1, len(steps)) if steps[i] < steps[i - 1]), None)
+                if back is not None:
+                    raise RuntimeConfigError(
+                        f"rank {sender} sends rank {self.rank} a message of step "
+                        f"{steps[back - 1]} before one of step {steps[back]}: over NCCL (or "
+                        f"with one tag) a segment a callback may stop cannot post its "
+                        f"receives in that order; run without a stopping callback, or with "
+                        f"log_every at a multiple of the segment length"
+                    )
+        self.transport.expect(orders)
+
+    def _agree_after_cut(
+        self,
+        before: Mapping[int, Sequence[Action]],
+        shorter: Mapping[int, Sequence[Action]] | None,
+        last_step: int,
+    ) -> None:
+        """A stop cut the segment after ``last_step`` (global): the sends of later steps will
+        never come. Each sender goes on with its list cut short or with the shorter
+        segment's own (``RankExecutor.truncate``); both must send this rank the rest in one
+        order, or no order can be agreed (refused, never a hang)."""
+        if not self.transport.needs_order:
+            return
+        m = self._m
+
+        def kept(key: MessageKey) -> bool:
+            return key[2] // m <= last_step
+
+        if shorter is not None:
+            cut = {r: [s[0] for s in o if kept(s[0])] for r, o in self.agreed_order(before).items()}
+            own = {r: [s[0] for s in o] for r, o in self.agreed_order(shorter).items()}
+            if {r: o for r, o in cut.items() if o} != own:
+                raise RuntimeError(
+                    f"rank {self.rank}: after the stop at step {last_step}, the segment cut "
+                    f"short and the shorter segment's own schedule send this rank its messages "
+                    f"in different orders, so no posting order can be agreed over NCCL (or "
+                    f"with one tag); run without a stopping callback, or on gloo with a tag "
+                    f"per message"
+                )
+        self.transport.forget(kept)
+
     def _post_ahead(self) -> None:
         if not self._posts_receives:
             return
         # no receive past a stop decision not yet taken: it might never be sent
-        horizon = self._gates[0][1] if self._gates else None
+        limits = self._gates or self.post_limits
+        horizon = limits[0][1] if limits else None
         for a in self._actions[self._pos : self._pos + LOOKAHEAD]:
             if horizon is not None and self._first + step_of(a, self._m) > horizon:
                 break

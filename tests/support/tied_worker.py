@@ -143,6 +143,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--data-parallel", type=int, default=1)
     parser.add_argument("--vocab", type=int, default=VOCAB)
+    parser.add_argument("--one-tag", action="store_true")  # every message under one tag
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -159,6 +160,7 @@ def main() -> None:
             device="cpu",
             timeout=60,
             data_parallel=args.data_parallel,
+            one_tag=args.one_tag,
         )
         batch = 8 * args.data_parallel
         result = pipe.fit(batches(args.steps, batch, args.vocab), max_steps=args.steps)

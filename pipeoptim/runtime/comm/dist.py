@@ -2,17 +2,25 @@
 
 Point-to-point operations (gloo on CPU, NCCL on CUDA). Receives are posted early
 (``post_recv``, as the executor looks ahead) and waited late (at the ``RECV`` action), sends
-are asynchronous and reaped later, so communication overlaps compute. On gloo a message's
-name becomes its tag, so out-of-order posting is safe; a tuple message sends each tensor as
-its own message, part ``i`` under the message's tag plus ``i`` times a stride that keeps
-every part's tags apart. NCCL ignores tags and matches messages per pair of ranks in posting
-order, which holds for every non-interleaved schedule (each directed pair carries one kind of
-message in micro-batch order; the parts of a tuple are posted in order on both sides).
+are asynchronous and reaped later, so communication overlaps compute.
+
+How a receive finds its send: by default on gloo a message's name becomes its tag, so
+out-of-order posting is safe; a tuple message sends each tensor as its own message, part
+``i`` under the message's tag plus ``i`` times a stride that keeps every part's tags apart.
+NCCL ignores tags and matches a pair's messages in posting order, per direction; so over
+NCCL, and on gloo with ``one_tag`` (every message under tag 0, which makes gloo match as NCCL
+does), the transport is *ordered*: the executor hands it, per sending rank, the receives in
+the order that rank posts its sends (:meth:`expect`, computed from the schedule on both
+ends: ``rank_messages.RankMessages.agreed_order``), and a receive posts every receive before
+it in that order first, each into its own buffer. The parts of a tuple are posted in order
+on both sides. Ranks that were given no order for a peer (the tied weights' own group) post
+in call order, which their exchange keeps alike on both ends.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from typing import NoReturn
 
 import torch
@@ -22,7 +30,13 @@ from torch import Tensor
 from pipeoptim.errors import PeerLostError
 from pipeoptim.runtime.comm.failure_board import backend_cause
 from pipeoptim.runtime.comm.parent_watch import stop_if_orphaned
-from pipeoptim.runtime.comm.transport import MessageKey, Parts, Transport, describe_message
+from pipeoptim.runtime.comm.transport import (
+    MessageKey,
+    Parts,
+    RecvSpec,
+    Transport,
+    describe_message,
+)
 from pipeoptim.runtime.payload import MAX_PARTS, Payload
 
 __all__ = ["DistTransport"]
@@ -47,6 +61,7 @@ class DistTransport(Transport):
         *,
         first_rank: int = 0,
         group: dist.ProcessGroup | None = None,
+        one_tag: bool = False,
     ) -> None:
         self.rank = rank
         self.device = device
@@ -60,6 +75,60 @@ class DistTransport(Transport):
         self._recvs: dict[MessageKey, tuple[dist.Work, Tensor, int]] = {}
         self._part_recvs: dict[MessageKey, list[tuple[dist.Work, Tensor]]] = {}
         self._sends: list[tuple[dist.Work, Tensor, int, MessageKey]] = []
+        self.ordered = one_tag or (dist.is_initialized() and dist.get_backend(group) == "nccl")
+        """Messages go under one tag and are matched in posting order (NCCL always; gloo
+        with ``one_tag``, ``CommOptions.one_tag``)."""
+        self._order: dict[int, deque[RecvSpec]] = {}
+        """Per sending rank, the receives not yet posted, in the order it sends them."""
+
+    @property
+    def needs_order(self) -> bool:
+        return self.ordered
+
+    def expect(self, orders: Mapping[int, Sequence[RecvSpec]]) -> None:
+        if not self.ordered:
+            return
+        for peer, left in self._order.items():
+            if left:
+                raise RuntimeError(
+                    f"rank {self.rank}: {describe_message(left[0][0])} from rank "
+                    f"{self._first + peer} was agreed but never received"
+                )
+        self._order = {peer: deque(self._over_wire(specs)) for peer, specs in orders.items()}
+
+    def forget(self, keep: Callable[[MessageKey], bool]) -> None:
+        if self.ordered:
+            for peer, queue in self._order.items():
+                self._order[peer] = deque(spec for spec in queue if keep(spec[0]))
+
+    def _over_wire(self, specs: Sequence[RecvSpec]) -> list[RecvSpec]:
+        """The receives of ``specs`` that this transport's process group carries."""
+        return list(specs)
+
+    def _post_through(self, key: MessageKey, peer: int) -> None:
+        """Ordered: post every receive from ``peer`` up to ``key`` in the agreed order."""
+        queue = self._order.get(peer)
+        if queue is None:  # no order given for this peer: post in call order
+            return
+        while key not in self._recvs and key not in self._part_recvs:
+            if not queue:
+                raise RuntimeError(
+                    f"rank {self.rank}: {describe_message(key)} from rank "
+                    f"{self._first + peer} is not in the order agreed from the schedule: the "
+                    f"sender's messages (RankMessages.sent_by) and this rank's receives differ"
+                )
+            spec = queue.popleft()
+            if len(spec) == 4:
+                self._post_one(*spec)
+            else:
+                self._post_parts(*spec)
+
+    def _wire_tag(self, key: MessageKey) -> int:
+        return 0 if self.ordered else self._tag(key)
+
+    def _wire_part_tags(self, key: MessageKey, n: int) -> list[int]:
+        tags = self._part_tags(key, n)  # refuses a tuple of too many parts either way
+        return [0] * n if self.ordered else tags
 
     def _tag(self, key: MessageKey) -> int:
         # Unique among the messages a pair of ranks has in flight; wraps on very long runs.
@@ -71,7 +140,7 @@ class DistTransport(Transport):
             self._send_parts(tensor, peer, key)
             return
         buf = tensor.detach().contiguous()
-        work = dist.isend(buf, self._first + peer, tag=self._tag(key), group=self._group)
+        work = dist.isend(buf, self._first + peer, tag=self._wire_tag(key), group=self._group)
         if work is None:  # pragma: no cover - only when this rank is not in the group
             raise RuntimeError(f"rank {self.rank}: isend to rank {peer} returned no work")
         self._sends.append((work, buf, peer, key))
@@ -89,7 +158,7 @@ class DistTransport(Transport):
         return [(tag + i * _PART_STRIDE) % _TAG_LIMIT for i in range(n)]
 
     def _send_parts(self, tensors: tuple[Tensor, ...], peer: int, key: MessageKey) -> None:
-        for t, tag in zip(tensors, self._part_tags(key, len(tensors)), strict=True):
+        for t, tag in zip(tensors, self._wire_part_tags(key, len(tensors)), strict=True):
             buf = t.detach().contiguous()
             work = dist.isend(buf, self._first + peer, tag=tag, group=self._group)
             if work is None:  # pragma: no cover
@@ -100,10 +169,15 @@ class DistTransport(Transport):
             del self._sends[:32]
 
     def post_recv_parts(self, key: MessageKey, peer: int, parts: Parts) -> None:
+        if self.ordered:
+            self._post_through(key, peer)
+        self._post_parts(key, peer, parts)
+
+    def _post_parts(self, key: MessageKey, peer: int, parts: Parts) -> None:
         if key in self._part_recvs:
             return
         posted = []
-        for (shape, dtype), tag in zip(parts, self._part_tags(key, len(parts)), strict=True):
+        for (shape, dtype), tag in zip(parts, self._wire_part_tags(key, len(parts)), strict=True):
             buf = torch.empty(shape, dtype=dtype, device=self.device)
             work = dist.irecv(buf, self._first + peer, tag=tag, group=self._group)
             if work is None:  # pragma: no cover
@@ -123,10 +197,17 @@ class DistTransport(Transport):
     def post_recv(
         self, key: MessageKey, peer: int, shape: Sequence[int], dtype: torch.dtype
     ) -> None:
+        if self.ordered:
+            self._post_through(key, peer)
+        self._post_one(key, peer, shape, dtype)
+
+    def _post_one(
+        self, key: MessageKey, peer: int, shape: Sequence[int], dtype: torch.dtype
+    ) -> None:
         if key in self._recvs:
             return
         buf = torch.empty(tuple(shape), dtype=dtype, device=self.device)
-        work = dist.irecv(buf, self._first + peer, tag=self._tag(key), group=self._group)
+        work = dist.irecv(buf, self._first + peer, tag=self._wire_tag(key), group=self._group)
         if work is None:  # pragma: no cover
             raise RuntimeError(f"rank {self.rank}: irecv from rank {peer} returned no work")
         self._recvs[key] = (work, buf, peer)

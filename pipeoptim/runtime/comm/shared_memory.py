@@ -46,7 +46,7 @@ from torch import Tensor
 
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.runtime.comm.dist import DistTransport
-from pipeoptim.runtime.comm.transport import MessageKey, Parts, describe_message
+from pipeoptim.runtime.comm.transport import MessageKey, Parts, RecvSpec, describe_message
 from pipeoptim.runtime.payload import Payload
 
 __all__ = ["DEFAULT_RING_BYTES", "SharedMemoryTransport", "shared_memory_ring_bytes"]
@@ -130,8 +130,9 @@ class SharedMemoryTransport(DistTransport):
         timeout: float,
         first_rank: int = 0,
         ring_bytes: int = DEFAULT_RING_BYTES,
+        one_tag: bool = False,
     ) -> None:
-        super().__init__(rank, num_stages, device, first_rank=first_rank)
+        super().__init__(rank, num_stages, device, first_rank=first_rank, one_tag=one_tag)
         self._timeout = timeout
         self._ring_bytes = ring_bytes
         self._out: dict[int, _Outbound] = {}
@@ -334,6 +335,19 @@ class SharedMemoryTransport(DistTransport):
         del end.acks[:whole]
 
     # -- receiving --------------------------------------------------------------------------
+
+    def _over_wire(self, specs: Sequence[RecvSpec]) -> list[RecvSpec]:
+        # the agreed order on gloo holds the messages that do not go through a ring (a
+        # ring's records keep their own tags, each copied out under its own)
+        return [spec for spec in specs if not self._through_ring(spec)]
+
+    def _through_ring(self, spec: RecvSpec) -> bool:
+        if len(spec) == 4:
+            _, peer, shape, dtype = spec
+            parts: Parts = ((shape, dtype),)
+        else:
+            _, peer, parts = spec
+        return all(self._shared(peer, _nbytes(s, d), outbound=False) for s, d in parts)
 
     def post_recv(
         self, key: MessageKey, peer: int, shape: Sequence[int], dtype: torch.dtype

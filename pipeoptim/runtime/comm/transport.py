@@ -24,14 +24,15 @@ tensors (a stage that hands on hidden states and a mask), ``payload.MAX_PARTS`` 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeAlias
 
 import torch
 from torch import Tensor
 
 from pipeoptim.runtime.payload import Payload
 
-__all__ = ["MessageKey", "Parts", "Transport", "describe_message"]
+__all__ = ["MessageKey", "Parts", "RecvSpec", "Transport", "describe_message"]
 
 MessageKey = tuple[str, int, int]
 """``(kind, receiving stage, micro-batch)``: kind ``act``, ``grad``, ``target`` (stage 0's rank
@@ -40,6 +41,11 @@ shared across stages: ``model/ties.py``)."""
 
 Parts = tuple[tuple[tuple[int, ...], torch.dtype], ...]
 """The (shape, dtype) of each tensor of a tuple message, in order."""
+
+RecvSpec: TypeAlias = (
+    tuple[MessageKey, int, tuple[int, ...], torch.dtype] | tuple[MessageKey, int, Parts]
+)
+"""A receive: (key, peer, shape, dtype) of one tensor, or (key, peer, parts) of a tuple."""
 
 
 class Transport(ABC):
@@ -85,6 +91,22 @@ class Transport(ABC):
             kind.post_recv is not Transport.post_recv
             or kind.post_recv_parts is not Transport.post_recv_parts
         )
+
+    @property
+    def needs_order(self) -> bool:
+        """Whether messages are matched in posting order per pair of ranks and direction
+        (NCCL, or gloo with one tag): the receiver must then post its receives in the order
+        the sender posts its sends, which :meth:`expect` gives."""
+        return False
+
+    def expect(self, orders: Mapping[int, Sequence[RecvSpec]]) -> None:  # noqa: B027
+        """Per sending rank, the receives this rank will post, in the order that rank posts
+        the sends (``rank_messages.RankMessages.agreed_order``); replaces what was left.
+        A no-op where messages are matched by name."""
+
+    def forget(self, keep: Callable[[MessageKey], bool]) -> None:  # noqa: B027
+        """Drop from the agreed order the receives not yet posted whose key fails ``keep``
+        (a stop cut the segment short: their sends will never come)."""
 
     def flush(self) -> None:  # noqa: B027 - optional hook
         """Wait until every message sent so far has left."""

@@ -36,7 +36,7 @@ from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.methods import FLUSHING, Method
 from pipeoptim.runtime.comm.transport import MessageKey, Transport
 
-__all__ = ["Tie", "TieExchange", "find_ties", "refuse_for", "untie_copies"]
+__all__ = ["Tie", "TieExchange", "find_ties", "refuse_for", "refuse_mixed_streams", "untie_copies"]
 
 
 @dataclass(frozen=True)
@@ -144,6 +144,31 @@ def refuse_for(method: Method, ties: Sequence[Tie], amp: str | None) -> None:
             f"{listed}: fp16 loss scaling skips steps stage by stage, so the stages' copies "
             f"of a shared weight would drift apart; use amp='bf16' (no loss scaling), or untie"
         )
+
+
+def refuse_mixed_streams(method: Method, ties: Sequence[Tie], rank_of: Mapping[int, int]) -> None:
+    """Where messages are matched in posting order (NCCL, or gloo with one tag), refuse ties
+    that make one pair of ranks carry the shared-weight gradients of two pairs of stages in
+    one direction: each stage posts its share when its own backward ends, and the receiving
+    update takes them in stage order, so the two ends could post them in different orders.
+    One pair of stages per pair of ranks (an embedding and its output projection, two
+    stages per rank included) posts in step order on both ends."""
+    streams: dict[tuple[int, int], set[tuple[int, int]]] = {}
+    for tie in ties:
+        for a in tie.stages:
+            for b in tie.stages:
+                if rank_of[a] != rank_of[b]:
+                    streams.setdefault((rank_of[a], rank_of[b]), set()).add((a, b))
+    for (sender, receiver), pairs in sorted(streams.items()):
+        if len(pairs) > 1:
+            listed = "; ".join(t.describe() for t in ties)
+            raise RuntimeConfigError(
+                f"{listed}: under {method.name} rank {sender} would send rank {receiver} the "
+                f"shared-weight gradients of {len(pairs)} pairs of stages "
+                f"({', '.join(f'{a} to {b}' for a, b in sorted(pairs))}), whose posting "
+                f"order NCCL (or one tag) cannot match; place the shared weight's units on "
+                f"two stages, use one stage per rank, or --transport local"
+            )
 
 
 def untie_copies(

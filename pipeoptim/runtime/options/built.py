@@ -73,6 +73,8 @@ class PipelineOptions:
     """The process group's store (None: the default group's, under ``dist``)."""
     init_weights: InitWeights | None = None
     """``init_weights(index, unit)`` fills a unit built on the meta device, in place."""
+    one_tag: bool = False
+    """Every gloo message under one tag (``CommOptions.one_tag``)."""
 
 
 @dataclass(kw_only=True)

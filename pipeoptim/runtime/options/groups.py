@@ -204,6 +204,11 @@ class CommOptions:
     only for data that yields the same batches on every rank)."""
     store: Store | None = None
     """The process group's store; None: the default group's, under ``dist``."""
+    one_tag: bool = False
+    """``dist`` on gloo only: send every message under one tag, so gloo matches a pair of
+    ranks' messages in posting order per direction, as NCCL always does (each receiver posts
+    its receives in the order the schedule says the sender sends them). The same numbers as
+    the default (a tag per message); a check, on CPU, of what runs over NCCL."""
 
     def __post_init__(self) -> None:
         ProcessModel.parse(self.transport)
@@ -220,6 +225,11 @@ class CommOptions:
             )
         if self.targets not in TARGETS:
             raise RuntimeConfigError(f"unknown targets {self.targets!r}; use 'send' or 'read'")
+        if not isinstance(self.one_tag, bool):
+            raise RuntimeConfigError(
+                f"one_tag must be True or False (got {self.one_tag!r}): whether every gloo "
+                f"message goes under one tag"
+            )
 
 
 @dataclass(frozen=True)

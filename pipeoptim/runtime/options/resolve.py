@@ -116,6 +116,12 @@ def resolve_run(config: PipelineConfig, model: ModelUnits, labels: UnitLabels) -
     )
     process_model = ProcessModel.parse(comm.transport)
     pipeline = PipelineOptions(
-        stage, process_model, comm.device, comm.timeout, comm.store, init_weights
+        stage,
+        process_model,
+        comm.device,
+        comm.timeout,
+        comm.store,
+        init_weights,
+        one_tag=comm.one_tag,
     )
     return ResolvedRun(run_plan, method, bounds, pipeline)

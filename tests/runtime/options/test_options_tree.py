@@ -52,6 +52,7 @@ KEYWORD_DEFAULTS: dict[str, Any] = {
     "memory_every": 4,
     "keep_checkpoints": 2,
     "targets": "send",
+    "one_tag": False,
     "store": None,
     "run_identity": None,
     "hyperparameters": None,
