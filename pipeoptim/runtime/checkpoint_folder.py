@@ -25,6 +25,7 @@ from torch import Tensor
 
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.runtime.assembly import Assembly, RunState
+from pipeoptim.runtime.checkpoint.recut import SavedCut, stage_layout
 from pipeoptim.runtime.checkpoint.state_check import refusal
 from pipeoptim.runtime.checkpoint.store import CheckpointStore, DirectoryLock
 from pipeoptim.runtime.comm.failure_board import FailureBoard
@@ -40,8 +41,8 @@ class _Chosen:
     step: int
     states: dict[int, dict[str, Any]]
     """This process's stage states, on the CPU."""
-    message: str | None
-    """Why it is not the newest (the newest was damaged), or None."""
+    notes: list[str]
+    """Why it is not the newest (the newest was damaged), that it was re-cut."""
 
 
 def _on_device(obj: Any, device: torch.device, key: str = "") -> Any:
@@ -121,16 +122,78 @@ class CheckpointFolder:
         if record is None:
             return
         step = int(record["step"])
-        # On the CPU until loaded, one stage at a time: no second copy on the device.
-        states = {k: self.store.load(step, k, torch.device("cpu"))["state"] for k in parts.stages}
+        saved_bounds = record.get("boundaries")
+        now_bounds = [list(b) for b in parts.bounds]
         refused: list[tuple[int, str]] = []
+        notes = [message] if message else []
+        if isinstance(saved_bounds, list) and saved_bounds != now_bounds:
+            states = self._recut(step, saved_bounds, refused)
+            notes.append(self._recut_note(step, saved_bounds, now_bounds))
+        else:
+            # On the CPU until loaded, one stage at a time: no second copy on the device.
+            states = {
+                k: self.store.load(step, k, torch.device("cpu"))["state"] for k in parts.stages
+            }
         for k, stage in sorted(parts.stages.items()):
+            if k not in states:
+                continue  # refused by the re-cut
             try:
                 stage.check_state(states[k])
             except RuntimeConfigError as err:
                 refused.append((k, str(err)))
         self._refuse(refused, step)
-        self._chosen = _Chosen(record, step, states, message)
+        self._chosen = _Chosen(record, step, states, notes)
+
+    def _recut(
+        self, step: int, saved_bounds: list[Any], refused: list[tuple[int, str]]
+    ) -> dict[int, dict[str, Any]]:
+        """This process's stages' states cut from the checkpoint's stages (``recut.py``),
+        reading only the stage files that hold their units; a stage that does not fit goes
+        to ``refused``."""
+        parts = self.parts
+        needed = sorted(
+            {
+                j
+                for k in parts.stages
+                for j in SavedCut.stages_holding(saved_bounds, *parts.bounds[k])
+            }
+        )
+        states: dict[int, dict[str, Any]] = {}
+        try:
+            saved = SavedCut(
+                {j: self.store.load(step, j, torch.device("cpu"))["state"] for j in needed},
+                saved_bounds,
+            )
+        except RuntimeConfigError as err:
+            refused.extend((k, f"stage {k}: {err}") for k in sorted(parts.stages))
+            return states
+        beyond = saved.units_beyond(len(parts.units))
+        for k, stage in sorted(parts.stages.items()):
+            try:
+                if beyond:
+                    raise RuntimeConfigError(
+                        f"the checkpoint holds units {beyond[0]}..{beyond[-1]}, which this "
+                        f"model of {len(parts.units)} units does not have; a resume onto "
+                        f"another cut needs the same units: resume with the model that "
+                        f"wrote it, or start fresh; nothing was loaded"
+                    )
+                states[k] = saved.cut(stage_layout(stage))
+            except RuntimeConfigError as err:
+                refused.append((k, str(err)))
+        return states
+
+    def _recut_note(self, step: int, saved: list[Any], now: list[list[int]]) -> str:
+        method = self.parts.method
+        note = (
+            f"resumed from step {step} written at {len(saved)} stages (units {saved}) onto "
+            f"{len(now)} stages (units {now}): weights and optimizer state re-cut by unit"
+        )
+        if method.flushes:
+            return note
+        return note + (
+            f"; the asynchronous pipeline ({method.name}) rebuilds what depends on its "
+            f"schedule: weight predictions and the delay correction start afresh"
+        )
 
     def _refuse(self, refused: list[tuple[int, str]], step: int) -> None:
         """Raise the refusals of every rank of this pipeline, on every rank (under dist one
@@ -172,7 +235,7 @@ class CheckpointFolder:
         saved_batch = record.get("batch_size")
         if saved_batch is not None and int(saved_batch) != batch_size:
             raise RuntimeConfigError(self._batch_refusal(record, int(saved_batch), batch_size))
-        notes = [chosen.message] if chosen.message else []
+        notes = list(chosen.notes)
         theirs = record.get("hyperparameters") or {}
         changed = {
             k: [theirs[k], v]

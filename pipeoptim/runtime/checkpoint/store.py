@@ -38,6 +38,7 @@ from torch._C._distributed_c10d import Store
 
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.runtime.checkpoint.formats import DEFAULT_FORMAT, FORMATS, StageFormat
+from pipeoptim.runtime.checkpoint.recut import RECUT_IDENTITY
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -83,20 +84,39 @@ NO_LONGER_IDENTITY = frozenset({"amp"})
 loss scaler starts afresh where the checkpoint had none)."""
 
 
-def identity_differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+def identity_differences(
+    saved: Mapping[str, Any], now: Mapping[str, Any], *, recut: bool = False
+) -> list[str]:
     """What differs between a checkpoint's identity and this run's, one ``"key: checkpoint
     X, now Y"`` each (empty: the same run). A key only one side has is a difference (a
     ``predicted_backward`` set on one side only), except the keys of
-    :data:`COMPARED_WHEN_BOTH_HAVE` and :data:`NO_LONGER_IDENTITY`."""
+    :data:`COMPARED_WHEN_BOTH_HAVE` and :data:`NO_LONGER_IDENTITY`; with ``recut`` (the
+    checkpoint records its cut, so it can be re-cut) the keys of
+    :data:`~pipeoptim.runtime.checkpoint.recut.RECUT_IDENTITY` may differ too."""
     shown = []
     for k in sorted(set(saved) | set(now)):
-        if k in NO_LONGER_IDENTITY:
+        if k in NO_LONGER_IDENTITY or (recut and k in RECUT_IDENTITY):
             continue
         if k in COMPARED_WHEN_BOTH_HAVE and (k not in saved or k not in now):
             continue
         if saved.get(k) != now.get(k):
-            shown.append(f"{k}: checkpoint {saved.get(k)!r}, now {now.get(k)!r}")
+            shown.append(
+                _unit_difference(saved.get(k), now.get(k))
+                if k == "units"
+                else f"{k}: checkpoint {saved.get(k)!r}, now {now.get(k)!r}"
+            )
     return shown
+
+
+def _unit_difference(saved: Any, now: Any) -> str:
+    """The first unit (class and parameter shapes) the checkpoint and this model differ in,
+    rather than both lists in full."""
+    if not isinstance(saved, list) or not isinstance(now, list):
+        return f"units: checkpoint {saved!r}, now {now!r}"
+    for i, (a, b) in enumerate(zip(saved, now, strict=False)):
+        if a != b:
+            return f"unit {i}: checkpoint {a!r}, now {b!r} (class, parameter shapes)"
+    return f"units: the checkpoint has {len(saved)}, this model {len(now)}"
 
 
 def latest_step(root: str | Path) -> dict[str, Any] | None:
@@ -281,7 +301,10 @@ class CheckpointStore:
         return record
 
     def _check_identity(self, record: Mapping[str, Any]) -> None:
-        shown = identity_differences(record.get("config", {}), self.config)
+        """A checkpoint that records its cut (``boundaries``) may be resumed at another
+        (``recut.py``); the rest of the identity must agree."""
+        recut = isinstance(record.get("boundaries"), list)
+        shown = identity_differences(record.get("config", {}), self.config, recut=recut)
         if shown:
             raise RuntimeConfigError(
                 f"the checkpoint in {self.root} is from a different run ({'; '.join(shown)}); "
@@ -306,12 +329,16 @@ class CheckpointStore:
         problems: list[str] = []
         for step in candidates:
             try:
-                payloads = [self.load(step, k, torch.device("cpu")) for k in range(self.num_stages)]
+                count = self.num_stages
+                payloads = [self.load(step, 0, torch.device("cpu"))]
+                if isinstance(payloads[0].get("boundaries"), list):  # the cut it was written at
+                    count = len(payloads[0]["boundaries"])
+                payloads += [self.load(step, k, torch.device("cpu")) for k in range(1, count)]
             except RuntimeConfigError as err:
                 problems.append(f"step {step}: {err}")
                 continue
             record = {k: v for k, v in payloads[0].items() if k not in ("state", "stage")}
-            record["num_stages"] = self.num_stages
+            record["num_stages"] = count
             self._check_identity(record)
             if not problems:
                 return record, None
