@@ -25,6 +25,7 @@ from torch import Tensor
 
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.runtime.assembly import Assembly, RunState
+from pipeoptim.runtime.checkpoint.formats import DEFAULT_FORMAT, FORMATS, StageFormat
 from pipeoptim.runtime.checkpoint.recut import SavedCut, stage_layout
 from pipeoptim.runtime.checkpoint.state_check import refusal
 from pipeoptim.runtime.checkpoint.store import CheckpointStore, DirectoryLock
@@ -69,6 +70,7 @@ class CheckpointFolder:
         identity: dict[str, Any],
         hyperparameters: dict[str, Any],
         keep: int,
+        format: StageFormat = FORMATS[DEFAULT_FORMAT],
     ) -> None:
         self.parts, self.state, self.root = parts, state, root
         self.hyperparameters = hyperparameters
@@ -83,6 +85,7 @@ class CheckpointFolder:
             timeout=parts.timeout,
             abort_check=FailureBoard(store).check if store is not None else lambda: None,
             keep=keep,
+            format=format,
         )
         self._chosen: _Chosen | None = None
         """The checkpoint a resume chose and checked, until :meth:`restore` loads it."""
@@ -158,10 +161,15 @@ class CheckpointFolder:
                 for j in SavedCut.stages_holding(saved_bounds, *parts.bounds[k])
             }
         )
+        held = [parts.bounds[k] for k in parts.stages]
+        units = (min(a for a, _ in held), max(b for _, b in held))
         states: dict[int, dict[str, Any]] = {}
         try:
             saved = SavedCut(
-                {j: self.store.load(step, j, torch.device("cpu"))["state"] for j in needed},
+                {
+                    j: self.store.load(step, j, torch.device("cpu"), units)["state"]
+                    for j in needed
+                },
                 saved_bounds,
             )
         except RuntimeConfigError as err:

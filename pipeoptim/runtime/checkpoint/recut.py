@@ -196,9 +196,7 @@ class SavedCut:
             state.update(self._optimizer(layout, owner, where))
         return state
 
-    def _optimizer(
-        self, layout: StageLayout, owner: dict[str, Any], where: str
-    ) -> dict[str, Any]:
+    def _optimizer(self, layout: StageLayout, owner: dict[str, Any], where: str) -> dict[str, Any]:
         per_param: dict[int, dict[str, Any]] = {}
         groups: list[dict[str, Any]] = []
         sources: list[tuple[int, int]] = []

@@ -74,6 +74,21 @@ def _atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
         raise
 
 
+def _atomic_write_folder(path: Path, write: Callable[[Path], object]) -> None:
+    """:func:`_atomic_write` for a format whose stage is a folder: written beside ``path``,
+    then renamed over it (a folder of the same step written before is removed first)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        write(tmp)
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # no half folder left behind
+        raise
+
+
 COMPARED_WHEN_BOTH_HAVE = frozenset({"optimizer_class"})
 """Identity keys added after checkpoints were first written: a checkpoint (or state) written
 before them lacks them, and is compared without them, so it stays resumable."""
@@ -232,7 +247,10 @@ class CheckpointStore:
             }
             path = folder / f"stage-{k}{self.format.suffix}"
             try:
-                _atomic_write(path, partial(self.format.write, payload))
+                if getattr(self.format, "writes_folder", False):
+                    _atomic_write_folder(path, partial(self.format.write_folder, payload))  # type: ignore[attr-defined]
+                else:
+                    _atomic_write(path, partial(self.format.write, payload))
             except OSError as err:
                 previous = latest_step(self.root)
                 kept = f"step {previous['step']}" if previous else "none"
@@ -356,10 +374,33 @@ class CheckpointStore:
     def holds_checkpoints(self) -> bool:
         return (self.root / _LATEST).exists() or bool(self.steps())
 
-    def load(self, step: int, stage: int, device: torch.device) -> dict[str, Any]:
-        path = _step_dir(self.root, step) / f"stage-{stage}{self.format.suffix}"
+    def _stage_file(self, step: int, stage: int) -> tuple[Path, StageFormat]:
+        """The stage's file (or folder) and its format: this store's, else the format whose
+        file is there (a checkpoint written in another format resumes)."""
+        folder = _step_dir(self.root, step)
+        path = folder / f"stage-{stage}{self.format.suffix}"
+        if not path.exists():
+            for other in FORMATS.values():
+                if (folder / f"stage-{stage}{other.suffix}").exists():
+                    return folder / f"stage-{stage}{other.suffix}", other
+        return path, self.format
+
+    def load(
+        self,
+        step: int,
+        stage: int,
+        device: torch.device,
+        units: tuple[int, int] | None = None,
+    ) -> dict[str, Any]:
+        """The payload of ``stage`` at ``step``; with ``units`` ``[a, b)``, a format that can
+        (DCP's) reads only those units' tensors (a re-cut resume needs no more)."""
+        path, fmt = self._stage_file(step, stage)
         try:
-            payload = self.format.read(path, device)
+            read_units = getattr(fmt, "read_units", None)
+            if units is not None and read_units is not None:
+                payload: dict[str, Any] = read_units(path, device, units)
+            else:
+                payload = fmt.read(path, device)
         except FileNotFoundError:
             raise RuntimeConfigError(
                 f"checkpoint of step {step} has no file for stage {stage} ({path}); the "
