@@ -166,10 +166,7 @@ class CheckpointFolder:
         states: dict[int, dict[str, Any]] = {}
         try:
             saved = SavedCut(
-                {
-                    j: self.store.load(step, j, torch.device("cpu"), units)["state"]
-                    for j in needed
-                },
+                {j: self.store.load(step, j, torch.device("cpu"), units)["state"] for j in needed},
                 saved_bounds,
             )
         except RuntimeConfigError as err:

@@ -40,9 +40,9 @@ from pipeoptim.runtime.checkpoint.export import (
     merge_stages,
     write_export,
 )
+from pipeoptim.runtime.checkpoint.formats import FORMATS
 from pipeoptim.runtime.checkpoint.state_check import refusal
 from pipeoptim.runtime.checkpoint.store import latest_step
-from pipeoptim.runtime.checkpoint.formats import FORMATS
 from pipeoptim.runtime.checkpoint_folder import CheckpointFolder
 from pipeoptim.runtime.config import check_fit_arguments, check_whole, is_whole
 from pipeoptim.runtime.executor import Boundary, RankResult, Recorder

@@ -4,6 +4,7 @@ untouched."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -41,7 +42,7 @@ def test_a_resume_onto_other_stages_continues_the_run_cut_so_from_the_start(
 
 
 def user_model(path: Path, widths: list[int]) -> None:
-    layers = ", ".join(f"nn.Linear({a}, {b}), nn.Tanh()" for a, b in zip(widths, widths[1:]))
+    layers = ", ".join(f"nn.Linear({a}, {b}), nn.Tanh()" for a, b in itertools.pairwise(widths))
     path.write_text(
         "import torch\nfrom torch import nn\n\n"
         f"def make():\n    return [{layers}]\n"

@@ -23,10 +23,11 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import Tensor
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from pipeoptim.runtime.checkpoint.recut import model_key
 
@@ -146,7 +147,7 @@ class DistributedCheckpoint:
         folder.mkdir(parents=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
-            dcp.save(flat.tensors, checkpoint_id=folder, no_dist=True)
+            dcp_save(flat.tensors, checkpoint_id=folder, no_dist=True)
         torch.save(skeleton, folder / SKELETON)
 
     def read(self, path: Path, device: torch.device) -> dict[str, Any]:
@@ -172,7 +173,7 @@ class DistributedCheckpoint:
             template[name] = torch.empty(meta.size, dtype=meta.properties.dtype)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
-            dcp.load(template, checkpoint_id=path, no_dist=True)
+            dcp_load(template, checkpoint_id=path, no_dist=True)
         loaded = {k: v.to(device) for k, v in template.items()}
         payload: dict[str, Any] = _fill(skeleton, loaded)
         return payload

@@ -31,7 +31,7 @@ class StageState(StageBackward):
         self.finish_backward()
         if self._saved or self.weights.stash:
             raise RuntimeError(f"stage {self.index}: checkpoint with passes in flight")
-        update = (
+        update: dict[str, Any] = (
             self.updater.state_dict()
             if self.updater is not None
             else {"optimizer": None, "scheduler": None, "scaler": None, "correction": None}

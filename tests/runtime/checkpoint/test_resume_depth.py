@@ -115,7 +115,9 @@ def test_another_micro_batch_count_continues_to_tolerance(tmp_path: Path) -> Non
 
 
 # -- 2. asynchronous methods carry the state and rebuild the schedule's -----------------------
-@pytest.mark.parametrize(("method", "stages"), [("pipeoptim", 2), ("pipeoptim", 8), ("pipedream", 2)])
+@pytest.mark.parametrize(
+    ("method", "stages"), [("pipeoptim", 2), ("pipeoptim", 8), ("pipedream", 2)]
+)
 def test_an_asynchronous_run_resumes_at_another_depth_and_trains(
     tmp_path: Path, method: str, stages: int
 ) -> None:
