@@ -97,6 +97,53 @@ def test_a_synchronous_run_resumed_at_another_depth_equals_one_cut_so_from_the_s
     assert not any("start afresh" in note for note in rest.notes)
 
 
+def tied_units() -> list[nn.Module]:
+    """An embedding whose weight the output layer shares, 14 units."""
+    torch.manual_seed(0)
+    embed, head = nn.Embedding(10, 8), nn.Linear(8, 10, bias=False)
+    head.weight = embed.weight
+    out: list[nn.Module] = [embed]
+    for _ in range(6):
+        out += [nn.Linear(8, 8), nn.Tanh()]
+    return [*out, head]
+
+
+def tokens() -> DataLoader[tuple[Tensor, ...]]:
+    x = torch.randint(0, 10, (64,), generator=torch.Generator().manual_seed(5))
+    order = torch.Generator().manual_seed(1)
+    return DataLoader(TensorDataset(x, (x + 1) % 10), batch_size=16, shuffle=True, generator=order)
+
+
+def test_a_tied_weight_travels_under_each_of_its_names(tmp_path: Path) -> None:
+    """4 -> 2 stages: the embedding and the output layer are on two stages in both cuts, so
+    their two copies' gradients are added by the tie's sum in both: bit for bit. 1 -> 4: on
+    one stage autograd adds the two uses' gradients into one tensor, in another order than
+    the tie's sum across stages, so the first steps round differently: to tolerance."""
+
+    def run(ckpt: Path | None, stages: int, steps: int, resume: bool = False) -> FitResult:
+        p = pipe(ckpt, "gpipe", stages, layers=tied_units())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return p.fit(tokens(), max_steps=steps, resume=resume)
+
+    whole = run(None, 2, 6)
+    first, rest = run(tmp_path / "a", 4, 4), run(tmp_path / "a", 2, 6, resume=True)
+    assert first.losses + rest.losses == whole.losses
+    whole = run(None, 4, 6)
+    first, rest = run(tmp_path / "b", 1, 4), run(tmp_path / "b", 4, 6, resume=True)
+    torch.testing.assert_close(
+        torch.tensor(first.losses + rest.losses), torch.tensor(whole.losses), rtol=1e-5, atol=0
+    )
+
+
+def test_interleaved_chunks_re_cut_onto_another_depth(tmp_path: Path) -> None:
+    """interleaved-1f1b, 2 ranks x 2 chunks -> 4 ranks x 2 chunks: the chunks are the cut."""
+    whole = fit(pipe(None, "interleaved-1f1b", 4, virtual_stages=2), 6)
+    first = fit(pipe(tmp_path, "interleaved-1f1b", 2, virtual_stages=2), 4)
+    rest = fit(pipe(tmp_path, "interleaved-1f1b", 4, virtual_stages=2), 6, resume=True)
+    assert first.losses + rest.losses == whole.losses
+
+
 def test_another_micro_batch_count_continues_to_tolerance(tmp_path: Path) -> None:
     """4 stages at M = 4, then 2 stages at M = 8, against 2 stages at M = 8 throughout: the
     micro-batch means are summed in another grouping, so only float32's rounding differs."""
