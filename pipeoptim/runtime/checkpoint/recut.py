@@ -20,13 +20,16 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.runtime.optim.optimizers import MuonWithAdamW
+
+if TYPE_CHECKING:  # the stage's state module imports this one
+    from pipeoptim.runtime.stage.stage import Stage
 
 __all__ = [
     "RECUT_IDENTITY",
@@ -81,7 +84,7 @@ class StageLayout:
     """The stage's own (fresh) predictor state: prediction restarts at the new depth."""
 
 
-def stage_layout(stage: Any) -> StageLayout:
+def stage_layout(stage: Stage) -> StageLayout:
     """The :class:`StageLayout` of a built (not yet trained) stage."""
     optimizer: Optimizer | None = stage.optimizer if stage.updater is not None else None
     extra: dict[str, Any] = {}
@@ -108,8 +111,8 @@ class _Param:
 class SavedCut:
     """The states of a checkpoint's stages (those a process needs), read by model-level name.
 
-    ``states``: stage -> its ``Stage.state_dict()``; ``bounds``: every stage's units as the
-    checkpoint was cut; ``step`` and ``root`` only word the errors."""
+    ``states``: stage -> its ``Stage.state_dict()`` (only the stages whose units a process
+    needs); ``bounds``: every stage's units as the checkpoint was cut."""
 
     def __init__(
         self, states: Mapping[int, dict[str, Any]], bounds: Sequence[Sequence[int]]
