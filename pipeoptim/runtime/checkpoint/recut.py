@@ -10,9 +10,10 @@ state, looked up by the parameter's model-level name (``param_names`` records th
 each optimizer group's parameters; a tied weight under each of its names).
 
 What depends on the schedule and not on the weights starts afresh at the new depth, as a
-run cut that way from the start would have it: the weight predictor's displacements and the
-delay correction of the asynchronous methods (the stashed weight versions are never in a
-checkpoint). Learning-rate schedule, loss scaler and step counters carry over.
+run cut that way from the start would have it: the weight predictor's displacements of the
+asynchronous methods (the stashed weight versions are never in a checkpoint), and a stage's
+correction state (the delay correction, QK-clip's counts), which is the stage's, not a
+unit's. Learning-rate schedule, loss scaler and step counters carry over.
 """
 
 from __future__ import annotations
