@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from pipeoptim.cli import main
+from pipeoptim.plan.plan import OptimizerSpec, Plan
 
 
 def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -34,10 +35,29 @@ def test_a_resume_onto_other_stages_continues_the_run_cut_so_from_the_start(
     """gpipe (synchronous), the same micro-batches: bit for bit. Muon's two parameter groups
     and basis rotation's per-parameter bases travel by parameter name."""
     common = ["--method", "gpipe", "--micro-batches", "4", "--optimizer", optimizer]
+
     ckpt = ["--checkpoint-dir", str(tmp_path), "--checkpoint-every", "2"]
     whole = losses([*common, "--stages", "2", "--max-steps", "6"], capsys)
     first = losses([*common, *ckpt, "--stages", "4", "--max-steps", "4"], capsys)
     rest = losses([*common, *ckpt, "--stages", "2", "--max-steps", "6", "--resume"], capsys)
+    assert first + rest == whole
+
+
+def test_a_resume_onto_a_plan_with_another_partition(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """4 stages split evenly, then a plan's 3 stages of its own boundaries (--plan)."""
+    plan = Plan("gpipe", 3, optimizer=OptimizerSpec("adam", 0.01), model="mlp", batch_size=32)
+    plan.micro_batches = 4
+    plan.boundaries = [(0, 2), (2, 7), (7, 9)]
+    plan.save(tmp_path / "p.json")
+    from_plan = ["--plan", str(tmp_path / "p.json")]
+    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2"]
+    whole = losses([*from_plan, "--max-steps", "6"], capsys)
+    common = ["--method", "gpipe", "--micro-batches", "4", "--optimizer", "adam"]
+    common += ["--lr", "0.01", "--batch-size", "32", "--stages", "4"]
+    first = losses([*common, *ckpt, "--max-steps", "4"], capsys)
+    rest = losses([*from_plan, *ckpt, "--max-steps", "6", "--resume"], capsys)
     assert first + rest == whole
 
 

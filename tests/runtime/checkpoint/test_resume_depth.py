@@ -52,6 +52,10 @@ def adam(params: list[Tensor]) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=0.01)
 
 
+def halving(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+
+
 def pipe(
     ckpt: Path | None, method: str, stages: int, micro_batches: int | None = 8, **kw: Any
 ) -> Pipeline:
@@ -61,6 +65,7 @@ def pipe(
         stages=stages,
         micro_batches=None if method in ASYNCHRONOUS else micro_batches,
         optimizer=adam,
+        scheduler=halving,  # its progress must carry over: the rate halves at steps 2 and 4
         checkpoint_dir=str(ckpt) if ckpt is not None else None,
         checkpoint_every=2 if ckpt is not None else None,
         device="cpu",
