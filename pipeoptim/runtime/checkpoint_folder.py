@@ -9,6 +9,8 @@ A resume checks everything before it loads anything: the identity when it choose
 checkpoint, every stage's state against the stage (names and shapes, optimizer class,
 prediction rule) on every rank, and, once the first batch is read and before any step runs,
 the batch size. A refused resume leaves the Pipeline as it was (weights, optimizer, step).
+A checkpoint of another cut (stage count, boundaries) is re-cut by unit before the checks
+(``checkpoint/recut.py``), reading only the stage files that hold this process's units.
 """
 
 from __future__ import annotations

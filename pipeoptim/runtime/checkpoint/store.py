@@ -7,13 +7,16 @@ uninterrupted run runs from n.
 Layout::
 
     DIR/step-00000044/stage-0.pt ... stage-{P-1}.pt   one file per stage (formats.py), atomic
+                                                       (``stage-k.dcp/`` folders in DCP's format)
     DIR/latest.json                                    {"step": 44, ...}, written last
     DIR/.lock                                          held (flock) by the run writing here
 
 ``latest.json`` names a step only once every stage file of that step is complete, so a
 crash while writing leaves the previous checkpoint in charge; the ``keep`` newest step
 folders stay (default 2), older ones are removed after the pointer moves. A resume takes the
-newest step whose every stage file reads back, and says so when that is not the pointer's.
+newest step whose every stage file reads back, and says so when that is not the pointer's;
+the stage count is the checkpoint's own (its recorded boundaries), so a run of another depth
+can re-cut it (``recut.py``).
 With one process per stage, ranks count their finished files in the process group's store
 and rank 0 moves the pointer. One run at a time: the writer holds an advisory lock on
 ``.lock`` (released by the kernel if it dies), and a second run is refused with the holder's
