@@ -28,15 +28,23 @@ def losses(args: list[str], capsys: pytest.CaptureFixture[str]) -> list[float]:
     return found
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "muon", "basis-rotation"])
+@pytest.mark.parametrize(
+    ("optimizer", "fmt"),
+    [
+        ("sgd", "torch-save"),
+        ("muon", "torch-save"),
+        ("basis-rotation", "torch-save"),
+        ("muon", "dcp"),
+    ],
+)
 def test_a_resume_onto_other_stages_continues_the_run_cut_so_from_the_start(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path, optimizer: str
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, optimizer: str, fmt: str
 ) -> None:
     """gpipe (synchronous), the same micro-batches: bit for bit. Muon's two parameter groups
-    and basis rotation's per-parameter bases travel by parameter name."""
+    and basis rotation's per-parameter bases travel by parameter name, in either format."""
     common = ["--method", "gpipe", "--micro-batches", "4", "--optimizer", optimizer]
-
     ckpt = ["--checkpoint-dir", str(tmp_path), "--checkpoint-every", "2"]
+    ckpt += ["--checkpoint-format", fmt]
     whole = losses([*common, "--stages", "2", "--max-steps", "6"], capsys)
     first = losses([*common, *ckpt, "--stages", "4", "--max-steps", "4"], capsys)
     rest = losses([*common, *ckpt, "--stages", "2", "--max-steps", "6", "--resume"], capsys)
