@@ -22,6 +22,7 @@ from pipeoptim.plan.optimizer_families import ANY_TORCH_OPTIMIZER, FAMILIES, fin
 from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.plan.recompute import check_shard_optimizer
 from pipeoptim.plan.risk import depth_advice
+from pipeoptim.runtime.checkpoint.formats import FORMATS
 from pipeoptim.runtime.comm.process_model import ProcessModel
 from pipeoptim.runtime.config import AMP_MODES, LR_SCHEDULES, check_offset
 from pipeoptim.runtime.options.tree import option_default
@@ -172,6 +173,15 @@ def register(subparsers: Any) -> None:
         metavar="K",
         help="keep the K newest checkpoints; a resume falls back to an older one when the "
         f"newest is damaged (default {option_default('keep_checkpoints')})",
+    )
+    p.add_argument(
+        "--checkpoint-format",
+        choices=sorted(FORMATS),
+        default=option_default("checkpoint_format"),
+        help="how each stage is written: torch-save (one file) or dcp (a "
+        "torch.distributed.checkpoint folder under model-level names); --resume reads either, "
+        "and may change --stages or the plan's partition (the state is re-cut by unit) "
+        f"(default {option_default('checkpoint_format')})",
     )
     p.add_argument("--trace", metavar="FILE", help="write the run's trace (pipeoptim trace JSON)")
     seed = option_default("seed")
@@ -349,6 +359,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         amp=args.amp,
         grad_clip=args.grad_clip,
         keep_checkpoints=args.keep_checkpoints or option_default("keep_checkpoints"),
+        checkpoint_format=args.checkpoint_format,
         forwards_first=args.forwards_first,
     )
 

@@ -9,6 +9,8 @@ A resume checks everything before it loads anything: the identity when it choose
 checkpoint, every stage's state against the stage (names and shapes, optimizer class,
 prediction rule) on every rank, and, once the first batch is read and before any step runs,
 the batch size. A refused resume leaves the Pipeline as it was (weights, optimizer, step).
+A checkpoint of another cut (stage count, boundaries) is re-cut by unit before the checks
+(``checkpoint/recut.py``), reading only the stage files that hold this process's units.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from torch import Tensor
 
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.runtime.assembly import Assembly, RunState
+from pipeoptim.runtime.checkpoint.formats import DEFAULT_FORMAT, FORMATS, StageFormat
+from pipeoptim.runtime.checkpoint.recut import SavedCut, stage_layout
 from pipeoptim.runtime.checkpoint.state_check import refusal
 from pipeoptim.runtime.checkpoint.store import CheckpointStore, DirectoryLock
 from pipeoptim.runtime.comm.failure_board import FailureBoard
@@ -40,8 +44,8 @@ class _Chosen:
     step: int
     states: dict[int, dict[str, Any]]
     """This process's stage states, on the CPU."""
-    message: str | None
-    """Why it is not the newest (the newest was damaged), or None."""
+    notes: list[str]
+    """Why it is not the newest (the newest was damaged), that it was re-cut."""
 
 
 def _on_device(obj: Any, device: torch.device, key: str = "") -> Any:
@@ -68,6 +72,7 @@ class CheckpointFolder:
         identity: dict[str, Any],
         hyperparameters: dict[str, Any],
         keep: int,
+        format: StageFormat = FORMATS[DEFAULT_FORMAT],
     ) -> None:
         self.parts, self.state, self.root = parts, state, root
         self.hyperparameters = hyperparameters
@@ -82,6 +87,7 @@ class CheckpointFolder:
             timeout=parts.timeout,
             abort_check=FailureBoard(store).check if store is not None else lambda: None,
             keep=keep,
+            format=format,
         )
         self._chosen: _Chosen | None = None
         """The checkpoint a resume chose and checked, until :meth:`restore` loads it."""
@@ -121,16 +127,80 @@ class CheckpointFolder:
         if record is None:
             return
         step = int(record["step"])
-        # On the CPU until loaded, one stage at a time: no second copy on the device.
-        states = {k: self.store.load(step, k, torch.device("cpu"))["state"] for k in parts.stages}
+        saved_bounds = record.get("boundaries")
+        now_bounds = [list(b) for b in parts.bounds]
         refused: list[tuple[int, str]] = []
+        notes = [message] if message else []
+        if isinstance(saved_bounds, list) and saved_bounds != now_bounds:
+            states = self._recut(step, saved_bounds, refused)
+            notes.append(self._recut_note(step, saved_bounds, now_bounds))
+        else:
+            # On the CPU until loaded, one stage at a time: no second copy on the device.
+            states = {
+                k: self.store.load(step, k, torch.device("cpu"))["state"] for k in parts.stages
+            }
         for k, stage in sorted(parts.stages.items()):
+            if k not in states:
+                continue  # refused by the re-cut
             try:
                 stage.check_state(states[k])
             except RuntimeConfigError as err:
                 refused.append((k, str(err)))
         self._refuse(refused, step)
-        self._chosen = _Chosen(record, step, states, message)
+        self._chosen = _Chosen(record, step, states, notes)
+
+    def _recut(
+        self, step: int, saved_bounds: list[Any], refused: list[tuple[int, str]]
+    ) -> dict[int, dict[str, Any]]:
+        """This process's stages' states cut from the checkpoint's stages (``recut.py``),
+        reading only the stage files that hold their units; a stage that does not fit goes
+        to ``refused``."""
+        parts = self.parts
+        needed = sorted(
+            {
+                j
+                for k in parts.stages
+                for j in SavedCut.stages_holding(saved_bounds, *parts.bounds[k])
+            }
+        )
+        held = [parts.bounds[k] for k in parts.stages]
+        units = (min(a for a, _ in held), max(b for _, b in held))
+        states: dict[int, dict[str, Any]] = {}
+        try:
+            saved = SavedCut(
+                {j: self.store.load(step, j, torch.device("cpu"), units)["state"] for j in needed},
+                saved_bounds,
+            )
+        except RuntimeConfigError as err:
+            refused.extend((k, f"stage {k}: {err}") for k in sorted(parts.stages))
+            return states
+        beyond = saved.units_beyond(len(parts.units))
+        for k, stage in sorted(parts.stages.items()):
+            try:
+                if beyond:
+                    raise RuntimeConfigError(
+                        f"the checkpoint holds units {beyond[0]}..{beyond[-1]}, which this "
+                        f"model of {len(parts.units)} units does not have; a resume onto "
+                        f"another cut needs the same units: resume with the model that "
+                        f"wrote it, or start fresh; nothing was loaded"
+                    )
+                states[k] = saved.cut(stage_layout(stage))
+            except RuntimeConfigError as err:
+                refused.append((k, str(err)))
+        return states
+
+    def _recut_note(self, step: int, saved: list[Any], now: list[list[int]]) -> str:
+        method = self.parts.method
+        note = (
+            f"resumed from step {step} written at {len(saved)} stages (units {saved}) onto "
+            f"{len(now)} stages (units {now}): weights and optimizer state re-cut by unit"
+        )
+        if method.flushes:
+            return note
+        return note + (
+            f"; the asynchronous pipeline ({method.name}) rebuilds what depends on its "
+            f"schedule: weight predictions and the delay correction start afresh"
+        )
 
     def _refuse(self, refused: list[tuple[int, str]], step: int) -> None:
         """Raise the refusals of every rank of this pipeline, on every rank (under dist one
@@ -172,7 +242,7 @@ class CheckpointFolder:
         saved_batch = record.get("batch_size")
         if saved_batch is not None and int(saved_batch) != batch_size:
             raise RuntimeConfigError(self._batch_refusal(record, int(saved_batch), batch_size))
-        notes = [chosen.message] if chosen.message else []
+        notes = list(chosen.notes)
         theirs = record.get("hyperparameters") or {}
         changed = {
             k: [theirs[k], v]

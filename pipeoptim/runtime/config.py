@@ -80,6 +80,7 @@ TREE_FLAGS = {
     "checkpoint_dir": "--checkpoint-dir",
     "checkpoint_every": "--checkpoint-every",
     "keep_checkpoints": "--keep-checkpoints",
+    "checkpoint_format": "--checkpoint-format",
     "forwards_first": "--forwards-first",
 }
 """The options of the tree that ``pipeoptim train`` sets from a flag -> that flag: the
@@ -149,6 +150,8 @@ class TrainConfig:
     """``--grad-clip``: ``OptimizerOptions.grad_clip``."""
     keep_checkpoints: int = option_default("keep_checkpoints")
     """``--keep-checkpoints``: ``CheckpointOptions.keep_checkpoints``."""
+    checkpoint_format: str = option_default("checkpoint_format")
+    """``--checkpoint-format``: ``CheckpointOptions.checkpoint_format``."""
     recompute: str | None = option_default("recompute")
     """``--recompute``: ``none``, ``full``, ``stages:0,1`` or ``units:NAME,...``
     (``plan.recompute.parse_recompute_flag``); None: the plan's ``recompute``."""
@@ -217,6 +220,7 @@ class TrainConfig:
                 checkpoint_dir=self.checkpoint_dir,
                 checkpoint_every=self.checkpoint_every,
                 keep_checkpoints=self.keep_checkpoints,
+                checkpoint_format=self.checkpoint_format,
             ),
         )
 

@@ -40,6 +40,7 @@ from pipeoptim.runtime.checkpoint.export import (
     merge_stages,
     write_export,
 )
+from pipeoptim.runtime.checkpoint.formats import FORMATS
 from pipeoptim.runtime.checkpoint.state_check import refusal
 from pipeoptim.runtime.checkpoint.store import latest_step
 from pipeoptim.runtime.checkpoint_folder import CheckpointFolder
@@ -129,6 +130,7 @@ class Pipeline:
         saved = config.checkpoint
         self.identity = saved.run_identity or self.parts.identity()
         self.keep_checkpoints = saved.keep_checkpoints
+        self.checkpoint_format = saved.checkpoint_format
         self.hyperparameters = saved.hyperparameters or {
             "lr": run.plan.optimizer.lr,
             "amp": config.precision.amp,
@@ -244,6 +246,7 @@ class Pipeline:
                     identity=self.identity,
                     hyperparameters=self.hyperparameters,
                     keep=self.keep_checkpoints,
+                    format=FORMATS[self.checkpoint_format],
                 )
                 if root
                 else None

@@ -4,7 +4,10 @@ The store (:mod:`.store`) decides *where* and *when* (step folders, atomic write
 ``latest.json`` pointer, the lock); a format decides *how* one stage's payload (a dict of
 tensors, numbers and strings) is written and read. A new format is a class with the
 :class:`StageFormat` methods, here or in a file beside this one, and one entry in
-:data:`FORMATS`; ``CheckpointStore(format=...)`` takes it.
+:data:`FORMATS`; ``CheckpointStore(format=...)`` takes it. A format whose stage is a folder
+(``writes_folder = True``: DCP's, :mod:`.dcp_format`) has ``write_folder(payload, folder)``
+instead of ``write``, and may read only some units (``read_units``) for a re-cut resume.
+A store reads whichever format a checkpoint was written in (by the stage file's suffix).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
 import torch
+
+from pipeoptim.runtime.checkpoint.dcp_format import DistributedCheckpoint
 
 __all__ = ["DEFAULT_FORMAT", "FORMATS", "StageFormat", "TorchSave"]
 
@@ -48,6 +53,9 @@ class TorchSave:
         return payload
 
 
-FORMATS: dict[str, StageFormat] = {TorchSave.name: TorchSave()}
+FORMATS: dict[str, StageFormat] = {
+    TorchSave.name: TorchSave(),
+    DistributedCheckpoint.name: DistributedCheckpoint(),
+}
 """The checkpoint formats by name."""
 DEFAULT_FORMAT = TorchSave.name

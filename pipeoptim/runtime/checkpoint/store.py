@@ -7,13 +7,16 @@ uninterrupted run runs from n.
 Layout::
 
     DIR/step-00000044/stage-0.pt ... stage-{P-1}.pt   one file per stage (formats.py), atomic
+                                                       (``stage-k.dcp/`` folders in DCP's format)
     DIR/latest.json                                    {"step": 44, ...}, written last
     DIR/.lock                                          held (flock) by the run writing here
 
 ``latest.json`` names a step only once every stage file of that step is complete, so a
 crash while writing leaves the previous checkpoint in charge; the ``keep`` newest step
 folders stay (default 2), older ones are removed after the pointer moves. A resume takes the
-newest step whose every stage file reads back, and says so when that is not the pointer's.
+newest step whose every stage file reads back, and says so when that is not the pointer's;
+the stage count is the checkpoint's own (its recorded boundaries), so a run of another depth
+can re-cut it (``recut.py``).
 With one process per stage, ranks count their finished files in the process group's store
 and rank 0 moves the pointer. One run at a time: the writer holds an advisory lock on
 ``.lock`` (released by the kernel if it dies), and a second run is refused with the holder's
@@ -38,6 +41,7 @@ from torch._C._distributed_c10d import Store
 
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.runtime.checkpoint.formats import DEFAULT_FORMAT, FORMATS, StageFormat
+from pipeoptim.runtime.checkpoint.recut import RECUT_IDENTITY
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -73,6 +77,21 @@ def _atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
         raise
 
 
+def _atomic_write_folder(path: Path, write: Callable[[Path], object]) -> None:
+    """:func:`_atomic_write` for a format whose stage is a folder: written beside ``path``,
+    then renamed over it (a folder of the same step written before is removed first)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        write(tmp)
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # no half folder left behind
+        raise
+
+
 COMPARED_WHEN_BOTH_HAVE = frozenset({"optimizer_class"})
 """Identity keys added after checkpoints were first written: a checkpoint (or state) written
 before them lacks them, and is compared without them, so it stays resumable."""
@@ -83,20 +102,39 @@ NO_LONGER_IDENTITY = frozenset({"amp"})
 loss scaler starts afresh where the checkpoint had none)."""
 
 
-def identity_differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+def identity_differences(
+    saved: Mapping[str, Any], now: Mapping[str, Any], *, recut: bool = False
+) -> list[str]:
     """What differs between a checkpoint's identity and this run's, one ``"key: checkpoint
     X, now Y"`` each (empty: the same run). A key only one side has is a difference (a
     ``predicted_backward`` set on one side only), except the keys of
-    :data:`COMPARED_WHEN_BOTH_HAVE` and :data:`NO_LONGER_IDENTITY`."""
+    :data:`COMPARED_WHEN_BOTH_HAVE` and :data:`NO_LONGER_IDENTITY`; with ``recut`` (the
+    checkpoint records its cut, so it can be re-cut) the keys of
+    :data:`~pipeoptim.runtime.checkpoint.recut.RECUT_IDENTITY` may differ too."""
     shown = []
     for k in sorted(set(saved) | set(now)):
-        if k in NO_LONGER_IDENTITY:
+        if k in NO_LONGER_IDENTITY or (recut and k in RECUT_IDENTITY):
             continue
         if k in COMPARED_WHEN_BOTH_HAVE and (k not in saved or k not in now):
             continue
         if saved.get(k) != now.get(k):
-            shown.append(f"{k}: checkpoint {saved.get(k)!r}, now {now.get(k)!r}")
+            shown.append(
+                _unit_difference(saved.get(k), now.get(k))
+                if k == "units"
+                else f"{k}: checkpoint {saved.get(k)!r}, now {now.get(k)!r}"
+            )
     return shown
+
+
+def _unit_difference(saved: Any, now: Any) -> str:
+    """The first unit (class and parameter shapes) the checkpoint and this model differ in,
+    rather than both lists in full."""
+    if not isinstance(saved, list) or not isinstance(now, list):
+        return f"units: checkpoint {saved!r}, now {now!r}"
+    for i, (a, b) in enumerate(zip(saved, now, strict=False)):
+        if a != b:
+            return f"unit {i}: checkpoint {a!r}, now {b!r} (class, parameter shapes)"
+    return f"units: the checkpoint has {len(saved)}, this model {len(now)}"
 
 
 def latest_step(root: str | Path) -> dict[str, Any] | None:
@@ -212,7 +250,10 @@ class CheckpointStore:
             }
             path = folder / f"stage-{k}{self.format.suffix}"
             try:
-                _atomic_write(path, partial(self.format.write, payload))
+                if getattr(self.format, "writes_folder", False):
+                    _atomic_write_folder(path, partial(self.format.write_folder, payload))  # type: ignore[attr-defined]
+                else:
+                    _atomic_write(path, partial(self.format.write, payload))
             except OSError as err:
                 previous = latest_step(self.root)
                 kept = f"step {previous['step']}" if previous else "none"
@@ -281,7 +322,10 @@ class CheckpointStore:
         return record
 
     def _check_identity(self, record: Mapping[str, Any]) -> None:
-        shown = identity_differences(record.get("config", {}), self.config)
+        """A checkpoint that records its cut (``boundaries``) may be resumed at another
+        (``recut.py``); the rest of the identity must agree."""
+        recut = isinstance(record.get("boundaries"), list)
+        shown = identity_differences(record.get("config", {}), self.config, recut=recut)
         if shown:
             raise RuntimeConfigError(
                 f"the checkpoint in {self.root} is from a different run ({'; '.join(shown)}); "
@@ -306,12 +350,16 @@ class CheckpointStore:
         problems: list[str] = []
         for step in candidates:
             try:
-                payloads = [self.load(step, k, torch.device("cpu")) for k in range(self.num_stages)]
+                count = self.num_stages
+                payloads = [self.load(step, 0, torch.device("cpu"))]
+                if isinstance(payloads[0].get("boundaries"), list):  # the cut it was written at
+                    count = len(payloads[0]["boundaries"])
+                payloads += [self.load(step, k, torch.device("cpu")) for k in range(1, count)]
             except RuntimeConfigError as err:
                 problems.append(f"step {step}: {err}")
                 continue
             record = {k: v for k, v in payloads[0].items() if k not in ("state", "stage")}
-            record["num_stages"] = self.num_stages
+            record["num_stages"] = count
             self._check_identity(record)
             if not problems:
                 return record, None
@@ -329,10 +377,33 @@ class CheckpointStore:
     def holds_checkpoints(self) -> bool:
         return (self.root / _LATEST).exists() or bool(self.steps())
 
-    def load(self, step: int, stage: int, device: torch.device) -> dict[str, Any]:
-        path = _step_dir(self.root, step) / f"stage-{stage}{self.format.suffix}"
+    def _stage_file(self, step: int, stage: int) -> tuple[Path, StageFormat]:
+        """The stage's file (or folder) and its format: this store's, else the format whose
+        file is there (a checkpoint written in another format resumes)."""
+        folder = _step_dir(self.root, step)
+        path = folder / f"stage-{stage}{self.format.suffix}"
+        if not path.exists():
+            for other in FORMATS.values():
+                if (folder / f"stage-{stage}{other.suffix}").exists():
+                    return folder / f"stage-{stage}{other.suffix}", other
+        return path, self.format
+
+    def load(
+        self,
+        step: int,
+        stage: int,
+        device: torch.device,
+        units: tuple[int, int] | None = None,
+    ) -> dict[str, Any]:
+        """The payload of ``stage`` at ``step``; with ``units`` ``[a, b)``, a format that can
+        (DCP's) reads only those units' tensors (a re-cut resume needs no more)."""
+        path, fmt = self._stage_file(step, stage)
         try:
-            payload = self.format.read(path, device)
+            read_units = getattr(fmt, "read_units", None)
+            if units is not None and read_units is not None:
+                payload: dict[str, Any] = read_units(path, device, units)
+            else:
+                payload = fmt.read(path, device)
         except FileNotFoundError:
             raise RuntimeConfigError(
                 f"checkpoint of step {step} has no file for stage {stage} ({path}); the "

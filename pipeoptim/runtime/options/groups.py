@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.plan import OptimizerSpec
+from pipeoptim.runtime.checkpoint.formats import DEFAULT_FORMAT, FORMATS
 from pipeoptim.runtime.checkpoint.store import DEFAULT_KEEP
 from pipeoptim.runtime.comm.process_model import ProcessModel
 from pipeoptim.runtime.options.checks import (
@@ -243,6 +244,10 @@ class CheckpointOptions:
     """Drain the pipeline and checkpoint every K mini-batches; None: only at the end."""
     keep_checkpoints: int = DEFAULT_KEEP
     """Checkpoints kept in ``checkpoint_dir`` (a resume falls back past a damaged one)."""
+    checkpoint_format: str = DEFAULT_FORMAT
+    """How each stage is written: ``torch-save`` (one file) or ``dcp`` (a
+    ``torch.distributed.checkpoint`` folder under model-level names); a resume reads
+    either."""
     run_identity: dict[str, Any] | None = None
     """What a checkpoint must agree on to be resumed; None: the Pipeline's own."""
     hyperparameters: dict[str, Any] | None = None
@@ -251,6 +256,11 @@ class CheckpointOptions:
 
     def __post_init__(self) -> None:
         check_whole("keep_checkpoints", self.keep_checkpoints, example="keep_checkpoints=2")
+        if self.checkpoint_format not in FORMATS:
+            raise RuntimeConfigError(
+                f"checkpoint_format must be one of {', '.join(FORMATS)} (got "
+                f"{self.checkpoint_format!r}), e.g. checkpoint_format='dcp'"
+            )
         folder = self.checkpoint_dir
         if folder is not None and not isinstance(folder, (str, os.PathLike)):
             raise RuntimeConfigError(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pipeoptim.runtime.checkpoint.recut import optimizer_param_names
 from pipeoptim.runtime.checkpoint.state_check import (
     check_module_state,
     check_predictor_state,
@@ -25,16 +26,20 @@ class StageState(StageBackward):
     backward first)."""
 
     def state_dict(self) -> dict[str, Any]:
-        """Weights, optimizer, scheduler, loss scaler, correction, predictor and RNG state;
-        only valid between segments."""
+        """Weights, optimizer (and its parameters' names), scheduler, loss scaler,
+        correction, predictor and RNG state; only valid between segments."""
         self.finish_backward()
         if self._saved or self.weights.stash:
             raise RuntimeError(f"stage {self.index}: checkpoint with passes in flight")
-        update = (
+        update: dict[str, Any] = (
             self.updater.state_dict()
             if self.updater is not None
             else {"optimizer": None, "scheduler": None, "scaler": None, "correction": None}
         )
+        if self.updater is not None and self.optimizer is not None:
+            # each optimizer index's module names: a resume onto another cut finds the
+            # parameter's state by its model-level name (checkpoint/recut.py)
+            update["param_names"] = optimizer_param_names(self.module, self.optimizer)
         return {
             "module": self.module.state_dict(),
             **update,

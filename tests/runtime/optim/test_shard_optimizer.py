@@ -10,6 +10,8 @@ runs resume exactly, read as the unsharded run's, and resume onto another D both
 
 from __future__ import annotations
 
+import json
+import math
 import shutil
 from pathlib import Path
 from typing import Any, cast
@@ -24,6 +26,7 @@ from pipeoptim import Pipeline
 from pipeoptim.cli import build_parser
 from pipeoptim.commands.train import build_config
 from pipeoptim.errors import PipeoptimError, RuntimeConfigError, StageError
+from pipeoptim.runtime.checkpoint.recut import SavedCut
 from pipeoptim.runtime.optim.sharded import shard_optimizer
 
 pytestmark = pytest.mark.slow
@@ -50,13 +53,13 @@ def same_weights(a: dict[int, list[torch.Tensor]], b: dict[int, list[torch.Tenso
     )
 
 
-def one_process(folder: Path, steps: int, resume: bool = False) -> Any:
+def one_process(folder: Path, steps: int, resume: bool = False, stages: int = 2) -> Any:
     """The D = 1 run in this process (local transport), optionally checkpointing."""
     torch.set_num_threads(1)
     pipe = Pipeline(
         shard_worker.make_model(),
         method="pipeoptim",
-        stages=2,
+        stages=stages,
         optimizer=shard_worker.make_optimizer("adam"),
         device="cpu",
         checkpoint_dir=str(folder),
@@ -189,3 +192,46 @@ def test_train_flag(tmp_path: Path) -> None:
     assert config.transport == "dist"
     args = parser.parse_args(["train", "--stages", "2", "--data-parallel", "2"])
     assert not build_config(args).plan.shard_optimizer
+
+
+def test_a_sharded_checkpoint_resumes_at_another_depth_and_replica_count(
+    ranks: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    """P = 2, D = 2 sharded -> P = 1, D = 1: the state was gathered whole when written, so
+    it re-cuts by unit like any other; weights and optimizer state at the resume point are
+    the checkpoint's, bit for bit, and the run trains on."""
+    work: Path = ranks[0]["work"]
+    folder = tmp_path / "two-to-one-stage"
+    shutil.copytree(work / "two-to-one", folder)
+    for later in folder.glob("step-*"):
+        if later.name != "step-00000006":
+            shutil.rmtree(later)
+    payloads = [
+        torch.load(folder / f"step-00000006/stage-{k}.pt", weights_only=True) for k in (0, 1)
+    ]
+    (folder / "latest.json").write_text(
+        json.dumps({k: v for k, v in payloads[0].items() if k not in ("state", "stage")})
+    )
+    saved = SavedCut({k: p["state"] for k, p in enumerate(payloads)}, payloads[0]["boundaries"])
+    torch.set_num_threads(1)
+    pipe = Pipeline(
+        shard_worker.make_model(),
+        method="pipeoptim",
+        stages=1,
+        optimizer=shard_worker.make_optimizer("adam"),
+        device="cpu",
+        checkpoint_dir=str(folder),
+        checkpoint_every=3,
+    )
+    unmoved = pipe.fit(shard_worker.make_data(), max_steps=6, resume=True)
+    assert unmoved.start_step == 6 and any("re-cut by unit" in n for n in unmoved.notes)
+    now = SavedCut({0: pipe.stages[0].state_dict()}, pipe.parts.bounds)
+    assert now.tensors.keys() == saved.tensors.keys()
+    assert all(torch.equal(now.tensors[n], saved.tensors[n]) for n in now.tensors)
+    assert now.params.keys() == saved.params.keys()
+    for name, param in now.params.items():
+        theirs = saved.params[name].state
+        assert param.state.keys() == theirs.keys()
+        assert all(torch.equal(param.state[key], theirs[key]) for key in theirs)
+    resumed = pipe.fit(shard_worker.make_data(), max_steps=9)
+    assert len(resumed.losses) == 3 and all(math.isfinite(x) for x in resumed.losses)

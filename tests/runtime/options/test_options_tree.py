@@ -51,6 +51,7 @@ KEYWORD_DEFAULTS: dict[str, Any] = {
     "log_every": 50,
     "memory_every": 4,
     "keep_checkpoints": 2,
+    "checkpoint_format": "torch-save",
     "targets": "send",
     "one_tag": False,
     "store": None,
