@@ -62,14 +62,22 @@ METHODS = ("1f1b", "pipeoptim")
 TARGETS = {"offline": 0.25, "what-if": 0.15}
 
 
-def offline(profile: Profile, run: Trace, method: str, batch: int, *, before: bool) -> float:
-    """Seconds per mini-batch the profile predicts for ``run``'s shape and boundaries."""
+def offline(
+    profile: Profile,
+    method: str,
+    bounds: list[tuple[int, int]],
+    micro_batches: int,
+    batch: int,
+    *,
+    before: bool = False,
+) -> float:
+    """Seconds per mini-batch the profile predicts for a run of ``method`` split at
+    ``bounds`` (its steady state over 30 mini-batches); ``before``: with the model before
+    the burst fix."""
     spec = get_method(method)
-    ranks = len(run_boundaries(run))
-    shape = spec.shape(ranks, int(run.meta.get("micro_batches") or 1), 30)
-    costs = CostModel.from_profile(
-        profile, run_boundaries(run), shape.micro_batches, batch_size=batch
-    )
+    ranks = len(bounds)
+    shape = spec.shape(ranks, micro_batches if spec.micro_batched else None, 30)
+    costs = CostModel.from_profile(profile, bounds, shape.micro_batches, batch_size=batch)
     host = ProfiledHost.of(profile)
     runtime = host.runtime
     if before and runtime is not None:  # the model before the fix: no wait cost in seconds
@@ -89,6 +97,42 @@ def offline(profile: Profile, run: Trace, method: str, batch: int, *, before: bo
     return per_batch(predicted)
 
 
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One model, rank count and method: samples/s measured and predicted."""
+
+    model: str
+    ranks: int
+    method: str
+    measured: float
+    before: float
+    offline: float
+    what_if: float
+
+
+def compare(
+    name: str, ranks: int, method: str, profile: Profile, runs: dict[str, Trace], batch: int
+) -> Row:
+    """The run of ``method`` against the profile's predictions and the 1f1b run's what-if."""
+    run = runs[method]
+    bounds = run_boundaries(run)
+    micro = int(run.meta.get("micro_batches") or 1)
+    before, after = (
+        offline(profile, method, bounds, micro, batch, before=b) for b in (True, False)
+    )
+    m = ranks if get_method(method).micro_batched else None
+    guess = what_if(runs["1f1b"], method, micro_batches=m, profile=profile)
+    return Row(
+        name,
+        ranks,
+        method,
+        batch / per_batch(run),
+        batch / before,
+        batch / after,
+        batch / guess.time_per_mini_batch,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30, help="mini-batches per run")
@@ -96,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated subset")
     parser.add_argument("--ranks", default="2,4", help="comma-separated rank counts")
     parser.add_argument("--keep", type=Path, default=None, help="keep profiles and traces here")
+    parser.add_argument(
+        "--reuse", action="store_true", help="with --keep: read what was kept there, rerun none"
+    )
     args = parser.parse_args(argv)
     steps, repeats = (12, 3) if args.quick else (args.steps, 5)
     models = [m for m in args.models.split(",") if m]
@@ -105,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         f"# {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
         f"gloo ranks on this host, {steps} steps per run; load average {load:.1f} at start"
     )
-    rows: list[tuple[str, int, str, float, float, float, float]] = []
+    rows: list[Row] = []
     began = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         where = args.keep or Path(tmp)
@@ -113,31 +160,29 @@ def main(argv: list[str] | None = None) -> int:
         for name in models:
             model, batch = MODELS[name]
             for p in ranks:
-                profile = profile_builtin(model, batch_size=batch, ranks=p, repeats=repeats)
-                profile.save(where / f"{name}-{p}-profile.json")
+                kept = where / f"{name}-{p}-profile.json"
+                files = [kept, *(where / f"{name}-{p}-{m}.json" for m in METHODS)]
+                if args.reuse and not all(f.exists() for f in files):
+                    print(f"# {name} P={p}: nothing kept in {where}, skipped")
+                    continue
+                if args.reuse:
+                    profile = Profile.load(kept)
+                else:
+                    profile = profile_builtin(model, batch_size=batch, ranks=p, repeats=repeats)
+                    profile.save(kept)
                 runs = {}
                 for method in METHODS:
-                    m = p if get_method(method).micro_batched else 1
                     path = where / f"{name}-{p}-{method}.json"
+                    if args.reuse:
+                        runs[method] = Trace.load(path)
+                        continue
+                    m = p if get_method(method).micro_batched else 1
                     runs[method] = train(
                         method, m, steps, path, "dist", "cpu", model=model, stages=p, batch=batch
                     )
                 for method in METHODS:
-                    measured = per_batch(runs[method])
-                    m = p if get_method(method).micro_batched else None
-                    guess = what_if(runs["1f1b"], method, micro_batches=m, profile=profile)
-                    rows.append(
-                        (
-                            name,
-                            p,
-                            method,
-                            batch / measured,
-                            batch / offline(profile, runs[method], method, batch, before=True),
-                            batch / offline(profile, runs[method], method, batch, before=False),
-                            batch / guess.time_per_mini_batch,
-                        )
-                    )
-                    print(f"ran {name} P={p} {method}: {batch / measured:,.0f} samples/s")
+                    rows.append(compare(name, p, method, profile, runs, batch))
+                    print(f"ran {name} P={p} {method}: {rows[-1].measured:,.0f} samples/s")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"\n# {time.perf_counter() - began:.0f} s; load average {load:.1f} at the end\n")
     print(
@@ -146,13 +191,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("|---|---|---|---|---|---|---|")
     worst = {key: 0.0 for key in TARGETS}
-    for name, p, method, real, before, after, guess in rows:
-        off, wif = error(after, real), error(guess, real)
+    for row in rows:
+        real = row.measured
+        off, wif = error(row.offline, real), error(row.what_if, real)
         worst["offline"] = max(worst["offline"], abs(off))
         worst["what-if"] = max(worst["what-if"], abs(wif))
         print(
-            f"| {name} | {p} | {method} | {real:,.0f} | {before:,.0f} ({error(before, real):+.0%}) "
-            f"| {after:,.0f} ({off:+.0%}) | {guess:,.0f} ({wif:+.0%}) |"
+            f"| {row.model} | {row.ranks} | {row.method} | {real:,.0f} | "
+            f"{row.before:,.0f} ({error(row.before, real):+.0%}) | "
+            f"{row.offline:,.0f} ({off:+.0%}) | {row.what_if:,.0f} ({wif:+.0%}) |"
         )
     print()
     for key, target in TARGETS.items():
