@@ -3,8 +3,13 @@ width and depth at 2 and 4 ranks.
 
 Run from the repository root::
 
-    .venv/bin/python benchmarks/bench_fidelity_set.py            # 30 steps per run (~12 min)
-    .venv/bin/python benchmarks/bench_fidelity_set.py --quick    # 12 steps, 3 repeats (~7 min)
+    .venv/bin/python benchmarks/bench_fidelity_set.py            # 30 steps per run
+    .venv/bin/python benchmarks/bench_fidelity_set.py --quick    # 12 steps, 3 repeats
+    .venv/bin/python benchmarks/bench_fidelity_set.py --models wide --ranks 2  # a subset
+
+Each model and rank count is a profile (its probes included) and two short real runs: on a
+2-core machine under a load average of 10 to 25, ``--quick`` took 199 s for the narrow
+model at 2 ranks and about 30 minutes for the wide one at 2 and 4 and the narrow one at 2.
 
 Models (each with the batch it trains at):
 
