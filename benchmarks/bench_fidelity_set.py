@@ -44,6 +44,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from bench_fidelity import error, per_batch, train
@@ -102,8 +103,7 @@ def offline(
     return per_batch(predicted)
 
 
-@dataclasses.dataclass(frozen=True)
-class Row:
+class Row(NamedTuple):
     """One model, rank count and method: samples/s measured and predicted."""
 
     model: str
