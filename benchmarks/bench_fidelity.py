@@ -50,10 +50,19 @@ GOALS = {"offline": 0.20, "self": 0.10, "cross": 0.15, "memory": 0.15, "bubble":
 
 
 def train(
-    method: str, micro_batches: int, steps: int, trace: Path, transport: str, device: str
+    method: str,
+    micro_batches: int,
+    steps: int,
+    trace: Path,
+    transport: str,
+    device: str,
+    *,
+    model: str = MODEL,
+    stages: int = 2,
+    batch: int = BATCH,
 ) -> Trace:
-    argv = [sys.executable, "-m", "pipeoptim", "train", "--model", MODEL, "--method", method]
-    argv += ["--stages", "2", "--transport", transport, "--batch-size", str(BATCH)]
+    argv = [sys.executable, "-m", "pipeoptim", "train", "--model", model, "--method", method]
+    argv += ["--stages", str(stages), "--transport", transport, "--batch-size", str(batch)]
     argv += ["--max-steps", str(steps), "--trace", str(trace), "--quiet", "--device", device]
     if get_method(method).micro_batched:
         argv += ["--micro-batches", str(micro_batches)]

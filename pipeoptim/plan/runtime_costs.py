@@ -5,8 +5,11 @@ the stage's own work around the layers (the action loop, the weight versions a p
 keeps, the saved-tensor bookkeeping, the loss on the last stage) and, per message between
 two rank processes, a fixed work at the sender and at the receiver and a latency between.
 On a small model on CPU these are most of a run's time, and a rank's work, done in bursts
-between waits for messages, runs slower than the loop the profiler times it in (its caches
-and its core are cold after each wait). ``pipeoptim profile --ranks P``
+between waits for messages, costs more than in the loop the profiler times it in: after
+each wait its caches refill and its core wakes, a fixed cost per wait whatever the size of
+the work that follows (kept in seconds, :attr:`RuntimeCosts.burst_s`; the ratio the probe's
+small step showed is recorded but not charged, since multiplying a model's layer times by
+it counted the layers' own time again). ``pipeoptim profile --ranks P``
 measures them on the machine it profiles (a message's work from a short run of the model
 on two rank processes, :mod:`pipeoptim.workloads.message_probe`, its latency and the
 slowdowns from a gloo ping-pong, :mod:`pipeoptim.runtime.profiling.messages`; the actions
@@ -43,6 +46,8 @@ _WHAT = {
     "message_send_s": "the fixed seconds a rank works to send one message to another rank",
     "message_receive_s": "the fixed seconds a rank works to take in one message",
     "message_latency_s": "the seconds a message takes between its two ends' work",
+    "burst_s": "the seconds a rank's work after a wait for a message costs beyond a loop's",
+    "shared_burst_s": "the seconds a rank's work after a wait costs where ranks take turns",
 }
 
 
@@ -71,18 +76,26 @@ class RuntimeCosts:
     message_latency_s: float = 0.0
     """Seconds a message takes from its sender's work to its receiver's, beyond both."""
     burst_slowdown: float = 1.0
-    """How many times slower work runs in a rank that waits for messages between its
-    actions than in the loop the layers and actions were timed in (after each wait its
-    caches and its core are cold), each rank on cores of its own: a ratio >= 1, applied to
-    every action's work when the host runs several ranks; 1 (none) where not measured."""
+    """How many times slower the message ping-pong's small step ran between two waits than
+    in a loop, each rank on cores of its own (a ratio >= 1; 1 where not measured). A
+    record of the probe, not charged: the ratio is that of one small step, and the cost of
+    a wait is fixed (:attr:`burst_s`); only its ratio to :attr:`shared_burst_slowdown`
+    scales a message's work where the ranks take turns on the cores."""
     shared_burst_slowdown: float = 1.0
     """As :attr:`burst_slowdown`, where the ranks take turns on the host's cores (another
-    rank ran on the core since, so more of the caches are gone): applied instead where
-    they outnumber the cores."""
+    rank ran on the core since, so more of the caches are gone)."""
     action_s: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     """Per weight policy (``flush``, ``stash``, ``double-buffer``, ``predict``: what the
     stage does around its passes differs) the fixed seconds of one action of each kind of
     :data:`ACTION_KINDS` beyond its layers' time."""
+    burst_s: float = 0.0
+    """Seconds the work after a wait for a message costs beyond the same work in a loop
+    (its caches refill, its core wakes), once per wait, each rank on cores of its own;
+    charged to the rank per message it takes in (a rank waits only for messages). 0 where
+    not measured (profiles before it: their ratio is not converted)."""
+    shared_burst_s: float = 0.0
+    """As :attr:`burst_s`, where the ranks take turns on the host's cores: charged
+    instead where they outnumber the cores."""
 
     @property
     def shared_over_burst(self) -> float:
@@ -139,8 +152,8 @@ class RuntimeCosts:
             self.message_send_s > 0
             or self.message_receive_s > 0
             or self.message_latency_s > 0
-            or self.burst_slowdown > 1
-            or self.shared_burst_slowdown > 1
+            or self.burst_s > 0
+            or self.shared_burst_s > 0
             or any(v > 0 for kinds in self.action_s.values() for v in kinds.values())
         )
 
@@ -160,6 +173,8 @@ class RuntimeCosts:
             "burst_slowdown": self.burst_slowdown,
             "shared_burst_slowdown": self.shared_burst_slowdown,
             "action_s": {p: dict(k) for p, k in self.action_s.items()},
+            "burst_s": self.burst_s,
+            "shared_burst_s": self.shared_burst_s,
         }
 
     @classmethod
@@ -169,7 +184,8 @@ class RuntimeCosts:
         if not isinstance(data, Mapping):
             raise PlanError(
                 f"{source} must be a mapping of message_send_s, message_receive_s, "
-                f"message_latency_s, burst_slowdown, shared_burst_slowdown and action_s "
+                f"message_latency_s, burst_slowdown, shared_burst_slowdown, action_s, "
+                f"burst_s and shared_burst_s "
                 f"(got {data!r}); {_FIX}"
             )
         try:
@@ -180,6 +196,8 @@ class RuntimeCosts:
                 data.get("burst_slowdown", 1.0),
                 data.get("shared_burst_slowdown", 1.0),
                 data.get("action_s", {}),
+                data.get("burst_s", 0.0),
+                data.get("shared_burst_s", 0.0),
             )
         except PlanError as err:
             if source == "runtime_costs":  # the messages name the fields already

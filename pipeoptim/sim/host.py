@@ -22,10 +22,13 @@ the run will meet:
 * every action costs its method's weight policy's measured fixed work on top of its layers
   (:attr:`~pipeoptim.sim.costs.CostModel.action_s`);
 * with several ranks, whose work comes in bursts between waits for messages, every
-  action's work (layers and fixed part) takes the measured ``burst_slowdown`` times as long
-  as in the loop it was timed in (``shared_burst_slowdown`` where the ranks take turns on
-  the cores; :meth:`~pipeoptim.sim.costs.CostModel.scaled`; messages and links as
-  measured).
+  message a rank takes in costs it the measured ``burst_s`` more (``shared_burst_s``
+  where the ranks take turns on the cores): after each wait its caches refill and its
+  core wakes, once per wait whatever the work that follows. The layer and action times
+  are charged as measured: they are one rank's speed on cores of its own already, and
+  the ping-pong's ratio (``burst_slowdown``), taken on one small step, is no measure of a
+  large action's (multiplying the layers by it counted their time about twice: a 2-rank
+  run of 8 x Linear(1024) predicted -57 %).
 
 A profile that records none of this (older files, synthetic profiles, one taken without
 ``--ranks``, for one process) leaves the costs as they are, to the bit.
@@ -105,20 +108,16 @@ def on_profiled_host(
     if runtime is not None and runtime.charges:
         spec = method if isinstance(method, Method) else get_method(method)
         actions: tuple[float, ...] = runtime.actions(spec.version_rule.value)
-        # ranks that wait for each other's messages work in bursts, slower than in a loop
         shared = machine is not None and machine.shares_cores
-        slower = runtime.shared_burst_slowdown if shared else runtime.burst_slowdown
-        slower = slower if num_ranks > 1 else 1.0
-        if slower != 1.0:
-            costs = costs.scaled(slower)
-            actions = tuple(a * slower for a in actions)
+        # a rank waits only for messages: each one it takes in costs it a wait's cold start
+        woken = (runtime.shared_burst_s if shared else runtime.burst_s) if num_ranks > 1 else 0.0
         # a message's work was measured between waits on cores of its own: where the ranks
-        # take turns on the cores it slows as the actions' work does beyond that
+        # take turns on the cores it slows as the ping-pong's step did beyond that
         on_turns = runtime.shared_over_burst if shared and num_ranks > 1 else 1.0
         costs = replace(
             costs,
             message_send_s=runtime.message_send_s * on_turns,
-            message_receive_s=runtime.message_receive_s * on_turns,
+            message_receive_s=runtime.message_receive_s * on_turns + woken,
             latency_s=tuple(max(lat, runtime.message_latency_s) for lat in costs.latency_s),
             action_s=actions if any(actions) else (),
         )
@@ -156,14 +155,15 @@ def host_notes(source: Profile | Mapping[str, Any], num_ranks: int) -> list[str]
                 f"per message {runtime.shared_over_burst:.2f}x that where the ranks take "
                 f"turns on the cores (measured)"
             )
-        slower = (
-            runtime.shared_burst_slowdown
+        woken = (
+            runtime.shared_burst_s
             if machine is not None and machine.shares_cores
-            else runtime.burst_slowdown
+            else runtime.burst_s
         )
-        if slower > 1 and num_ranks > 1:
+        if woken > 0 and num_ranks > 1:
             notes.append(
-                f"work between waits for messages {slower:.2f}x as slow as in a loop (measured)"
+                f"per message taken in {woken * 1e6:.0f} µs more for the work after the "
+                f"wait (cold caches and core; measured)"
             )
         for policy, kinds in sorted(runtime.action_s.items()):
             per = ", ".join(f"{k} {v * 1e6:.0f}" for k, v in kinds.items())

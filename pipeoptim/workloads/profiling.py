@@ -142,6 +142,8 @@ def profile_builtin(
                 burst_slowdown=message.burst_slowdown,
                 shared_burst_slowdown=message.shared_burst_slowdown,
                 action_s=actions,
+                burst_s=message.burst_s,
+                shared_burst_s=message.shared_burst_s,
             )
 
     profile = profile_model(

@@ -44,6 +44,7 @@ def test_profile_records_the_threads_and_neighbours_it_ran_with(
         probe["receive_s"],
     )
     assert runtime.burst_slowdown >= 1.0 and runtime.shared_burst_slowdown >= 1.0
+    assert runtime.burst_s >= 0.0 and runtime.shared_burst_s >= 0.0  # a wait's, in seconds
     assert set(runtime.action_s) == {"flush", "stash", "double-buffer", "predict"}
     assert set(runtime.action_s["flush"]) == {"F", "B", "U", "I", "W"}
     assert profile.machine is not None and profile.machine.ranks_per_host == 2

@@ -27,6 +27,8 @@ MEASURED = RuntimeCosts(
         "flush": {"F": 3e-5, "B": 2e-5, "U": 4e-5, "I": 2.5e-5, "W": 3.5e-5},
         "predict": {"F": 9e-5, "B": 5e-5, "U": 6e-5},
     },
+    burst_s=2e-5,
+    shared_burst_s=7e-5,
 )
 
 OLD_FILE: dict[str, Any] = {  # a profile as pipeoptim wrote it before runtime_costs
@@ -92,6 +94,9 @@ def test_missing_entries_cost_nothing() -> None:
     costs = RuntimeCosts.from_dict({"message_send_s": 1e-4})
     assert costs.message_receive_s == 0.0 and costs.burst_slowdown == 1.0
     assert costs.shared_burst_slowdown == 1.0
+    assert costs.burst_s == 0.0 and costs.shared_burst_s == 0.0
+    # a ping-pong ratio alone is a record, not a charge (a wait costs seconds, burst_s)
+    assert RuntimeCosts(burst_slowdown=2.0, shared_burst_slowdown=2.5).charges is False
     assert costs.action_s == {} and costs.actions("predict") == (0.0,) * 5
     assert RuntimeCosts().charges is False and costs.charges is True
 
@@ -110,6 +115,8 @@ def test_a_policy_without_its_own_costs_takes_the_synchronous_ones() -> None:
         ({"message_latency_s": math.inf}, ["message_latency_s", "finite", "inf"]),
         ({"burst_slowdown": 0.5}, ["burst_slowdown", ">= 1", "0.5", "give 1 for none"]),
         ({"shared_burst_slowdown": math.nan}, ["shared_burst_slowdown", "finite", "nan"]),
+        ({"burst_s": -1e-6}, ["burst_s", "after a wait", ">= 0", "-1e-06"]),
+        ({"shared_burst_s": math.inf}, ["shared_burst_s", "finite", "inf"]),
         ({"action_s": {"flush": {"F": -2e-5}}}, ["action_s['flush']['F']", ">= 0", "-2e-05"]),
         ({"action_s": {"flush": {"X": 1e-5}}}, ["action kind 'X'", "F, B, U, I, W"]),
         ({"action_s": ["F"]}, ["action_s must map a weight policy", "['F']"]),

@@ -3,9 +3,10 @@
 A profile without a host record (an older file, a synthetic profile, one for one process)
 gives today's costs and times to the bit; a machine record makes the planned ranks share
 its cores, checked by hand on a tiny schedule in both engines; the measured fixed costs
-of messages and of each action kind are charged as recorded (per weight policy), work
-between waits takes the measured slowdown; the planner, ``pipeoptim simulate`` and a plan's
-stage graph all carry it."""
+of messages and of each action kind are charged as recorded (per weight policy), a wait
+costs its measured seconds per message taken in (never a ratio of the layers, which hold
+one rank's speed already), and a prediction is what those components add up to; the
+planner, ``pipeoptim simulate`` and a plan's stage graph all carry it."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import pytest
 
 from pipeoptim.cli import main
 from pipeoptim.errors import PlanError
+from pipeoptim.metrics import compute_metrics
 from pipeoptim.plan.graph import stage_graph, stage_graph_to_dict
 from pipeoptim.plan.machine import Machine
 from pipeoptim.plan.methods import get_method
@@ -127,21 +129,67 @@ def test_measured_message_and_action_costs_are_charged_per_kind_and_policy() -> 
     assert _events(evaluate_trace(method, shape, sync)) == _events(simulate(method, shape, sync))
 
 
-def test_work_between_waits_takes_the_measured_slowdown_with_several_ranks() -> None:
+def test_a_wait_costs_its_measured_seconds_per_message_taken_in_not_a_ratio_of_the_layers() -> None:
+    # the layer and action times are one rank's own speed already: the ping-pong's ratio
+    # on its small step is not charged on them (that counted a large model's layers twice)
     runtime = RuntimeCosts(
-        burst_slowdown=1.5, shared_burst_slowdown=2.0, action_s={"flush": {"F": 0.1}}
+        message_receive_s=0.2,
+        burst_slowdown=1.5,
+        shared_burst_slowdown=2.0,
+        action_s={"flush": {"F": 0.1}},
+        burst_s=0.03,
+        shared_burst_s=0.07,
     )
     profile = _two_layers(runtime_costs=runtime)
     costs = CostModel.from_profile(profile, [(0, 1), (1, 2)], 1)
     hosted = on_profiled_host(costs, profile, "gpipe", 2)  # no machine record: own cores
-    assert hosted.forward_s == (1.5, 1.5) and hosted.backward_s == (3.0, 3.0)
-    assert hosted.update_s == (1.5, 1.5) and hosted.action_s[0] == pytest.approx(0.15)
+    assert (hosted.forward_s, hosted.backward_s) == (costs.forward_s, costs.backward_s)
+    assert hosted.update_s == costs.update_s and hosted.action_s[0] == 0.1
+    assert hosted.message_receive_s == pytest.approx(0.2 + 0.03)  # the wait's cold start
     shared = _two_layers(SHARED, runtime_costs=runtime)  # 2 ranks take turns on 1 core
     turns = on_profiled_host(costs, shared, "gpipe", 2)
-    assert turns.forward_s == (2.0, 2.0) and turns.action_s[0] == pytest.approx(0.2)
+    assert turns.forward_s == costs.forward_s and turns.action_s[0] == 0.1
+    assert turns.message_receive_s == pytest.approx(0.2 * 2.0 / 1.5 + 0.07)
+    assert any("per message taken in 70000 µs more" in n for n in host_notes(shared, 2))
     one = CostModel.from_profile(profile, [(0, 2)], 1)
     alone = on_profiled_host(one, profile, "gpipe", 1)  # one rank never waits for another
-    assert alone.forward_s == one.forward_s and alone.action_s[0] == 0.1
+    assert alone.forward_s == one.forward_s and alone.message_receive_s == 0.2
+    # a profile from before the seconds were measured: its ratio alone charges nothing
+    ratio_only = _two_layers(runtime_costs=RuntimeCosts(burst_slowdown=2.05))
+    assert on_profiled_host(costs, ratio_only, "gpipe", 2) is costs
+
+
+def test_the_offline_prediction_is_what_the_measured_components_add_up_to() -> None:
+    # A 2-rank profile of fixed numbers on a host of a core per rank: per mini-batch each
+    # rank runs its layers (F 1, B 2, U 1 s), its policy's fixed work per action, one
+    # message sent and one taken in (with the wait's cold start). pipeoptim (M = 1) keeps
+    # both ranks busy in its steady state, so a mini-batch takes one rank's sum, whatever
+    # the ping-pong's ratio (which a model's layer times already hold).
+    def predicted(burst_slowdown: float) -> float:
+        runtime = RuntimeCosts(
+            message_send_s=0.05,
+            message_receive_s=0.07,
+            burst_slowdown=burst_slowdown,
+            shared_burst_slowdown=burst_slowdown,
+            action_s={"predict": {"F": 0.1, "B": 0.2, "U": 0.3}},
+            burst_s=0.04,
+        )
+        meta = {"ranks": 2, "machine": Machine(2, 2, 1).to_dict()}
+        profile = _two_layers(meta, runtime_costs=runtime)
+        method = get_method("pipeoptim")
+        shape = method.shape(2, None, 40)
+        costs = CostModel.from_profile(profile, [(0, 1), (1, 2)], 1)
+        hosted = on_profiled_host(costs, profile, method, 2)
+        busy, _ = Program(method.order(shape), shape.micro_batches).busy_seconds(hosted)
+        per_rank = 1.0 + 2.0 + 1.0 + (0.1 + 0.2 + 0.3) + 0.05 + (0.07 + 0.04)
+        assert busy == pytest.approx({0: 40 * per_rank, 1: 40 * per_rank})
+        trace = evaluate_trace(method, shape, hosted)
+        trace.meta["batch_size"] = 1
+        steady = 1.0 / compute_metrics(trace).steady_throughput
+        assert steady == pytest.approx(per_rank)
+        return steady
+
+    assert predicted(1.0) == predicted(2.05)
 
 
 def test_a_message_slows_by_the_shared_over_the_own_core_slowdown_where_ranks_take_turns() -> None:

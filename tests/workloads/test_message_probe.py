@@ -20,6 +20,8 @@ GLOO = MessageTiming(
     burst_slowdown=1.25,
     shared_burst_slowdown=2.5,
     rounds=10,
+    burst_s=3e-5,
+    shared_burst_s=9e-5,
 )
 
 
@@ -44,6 +46,7 @@ def test_a_profile_charges_the_runtimes_own_message_work_where_the_probe_ran(
     # gloo's ping-pong still gives the latency and the slowdowns
     assert runtime.message_latency_s == GLOO.latency_s
     assert (runtime.burst_slowdown, runtime.shared_burst_slowdown) == (1.25, 2.5)
+    assert (runtime.burst_s, runtime.shared_burst_s) == (3e-5, 9e-5)  # a wait's cost
     low, high = profiling.PROBE_STEPS
     assert asked["model"] == "mlp" and asked["batch_size"] == 16
     assert low <= asked["steps"] <= high

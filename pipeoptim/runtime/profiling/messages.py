@@ -20,7 +20,13 @@ on a core of its own where it may use two (else both on the one):
   core are cold, which layers timed in a loop (as the profiler times them) never meet;
 * the same slowdown with both processes, every thread of each, on one core
   (``shared_burst_slowdown``), as ranks that outnumber the cores take turns on them (the
-  other process ran there since, so more of its caches are gone).
+  other process ran there since, so more of its caches are gone);
+* what those slowdowns are in seconds (``burst_s``, ``shared_burst_s``): the step's CPU
+  between waits less its CPU in a loop. That, not the ratio, is what a rank pays after a
+  wait: the caches refill and the core wakes once per wait, whatever the size of the work
+  that follows, so a ratio taken on this small step does not carry over to a model's
+  actions (the offline model that multiplied a model's layer times by it predicted a
+  2-rank run of 8 x Linear(1024) at -57 %).
 
 Each is the median over the rounds (a round another process of the host delayed is not the
 host's cost).
@@ -72,6 +78,12 @@ class MessageTiming:
     ranks that outnumber the cores do (:attr:`burst_slowdown` where that cannot be set)."""
     rounds: int
     """Ping-pong rounds each figure is over."""
+    burst_s: float = 0.0
+    """CPU seconds a step between two waits took beyond the same step in a loop (at least
+    0), each process on a core of its own: what a wait costs the work after it."""
+    shared_burst_s: float = 0.0
+    """The same where both processes take turns on one core (:attr:`burst_s` where that
+    cannot be set)."""
 
 
 def _cpu() -> float:
@@ -213,21 +225,26 @@ def time_messages(*, rounds: int = 200, timeout: float = 60.0) -> MessageTiming:
     messaging = [(x[0] - x[1] + y[0] - y[1]) / 4 for x, y in zip(a, b, strict=True)]
     beyond = [(x[2] - x[0] - y[0]) / 2 for x, y in zip(a, b, strict=True)]
     message_s = max(0.0, statistics.median(messaging))
-    slowdown = _slowdown(mine[0], theirs[0])
+    own_burst, own_loop = _burst(mine[0], theirs[0])
+    shared_burst, shared_loop = (
+        _burst(mine[1], theirs[1]) if shared is not None else (own_burst, own_loop)
+    )
     return MessageTiming(
         send_s=message_s,
         receive_s=message_s,
         latency_s=max(0.0, statistics.median(beyond)),
-        burst_slowdown=slowdown,
-        shared_burst_slowdown=_slowdown(mine[1], theirs[1]) if shared is not None else slowdown,
+        burst_slowdown=_ratio(own_burst, own_loop),
+        shared_burst_slowdown=_ratio(shared_burst, shared_loop),
         rounds=rounds,
+        burst_s=max(0.0, own_burst - own_loop),
+        shared_burst_s=max(0.0, shared_burst - shared_loop),
     )
 
 
-def _slowdown(mine: _Phase, theirs: _Phase) -> float:
-    """How many times slower the two sides' steps ran between waits than in a loop."""
+def _burst(mine: _Phase, theirs: _Phase) -> tuple[float, float]:
+    """The two sides' median step CPU between waits and in a loop (seconds)."""
     burst = statistics.median([x[1] for x in mine[1]] + [y[1] for y in theirs[1]])
-    return _ratio(burst, statistics.median([mine[0], theirs[0]]))
+    return burst, statistics.median([mine[0], theirs[0]])
 
 
 def _ratio(burst: float, warm: float) -> float:
