@@ -16,8 +16,8 @@ import torch
 from torch import Tensor, nn
 
 from pipeoptim.plan.memory_factors import method_memory_factors, resolve_factors
-from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.plan.methods import METHODS
+from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.runtime.pipeline import Pipeline
 from pipeoptim.runtime.stage import recompute
 
