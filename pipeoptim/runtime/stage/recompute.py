@@ -281,10 +281,8 @@ def release_output(out: Payload, inputs: Payload) -> None:
     for t in _tensors(out):
         if t.grad_fn is None or t.untyped_storage().data_ptr() in kept:
             continue
-        stand_in = t.new_empty((0,)).set_(
-            torch.UntypedStorage(0, device=t.device), 0, t.size(), t.stride()
-        )
-        stand_in.untyped_storage().resize_(0)  # set_ sized the storage to fit the shape
+        stand_in = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
+        stand_in.untyped_storage().resize_(0)  # never written: the allocation is not touched
         t.data = stand_in
 
 
