@@ -1,9 +1,11 @@
 """Peak memory per stage with and without activation recomputation, for every method, and
 with the optimizer state sharded over D = 2 replicas; the simulator's prediction beside each.
 
-The model is a small GPT (an embedding, 8 pre-norm transformer blocks, a head; 4 stages,
-batch 16 of 64 tokens), whose blocks save far more for their backward than they take in,
-as a language model's do. Two parts, all figures measured in this run:
+The model (``--model``) is a small GPT (an embedding, 8 pre-norm transformer blocks, a head;
+4 stages, batch 16 of 64 tokens), whose blocks save far more for their backward than they
+take in, as a language model's do; or a wide MLP (width 1024, batch 256; every stage but the
+last ends in a wide Linear, whose output a recomputed stage lets go of once sent). Two
+parts, all figures measured in this run:
 
 1. Every method of the registry trains it for a few mini-batches in this process (local
    transport), with ``recompute`` ``none`` and ``full``. Per stage: the runtime's own peak
@@ -17,6 +19,7 @@ as a language model's do. Two parts, all figures measured in this run:
     python benchmarks/bench_memory.py                   # about 12 minutes on 2 CPU cores
     python benchmarks/bench_memory.py --methods pipeoptim,1f1b --rss-methods pipeoptim
     python benchmarks/bench_memory.py --json            # the figures as JSON
+    python benchmarks/bench_memory.py --model wide-mlp --methods 1f1b --rss-methods 1f1b
 """
 
 from __future__ import annotations
@@ -35,6 +38,11 @@ VOCAB, DIM, HEADS, BLOCKS, SEQ, BATCH, STAGES, STEPS = 96, 96, 4, 8, 64, 16, 4, 
 MIB = 2**20
 
 
+MODEL = "gpt"
+"""The model both parts run: ``gpt`` or ``wide-mlp`` (``--model``)."""
+WIDE, WIDE_IN, WIDE_CLASSES, WIDE_BATCH = 1024, 64, 10, 256
+
+
 def _units() -> list[Any]:
     import torch
     from torch import nn
@@ -42,6 +50,12 @@ def _units() -> list[Any]:
     from pipeoptim.workloads.gpt import Block
 
     torch.manual_seed(0)
+    if MODEL == "wide-mlp":
+        # 9 units, 3|2|2|2 over 4 stages: every stage but the last ends in a wide Linear,
+        # whose output a recomputed stage lets go of once sent
+        hidden = [m for _ in range(3) for m in (nn.ReLU(), nn.Linear(WIDE, WIDE))]
+        head = [nn.ReLU(), nn.Linear(WIDE, WIDE_CLASSES)]
+        return [nn.Linear(WIDE_IN, WIDE), *hidden, *head]
     blocks = [Block(DIM, HEADS, BLOCKS) for _ in range(BLOCKS)]
     return [nn.Embedding(VOCAB, DIM), *blocks, nn.Linear(DIM, VOCAB)]
 
@@ -50,6 +64,10 @@ def _batches(n: int) -> list[tuple[Any, Any]]:
     import torch
 
     g = torch.Generator().manual_seed(1)
+    if MODEL == "wide-mlp":
+        x = torch.randn(n, WIDE_BATCH, WIDE_IN, generator=g)
+        y = torch.randint(0, WIDE_CLASSES, (n, WIDE_BATCH), generator=g)
+        return list(zip(x, y, strict=True))
     ids = torch.randint(0, VOCAB, (n, BATCH, SEQ + 1), generator=g)
     return [(s[:, :-1], s[:, 1:]) for s in ids]
 
@@ -67,16 +85,21 @@ def _shape(method: str) -> dict[str, Any]:
 
 
 def _pipeline(method: str, recompute: str, **options: Any) -> Any:
-    """The model under ``method`` as both parts run it (AdamW, the LM loss)."""
+    """The model under ``method`` as both parts run it (AdamW, its loss)."""
+    import torch
+
     from pipeoptim import Pipeline
     from pipeoptim.plan.plan import OptimizerSpec
     from pipeoptim.workloads.gpt import lm_loss
 
+    if MODEL == "wide-mlp":
+        options.setdefault("loss_fn", torch.nn.functional.cross_entropy)
+    else:
+        options.setdefault("loss_fn", lm_loss)
     return Pipeline(
         _units(),
         method=method,
         optimizer=OptimizerSpec("adamw", 1e-3),
-        loss_fn=lm_loss,
         recompute=recompute,
         **_shape(method),
         **options,
@@ -150,7 +173,7 @@ def _worker(method: str, recompute: str, replicas: int, shard: bool, out: Path) 
 
 
 def _torchrun(method: str, recompute: str, replicas: int, shard: bool) -> list[dict[str, Any]]:
-    args = ["--worker", method, recompute, str(replicas), "shard" if shard else "whole"]
+    args = ["--worker", method, recompute, str(replicas), "shard" if shard else "whole", MODEL]
     return run_ranks(__file__, args, STAGES * replicas)
 
 
@@ -159,9 +182,10 @@ def _mib(n: float | None) -> str:
 
 
 def main() -> None:
+    global MODEL
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        method, recompute, replicas, shard = sys.argv[2:6]
-        _worker(method, recompute, int(replicas), shard == "shard", Path(sys.argv[7]))
+        method, recompute, replicas, shard, MODEL = sys.argv[2:7]
+        _worker(method, recompute, int(replicas), shard == "shard", Path(sys.argv[8]))
         return
     from pipeoptim.plan.methods import METHODS
 
@@ -170,8 +194,10 @@ def main() -> None:
     parser.add_argument("--rss-methods", default="1f1b,pipedream,pipeoptim")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per method")
     parser.add_argument("--steps", type=int, default=STEPS, help="mini-batches per local run")
+    parser.add_argument("--model", choices=("gpt", "wide-mlp"), default="gpt")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    MODEL = args.model
     methods = [m for m in args.methods.split(",") if m]
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
@@ -202,8 +228,12 @@ def main() -> None:
     if args.json:
         print(json.dumps({"local": local, "rss": rss}, indent=2))
         return
-    print(f"Peak bytes per rank (MiB): GPT of {BLOCKS} blocks, dim {DIM}, {STAGES} ranks,")
-    print(f"batch {BATCH} x {SEQ} tokens, AdamW; runtime counted / simulated (calibrated);")
+    if MODEL == "wide-mlp":
+        print(f"Peak bytes per rank (MiB): MLP of width {WIDE}, {STAGES} ranks, batch")
+        print(f"{WIDE_BATCH}, AdamW; runtime counted / simulated (calibrated);")
+    else:
+        print(f"Peak bytes per rank (MiB): GPT of {BLOCKS} blocks, dim {DIM}, {STAGES} ranks,")
+        print(f"batch {BATCH} x {SEQ} tokens, AdamW; runtime counted / simulated (calibrated);")
     print("speed: steady throughput recomputed over without (median of interleaved rounds)")
     print(f"{'method':20} {'rank':>5} {'none':>17} {'full':>17} {'saved':>7} {'speed':>6}")
     for method, rows in local.items():

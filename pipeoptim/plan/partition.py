@@ -35,7 +35,8 @@ from pipeoptim.plan.partition_cost import (
     evaluate_partition,
 )
 from pipeoptim.plan.profile import Profile
-from pipeoptim.plan.recompute_costs import UnitCosts, profile_unit_costs
+from pipeoptim.plan.recompute_costs import profile_unit_costs
+from pipeoptim.plan.recompute_regions import least_kept_band, least_kept_units
 from pipeoptim.plan.units import format_bytes, parse_bytes
 
 __all__ = [
@@ -122,12 +123,13 @@ def _prefix(values: Sequence[float] | Sequence[int], dtype: type[Any]) -> npt.ND
 class _Prefixes:
     """Prefix sums of the profile, so a stage's totals are differences of two entries.
 
-    A recomputing stage (``recompute[k]``) recomputes each of its units whose
-    recomputation frees memory (:func:`freeing_units`): such a unit keeps its input, not its
-    activations, runs its forward again and, where ``hold[k]``, holds its weights per slot.
-    Each unit's choice is its own (memory is a sum over units), so the stage's totals stay
-    prefix differences. Optimizer state is sharded ``shards`` ways (``partition_cost``'s
-    doc)."""
+    A recomputing stage (``recompute[k]``) recomputes the units that make it keep the least,
+    priced as the runtime runs them: each run of consecutive recomputed units is one region
+    that keeps only its input (:mod:`pipeoptim.plan.recompute_regions`); where ``hold[k]`` a
+    recomputed unit holds its weights per slot. Its activations and extra forward seconds
+    are not prefix differences (where a region opens depends on the stage's first unit), so
+    they come from a band of every (start, length) the programme tries. Optimizer state is
+    sharded ``shards`` ways (``partition_cost``'s doc)."""
 
     def __init__(
         self,
@@ -152,49 +154,39 @@ class _Prefixes:
             [-(-la.optimizer_state_bytes // d) for la in layers], np.int64
         )
         self.act_sum: IntArray = _prefix(self.act.tolist(), np.int64)
-        self._saving: dict[bool, tuple[IntArray, FloatArray]] = {}
+        self._bands: dict[bool, tuple[IntArray, FloatArray]] = {}
         if any(self.recompute):
             units = profile_unit_costs(profile)
+            width = len(layers) - n + 1  # the longest stage the programme tries
             for held in {self.hold[k] for k in range(n) if self.recompute[k]}:
-                frees = _frees(units, held)
-                chosen = frees > 0
-                self._saving[held] = (
-                    _prefix(np.where(chosen, frees, 0).tolist(), np.int64),
-                    _prefix(np.where(chosen, units.forward_s, 0.0).tolist(), np.float64),
-                )
+                self._bands[held] = least_kept_band(units, held, width)
 
-    def time(self, k: int) -> FloatArray:
-        """Prefix of the compute seconds of stage ``k``'s layers (recomputation included)."""
-        if self.recompute[k]:
-            out: FloatArray = self.compute + self._saving[self.hold[k]][1]
-            return out
-        return self.compute
+    def _band(self, k: int, rows: IntArray) -> tuple[IntArray, FloatArray]:
+        """Stage ``k``'s least kept bytes per slot and added seconds, start ``rows[r]``, end
+        ``rows[c] + 1`` (``c >= r``)."""
+        kept, seconds = self._bands[self.hold[k]]
+        length = np.clip(rows[None, :] - rows[:, None], 0, kept.shape[1] - 1)
+        return kept[rows[:, None], length], seconds[rows[:, None], length]
 
-    def memory(self, k: int) -> IntArray:
-        """``F`` with stage memory of layers ``[i, j)`` on stage ``k`` = ``F[j] - F[i]``."""
-        act = self.act_sum
+    def extra_seconds(self, k: int, rows: IntArray) -> FloatArray | float:
+        """The recomputation's forward seconds of stage ``k`` (as :meth:`_band`; 0: none)."""
+        return self._band(k, rows)[1] if self.recompute[k] else 0.0
+
+    def memory(self, k: int, rows: IntArray) -> IntArray:
+        """Stage ``k``'s memory for start ``rows[r]`` and end ``rows[c] + 1``."""
+        static = (self.copies[k] + 1) * self.param + self.state
+        f = static if self.recompute[k] else static + self.slots[k] * self.act_sum
+        out: IntArray = f[rows + 1][None, :] - f[rows][:, None]
         if self.recompute[k]:
-            act = act - self._saving[self.hold[k]][0]
-        out: IntArray = (self.copies[k] + 1) * self.param + self.state + self.slots[k] * act
+            out = out + self.slots[k] * self._band(k, rows)[0]
         return out
 
 
-def _frees(units: UnitCosts, hold: bool) -> IntArray:
-    """Per unit the bytes per activation slot its recomputation frees: its activations
-    less its input, less its weights where the recomputation holds Ŵ."""
-    frees = np.asarray(units.activation_bytes, dtype=np.int64) - np.asarray(
-        units.input_bytes, dtype=np.int64
-    )
-    if hold:
-        frees = frees - np.asarray(units.param_bytes, dtype=np.int64)
-    return frees
-
-
 def freeing_units(profile: Profile, start: int, end: int, hold: bool = False) -> frozenset[int]:
-    """The stage-local units of layers ``[start, end)`` whose recomputation frees memory
-    (what a recomputing stage of the partitioner recomputes)."""
-    frees = _frees(profile_unit_costs(profile), hold)[start:end]
-    return frozenset(int(i) for i in np.flatnonzero(frees > 0))
+    """The stage-local units of layers ``[start, end)`` whose recomputation makes the stage
+    keep the least, regions priced as the runtime runs them (what a recomputing stage of the
+    partitioner recomputes)."""
+    return least_kept_units(profile_unit_costs(profile), start, end, hold)
 
 
 def _options(
@@ -251,9 +243,7 @@ def min_memory_partition(
     worst = int(np.iinfo(np.int64).max)
 
     def block(k: int, rows: IntArray) -> IntArray:
-        f = pre.memory(k)
-        out: IntArray = f[rows + 1][None, :] - f[rows][:, None]
-        return out
+        return pre.memory(k, rows)
 
     bounds = _minmax_dp(profile.num_layers, num_stages, block, worst)
     assert bounds is not None  # no disallowed stages: a split always exists
@@ -317,25 +307,21 @@ def optimal_partition(
         vector = np.zeros(num_layers + 1, dtype=np.float64)
         vector[1:] = 2.0 * pre.act / bw + 2.0 * lat
         vectors[(bw, lat)] = vector
-    inner = np.arange(num_layers - num_stages + 1)
 
     def block(k: int, rows: IntArray) -> FloatArray:
         cols = rows + 1
         recv = vectors[links[k - 1]][rows] if k > 0 else 0.0
         send = vectors[links[k]][cols] if k < num_stages - 1 else 0.0
-        compute = pre.time(k)
+        compute = pre.compute
         end_term = compute[cols] + send
         start_term = compute[rows] - recv
         if syncs is not None:  # the stage's all-reduce: linear in its bytes
             per_byte, fixed = syncs[k]
             end_term = end_term + per_byte * params[cols] + fixed
             start_term = start_term + per_byte * params[rows]
-        cost: FloatArray = end_term[None, :] - start_term[:, None]
+        cost: FloatArray = end_term[None, :] - start_term[:, None] + pre.extra_seconds(k, rows)
         if cap is not None:
-            f = pre.memory(k)
-            # memory is nondecreasing in the end layer: stage from i fits iff end <= last_end
-            last_end = np.searchsorted(f, f[rows] + cap, side="right") - 1
-            cost = np.where(inner[None, :] <= (last_end - (k + 1))[:, None], cost, np.inf)
+            cost = np.where(pre.memory(k, rows) <= cap, cost, np.inf)
         return cost
 
     bounds = _minmax_dp(num_layers, num_stages, block, math.inf)

@@ -18,7 +18,7 @@ from pipeoptim.plan.methods import Method
 from pipeoptim.plan.partition import min_memory_partition, optimal_partition
 from pipeoptim.plan.partition_cost import Partition, evaluate_partition
 from pipeoptim.plan.profile import Profile
-from pipeoptim.plan.recompute_costs import profile_unit_costs
+from pipeoptim.plan.recompute_costs import profile_unit_costs, stage_recompute
 from pipeoptim.sim.collectives import Cluster, group_within_node
 
 
@@ -105,30 +105,31 @@ def fit_memory(
 def _fewest_units(
     unit_profile: Profile, found: Partition, cap: int, slots: list[int], hold: list[bool]
 ) -> list[frozenset[int]]:
-    """Per recomputed stage of ``found`` the fewest units that bring it under ``cap``: its
-    memory falls by ``slots·(a_l - x_l) - [hold]·slots·w_l`` per recomputed unit ``l``
-    (``partition_cost``'s doc), so the units that free the most go first."""
+    """Per recomputed stage of ``found`` the units it needs to come under ``cap``: from the
+    set that keeps the least, the units whose forward costs the most are left alone first,
+    while the stage still fits. Each set is priced as the runtime runs it (runs of
+    consecutive units as one region: ``recompute_costs.stage_recompute``), so a ReLU stays
+    in its layer's region where that frees memory."""
     units = profile_unit_costs(unit_profile)
     out: list[frozenset[int]] = []
     for k, chosen in enumerate(found.recompute or [frozenset()] * found.num_stages):
         if not chosen:
             out.append(frozenset())
             continue
-        start = found.boundaries[k][0]
-        # the stage's memory without recomputation: the recomputed figure plus what it freed
-        frees = {
-            i: slots[k] * (units.activation_bytes[start + i] - units.input_bytes[start + i])
-            - (slots[k] * units.param_bytes[start + i] if hold[k] else 0)
-            for i in chosen
-        }
-        memory = found.stage_memory[k] + sum(frees.values())
-        picked: set[int] = set()
-        for i in sorted(frees, key=lambda i: (-frees[i], units.forward_s[start + i], i)):
-            if memory <= cap or frees[i] <= 0:
-                break
-            picked.add(i)
-            memory -= frees[i]
-        out.append(frozenset(picked) if memory <= cap else frozenset(chosen))
+        start, end = found.boundaries[k]
+
+        def per_slot(local: frozenset[int], k: int = k, start: int = start, end: int = end) -> int:
+            r = stage_recompute(units, start, end, local)
+            return r.kept_activation_bytes + (r.param_bytes if hold[k] else 0)
+
+        # the stage's memory less what its activations (and held weights) take per slot
+        rest = found.stage_memory[k] - slots[k] * per_slot(chosen)
+        picked = set(chosen)
+        for i in sorted(chosen, key=lambda i: (-units.forward_s[start + i], i)):
+            fewer = frozenset(picked - {i})
+            if rest + slots[k] * per_slot(fewer) <= cap:
+                picked.discard(i)
+        out.append(frozenset(picked))
     return out
 
 

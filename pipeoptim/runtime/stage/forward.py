@@ -28,7 +28,12 @@ from pipeoptim.runtime.stage.diagnose import describe_failure
 from pipeoptim.runtime.stage.loss import count_correct
 from pipeoptim.runtime.stage.precision import unpack
 from pipeoptim.runtime.stage.prediction import StagePrediction
-from pipeoptim.runtime.stage.recompute import RegionWeights, Steps, run_steps
+from pipeoptim.runtime.stage.recompute import (
+    RegionWeights,
+    Steps,
+    release_output,
+    run_steps,
+)
 from pipeoptim.runtime.stage.saved import ForwardSaves
 from pipeoptim.runtime.stage.split_backward import KeptUnits, reentrant_refusal, run_units_kept
 from pipeoptim.runtime.stage.weights import alias
@@ -213,11 +218,11 @@ class StageForward(StageBackward, StagePrediction):
             refusal = reentrant_refusal(out, self.module, self.index, self.first_unit)
             if refusal is not None:
                 raise StageError(refusal)
+        # a recomputed last unit's output is let go of once sent, so not counted
+        releases = not self.is_last and self.recompute is not None and self.recompute.ends_stage
         if saves is not None:
-            if isinstance(out, Tensor):
-                saves.pack(out)
-            else:
-                for t in out:
+            if not releases:
+                for t in (out,) if isinstance(out, Tensor) else out:
                     saves.pack(t)
             by_shape.setdefault(shape_key, saves.activation_bytes)
         if held:
@@ -227,7 +232,10 @@ class StageForward(StageBackward, StagePrediction):
         self._saved[mb] = (x_in, out)
         act = saves.activation_bytes if saves is not None else by_shape[shape_key]
         self.memory_count.add_activations(mb, act)
-        return out.detach() if isinstance(out, Tensor) else tuple(t.detach() for t in out)
+        sent = out.detach() if isinstance(out, Tensor) else tuple(t.detach() for t in out)
+        if releases:
+            release_output(out, x_in)
+        return sent
 
     def forward_eval(self, x: Payload) -> Payload:
         """Forward on the live weights without autograd (evaluation); the caller puts the

@@ -39,7 +39,7 @@ from pipeoptim.runtime.stage.chain import UnitChain
 from pipeoptim.runtime.stage.swap import ParameterSlots
 from pipeoptim.runtime.stage.weights import alias
 
-__all__ = ["Recomputation", "RegionWeights", "Steps", "run_steps"]
+__all__ = ["Recomputation", "RegionWeights", "Steps", "release_output", "run_steps"]
 
 
 def _storage_view(t: Tensor) -> Tensor:
@@ -177,6 +177,9 @@ class Recomputation:
             params[j].numel() * params[j].element_size() for _, j in self.held_keys
         )
         """Bytes of those copies: what a predicted forward holds until its backward."""
+        self.ends_stage = len(chain) - 1 in units
+        """The stage's last unit is recomputed: its output is in no saved graph, so the
+        stage lets go of it once sent (:func:`release_output`)."""
 
     def hold_prediction(self, sources: Sequence[Tensor], recast: bool) -> RegionWeights:
         """Copies of Ŵ (``sources``: the prediction buffer) for the recomputed units."""
@@ -262,6 +265,31 @@ class Recomputation:
 
 Steps = list[tuple[list[int], Callable[..., Any]]]
 """What :meth:`Recomputation.steps` returns: (unit indices, what runs them), in order."""
+
+
+def release_output(out: Payload, inputs: Payload) -> None:
+    """Let go of the storage of the stage output ``out`` (sent downstream by the caller
+    through a detached alias, which holds it until the send is done), keeping its shape
+    and autograd graph: the backward from ``out`` with the incoming gradient reads only
+    its metadata. For a stage whose last unit is recomputed, whose graph saves nothing of
+    the output (the checkpoint keeps its region's input and rebuilds the rest): the
+    planner counts no output there (``plan/recompute_costs.py``), as Megatron frees its
+    pipeline outputs. Each tensor is given a stand-in on an empty storage (``.data``), so
+    any other tensor on the same memory (the receiver's alias under the local transport)
+    keeps it; a tensor the stage did not compute (an input handed on) is left alone."""
+    kept = {t.untyped_storage().data_ptr() for t in _tensors(inputs)}
+    for t in _tensors(out):
+        if t.grad_fn is None or t.untyped_storage().data_ptr() in kept:
+            continue
+        stand_in = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
+        stand_in.untyped_storage().resize_(0)  # never written: the allocation is not touched
+        t.data = stand_in
+
+
+def _tensors(x: Payload) -> tuple[Tensor, ...]:
+    if isinstance(x, Tensor):
+        return (x,)
+    return tuple(t for t in x if isinstance(t, Tensor))
 
 
 def run_steps(steps: Steps, x: Payload) -> Payload:
