@@ -38,7 +38,7 @@ from pipeoptim.runtime.model.ties import (
     untie_copies,
 )
 from pipeoptim.runtime.optim.builder import reads_delays
-from pipeoptim.runtime.optim.corrections.qk_clip import QKClip
+from pipeoptim.runtime.optim.corrections.qk_clip import QKClip, refuse_clip_without_attention
 from pipeoptim.runtime.optim.sharded import optimizer_class_name
 from pipeoptim.runtime.optim.update import (
     FAMILY_OF_CLASS,
@@ -82,6 +82,8 @@ class Assembly:
         options: PipelineOptions,
     ) -> None:
         self.units, self.plan, self.method, self.bounds = units, plan, method, bounds
+        # the whole model is known only here: a stage sees its own units
+        refuse_clip_without_attention(method.name, method.correction, method.corrects, units)
         self.options = options
         self.shape = plan.shape(1)
         self.seed = options.stage.seed

@@ -17,6 +17,7 @@ import sys
 from torch._C._distributed_c10d import Store
 
 from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.recompute import resolve_recompute
 from pipeoptim.plan.replicas import check_batch_split
 from pipeoptim.runtime import launch
@@ -24,6 +25,7 @@ from pipeoptim.runtime.config import TrainConfig, run_length
 from pipeoptim.runtime.model.layout import stage_boundaries
 from pipeoptim.runtime.model.units import unit_labels
 from pipeoptim.runtime.observe.loggers.spec import logger_from_spec
+from pipeoptim.runtime.optim.corrections.qk_clip import refuse_clip_without_attention
 from pipeoptim.runtime.optim.lr import scheduler_factory
 from pipeoptim.runtime.pipeline import Pipeline
 from pipeoptim.runtime.result import FitResult
@@ -77,6 +79,8 @@ def check_run(config: TrainConfig) -> None:
     DatasetLoader(data.train_x, data.train_y, config.batch_size, seed=config.seed)
     for spec in config.log:  # the package is there and the target writable
         logger_from_spec(spec)
+    method = get_method(config.plan.method)
+    refuse_clip_without_attention(method.name, method.correction, method.corrects, layers)
 
 
 def _check_layout(config: TrainConfig, num_layers: int) -> list[tuple[int, int]]:

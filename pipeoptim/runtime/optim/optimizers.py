@@ -33,7 +33,8 @@ class MuonWithAdamW(Optimizer):
     ``params`` is a list of tensors (split by ``ndim == 2``) or of groups; a group may set
     ``use_muon`` (as Keller Jordan's ``MuonWithAuxAdam``) and per-group options, which go to
     the part it lands in. A 2-D tensor that is not a hidden matrix (an embedding, an output
-    head) goes to AdamW only when its group says ``use_muon=False``.
+    head) goes to AdamW only when its group says ``use_muon=False``. A group that sets
+    ``use_muon`` is kept even with no parameters (a replica's share under ZeRO may be empty).
 
     ``param_groups`` is the Muon part's groups followed by the AdamW part's, the very dicts of
     the inner optimizers, so a scheduler writing ``group["lr"]`` drives both; ``state`` holds
@@ -102,13 +103,15 @@ class MuonWithAdamW(Optimizer):
             rest = [p for p in ps if p.ndim != 2]
         else:
             mats, rest = (ps, []) if use else ([], ps)
-        if mats:
+        # A group that names its part is kept even empty: ZeRO hands a replica one local
+        # group per global group, some of them empty, and pairs them one to one.
+        if mats or (use is not None and use):
             group = {"params": mats, **extra}
             if self.muon is None:
                 self.muon = Muon([group], **self._muon_options)
             else:
                 self.muon.add_param_group(group)
-        if rest:
+        if rest or (use is not None and not use):
             group = {"params": rest, **extra}
             if self.adamw is None:
                 self.adamw = AdamW([group], **self._adamw_options)

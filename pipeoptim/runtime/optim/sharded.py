@@ -161,7 +161,7 @@ def shard_optimizer(opt: Optimizer, group: dist.ProcessGroup, *, stage: int) -> 
             f"gradient and state (a subclass or another class may couple them or take other "
             f"constructor arguments); {_fix(stage)}"
         )
-    if any(opt.state.values()):
+    if any(_stepped(state) for state in opt.state.values()):
         raise StageError(
             f"stage {stage}: the optimizer factory returned {cls.__name__} already holding "
             f"state, which shard_optimizer cannot split; return a fresh optimizer (load "
@@ -191,6 +191,16 @@ def shard_optimizer(opt: Optimizer, group: dist.ProcessGroup, *, stage: int) -> 
             f"{_fix(stage)}"
         )
     return zero
+
+
+def _stepped(state: dict[str, Any]) -> bool:
+    """Whether a parameter's state was written by a step: Adagrad's constructor creates its
+    state at step 0 (ZeRO's local Adagrad creates its own), every other entry comes from a
+    step (SGD's momentum buffer has no step count)."""
+    if not state:
+        return False
+    step = state.get("step")
+    return step is None or float(step) != 0.0
 
 
 def _equal(a: Any, b: Any) -> bool:

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import IO, Any
 
+from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.runtime.observe.callbacks import CheckpointWritten, FitEnd, FitStart
 from pipeoptim.runtime.observe.loggers.base import Logger, check_writable_dir, per_process_path
 
@@ -28,6 +29,12 @@ class JsonlLogger(Logger):
     def __init__(self, path: str | Path) -> None:
         super().__init__()
         self.path = Path(path)
+        if self.path.is_dir():  # open() would fail at the fit's start (IsADirectoryError)
+            raise RuntimeConfigError(
+                f"jsonl: the target is the file the records are appended to, but {str(path)!r} "
+                f"is an existing directory; name a file in it, e.g. "
+                f"jsonl:{self.path / 'run.jsonl'}"
+            )
         check_writable_dir(self.path.parent if str(self.path.parent) else Path("."), "jsonl")
         self.written: Path | None = None
         """The file this process writes (known once a fit starts)."""

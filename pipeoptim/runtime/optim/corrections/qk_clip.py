@@ -38,7 +38,7 @@ from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.runtime.model.attention_logits import AttentionLogits, find_attention
 from pipeoptim.runtime.optim.corrections.protocol import StageContext
 
-__all__ = ["QK_CLIP_THRESHOLD", "QKClip", "clip_factors"]
+__all__ = ["QK_CLIP_THRESHOLD", "QKClip", "clip_factors", "refuse_clip_without_attention"]
 
 QK_CLIP_THRESHOLD = 100.0
 """τ of QK-Clip, Kimi K2's. For another, register a factory of your own before the
@@ -49,6 +49,27 @@ Pipeline is built (in every process: at the top of the model's module under ``di
 def clip_factors(peaks: Tensor, threshold: float) -> Tensor:
     """``γ_h = min(1, τ / S_h)``: ``τ / S_h`` where ``S_h > τ``, else 1."""
     return torch.where(peaks > threshold, threshold / peaks, torch.ones_like(peaks))
+
+
+def refuse_clip_without_attention(
+    method: str, correction: str | None, base: str | None, units: Sequence[nn.Module]
+) -> None:
+    """Refuse qk-clip on a model none of whose units holds attention: it could never act,
+    and the run would be its base method's under another name. Checked over the whole
+    model (a stage without attention beside stages with it is fine: nothing to clip there)."""
+    if correction != "qk-clip":
+        return
+    if any(found for unit in units for found in find_attention(unit)):
+        return
+    plain = base or "a method without +qk-clip"
+    raise RuntimeConfigError(
+        f"{method} clips the attention logits (qk-clip), which acts only on attention "
+        f"units, but none of the model's {len(units)} units holds one (an nn."
+        f"MultiheadAttention, a module named like *Attention* or *Attn*, or one with an "
+        f"attention_logits), so it would train as {base or 'its base method'}; train with "
+        f"{plain} instead, or give the model's attention an attention_logits (docs/choosing-a-"
+        f"method.md, 'QK-Clip')"
+    )
 
 
 class QKClip:
