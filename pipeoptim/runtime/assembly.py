@@ -105,6 +105,7 @@ class Assembly:
             self.replicas.global_rank(0),
             self.timeout,
             one_tag=options.one_tag,
+            num_stages=n_stages,
         )
         self.chained_probe = not self.process_model.one_process and bool(meta_units(units))
         """No rank holds the whole model (built on the meta device): the dry run goes stage

@@ -62,6 +62,7 @@ class DistTransport(Transport):
         first_rank: int = 0,
         group: dist.ProcessGroup | None = None,
         one_tag: bool = False,
+        tag_stages: int | None = None,
     ) -> None:
         self.rank = rank
         self.device = device
@@ -69,6 +70,9 @@ class DistTransport(Transport):
         """The process group the messages go over (None: the default one); peers are still
         addressed by their rank in the default group."""
         self._num_stages = num_stages
+        self._tag_stages = num_stages if tag_stages is None else tag_stages
+        """Stages of the pipeline, which the tags count in: with several stages per rank
+        they outnumber the ranks, and a count of ranks would give two messages one tag."""
         self._first = first_rank
         """Process-group rank of this pipeline's rank 0 (replica x P under data parallelism):
         peers are named by pipeline rank, addressed by process-group rank."""
@@ -133,7 +137,7 @@ class DistTransport(Transport):
     def _tag(self, key: MessageKey) -> int:
         # Unique among the messages a pair of ranks has in flight; wraps on very long runs.
         kind, stage, mb = key
-        return ((mb * self._num_stages + stage) * len(_KINDS) + _KINDS[kind]) % _TAG_LIMIT
+        return ((mb * self._tag_stages + stage) * len(_KINDS) + _KINDS[kind]) % _TAG_LIMIT
 
     def send(self, tensor: Payload, peer: int, key: MessageKey) -> None:
         if not isinstance(tensor, Tensor):

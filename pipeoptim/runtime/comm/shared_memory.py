@@ -131,8 +131,11 @@ class SharedMemoryTransport(DistTransport):
         first_rank: int = 0,
         ring_bytes: int = DEFAULT_RING_BYTES,
         one_tag: bool = False,
+        tag_stages: int | None = None,
     ) -> None:
-        super().__init__(rank, num_stages, device, first_rank=first_rank, one_tag=one_tag)
+        super().__init__(
+            rank, num_stages, device, first_rank=first_rank, one_tag=one_tag, tag_stages=tag_stages
+        )
         self._timeout = timeout
         self._ring_bytes = ring_bytes
         self._out: dict[int, _Outbound] = {}
