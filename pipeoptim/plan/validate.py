@@ -263,6 +263,7 @@ def as_grid(
     acts = [a for row in schedule.values() for a in row if a is not None]
     if not any(a.overlapped for a in acts) or any(a.kind.is_comm for a in acts):
         return schedule
+    _check_overlaps(schedule, lowered=False)  # a malformed pair would deadlock the placing
     if notes is not None:
         notes.append(ORDER_NOTE.format(source=source))
     m = micro_batches if micro_batches is not None else infer_micro_batches(schedule)

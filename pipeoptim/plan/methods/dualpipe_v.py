@@ -186,5 +186,6 @@ DUALPIPE_V = Method(
     split_backward=True,
     # each stage's parameters once (a rank holds two stages, not two copies)
     copies_rule=lambda k, p: 1,
-    slots_rule=lambda k, p, m: _dualpipe_v_slots(p, m)[k],
+    # a stage count that is no V (odd) has no order: 1F1B's count for it
+    slots_rule=lambda k, p, m: _dualpipe_v_slots(p, m)[k] if p % 2 == 0 else min(p - k, m),
 )

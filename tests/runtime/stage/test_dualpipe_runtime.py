@@ -8,6 +8,8 @@ The gloo run spawns ranks that import this file for the model (``path.py:factory
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pipeoptim.plan.actions import Action, U, compact, load_csv
+from pipeoptim.plan.methods import get_method, registered
 from pipeoptim.plan.plan import OptimizerSpec, Plan
+from pipeoptim.plan.shape import Shape
 from pipeoptim.runtime.config import TrainConfig
 from pipeoptim.runtime.optim.update import make_optimizer
 from pipeoptim.trace import Trace
@@ -53,7 +58,7 @@ def config(method: str, ranks: int, micro: int, **kw: object) -> TrainConfig:
         method,
         ranks,
         micro_batches=micro,
-        virtual_stages=2,
+        virtual_stages=1 if method == "gpipe" else 2,
         optimizer=OptimizerSpec("adam", 0.01),
         model=f"{HERE}:net",
         batch_size=24,
@@ -93,6 +98,21 @@ def test_equals_single_process_training(method: str, ranks: int, micro: int) -> 
         assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
 
 
+@pytest.mark.parametrize("method", ["dualpipev", "interleaved-zb"])
+def test_updates_are_gpipes(method: str) -> None:
+    """Synchronous: gpipe's updates (the study's rows of these methods are gpipe's, as
+    zb-v's are), to a float32 tolerance (the sums run in another order)."""
+    runs = []
+    for name, ranks in ((method, 2), ("gpipe", 4)):
+        cfg = config(name, ranks, 4)
+        pipe, data, _ = build_run(cfg)
+        pipe.fit(data, max_steps=cfg.max_steps)
+        runs.append([p.detach() for k in sorted(pipe.stages) for p in pipe.stages[k].module.parameters()])
+    tol = 16 * torch.finfo(torch.float32).eps
+    for a, b in zip(*runs, strict=True):
+        assert torch.allclose(a, b, rtol=tol, atol=tol), (a - b).abs().max()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["dualpipev", "interleaved-zb"])
 def test_over_gloo_equals_the_local_run_bitwise(method: str, tmp_path: Path) -> None:
@@ -122,3 +142,40 @@ def test_over_gloo_equals_the_local_run_bitwise(method: str, tmp_path: Path) -> 
     full = trace.events_of(kinds=["B"])
     assert len(inputs) + len(full) == 4 * 4 * STEPS
     assert (len(full) > 0) == (method == "dualpipev")
+
+
+def test_torch_dualpipe_v_dump_runs_as_our_dualpipev(tmp_path: Path) -> None:
+    """PyTorch's ScheduleDualPipeV dump (P = 4, M = 8) trained as a method of its own: the
+    same weights, bit for bit, as our dualpipev (the same order: the same computation)."""
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    from support.torch_schedules import mock_stages
+
+    ranks, micro = 4, 8
+    path = tmp_path / "dualpipev.csv"
+    stages = mock_stages("ScheduleDualPipeV", 0, ranks)
+    schedules.ScheduleDualPipeV(stages, micro)._dump_csv(str(path), format="compute_only")
+    one = compact(load_csv(path))
+
+    def from_dump(shape: Shape) -> dict[int, list[Action]]:
+        return {
+            r: [
+                a
+                for t in range(shape.mini_batches)
+                for a in [
+                    *(Action(x.stage, x.kind, t * micro + x.mb, x.overlapped) for x in acts),
+                    Action(r, U, t),
+                    Action(2 * ranks - 1 - r, U, t),
+                ]
+            ]
+            for r, acts in one.items()
+        }
+
+    dump = replace(get_method("dualpipev"), name="torch-dualpipev-dump", generator=from_dump)
+    weights = []
+    for method in (dump, get_method("dualpipev")):
+        with registered(method) if method is dump else nullcontext():
+            cfg = config(method.name, ranks, micro, max_steps=2)
+            pipe, data, _ = build_run(cfg)
+            pipe.fit(data, max_steps=2)
+            weights.append([p.detach().clone() for k in sorted(pipe.stages) for p in pipe.stages[k].module.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*weights, strict=True))
