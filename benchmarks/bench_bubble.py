@@ -72,7 +72,9 @@ def rows() -> list[Row]:
                 raise RuntimeError(f"{method} at P={p}: the bubble moves with M: {bubbles}")
             spec = get_method(method)
             slots = [spec.activation_slots(k, 2 * p, 2 * p) for k in range(2 * p)]
-            stages_of = [(r, 2 * p - 1 - r) if spec.folds_stages_in_a_v else (r, r + p) for r in range(p)]
+            stages_of = [
+                (r, 2 * p - 1 - r) if spec.folds_stages_in_a_v else (r, r + p) for r in range(p)
+            ]
             held = max(slots[a] + slots[b] for a, b in stages_of)
             out.append(Row(method, p, bubbles.pop(), formula(p), text, held))
     return out

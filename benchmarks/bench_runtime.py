@@ -246,9 +246,7 @@ def _torch_dualpipe_v(rank: int, ranks: int, args: dict[str, Any]) -> tuple[Any,
         PipelineStage(parts[k], k, 2 * ranks, torch.device("cpu"), group=dist.group.WORLD)
         for k in mine
     ]
-    schedule = ScheduleDualPipeV(
-        stages, args["micro_batches"], loss_fn=nn.functional.cross_entropy
-    )
+    schedule = ScheduleDualPipeV(stages, args["micro_batches"], loss_fn=nn.functional.cross_entropy)
     return schedule, [p for k in mine for p in parts[k].parameters()]
 
 
@@ -316,9 +314,21 @@ def _breakdown(pipe: Any, rank: int, wall: float, ranks: int) -> dict[str, float
         out[key] += e.end - e.start
     out["between actions"] = max(0.0, wall - sum(out.values()))
     out["actions"] = float(len(timed))
-    updates, seconds = steady_window(sorted(e.end for e in timed if e.kind == "U"), ranks)
+    updates, seconds = steady_window(mini_batch_ends(timed), ranks)
     out["steady updates"], out["steady seconds"] = float(updates), seconds
     return out
+
+
+def mini_batch_ends(events: list[Any]) -> list[float]:
+    """The end of each mini-batch's last update on a rank, in order: a rank holding two
+    stages (zb-v, dualpipev, interleaved) updates twice per mini-batch, once per stage, and
+    the steady window counts mini-batches (a bounded-delay stage's update names the last
+    mini-batch it applies)."""
+    ends: dict[int, float] = {}
+    for e in events:
+        if e.kind == "U":
+            ends[e.mb] = max(ends.get(e.mb, e.end), e.end)
+    return sorted(ends.values())
 
 
 def steady_window(update_ends: list[float], skip: int) -> tuple[int, float]:
@@ -580,9 +590,10 @@ def run_refusal(run: str) -> str | None:
     base = base_name(run)
     method = base.removeprefix("pipeoptim ").removesuffix(" +loggers")
     pipeoptim_run = base.startswith("pipeoptim ") and method in METHODS
-    if base not in (*RUNS, *OPTIONAL_RUNS) and not pipeoptim_run:
+    known = (*RUNS, *OPTIONAL_RUNS)
+    if base not in known and not pipeoptim_run:
         return (
-            f"--runs: no run {run!r}; give runs of {', '.join((*RUNS, *OPTIONAL_RUNS))}, or 'pipeoptim <method>' "
+            f"--runs: no run {run!r}; give runs of {', '.join(known)}, or 'pipeoptim <method>' "
             f"with a method of {', '.join(METHODS)}, each with a twin's ending if you like "
             f"({', '.join(repr(s) for s in (*SWITCHES, GLIBC_DEFAULTS))})"
         )
@@ -793,7 +804,11 @@ def main() -> None:
 def _print_torch_twins(steady: dict[str, list[float]]) -> None:
     """Each pipeoptim run against PyTorch's run of the same schedule, where both ran
     (:data:`TORCH_TWINS`; steady samples/s, goal >= 1.0x)."""
-    twins = [(ours, theirs) for ours, theirs in TORCH_TWINS.items() if ours in steady and theirs in steady]
+    twins = [
+        (ours, theirs)
+        for ours, theirs in TORCH_TWINS.items()
+        if ours in steady and theirs in steady
+    ]
     if not twins:
         return
     print("\nagainst PyTorch's own schedule, steady (goal >= 1.0x):")

@@ -237,7 +237,10 @@ def schedule_to_csv(
     for rank in sorted(schedule):
         writer.writerow(
             format_steps(
-                [None if a is None or (a.kind is U and not include_updates) else a for a in schedule[rank]]
+                [
+                    None if a is None or (a.kind is U and not include_updates) else a
+                    for a in schedule[rank]
+                ]
             )
         )
     return out.getvalue()

@@ -260,8 +260,9 @@ def retime(order: Mapping[int, Sequence[Action | None]], micro_batches: int) -> 
     """Place per-rank orders on a clock grid: each action at the first step after its deps.
 
     An overlapped step (a forward marked ``overlapped`` and the backward after it) starts
-    when both may start and fills two consecutive steps of its rank. Idle steps already in ``order`` are dropped first. Raises :class:`ScheduleError` with
-    the partial grid and the blocked actions marked when the orders deadlock.
+    when both may start and fills two consecutive steps of its rank. Idle steps already in
+    ``order`` are dropped first. Raises :class:`ScheduleError` with the partial grid and the
+    blocked actions marked when the orders deadlock.
     """
     queues = {r: [a for a in acts if a is not None] for r, acts in order.items()}
     num_stages = max((a.stage for acts in queues.values() for a in acts), default=-1) + 1

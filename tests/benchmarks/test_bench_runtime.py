@@ -226,3 +226,21 @@ def test_runs_take_torch_dualpipe_v_beside_pipeoptims() -> None:
     assert "torch ScheduleDualPipeV" not in b.RUNS
     assert b.TORCH_TWINS["pipeoptim dualpipev"] == "torch ScheduleDualPipeV"
     assert len(b.pipeline_units(4)) == 4  # the V's 2P units on 2 ranks
+
+
+def test_the_steady_window_counts_mini_batches_not_a_ranks_updates() -> None:
+    """A rank of two stages updates twice per mini-batch: one end per mini-batch."""
+    from types import SimpleNamespace
+
+    b = bench()
+    events = [
+        SimpleNamespace(kind=kind, mb=mb, end=end)
+        for kind, mb, end in [
+            ("U", 0, 1.0),
+            ("U", 0, 1.5),
+            ("F", 1, 1.7),
+            ("U", 1, 2.0),
+            ("U", 1, 2.5),
+        ]
+    ]
+    assert b.mini_batch_ends(events) == [1.5, 2.5]

@@ -101,7 +101,7 @@ def test_interleaved_zb_is_torch_order(p: int) -> None:
 @pytest.mark.parametrize("method", ["dualpipev", "interleaved-zb"])
 @pytest.mark.parametrize(("p", "m"), [(1, 1), (2, 2), (2, 4), (3, 6), (4, 8), (4, 12)])
 def test_schedules_validate_and_keep_one_version(method: str, p: int, m: int) -> None:
-    grid, shape = build_schedule(method, p, m, 2)
+    grid, _ = build_schedule(method, p, m, 2)
     assert validate(grid, m) == m
     report = analyze_versions(grid, get_method(method).version_rule, m)
     assert all(report.max_staleness(k) == 0 for k in report.stages)
@@ -220,5 +220,7 @@ def test_memory_rules(p: int) -> None:
 
 
 def test_held_micro_batches_counts_until_w() -> None:
-    order = {0: [Action(0, F, 0), Action(0, F, 1), Action(0, I, 0), Action(0, B, 1), Action(0, W, 0)]}
+    order = {
+        0: [Action(0, F, 0), Action(0, F, 1), Action(0, I, 0), Action(0, B, 1), Action(0, W, 0)]
+    }
     assert held_micro_batches(order) == {0: 2}

@@ -74,7 +74,9 @@ def test_torch_dumps_load_validate_and_simulate_as_ours(
     # the simulator runs it as ours: the same makespan at F = I = W = 1
     costs = CostModel.uniform(2 * p, 1.0, 2.0, 0.0)
     span = evaluate_program(Program(loaded, m, WeightPolicy.FLUSH), costs).makespan
-    ours_compute = {r: [a for a in row if a is None or a.kind.value != "U"] for r, row in ours.items()}
+    ours_compute = {
+        r: [a for a in row if a is None or a.kind.value != "U"] for r, row in ours.items()
+    }
     assert span == evaluate_program(Program(ours_compute, m, WeightPolicy.FLUSH), costs).makespan
 
     # the lowered dump (sends, receives, FSDP/DP cells) validates as a per-rank order

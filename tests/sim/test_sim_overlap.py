@@ -9,7 +9,15 @@ from pipeoptim.sim import CostModel, Program, evaluate_program
 
 
 def test_an_overlapped_step_costs_the_sum_of_its_actions() -> None:
-    order = {0: [Action(0, F, 0), Action(0, F, 1).overlapping(), Action(0, B, 0), Action(0, B, 1), Action(0, U, 0)]}
+    order = {
+        0: [
+            Action(0, F, 0),
+            Action(0, F, 1).overlapping(),
+            Action(0, B, 0),
+            Action(0, B, 1),
+            Action(0, U, 0),
+        ]
+    }
     costs = CostModel.uniform(1, 1.5, 2.5, 0.0)
     result = evaluate_program(Program(order, 2, WeightPolicy.FLUSH), costs)
     assert result.makespan == 1.5 + (1.5 + 2.5) + 2.5

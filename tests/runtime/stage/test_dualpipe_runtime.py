@@ -107,7 +107,9 @@ def test_updates_are_gpipes(method: str) -> None:
         cfg = config(name, ranks, 4)
         pipe, data, _ = build_run(cfg)
         pipe.fit(data, max_steps=cfg.max_steps)
-        runs.append([p.detach() for k in sorted(pipe.stages) for p in pipe.stages[k].module.parameters()])
+        runs.append(
+            [p.detach() for k in sorted(pipe.stages) for p in pipe.stages[k].module.parameters()]
+        )
     tol = 16 * torch.finfo(torch.float32).eps
     for a, b in zip(*runs, strict=True):
         assert torch.allclose(a, b, rtol=tol, atol=tol), (a - b).abs().max()
@@ -177,5 +179,11 @@ def test_torch_dualpipe_v_dump_runs_as_our_dualpipev(tmp_path: Path) -> None:
             cfg = config(method.name, ranks, micro, max_steps=2)
             pipe, data, _ = build_run(cfg)
             pipe.fit(data, max_steps=2)
-            weights.append([p.detach().clone() for k in sorted(pipe.stages) for p in pipe.stages[k].module.parameters()])
+            weights.append(
+                [
+                    p.detach().clone()
+                    for k in sorted(pipe.stages)
+                    for p in pipe.stages[k].module.parameters()
+                ]
+            )
     assert all(torch.equal(a, b) for a, b in zip(*weights, strict=True))
