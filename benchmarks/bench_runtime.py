@@ -16,6 +16,11 @@ Runs, interleaved round by round so machine noise hits all alike:
 
 * ``torch ScheduleGPipe`` and ``torch Schedule1F1B``: ``torch.distributed.pipelining``
   stages over gloo, one process per stage;
+* ``torch ScheduleDualPipeV`` (only when named in ``--runs``): PyTorch's DualPipeV, the
+  model split into 2P stages, two per rank in a V; against ``pipeoptim dualpipev`` (the
+  same 2P-way split as Pipeline units) its ratio is printed after the table, as are
+  gpipe's and 1f1b's against PyTorch's. ``pipeoptim dualpipev`` runs an overlapped step's
+  forward and backward back to back, as PyTorch's runtime does;
 * ``pipeoptim gpipe``, ``1f1b``, ``zb-h1``, ``pipedream``, ``pipeoptim``:
   ``Pipeline(transport="dist")`` over gloo, one process per stage (zb-h1: the zero-bubble
   schedule, each backward split into an input and a weight pass);
@@ -193,17 +198,25 @@ def _torch_rank(rank: int, ranks: int, port: int, args: dict[str, Any], out: Any
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     _init(rank, ranks, port, args)
-    module = split(blocks(), ranks)[rank]
-    stage = PipelineStage(module, rank, ranks, torch.device("cpu"))
-    opt = torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9)
-    cls = ScheduleGPipe if args["run"] == "torch ScheduleGPipe" else Schedule1F1B
-    schedule = cls(stage, args["micro_batches"], loss_fn=nn.functional.cross_entropy)
     x, y = data(args["batch"], 1)[0]
+    if args["run"] == DUALPIPE_V:
+        schedule, params = _torch_dualpipe_v(rank, ranks, args)
+        first, last = rank == 0, rank == 0  # the V: stages 0 and 2P-1 on rank 0
+    else:
+        module = split(blocks(), ranks)[rank]
+        stage = PipelineStage(module, rank, ranks, torch.device("cpu"))
+        params = list(module.parameters())
+        cls = ScheduleGPipe if args["run"] == "torch ScheduleGPipe" else Schedule1F1B
+        schedule = cls(stage, args["micro_batches"], loss_fn=nn.functional.cross_entropy)
+        first, last = rank == 0, rank == ranks - 1
+    opt = torch.optim.SGD(params, lr=0.01, momentum=0.9)
 
     def step() -> None:
-        if rank == 0:
+        if first and last:
+            schedule.step(x, target=y)
+        elif first:
             schedule.step(x)
-        elif rank == ranks - 1:
+        elif last:
             schedule.step(target=y)
         else:
             schedule.step()
@@ -213,6 +226,28 @@ def _torch_rank(rank: int, ranks: int, port: int, args: dict[str, Any], out: Any
     seconds, cpu = _timed(step, args, until_all=True)
     out.put((rank, args["steps"] * args["batch"] / seconds, cpu))
     dist.destroy_process_group()
+
+
+DUALPIPE_V = "torch ScheduleDualPipeV"
+V_METHODS = ("dualpipev", "zb-v")
+"""pipeoptim's methods with two stages per rank in a V: their runs split the model into 2P
+units, as the torch DualPipeV run splits it into 2P stages."""
+
+
+def _torch_dualpipe_v(rank: int, ranks: int, args: dict[str, Any]) -> tuple[Any, list[Any]]:
+    """PyTorch's DualPipeV on this rank: the model split into 2P stages, stages r and
+    2P-1-r here (the V)."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import ScheduleDualPipeV
+
+    parts = split(blocks(), 2 * ranks)
+    mine = (rank, 2 * ranks - 1 - rank)
+    stages = [
+        PipelineStage(parts[k], k, 2 * ranks, torch.device("cpu"), group=dist.group.WORLD)
+        for k in mine
+    ]
+    schedule = ScheduleDualPipeV(stages, args["micro_batches"], loss_fn=nn.functional.cross_entropy)
+    return schedule, [p for k in mine for p in parts[k].parameters()]
 
 
 LOG_EVERY = 10
@@ -225,13 +260,15 @@ def _pipeoptim_rank(rank: int, ranks: int, port: int, args: dict[str, Any], out:
 
     _init(rank, ranks, port, args)
     method = args["run"].split()[1]
-    micro = args["micro_batches"] if method in ("gpipe", "1f1b", "zb-h1") else None
+    micro_batching = ("gpipe", "1f1b", "zb-h1", *V_METHODS)
+    micro = args["micro_batches"] if method in micro_batching else None
+    units = pipeline_units(2 * ranks if method in V_METHODS else ranks)
     loggers: list[Any] = []
     if args["run"].endswith("+loggers"):  # each rank writes its own files (rank{r})
         folder = Path(tempfile.mkdtemp(prefix="bench-runtime-logs-"))
         loggers = [TensorBoardLogger(folder / "tb"), JsonlLogger(folder / "run.jsonl")]
     pipe = Pipeline(
-        pipeline_units(ranks),
+        units,
         method,
         stages=ranks,
         micro_batches=micro,
@@ -277,9 +314,21 @@ def _breakdown(pipe: Any, rank: int, wall: float, ranks: int) -> dict[str, float
         out[key] += e.end - e.start
     out["between actions"] = max(0.0, wall - sum(out.values()))
     out["actions"] = float(len(timed))
-    updates, seconds = steady_window(sorted(e.end for e in timed if e.kind == "U"), ranks)
+    updates, seconds = steady_window(mini_batch_ends(timed), ranks)
     out["steady updates"], out["steady seconds"] = float(updates), seconds
     return out
+
+
+def mini_batch_ends(events: list[Any]) -> list[float]:
+    """The end of each mini-batch's last update on a rank, in order: a rank holding two
+    stages (zb-v, dualpipev, interleaved) updates twice per mini-batch, once per stage, and
+    the steady window counts mini-batches (a bounded-delay stage's update names the last
+    mini-batch it applies)."""
+    ends: dict[int, float] = {}
+    for e in events:
+        if e.kind == "U":
+            ends[e.mb] = max(ends.get(e.mb, e.end), e.end)
+    return sorted(ends.values())
 
 
 def steady_window(update_ends: list[float], skip: int) -> tuple[int, float]:
@@ -514,6 +563,16 @@ RUNS = (
 )
 
 
+OPTIONAL_RUNS = (DUALPIPE_V,)
+"""Runs ``--runs`` takes that the default set leaves out."""
+TORCH_TWINS = {
+    "pipeoptim gpipe": "torch ScheduleGPipe",
+    "pipeoptim 1f1b": "torch Schedule1F1B",
+    "pipeoptim dualpipev": DUALPIPE_V,
+}
+"""Each pipeoptim run and PyTorch's run of the same schedule, printed against each other."""
+
+
 def base_name(run: str) -> str:
     """``run`` without its twin's name ending (:data:`SWITCHES`, :data:`GLIBC_DEFAULTS`)."""
     for suffix in (GLIBC_DEFAULTS, *SWITCHES):
@@ -531,9 +590,10 @@ def run_refusal(run: str) -> str | None:
     base = base_name(run)
     method = base.removeprefix("pipeoptim ").removesuffix(" +loggers")
     pipeoptim_run = base.startswith("pipeoptim ") and method in METHODS
-    if base not in RUNS and not pipeoptim_run:
+    known = (*RUNS, *OPTIONAL_RUNS)
+    if base not in known and not pipeoptim_run:
         return (
-            f"--runs: no run {run!r}; give runs of {', '.join(RUNS)}, or 'pipeoptim <method>' "
+            f"--runs: no run {run!r}; give runs of {', '.join(known)}, or 'pipeoptim <method>' "
             f"with a method of {', '.join(METHODS)}, each with a twin's ending if you like "
             f"({', '.join(repr(s) for s in (*SWITCHES, GLIBC_DEFAULTS))})"
         )
@@ -659,6 +719,7 @@ def main() -> None:
                 f"{med / statistics.median(torch_1f1b):.2f}x [{paired(values, torch_1f1b):.2f}x]"
             )
         print(f"| {run} | {med:,.0f} | {ratio} | {statistics.median(rates[run]):,.0f} |")
+    _print_torch_twins(steady)
     for suffix in ("", GLIBC_DEFAULTS):  # each run against the limit under its allocator
         if "limit" + suffix not in rates:
             continue
@@ -738,6 +799,22 @@ def main() -> None:
             )
     if "limit" in rates:
         _print_cpu(rates, parts, a.steps * a.batch, cores)
+
+
+def _print_torch_twins(steady: dict[str, list[float]]) -> None:
+    """Each pipeoptim run against PyTorch's run of the same schedule, where both ran
+    (:data:`TORCH_TWINS`; steady samples/s, goal >= 1.0x)."""
+    twins = [
+        (ours, theirs)
+        for ours, theirs in TORCH_TWINS.items()
+        if ours in steady and theirs in steady
+    ]
+    if not twins:
+        return
+    print("\nagainst PyTorch's own schedule, steady (goal >= 1.0x):")
+    for ours, theirs in twins:
+        ratio = statistics.median(steady[ours]) / statistics.median(steady[theirs])
+        print(f"  {ours} / {theirs}: {ratio:.2f}x [{paired(steady[ours], steady[theirs]):.2f}x]")
 
 
 def _print_cpu(

@@ -17,7 +17,7 @@ from pipeoptim.commands.common import (
 from pipeoptim.errors import PlanError
 from pipeoptim.plan.actions import format_grid, format_schedule, load_csv, schedule_to_csv
 from pipeoptim.plan.methods import METHODS, build_schedule, get_method
-from pipeoptim.plan.validate import validate
+from pipeoptim.plan.validate import as_grid, validate
 from pipeoptim.plan.versions import VersionReport, analyze_versions
 
 
@@ -92,7 +92,7 @@ def run_schedule(args: argparse.Namespace) -> int:
     check_output_paths(args, ["--out"])
     notes: list[str] = []  # what the load left out (PyTorch's FSDP/DP cells), said once
     if args.load is not None:
-        schedule = load_csv(args.load, notes=notes)
+        schedule = as_grid(load_csv(args.load, notes=notes), source=str(args.load), notes=notes)
         m = validate(schedule)
         source = str(args.load)
         report = None

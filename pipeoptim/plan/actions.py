@@ -8,6 +8,14 @@ CSV layout (one row per rank, an empty cell for an idle step) are the ones
 PyTorch's lowered dumps also hold FSDP and data-parallel bookkeeping (``UNSHARD``,
 ``RESHARD``, ``REDUCE_GRAD``) that has no meaning here: a CSV load drops those cells and
 reports it once through ``notes``.
+
+An *overlapped step* (PyTorch's ``OVERLAP_F_B``, written by DualPipeV) holds a forward and
+a backward (``B`` or ``I``) of another micro-batch, text ``"(0F7;7B3)OVERLAP_F_B"``. In a
+schedule it is the forward, marked ``overlapped``, directly followed by its backward on the
+same rank: consumers that run actions one at a time (the runtime's executor, the version
+analysis, the simulator) see two actions back to back, which is how PyTorch's
+``_PipelineScheduleRuntime`` runs the pair (its sub-actions in order). The text forms
+(:func:`format_schedule`, the CSV) write the pair as one cell, and parsing splits it again.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ import enum
 import io
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pipeoptim.errors import ScheduleError
@@ -65,6 +73,10 @@ _DROPPED_KINDS = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
 # Longest codes first so "SEND_F" is not read as a stage followed by "S...".
 _CODES = sorted([k.value for k in Kind] + list(_DROPPED_KINDS), key=len, reverse=True)
 _ACTION_RE = re.compile(r"^(\d+)(" + "|".join(_CODES) + r")(\d*)$")
+OVERLAP_F_B = "OVERLAP_F_B"
+"""PyTorch's name of an overlapped forward+backward step."""
+_OVERLAP_RE = re.compile(r"^\(([^;()]*);([^;()]*)\)" + OVERLAP_F_B + "$")
+_OVERLAP_BACKWARDS = ("B", "I")
 
 DROPPED_NOTE = (
     "note: {count} UNSHARD/RESHARD/REDUCE_GRAD cells of {source} were dropped (left as idle "
@@ -87,21 +99,27 @@ class Action:
     stage: int
     kind: Kind
     mb: int
+    overlapped: bool = field(default=False, compare=False)
+    """A forward overlapped with the backward that follows it on its rank (one
+    ``OVERLAP_F_B`` step); not part of the action's identity (equality, hashing)."""
 
     def __str__(self) -> str:
         return f"{self.stage}{self.kind.value}{self.mb}"
 
+    def overlapping(self, on: bool = True) -> Action:
+        """This action with its ``overlapped`` mark set (or cleared)."""
+        return replace(self, overlapped=on)
+
     @classmethod
     def parse(cls, text: str) -> Action:
-        """Parse ``"2F13"``; the inverse of ``str``."""
+        """Parse ``"2F13"``; the inverse of ``str``. An overlapped step is two actions:
+        parse it with :func:`parse_step`."""
         stripped = text.strip()
         match = _ACTION_RE.match(stripped)
-        if match is None and "OVERLAP_F_B" in stripped:
+        if match is None and OVERLAP_F_B in stripped:
             raise ScheduleError(
-                f"action {text!r} overlaps a forward and a backward in one step (PyTorch's "
-                f"OVERLAP_F_B, written by DualPipeV); pipeoptim runs one action per step: "
-                f"write its sub-actions as separate cells in order (e.g. '(0F1;1B0)' becomes "
-                f"'0F1,1B0'), or dump a schedule without overlap"
+                f"{text!r} is an overlapped step of two actions (PyTorch's OVERLAP_F_B); "
+                f"parse it with pipeoptim.plan.actions.parse_step, which returns both"
             )
         if match is None:
             raise ScheduleError(
@@ -123,7 +141,41 @@ class Action:
 
 
 Schedule = dict[int, list[Action | None]]
-"""Per-rank action lists; ``None`` is an idle step. Step ``i`` of every rank is one clock tick."""
+"""Per-rank action lists; ``None`` is an idle step. Step ``i`` of every rank is one clock tick
+(an overlapped step fills two consecutive ticks of its rank: its forward, then its backward)."""
+
+
+def parse_step(text: str) -> list[Action]:
+    """One cell: an action (``"2F13"``) or an overlapped step (``"(0F7;7B3)OVERLAP_F_B"``,
+    returned as its forward marked ``overlapped`` then its backward)."""
+    match = _OVERLAP_RE.match(text.strip())
+    if match is None:
+        return [Action.parse(text)]
+    forward, backward = (Action.parse(part) for part in match.groups())
+    if forward.kind is not Kind.FORWARD or backward.kind.value not in _OVERLAP_BACKWARDS:
+        raise ScheduleError(
+            f"overlapped step {text!r} must hold a forward then a backward (B or I), as "
+            f"'(0F7;7B3)OVERLAP_F_B'; got {forward} then {backward}"
+        )
+    return [forward.overlapping(), backward]
+
+
+def format_steps(actions: Sequence[Action | None]) -> list[str]:
+    """One rank's cells: ``""`` for an idle step, an overlapped forward and the action after
+    it as one ``(F;B)OVERLAP_F_B`` cell (the inverse of :func:`parse_step`)."""
+    cells: list[str] = []
+    pending: Action | None = None
+    for a in actions:
+        if pending is not None:
+            cells.append(f"({pending};{'' if a is None else a}){OVERLAP_F_B}")
+            pending = None
+        elif a is not None and a.overlapped:
+            pending = a
+        else:
+            cells.append("" if a is None else str(a))
+    if pending is not None:
+        cells.append(f"({pending};){OVERLAP_F_B}")
+    return cells
 
 
 def _dropped(cell: str) -> bool:
@@ -141,7 +193,7 @@ def _parse_row(cells: Sequence[str]) -> tuple[list[Action | None], int]:
             dropped += bool(cell.strip())
             row.append(None)
         else:
-            row.append(Action.parse(cell))
+            row += parse_step(cell)
     return row, dropped
 
 
@@ -168,8 +220,8 @@ def parse_schedule(
 
 
 def format_schedule(schedule: Mapping[int, Sequence[Action | None]]) -> dict[int, list[str]]:
-    """The inverse of :func:`parse_schedule`."""
-    return {rank: ["" if a is None else str(a) for a in acts] for rank, acts in schedule.items()}
+    """The inverse of :func:`parse_schedule` (an overlapped step as one cell)."""
+    return {rank: format_steps(acts) for rank, acts in schedule.items()}
 
 
 def schedule_to_csv(
@@ -184,10 +236,12 @@ def schedule_to_csv(
     writer = csv.writer(out, lineterminator="\n")
     for rank in sorted(schedule):
         writer.writerow(
-            [
-                "" if a is None or (a.kind is U and not include_updates) else str(a)
-                for a in schedule[rank]
-            ]
+            format_steps(
+                [
+                    None if a is None or (a.kind is U and not include_updates) else a
+                    for a in schedule[rank]
+                ]
+            )
         )
     return out.getvalue()
 
@@ -274,7 +328,12 @@ def format_grid(
     for r in ranks:
         for s in range(lo, hi):
             act = schedule[r][s] if s < len(schedule[r]) else None
+            prev = schedule[r][s - 1] if 0 < s <= len(schedule[r]) else None
             text = "." if act is None else str(act)
+            if act is not None and act.overlapped:  # an overlapped step spans two columns
+                text = f"({text};"
+            elif act is not None and prev is not None and prev.overlapped:
+                text = f"{text})"
             if mark == (r, s):
                 text = f"[{text}]"
             cells[(r, s)] = text

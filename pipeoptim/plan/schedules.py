@@ -259,8 +259,10 @@ def stage_ranks(order: Mapping[int, Sequence[Action | None]]) -> dict[int, int]:
 def retime(order: Mapping[int, Sequence[Action | None]], micro_batches: int) -> Schedule:
     """Place per-rank orders on a clock grid: each action at the first step after its deps.
 
-    Idle steps already in ``order`` are dropped first. Raises :class:`ScheduleError` with
-    the partial grid and the blocked actions marked when the orders deadlock.
+    An overlapped step (a forward marked ``overlapped`` and the backward after it) starts
+    when both may start and fills two consecutive steps of its rank. Idle steps already in
+    ``order`` are dropped first. Raises :class:`ScheduleError` with the partial grid and the
+    blocked actions marked when the orders deadlock.
     """
     queues = {r: [a for a in acts if a is not None] for r, acts in order.items()}
     num_stages = max((a.stage for acts in queues.values() for a in acts), default=-1) + 1
@@ -272,15 +274,23 @@ def retime(order: Mapping[int, Sequence[Action | None]], micro_batches: int) -> 
     cursor = dict.fromkeys(queues, 0)
     remaining = sum(len(q) for q in queues.values())
     step = 0
+    partner_next: set[int] = set()  # ranks whose overlapped step's backward comes next
     while remaining:
         placed: list[tuple[int, Action]] = []
         for r, q in queues.items():
             if cursor[r] >= len(q):
                 continue
             act = q[cursor[r]]
-            deps = dependencies(act, num_stages, micro_batches, forms)
-            if all(d in done and done[d] < step for d in deps if d in present):
+            # an overlapped step starts when both its actions may: the pair stays adjacent
+            step_acts = q[cursor[r] : cursor[r] + 2] if act.overlapped else [act]
+            if r in partner_next or all(
+                d in done and done[d] < step
+                for a in step_acts
+                for d in dependencies(a, num_stages, micro_batches, forms)
+                if d in present
+            ):
                 placed.append((r, act))
+        partner_next = {r for r, act in placed if act.overlapped}
         if not placed:
             raise _deadlock_error(queues, cursor, grid, done, num_stages, micro_batches, present)
         placed_ranks = {r for r, _ in placed}

@@ -88,10 +88,12 @@ def validate(
             f"0..{num_stages - 1}"
         )
     m = micro_batches if micro_batches is not None else infer_micro_batches(schedule)
+    lowered = any(a.kind.is_comm for a in position)
+    _check_overlaps(schedule, lowered)
     _check_counts(schedule, position, num_stages, stage_rank)
     _check_updates(schedule, position, m)
     retime(schedule, m)  # raises on deadlock, with the blocked actions named
-    if any(a.kind.is_comm for a in position):
+    if lowered:
         return m  # a lowered order: its columns are not clock steps (see the module doc)
     for a, (rank, step) in position.items():
         for d in dependencies(a, num_stages, m, position):
@@ -106,6 +108,42 @@ def validate(
                     f"orders through schedules.retime)",
                 )
     return m
+
+
+def _check_overlaps(schedule: Mapping[int, Sequence[Action | None]], lowered: bool) -> None:
+    """An overlapped step (PyTorch's OVERLAP_F_B) is a forward then, on the next step of its
+    rank, a backward (B or I) of another micro-batch; in a lowered order sends and
+    receives may come between them. Each half obeys every other rule on its own."""
+    for rank, acts in schedule.items():
+        for step, a in enumerate(acts):
+            if a is None or not a.overlapped:
+                continue
+            if a.kind is not F:
+                _fail(
+                    schedule,
+                    rank,
+                    step,
+                    f"{a} is marked as the forward of an overlapped step but is not a "
+                    f"forward; an OVERLAP_F_B step is a forward then a backward, e.g. "
+                    f"'(0F7;7B3)OVERLAP_F_B'",
+                )
+            nxt = step + 1
+            while lowered and nxt < len(acts):
+                between = acts[nxt]
+                if between is None or not between.kind.is_comm:
+                    break
+                nxt += 1
+            partner = acts[nxt] if nxt < len(acts) else None
+            if partner is None or partner.kind not in (B, _I) or partner.mb == a.mb:
+                got = "nothing" if partner is None else str(partner)
+                _fail(
+                    schedule,
+                    rank,
+                    step,
+                    f"the overlapped step of {a} needs a backward (B or I) of another "
+                    f"micro-batch right after it on rank {rank} (got {got}); write the pair "
+                    f"as one cell '({a};<stage>B<micro-batch>)OVERLAP_F_B'",
+                )
 
 
 def _missing(present: Sequence[int], count: int, most: int = 10) -> list[int]:
@@ -203,6 +241,33 @@ def _check_updates(
                     step,
                     f"{a} runs before {last}, whose gradient it applies; move {a} after it",
                 )
+
+
+ORDER_NOTE = (
+    "note: {source} holds overlapped steps (OVERLAP_F_B) and is a per-rank order, not a "
+    "clock grid (PyTorch's DualPipeV writes its order without idle steps): placed on the "
+    "grid with schedules.retime"
+)
+
+
+def as_grid(
+    schedule: Schedule,
+    micro_batches: int | None = None,
+    *,
+    source: str = "the schedule",
+    notes: list[str] | None = None,
+) -> Schedule:
+    """A loaded schedule on the clock grid: a compute-only one holding overlapped steps
+    (PyTorch's DualPipeV dump: per-rank orders, no idle steps) placed by
+    :func:`~pipeoptim.plan.schedules.retime` with a note; any other returned as it is."""
+    acts = [a for row in schedule.values() for a in row if a is not None]
+    if not any(a.overlapped for a in acts) or any(a.kind.is_comm for a in acts):
+        return schedule
+    _check_overlaps(schedule, lowered=False)  # a malformed pair would deadlock the placing
+    if notes is not None:
+        notes.append(ORDER_NOTE.format(source=source))
+    m = micro_batches if micro_batches is not None else infer_micro_batches(schedule)
+    return retime(schedule, m)
 
 
 def validated(schedule: Schedule, micro_batches: int | None = None) -> Schedule:

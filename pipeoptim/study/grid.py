@@ -42,8 +42,9 @@ __all__ = [
 ]
 
 ALL_METHODS = ("gpipe", "1f1b", "zb-h1", "pipedream", "2bw", "spectrain", "xpipe", "pipeoptim")
-"""Every method with one stage per rank (interleaved-1f1b and zb-v have gpipe's numerics,
-as zb-h1 does; zb-h1 is in for its time to accuracy, the synchronous rival's)."""
+"""Every method with one stage per rank (interleaved-1f1b, zb-v, dualpipev and interleaved-zb
+have gpipe's numerics, as zb-h1 does: their rows would be gpipe's; zb-h1 is in for its time
+to accuracy, the synchronous rival's)."""
 PREDICTING = frozenset(name for name, m in METHODS.items() if m.predicts)
 """Methods whose forward runs on predicted weights (the closure is measured for them)."""
 DEFAULT_RATES: dict[str, tuple[float, ...]] = {

@@ -215,3 +215,32 @@ def test_the_steady_window_leaves_out_the_fill_and_the_drain() -> None:
     ranks[1]["steady seconds"] = 0.0
     assert b.steady_rate(ranks, 10) is None  # a rank without a window: no steady rate
     assert b.steady_rate({0: {"cpu": 1.0}}, 10) is None  # the limit's and torch's runs
+
+
+def test_runs_take_torch_dualpipe_v_beside_pipeoptims() -> None:
+    """PyTorch's DualPipeV is a named run only (not in the default set), printed against
+    pipeoptim dualpipev."""
+    b = bench()
+    assert b.run_refusal("torch ScheduleDualPipeV") is None
+    assert b.run_refusal("pipeoptim dualpipev") is None
+    assert "torch ScheduleDualPipeV" not in b.RUNS
+    assert b.TORCH_TWINS["pipeoptim dualpipev"] == "torch ScheduleDualPipeV"
+    assert len(b.pipeline_units(4)) == 4  # the V's 2P units on 2 ranks
+
+
+def test_the_steady_window_counts_mini_batches_not_a_ranks_updates() -> None:
+    """A rank of two stages updates twice per mini-batch: one end per mini-batch."""
+    from types import SimpleNamespace
+
+    b = bench()
+    events = [
+        SimpleNamespace(kind=kind, mb=mb, end=end)
+        for kind, mb, end in [
+            ("U", 0, 1.0),
+            ("U", 0, 1.5),
+            ("F", 1, 1.7),
+            ("U", 1, 2.0),
+            ("U", 1, 2.5),
+        ]
+    ]
+    assert b.mini_batch_ends(events) == [1.5, 2.5]

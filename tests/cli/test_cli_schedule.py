@@ -88,6 +88,8 @@ def test_methods_json(capsys: pytest.CaptureFixture[str]) -> None:
         "pipeoptim",
         "zb-h1",
         "zb-v",
+        "dualpipev",
+        "interleaved-zb",
         "pipeoptim+shrink",
         "pipedream+pipemare",
         "pipeoptim+pipemare",
@@ -128,7 +130,7 @@ def test_bad_input_exits_2_without_traceback(
         ("0F0,0B0\n,1F0,1B0\n", "needs 1B0"),
         ("0F0,0Q0\n", "malformed action '0Q0'"),
         ("0F0,0W0,0I0\n", "0W0 runs before 0I0"),
-        ("0F0,(0F1;1B0)OVERLAP_F_B\n", "write its sub-actions as separate cells"),
+        ("0F0,(0F1;0B1)OVERLAP_F_B,0B0\n", "of another micro-batch right after it"),
     ],
 )
 def test_bad_csv_files(

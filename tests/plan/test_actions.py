@@ -43,7 +43,7 @@ def test_parse_fields() -> None:
         ("1X2", "malformed action"),
         ("1F", "has no micro-batch number"),
         ("0UNSHARD", "FSDP/data-parallel bookkeeping .* drop such cells"),
-        ("(0F1;1B0)OVERLAP_F_B", "write its sub-actions as separate cells"),
+        ("(0F1;1B0)OVERLAP_F_B", "overlapped step of two actions .*parse_step"),
         ("0I", "has no micro-batch number"),
         ("1F2x", "malformed"),
     ],

@@ -46,6 +46,8 @@ COPIES_READS_PREDICTOR: dict[str, tuple[list[int], tuple[str, str], str | None]]
     "pipeoptim": PIPEOPTIM_ROW,
     "zb-h1": ([1, 1, 1, 1], SYNC, None),
     "zb-v": ([1, 1, 1, 1], SYNC, None),
+    "dualpipev": ([1, 1, 1, 1], SYNC, None),
+    "interleaved-zb": ([1, 1, 1, 1], SYNC, None),
     "pipeoptim+shrink": ([2, 2, 2, 1], PREDICT, "shrunk"),
     "pipedream+pipemare": PIPEDREAM_ROW,
     "pipeoptim+pipemare": PIPEOPTIM_ROW,
@@ -66,8 +68,8 @@ CORRECTION = {
     "pipeoptim+qk-clip": "qk-clip",
 }
 BOUNDED_ACCUMULATION = [3, 2, 1, 1]  # A_k = ⌈(P-1-k)/1⌉, at least 1
-SPLIT_BACKWARD = {"zb-h1", "zb-v"}
-FLUSHED = {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"}
+SPLIT_BACKWARD = {"zb-h1", "zb-v", "dualpipev", "interleaved-zb"}
+FLUSHED = {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipev", "interleaved-zb"}
 
 
 def test_every_registered_method_has_its_expected_stage_policies_for_four_stages() -> None:
@@ -100,7 +102,15 @@ def test_the_memory_model_counts_the_copies_the_stage_policy_says() -> None:
 
 
 def test_the_methods_questions_answer_as_their_rules_say() -> None:
-    assert FLUSHING == ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
+    assert FLUSHING == (
+        "gpipe",
+        "1f1b",
+        "interleaved-1f1b",
+        "zb-h1",
+        "zb-v",
+        "dualpipev",
+        "interleaved-zb",
+    )
     whole = {n for n, m in METHODS.items() if m.runs_whole_mini_batches}
     assert whole == {"pipedream", "spectrain", "pipeoptim"} | {
         n for n in METHODS if n.startswith(("pipedream+", "pipeoptim+"))
@@ -110,7 +120,7 @@ def test_the_methods_questions_answer_as_their_rules_say() -> None:
     assert get_method("2bw").micro_batches_for(None) is None
     assert get_method("pipeoptim").micro_batches_for(None) == 1
     several = {n for n, m in METHODS.items() if m.places_several_stages_per_rank}
-    assert several == {"interleaved-1f1b", "zb-v"}
+    assert several == {"interleaved-1f1b", "zb-v", "dualpipev", "interleaved-zb"}
     assert get_method("interleaved-1f1b").virtual_stages_for(3) == 3
     assert get_method("1f1b").virtual_stages_for(3) is None
     assert [get_method(n).default_virtual_stages for n in ("1f1b", "zb-v")] == [1, 2]

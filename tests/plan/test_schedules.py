@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from pipeoptim.errors import PlanError, ScheduleError
 from pipeoptim.plan import METHODS, build_schedule, get_method
-from pipeoptim.plan.actions import format_schedule
+from pipeoptim.plan.actions import Kind, format_schedule
 from pipeoptim.plan.schedules import (
     accumulation_steps,
     async_one_f_one_b,
@@ -124,9 +126,17 @@ def test_every_generated_schedule_validates(method: str, p: int) -> None:
             stages = shape.num_stages
             # counts: F and B (or I and W) per stage per micro-batch, one U per stage per
             # mini-batch, or per A_k mini-batches (and the last) under a bounded delay
-            per_micro_batch = 3 if spec.split_backward else 2
+            # (dualpipev mixes the two forms, as PyTorch's DualPipeV does: B in its overlapped
+            # steps, I and W in its tail)
             updates = sum(-(-n // spec.accumulation(k, stages)) for k in range(stages))
-            assert len(actions) == stages * shape.total_micro_batches * per_micro_batch + updates
+            kinds = Counter(a.kind for a in actions)
+            passes = stages * shape.total_micro_batches
+            assert (
+                kinds[Kind.FORWARD] == kinds[Kind.BACKWARD] + kinds[Kind.BACKWARD_INPUT] == passes
+            )
+            assert kinds[Kind.BACKWARD_WEIGHT] == kinds[Kind.BACKWARD_INPUT]
+            assert spec.split_backward or not kinds[Kind.BACKWARD_INPUT]
+            assert kinds[Kind.UPDATE] == updates and len(actions) == sum(kinds.values())
 
 
 @pytest.mark.parametrize("m", [1, 2, 5])

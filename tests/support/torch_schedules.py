@@ -9,6 +9,8 @@ from typing import Any
 
 RANKS = 4
 """Ranks of the schedules built from PyTorch."""
+V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+"""PyTorch's schedules whose rank r holds stages r and 2P-1-r."""
 
 
 def mock_stages(name: str, rank: int = 0, ranks: int = RANKS) -> list[Any]:
@@ -16,7 +18,7 @@ def mock_stages(name: str, rank: int = 0, ranks: int = RANKS) -> list[Any]:
     (r, 2P-1-r)."""
     import torch
 
-    second = 2 * ranks - 1 - rank if name == "ScheduleZBVZeroBubble" else rank + ranks
+    second = 2 * ranks - 1 - rank if name in V_SHAPED else rank + ranks
     return [
         SimpleNamespace(
             stage_index=k,

@@ -16,6 +16,8 @@ from pipeoptim.plan.limits import check_work
 from pipeoptim.plan.methods.asynchronous import PIPEDREAM, PIPEOPTIM, SPECTRAIN, TWO_BW, XPIPE
 from pipeoptim.plan.methods.base import REGISTERED, Method
 from pipeoptim.plan.methods.combinators import bounded, corrected, shrunk
+from pipeoptim.plan.methods.dualpipe_v import DUALPIPE_V
+from pipeoptim.plan.methods.interleaved_zero_bubble import INTERLEAVED_ZB
 from pipeoptim.plan.methods.synchronous import GPIPE, INTERLEAVED_1F1B, ONE_F_ONE_B
 from pipeoptim.plan.methods.zero_bubble import ZB_H1, ZB_V
 from pipeoptim.plan.shape import Shape
@@ -53,6 +55,8 @@ _REGISTRY: list[Method] = [
     PIPEOPTIM,
     ZB_H1,
     ZB_V,
+    DUALPIPE_V,
+    INTERLEAVED_ZB,
     shrunk(PIPEOPTIM),
     corrected(PIPEDREAM, "pipemare-lr", "pipemare", _PIPEMARE),
     corrected(PIPEOPTIM, "pipemare-lr", "pipemare", _PIPEMARE),

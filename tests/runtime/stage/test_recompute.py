@@ -87,7 +87,8 @@ def method_shape(name: str) -> dict[str, Any]:
     kw: dict[str, Any] = {"stages": 3}
     if method.micro_batched:
         kw["micro_batches"] = 4
-    if name == "interleaved-1f1b":  # M a multiple of the ranks
+    # looped interleaving (interleaved-1f1b, interleaved-zb): M a multiple of the ranks
+    if method.places_several_stages_per_rank and not method.folds_stages_in_a_v:
         kw.update(stages=2, virtual_stages=2)
     return kw
 
