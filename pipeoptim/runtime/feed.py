@@ -38,6 +38,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.replicas import check_batch_split
 from pipeoptim.runtime.payload import Payload, batch_len, describe, split, to_device
+from pipeoptim.runtime.stage.loss import counted_targets
 
 __all__ = [
     "BatchSpec",
@@ -358,6 +359,7 @@ class TrainFeed:
             self._read()
         self._step = -1
         self._parts: tuple[list[Payload], tuple[Tensor, ...]] = ([], ())
+        self._counted = torch.zeros(1, dtype=torch.int64)
 
     def peek(self) -> tuple[Payload, Tensor]:
         """The next batch, not consumed (the run's first batch fixes the BatchSpec)."""
@@ -397,6 +399,10 @@ class TrainFeed:
                 raise RuntimeError(f"the feed was asked for step {step}, next is {self._next}")
             x, y = self._read()
             m = self.micro_batches
+            # the whole mini-batch's (every replica's) counted targets, read before the split
+            # and on the host where the data is: the last stage weighs each micro-batch's
+            # loss by its share of them (``stage.loss.token_share``)
+            self._counted = counted_targets(y).to(self.device, non_blocking=True)
             if self.replicas > 1:  # this replica's shard, before it moves to the device
                 x, y = (
                     split(x, self.replicas)[self.replica],
@@ -407,6 +413,14 @@ class TrainFeed:
             self._parts = (split(x, m), y.tensor_split(m))
             self._step, self._next = step, step + 1
         return self._parts[0][j], self._parts[1][j]
+
+    def counted(self, step: int) -> Tensor:
+        """The counted (not ignored) targets of global step ``step``'s whole mini-batch, over
+        every replica: a one-element int64 tensor on the device, which travels to the last
+        stage with each micro-batch's targets. Read after :meth:`micro_batch` of that step."""
+        if step != self._step:
+            raise RuntimeError(f"the feed holds step {self._step}, asked for {step}'s count")
+        return self._counted
 
 
 class EvalReader:
