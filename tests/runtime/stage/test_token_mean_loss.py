@@ -33,7 +33,7 @@ def test_padded_batches_train_as_one_micro_batch_and_as_one_device(method: str) 
         # the logged loss is the mini-batch's token mean too
         assert result.losses == pytest.approx(want_losses, rel=1e-5)
     first = min(runs)
-    for micro, ws in runs.items():
+    for ws in runs.values():
         for got, expected in zip(ws, runs[first], strict=True):
             torch.testing.assert_close(got, expected, **TOLERANCE)
 
