@@ -98,14 +98,14 @@ def test_asynchronous_pipeline_scope_clips_each_update_by_one_mini_batch_s_norm(
         assert len(seen) == 3 and len(set(seen)) == 1, (step, seen)
         assert seen[0] < 1.0  # it binds
     per_stage, _ = _async("stage")
-    assert any(
-        not torch.equal(a, b)
-        for a, b in zip(pipe.stages[2].module.parameters(), per_stage.stages[2].module.parameters())
+    pairs = zip(
+        pipe.stages[2].module.parameters(), per_stage.stages[2].module.parameters(), strict=True
     )
+    assert any(not torch.equal(a, b) for a, b in pairs)
 
 
 def test_pipeline_scope_is_refused_under_a_bounded_delay() -> None:
-    with pytest.raises(RuntimeConfigError, match="bounded delay.*clip_scope='stage'"):
+    with pytest.raises(RuntimeConfigError, match=r"bounded delay.*clip_scope='stage'"):
         Pipeline(_mlp(), method="pipedream+bounded", stages=3, grad_clip=1.0, clip_scope="pipeline")
     with pytest.raises(RuntimeConfigError, match="clip_scope must be one of"):
         Pipeline(_mlp(), method="gpipe", stages=3, grad_clip=1.0, clip_scope="model")
