@@ -3,7 +3,9 @@
 Only the rank that holds stage 0 reads the data. It gives each micro-batch's inputs to
 stage 0 and sends its targets to the rank of the last stage (one small extra message per
 micro-batch, the size of the targets: for classification B/M integers, for a language model
-B/M x T of them, both tiny next to the activations). No other rank touches the data, so a
+B/M x T of them, both tiny next to the activations), with the whole mini-batch's count of
+counted targets as the message's second tensor (:meth:`TrainFeed.counted`: the last stage
+weighs each micro-batch's loss by its share of it). No other rank touches the data, so a
 ``DataLoader`` with workers runs once, not once per rank, and the ranks cannot disagree about
 what a batch holds.
 
