@@ -33,12 +33,13 @@ from pipeoptim.runtime.model.materialize import materialize_units, meta_units
 from pipeoptim.runtime.model.ties import TieExchange, find_ties, refuse_for, untie_copies
 from pipeoptim.runtime.optim.builder import reads_delays
 from pipeoptim.runtime.optim.corrections.qk_clip import QKClip
-from pipeoptim.runtime.optim.global_clip import NormBoard, PipelineClip
+from pipeoptim.runtime.optim.global_clip import NormBoard
 from pipeoptim.runtime.optim.sharded import optimizer_class_name
 from pipeoptim.runtime.optim.update import (
     FAMILY_OF_CLASS,
 )
 from pipeoptim.runtime.options import PipelineOptions
+from pipeoptim.runtime.pipeline_clip import PipelineClip
 from pipeoptim.runtime.segments import segment_plan
 from pipeoptim.runtime.stage.stage import Stage
 

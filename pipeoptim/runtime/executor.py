@@ -49,7 +49,6 @@ from pipeoptim.runtime.comm.stop_channel import StopChannel
 from pipeoptim.runtime.comm.transport import Transport
 from pipeoptim.runtime.feed import TrainFeed
 from pipeoptim.runtime.model.ties import TieExchange
-from pipeoptim.runtime.optim.global_clip import PipelineClip
 from pipeoptim.runtime.payload import (
     Gradients,
     Payload,
@@ -57,6 +56,7 @@ from pipeoptim.runtime.payload import (
     boundary_refusal,
     to_device,
 )
+from pipeoptim.runtime.pipeline_clip import PipelineClip
 from pipeoptim.runtime.rank_messages import RankMessages
 from pipeoptim.runtime.rank_result import RankResult
 from pipeoptim.runtime.recorder import Recorder

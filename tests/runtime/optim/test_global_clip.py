@@ -17,7 +17,7 @@ from torch import nn
 from pipeoptim import Pipeline
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.methods.registry import FLUSHING
-from pipeoptim.runtime.optim import global_clip
+from pipeoptim.runtime import pipeline_clip
 
 STEPS = 3
 CLIP = 0.05
@@ -83,14 +83,14 @@ def test_asynchronous_pipeline_scope_clips_each_update_by_one_mini_batch_s_norm(
     """Every stage's t-th update takes the same factor: that of the norm over every stage's
     gradient of mini-batch t."""
     factors: dict[int, list[float]] = {}
-    take = global_clip.PipelineClip.factor
+    take = pipeline_clip.PipelineClip.factor
 
-    def recorded(self: global_clip.PipelineClip, step: int) -> torch.Tensor:
+    def recorded(self: pipeline_clip.PipelineClip, step: int) -> torch.Tensor:
         out = take(self, step)
         factors.setdefault(step, []).append(float(out))
         return out
 
-    monkeypatch.setattr(global_clip.PipelineClip, "factor", recorded)
+    monkeypatch.setattr(pipeline_clip.PipelineClip, "factor", recorded)
     pipe, notes = _async("pipeline")
     assert any("clip_scope='pipeline'" in n for n in notes), notes
     assert sorted(factors) == list(range(6))
