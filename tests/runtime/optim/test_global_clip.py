@@ -18,6 +18,8 @@ from pipeoptim import Pipeline
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.methods.registry import FLUSHING
 from pipeoptim.runtime import pipeline_clip
+from pipeoptim.runtime.optim import global_clip
+from pipeoptim.runtime.optim.update import StageUpdate
 
 STEPS = 3
 CLIP = 0.05
@@ -124,3 +126,35 @@ def test_dist_clips_as_one_process_bit_for_bit(tmp_path: Path) -> None:
         for k, state in rank["weights"].items():
             for name, tensor in state.items():
                 assert torch.equal(tensor, local.stages[k].module.state_dict()[name]), (k, name)
+
+
+def test_loss_scaling_is_undone_before_the_norm_is_read() -> None:
+    """fp16's order: the gradient's norm is read unscaled (a scaled one would clip by the
+    loss scale), and the step applies the unscaled, clipped gradient. On CPU with a
+    GradScaler of its own (fp16 itself is CUDA's)."""
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 2)
+    twin = nn.Linear(3, 2)
+    twin.load_state_dict(layer.state_dict())
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    update = StageUpdate(
+        torch.optim.SGD(layer.parameters(), lr=0.1),
+        stage=0,
+        scheduler=None,
+        scaler=scaler,
+        grad_clip=0.1,
+        note=print,
+    )
+    x = torch.randn(4, 3)
+    scaler.scale(layer(x).square().sum()).backward()
+    twin(x).square().sum().backward()
+    params = list(layer.parameters())
+    update.prepare(params)
+    squared = update.clip_norm_squared(params, torch.device("cpu"))
+    want = nn.utils.clip_grad_norm_(twin.parameters(), 0.1)
+    assert float(want) > 0.2  # the clip binds
+    torch.testing.assert_close(squared.sqrt(), want, rtol=1e-6, atol=0)
+    update.step(params, 0, clip=global_clip.clip_factor(squared, 0.1))
+    torch.optim.SGD(twin.parameters(), lr=0.1).step()
+    for a, b in zip(layer.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
