@@ -187,6 +187,8 @@ class RankExecutor(RankMessages):
             channel.post(self._gates[0][0])
         for k, stage in self.stages.items():
             stage.begin_segment(plan.passes(k))
+        if self.clip is not None:
+            self.clip.begin()
         self._post_ahead()
 
     def begin_eval(

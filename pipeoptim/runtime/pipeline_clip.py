@@ -25,18 +25,23 @@ class PipelineClip:
 
     def __init__(self, board: NormBoard, max_norm: float, rank: int) -> None:
         self.board, self.max_norm, self.rank = board, max_norm, rank
-        self._added = -1  # the last step this rank added its norm for
+        self._added = -1  # the step this rank last added its norm for
         self._factor: tuple[int, Tensor] | None = None  # (step, its factor)
 
+    def begin(self) -> None:
+        """A segment starts: no step spans two, and the next may go back (a resume)."""
+        self._added, self._factor = -1, None
+
     def added(self, step: int) -> bool:
-        """Whether this rank has added its norm of ``step``."""
-        return step <= self._added
+        """Whether this rank has added its norm of ``step`` (its latest: a rank's updates of
+        one step come together, and a later fit may go back to an earlier step)."""
+        return step == self._added
 
     def add(self, step: int, stages: Mapping[int, Stage], ties: TieExchange | None) -> None:
         """Add this rank's squared norm of ``step`` (once; the first call does it)."""
         if self.added(step):
             return
-        self._added = step
+        self._added, self._factor = step, None
         total: Tensor | None = None
         for k in sorted(stages):
             if ties is not None and ties.holds(k):
