@@ -138,7 +138,7 @@ class RankExecutor(RankMessages):
         self._m = 1
         self._inputs: dict[tuple[int, int], Payload] = {}  # (consuming stage, mb) -> input
         self._grads: dict[tuple[int, int], Gradients] = {}  # (consuming stage, mb) -> gradient
-        self._targets: dict[int, tuple[Tensor, Tensor | None]] = {}  # mb -> targets and the
+        self._targets: dict[int, tuple[Tensor, Tensor | int | None]] = {}  # mb -> targets, the
         # mini-batch's counted targets (None: evaluation), first and last stage local
         self._loss: dict[int, list[Any]] = {}  # step -> [loss, correct, parts, targets]
         self._eval: list[tuple[Payload, Tensor]] | None = None  # the chunk, on stage 0's rank
@@ -439,11 +439,11 @@ class RankExecutor(RankMessages):
             return self._inputs.pop((k, mb))
         x, y = read()
         # training targets carry the mini-batch's counted targets (``loss.token_share``)
-        counted = None if self.evaluating else self._feed().counted(self._first + mb // self._m)
+        step = self._first + mb // self._m
         if self.last in self.stages:
-            self._targets[mb] = (y, counted)
+            self._targets[mb] = (y, None if self.evaluating else self._feed().counted_here(step))
         elif self.evaluating or not self.targets_read:
-            message = y if counted is None else (y, counted)
+            message = y if self.evaluating else (y, self._feed().counted(step))
             self.transport.send(message, self.rank_of[self.last], self._target_spec(mb)[0])
         return x
 

@@ -362,6 +362,7 @@ class TrainFeed:
         self._step = -1
         self._parts: tuple[list[Payload], tuple[Tensor, ...]] = ([], ())
         self._counted = torch.zeros(1, dtype=torch.int64)
+        self._counted_host: int | None = None
 
     def peek(self) -> tuple[Payload, Tensor]:
         """The next batch, not consumed (the run's first batch fixes the BatchSpec)."""
@@ -404,7 +405,11 @@ class TrainFeed:
             # the whole mini-batch's (every replica's) counted targets, read before the split
             # and on the host where the data is: the last stage weighs each micro-batch's
             # loss by its share of them (``stage.loss.token_share``)
-            self._counted = counted_targets(y).to(self.device, non_blocking=True)
+            counted = counted_targets(y)
+            self._counted = counted.to(self.device, non_blocking=True)
+            # read on the host where the batch is there (no device sync): the last stage in
+            # this process then decides its weighting on the host
+            self._counted_host = int(counted) if counted.device.type == "cpu" else None
             if self.replicas > 1:  # this replica's shard, before it moves to the device
                 x, y = (
                     split(x, self.replicas)[self.replica],
@@ -423,6 +428,12 @@ class TrainFeed:
         if step != self._step:
             raise RuntimeError(f"the feed holds step {self._step}, asked for {step}'s count")
         return self._counted
+
+    def counted_here(self, step: int) -> Tensor | int:
+        """:meth:`counted` for a last stage in this process: an int where the batch was read
+        on the host (free to read), else the device tensor."""
+        counted = self.counted(step)
+        return counted if self._counted_host is None else self._counted_host
 
 
 class EvalReader:

@@ -66,7 +66,7 @@ class RankMessages:
     _m: int
     _inputs: dict[tuple[int, int], Payload]
     _grads: dict[tuple[int, int], Gradients]
-    _targets: dict[int, tuple[Tensor, Tensor | None]]
+    _targets: dict[int, tuple[Tensor, Tensor | int | None]]
     _eval_sizes: list[int]
     _eval_first: int
     _gates: list[tuple[int, int]]
@@ -80,7 +80,7 @@ class RankMessages:
             return False
         return a.kind is Kind.FORWARD and a.stage == self.last and 0 not in self.stages
 
-    def _take_target(self, mb: int) -> tuple[Tensor, Tensor | None]:
+    def _take_target(self, mb: int) -> tuple[Tensor, Tensor | int | None]:
         """Micro-batch ``mb``'s targets and, in training, the counted targets of its whole
         mini-batch (``loss.token_share``), whichever way they reach the last stage."""
         if mb in self._targets:
@@ -88,7 +88,7 @@ class RankMessages:
         if self.target_feed is not None and not self.evaluating:
             step, j = divmod(mb, self._m)
             y = self.target_feed.micro_batch(self._first + step, j)[1]
-            return y, self.target_feed.counted(self._first + step)
+            return y, self.target_feed.counted_here(self._first + step)
         spec = self._target_spec(mb)
         if len(spec) == 4:
             return self.transport.recv(*spec), None

@@ -95,7 +95,11 @@ class StageForward(StageBackward, StagePrediction):
         return s == 0 and v.distance == 0 and v.forward_version == self.weights.current
 
     def forward(
-        self, mb: int, x: Payload, target: Tensor | None = None, counted: Tensor | None = None
+        self,
+        mb: int,
+        x: Payload,
+        target: Tensor | None = None,
+        counted: Tensor | int | None = None,
     ) -> Payload:
         """Run micro-batch ``mb``; returns the (detached) output, or on the last stage the
         loss as its share of the mini-batch's token mean (``counted``: the mini-batch's

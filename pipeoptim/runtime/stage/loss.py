@@ -93,7 +93,11 @@ def counted_targets(target: Tensor) -> Tensor:
 
 
 def token_share(
-    loss: Tensor, target: Tensor, micro_batches: int, counted: Tensor | None, replicas: int = 1
+    loss: Tensor,
+    target: Tensor,
+    micro_batches: int,
+    counted: Tensor | int | None,
+    replicas: int = 1,
 ) -> Tensor:
     """A micro-batch's ``loss`` (its mean over its counted targets) as its share of the
     mini-batch's token mean: ``loss x its counted targets / the mini-batch's``, so that the
@@ -103,15 +107,22 @@ def token_share(
     the replicas' mean: the share is scaled by D). Where nothing is ignored (or the targets
     are not token ids, or ``counted`` is None) every share is 1/M and the loss is divided
     by M exactly as the mean of micro-batch means always was, bit for bit. On the device:
-    no host sync."""
+    no host sync; a count known on the host (an int: the batch was counted where it was
+    read, in this process) decides there, at no cost where nothing is ignored."""
     mean_of_means = loss / micro_batches
     if counted is None or not token_targets(target) or target.numel() == 0:
         return mean_of_means
+    full = target.numel() * micro_batches * replicas
+    if isinstance(counted, int):
+        if counted == full:
+            return mean_of_means
+        mine = (target != IGNORE_INDEX).sum()
+        return (loss.float() * (mine * (replicas / max(counted, 1)))).to(loss.dtype)
     total = counted.reshape(()).to(loss.device)
     mine = (target != IGNORE_INDEX).sum(dtype=torch.int64)
     weight = (mine * replicas).float() / total.clamp(min=1).float()
     weighted = (loss.float() * weight).to(loss.dtype)
-    nothing_ignored = total == target.numel() * micro_batches * replicas
+    nothing_ignored = total == full
     return torch.where(nothing_ignored, mean_of_means, weighted)
 
 

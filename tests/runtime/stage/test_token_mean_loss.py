@@ -82,3 +82,14 @@ def test_dist_equals_local_bit_for_bit_on_padded_batches(tmp_path: Path) -> None
         for k, state in rank["weights"].items():
             for name, tensor in state.items():
                 assert torch.equal(tensor, local.stages[k].module.state_dict()[name]), (k, name)
+
+
+def test_a_count_known_on_the_host_weighs_as_the_device_s() -> None:
+    """In one process the count is read where the batch was (an int): the same shares."""
+    loss = torch.tensor(0.7312345)
+    target = torch.tensor([[1, lm.IGNORE], [2, 0]])
+    for total in (8, 5, 0):  # nothing ignored, some, all
+        on_device = token_share(loss, target, 2, torch.tensor([total]))
+        on_host = token_share(loss, target, 2, total)
+        torch.testing.assert_close(on_host, on_device, rtol=1e-7, atol=0)
+    assert torch.equal(token_share(loss, target, 2, 8), loss / 2)
