@@ -172,6 +172,7 @@ SPINE = tuple(
         "checkpoint_folder",
         "executor",
         "rank_messages",
+        "pipeline_clip",
         "recorder",
         "rank_result",
         "boundary",
@@ -182,8 +183,9 @@ SPINE = tuple(
 )
 """The runtime's spine, top down: launch -> the Pipeline front -> the fit loop (with its dry
 run, its divergence words and its result) -> the checkpoint folder -> the executor (with its
-messages, its trace recorder, a process's result and the boundaries it allocates from; the
-segments it runs and the data it feeds) -> the assembly of the built parts."""
+messages, its clipping by the pipeline's norm, its trace recorder, a process's result and the
+boundaries it allocates from; the segments it runs and the data it feeds) -> the assembly of
+the built parts."""
 STAGE = f"{RUNTIME}.stage.stage"
 STAGE_PARTS = tuple(
     name

@@ -25,6 +25,7 @@ from pipeoptim.plan.risk import depth_advice
 from pipeoptim.runtime.checkpoint.formats import FORMATS
 from pipeoptim.runtime.comm.process_model import ProcessModel
 from pipeoptim.runtime.config import AMP_MODES, LR_SCHEDULES, check_offset
+from pipeoptim.runtime.optim.global_clip import CLIP_SCOPES
 from pipeoptim.runtime.options.tree import option_default
 
 GPT_DEFAULTS = {"lr": 5e-4}
@@ -222,7 +223,15 @@ def register(subparsers: Any) -> None:
         "--grad-clip",
         type=float,
         metavar="NORM",
-        help="clip each stage's own gradient norm to NORM before its update",
+        help="clip the gradient norm to NORM before each update (whose norm: --clip-scope)",
+    )
+    p.add_argument(
+        "--clip-scope",
+        choices=CLIP_SCOPES,
+        help="the norm --grad-clip bounds: pipeline (every stage's gradients of one "
+        "mini-batch: the whole model's, as clip_grad_norm_ on one device, for synchronous "
+        "methods) or stage (each stage its own); default: pipeline for synchronous "
+        "methods, stage for asynchronous ones",
     )
     p.add_argument(
         "--recompute",
@@ -358,6 +367,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         warmup=args.warmup,
         amp=args.amp,
         grad_clip=args.grad_clip,
+        clip_scope=args.clip_scope,
         keep_checkpoints=args.keep_checkpoints or option_default("keep_checkpoints"),
         checkpoint_format=args.checkpoint_format,
         forwards_first=args.forwards_first,

@@ -39,11 +39,13 @@ from pipeoptim.runtime.model.ties import (
 )
 from pipeoptim.runtime.optim.builder import reads_delays
 from pipeoptim.runtime.optim.corrections.qk_clip import QKClip, refuse_clip_without_attention
+from pipeoptim.runtime.optim.global_clip import NormBoard
 from pipeoptim.runtime.optim.sharded import optimizer_class_name
 from pipeoptim.runtime.optim.update import (
     FAMILY_OF_CLASS,
 )
 from pipeoptim.runtime.options import PipelineOptions
+from pipeoptim.runtime.pipeline_clip import PipelineClip
 from pipeoptim.runtime.segments import segment_plan
 from pipeoptim.runtime.stage.stage import Stage
 
@@ -159,6 +161,16 @@ class Assembly:
                     updater.tied = [p for _, p in entries if p.requires_grad]
             self.tie_exchange = TieExchange(tied, n_stages, self.rank_of, tie_transport, set(ranks))
             self.tie_exchange.align()
+        if tied:  # the pipeline's clipping norm counts a shared weight on its first stage
+            for k, entries in tied.items():
+                updater = self.stages[k].updater
+                if updater is not None:
+                    updater.tied_elsewhere = [
+                        p for tie, p in entries if p.requires_grad and tie.stages[0] != k
+                    ]
+        self.norm_board = self._norm_board()
+        """The pipeline's squared gradient norms per update, where ``grad_clip`` bounds the
+        pipeline's norm (``optim/global_clip.py``); None: each stage clips its own."""
         self._join_replicas()
         self._record_optimizer()
         self.stop_channel: StopChannel | None = None
@@ -172,6 +184,26 @@ class Assembly:
         if not self.process_model.one_process and self.stop_channel is None:
             decider = self.rank_of[self.last]  # replica 0's rank of the last stage
             self.stop_channel = StopChannel(dist.new_group(backend="gloo"), decider)
+
+    def _norm_board(self) -> NormBoard | None:
+        """The board of the pipeline's clipping norm; under dist over a process group of
+        this replica's pipeline ranks made for it (every process makes every replica's, in
+        order: ``new_group`` is a collective of the world)."""
+        stage = self.options.stage
+        if stage.grad_clip is None or stage.clip_scope != "pipeline":
+            return None
+        if self.process_model.one_process:
+            return NormBoard(sorted(set(self.rank_of.values())))
+        d, p = self.replicas.replicas, self.replicas.pipeline_ranks
+        groups = [dist.new_group([r * p + i for i in range(p)]) for r in range(d)]
+        return NormBoard(list(range(p)), groups[self.replicas.replica])
+
+    def pipeline_clip(self, rank: int) -> PipelineClip | None:
+        """Rank ``rank``'s side of clipping by the pipeline's norm (None: per stage)."""
+        grad_clip = self.options.stage.grad_clip
+        if self.norm_board is None or grad_clip is None:
+            return None
+        return PipelineClip(self.norm_board, grad_clip, rank)
 
     def _tie_transport(self) -> DistTransport | None:
         """The messages of weights shared across stages, over a process group of their own
@@ -211,6 +243,7 @@ class Assembly:
             return
         self.replicas.broadcast_weights([s.module for s in self.stages.values()])
         for stage in self.stages.values():
+            stage.replicas = self.replicas.replicas
             stage.grad_sync = GradientAverager(group, self.replicas.replicas)
             if BufferBroadcast.needed(stage.module):
                 stage.buffer_sync = BufferBroadcast(group, stage.module)

@@ -77,6 +77,7 @@ TREE_FLAGS = {
     "timeout": "--timeout",
     "amp": "--amp",
     "grad_clip": "--grad-clip",
+    "clip_scope": "--clip-scope",
     "checkpoint_dir": "--checkpoint-dir",
     "checkpoint_every": "--checkpoint-every",
     "keep_checkpoints": "--keep-checkpoints",
@@ -148,6 +149,8 @@ class TrainConfig:
     """``--amp``: ``PrecisionOptions.amp``."""
     grad_clip: float | None = option_default("grad_clip")
     """``--grad-clip``: ``OptimizerOptions.grad_clip``."""
+    clip_scope: str | None = option_default("clip_scope")
+    """``--clip-scope``: ``OptimizerOptions.clip_scope``."""
     keep_checkpoints: int = option_default("keep_checkpoints")
     """``--keep-checkpoints``: ``CheckpointOptions.keep_checkpoints``."""
     checkpoint_format: str = option_default("checkpoint_format")
@@ -212,7 +215,9 @@ class TrainConfig:
             plan=self.plan,
             seed=self.seed,
             schedule=ScheduleOptions(forwards_first=self.forwards_first),
-            optim=OptimizerOptions(grad_clip=self.grad_clip),  # the optimizer: the plan's
+            optim=OptimizerOptions(
+                grad_clip=self.grad_clip, clip_scope=self.clip_scope
+            ),  # the optimizer: the plan's
             precision=PrecisionOptions(amp=self.amp),
             memory=MemoryOptions(recompute=recompute),
             comm=CommOptions(transport=self.transport, device=self.device, timeout=self.timeout),

@@ -12,7 +12,9 @@ blocks on receives. The code that touches stages and tensors is the same in both
 a multi-process run computes bit for bit what the single-process one does.
 
 Data enters at stage 0 from a :class:`~pipeoptim.runtime.feed.TrainFeed`; the targets of
-each micro-batch travel from stage 0's rank to the last stage's as a ``target`` message.
+each micro-batch travel from stage 0's rank to the last stage's as a ``target`` message,
+with the mini-batch's counted targets as its second tensor (the micro-batch's loss is its
+share of the mini-batch's token mean: ``stage.loss.token_share``).
 What crosses a stage boundary is one tensor or a tuple of them (:data:`Boundary`); a tuple
 travels as one message of several tensors, and its gradient as the tensors of its
 floating-point ones (integer masks take no gradient).
@@ -54,6 +56,7 @@ from pipeoptim.runtime.payload import (
     boundary_refusal,
     to_device,
 )
+from pipeoptim.runtime.pipeline_clip import PipelineClip
 from pipeoptim.runtime.rank_messages import RankMessages
 from pipeoptim.runtime.rank_result import RankResult
 from pipeoptim.runtime.recorder import Recorder
@@ -136,7 +139,8 @@ class RankExecutor(RankMessages):
         self._m = 1
         self._inputs: dict[tuple[int, int], Payload] = {}  # (consuming stage, mb) -> input
         self._grads: dict[tuple[int, int], Gradients] = {}  # (consuming stage, mb) -> gradient
-        self._targets: dict[int, Tensor] = {}  # mb -> targets, first and last stage local
+        self._targets: dict[int, tuple[Tensor, Tensor | int | None]] = {}  # mb -> targets, the
+        # mini-batch's counted targets (None: evaluation), first and last stage local
         self._loss: dict[int, list[Any]] = {}  # step -> [loss, correct, parts, targets]
         self._eval: list[tuple[Payload, Tensor]] | None = None  # the chunk, on stage 0's rank
         self._eval_sizes: list[int] = []
@@ -144,6 +148,9 @@ class RankExecutor(RankMessages):
         self.eval_sums: EvalSums | None = None
         self.ties: TieExchange | None = None
         """Sums the gradients of weights shared across stages before their updates."""
+        self.clip: PipelineClip | None = None
+        """Clips the gradients by the norm over every stage (``optim/global_clip.py``);
+        None: each stage clips its own, where it clips."""
         self.wait_s = 0.0
         """Seconds this rank has waited in receives (read and reset at each log point)."""
         self.last_distance: dict[int, int] = {}
@@ -188,6 +195,8 @@ class RankExecutor(RankMessages):
             stage.begin_segment(plan.passes(k))
         self._lists = plan.actions
         self._agree(plan.actions, stops=bool(self._gates or self.post_limits))
+        if self.clip is not None:
+            self.clip.begin()
         self._post_ahead()
 
     def begin_eval(
@@ -226,9 +235,25 @@ class RankExecutor(RankMessages):
             return self.transport.ready(self._recv_key(a))
         if self._needs_target_message(a):
             return self.transport.ready(self._target_spec(a.mb)[0])
+        if a.kind is Kind.UPDATE and self.clip is not None:
+            return self._clip_ready(self._first + a.mb)
         if a.kind is Kind.UPDATE and self.ties is not None and self.ties.holds(a.stage):
             return self.ties.ready(a.stage, self._first + a.mb)
         return True
+
+    def _clip_ready(self, step: int) -> bool:
+        """In one process: this rank's updates of ``step`` wait for the pipeline's clipping
+        norm, which needs every rank's gradients (its own added here, once its shared
+        weights' partners have sent theirs)."""
+        assert self.clip is not None
+        ties = self.ties
+        if not self.clip.added(step):
+            if ties is not None and not all(
+                ties.ready(k, step) for k in self.stages if ties.holds(k)
+            ):
+                return False
+            self.clip.add(step, self.stages, ties)
+        return self.clip.ready(step)
 
     def run(self) -> None:
         """Run to the end of the segment, blocking on receives (one rank per process)."""
@@ -347,8 +372,8 @@ class RankExecutor(RankMessages):
             step, j = divmod(mb, self._m)
             g = self._first + step
             x = self._stage_input(k, mb, lambda: self._feed().micro_batch(g, j))
-            y = self._take_target(mb) if stage.is_last else None
-            out = stage.forward(mb, x, y)
+            y, counted = self._take_target(mb) if stage.is_last else (None, None)
+            out = stage.forward(mb, x, y, counted)
             if y is not None:
                 assert isinstance(out, Tensor)  # the last stage returns its loss
                 self._record_loss(g, out, stage.correct, y.numel())  # numel: a shape, no sync
@@ -379,9 +404,13 @@ class RankExecutor(RankMessages):
                 self._grads[(k - 1, mb)] = g_in
             return stage.version_base(self._first) + stage.versions(mb).backward_version, 0, 0
         version = stage.version_base(self._first) + stage.version
-        if self.ties is not None and self.ties.holds(k):
-            self.ties.exchange(k, self._first + mb)
-        stage.update()
+        if self.clip is not None:  # clipped by the pipeline's norm (``global_clip.py``)
+            self.clip.add(self._first + mb, self.stages, self.ties)
+            stage.update(self.clip.factor(self._first + mb))
+        else:
+            if self.ties is not None and self.ties.holds(k):
+                self.ties.exchange(k, self._first + mb)
+            stage.update()
         log = self.on_log_update
         due = (mb + 1) % self.log_every == 0 and mb + 1 < self._steps
         if log is not None and due and k == min(self.stages):
@@ -420,10 +449,13 @@ class RankExecutor(RankMessages):
         if k > 0:
             return self._inputs.pop((k, mb))
         x, y = read()
+        # training targets carry the mini-batch's counted targets (``loss.token_share``)
+        step = self._first + mb // self._m
         if self.last in self.stages:
-            self._targets[mb] = y
+            self._targets[mb] = (y, None if self.evaluating else self._feed().counted_here(step))
         elif self.evaluating or not self.targets_read:
-            self.transport.send(y, self.rank_of[self.last], self._target_spec(mb)[0])
+            message = y if self.evaluating else (y, self._feed().counted(step))
+            self.transport.send(message, self.rank_of[self.last], self._target_spec(mb)[0])
         return x
 
     def _forward_eval(self, stage: Stage, mb: int) -> None:
@@ -433,7 +465,7 @@ class RankExecutor(RankMessages):
         if not stage.is_last:
             self._inputs[(k + 1, mb)] = self._fits_boundary(stage, mb, out)
             return
-        y = self._take_target(mb)
+        y, _ = self._take_target(mb)
         n = self._size(mb)
         loss = stage.loss(out, y, f"evaluation batch {self._eval_first + mb}").detach()
         correct = stage.count_correct(out, y)

@@ -3,7 +3,9 @@
 Only the rank that holds stage 0 reads the data. It gives each micro-batch's inputs to
 stage 0 and sends its targets to the rank of the last stage (one small extra message per
 micro-batch, the size of the targets: for classification B/M integers, for a language model
-B/M x T of them, both tiny next to the activations). No other rank touches the data, so a
+B/M x T of them, both tiny next to the activations), with the whole mini-batch's count of
+counted targets as the message's second tensor (:meth:`TrainFeed.counted`: the last stage
+weighs each micro-batch's loss by its share of it). No other rank touches the data, so a
 ``DataLoader`` with workers runs once, not once per rank, and the ranks cannot disagree about
 what a batch holds.
 
@@ -38,6 +40,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.replicas import check_batch_split
 from pipeoptim.runtime.payload import Payload, batch_len, describe, split, to_device
+from pipeoptim.runtime.stage.loss import counted_targets
 
 __all__ = [
     "BatchSpec",
@@ -358,6 +361,8 @@ class TrainFeed:
             self._read()
         self._step = -1
         self._parts: tuple[list[Payload], tuple[Tensor, ...]] = ([], ())
+        self._counted = torch.zeros(1, dtype=torch.int64)
+        self._counted_host: int | None = None
 
     def peek(self) -> tuple[Payload, Tensor]:
         """The next batch, not consumed (the run's first batch fixes the BatchSpec)."""
@@ -397,6 +402,14 @@ class TrainFeed:
                 raise RuntimeError(f"the feed was asked for step {step}, next is {self._next}")
             x, y = self._read()
             m = self.micro_batches
+            # the whole mini-batch's (every replica's) counted targets, read before the split
+            # and on the host where the data is: the last stage weighs each micro-batch's
+            # loss by its share of them (``stage.loss.token_share``)
+            counted = counted_targets(y)
+            self._counted = counted.to(self.device, non_blocking=True)
+            # read on the host where the batch is there (no device sync): the last stage in
+            # this process then decides its weighting on the host
+            self._counted_host = int(counted) if counted.device.type == "cpu" else None
             if self.replicas > 1:  # this replica's shard, before it moves to the device
                 x, y = (
                     split(x, self.replicas)[self.replica],
@@ -407,6 +420,20 @@ class TrainFeed:
             self._parts = (split(x, m), y.tensor_split(m))
             self._step, self._next = step, step + 1
         return self._parts[0][j], self._parts[1][j]
+
+    def counted(self, step: int) -> Tensor:
+        """The counted (not ignored) targets of global step ``step``'s whole mini-batch, over
+        every replica: a one-element int64 tensor on the device, which travels to the last
+        stage with each micro-batch's targets. Read after :meth:`micro_batch` of that step."""
+        if step != self._step:
+            raise RuntimeError(f"the feed holds step {self._step}, asked for {step}'s count")
+        return self._counted
+
+    def counted_here(self, step: int) -> Tensor | int:
+        """:meth:`counted` for a last stage in this process: an int where the batch was read
+        on the host (free to read), else the device tensor."""
+        counted = self.counted(step)
+        return counted if self._counted_host is None else self._counted_host
 
 
 class EvalReader:

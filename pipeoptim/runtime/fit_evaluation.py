@@ -127,6 +127,7 @@ class FitEvaluation(FitWatching):
                 )
             )
             self._executors[-1].ties = p.tie_exchange
+            self._executors[-1].clip = p.pipeline_clip(rank)
 
     def _drive(self) -> None:
         """Run every rank of this process to the end of the current schedule."""

@@ -71,7 +71,7 @@ class RankMessages:
     _m: int
     _inputs: dict[tuple[int, int], Payload]
     _grads: dict[tuple[int, int], Gradients]
-    _targets: dict[int, Tensor]
+    _targets: dict[int, tuple[Tensor, Tensor | int | None]]
     _eval_sizes: list[int]
     _eval_first: int
     _gates: list[tuple[int, int]]
@@ -86,24 +86,33 @@ class RankMessages:
             return False
         return a.kind is Kind.FORWARD and a.stage == self.last and 0 not in self.stages
 
-    def _take_target(self, mb: int) -> Tensor:
+    def _take_target(self, mb: int) -> tuple[Tensor, Tensor | int | None]:
+        """Micro-batch ``mb``'s targets and, in training, the counted targets of its whole
+        mini-batch (``loss.token_share``), whichever way they reach the last stage."""
         if mb in self._targets:
-            y = self._targets.pop(mb)
-        elif self.target_feed is not None and not self.evaluating:
+            return self._targets.pop(mb)
+        if self.target_feed is not None and not self.evaluating:
             step, j = divmod(mb, self._m)
             y = self.target_feed.micro_batch(self._first + step, j)[1]
-        else:
-            y = self.transport.recv(*self._target_spec(mb))
-        return y
+            return y, self.target_feed.counted_here(self._first + step)
+        spec = self._target_spec(mb)
+        if len(spec) == 4:
+            return self.transport.recv(*spec), None
+        y, counted = self.transport.recv_parts(*spec)
+        # on the CPU reading it costs nothing, and the weighting is decided on the host
+        return y, int(counted) if counted.device.type == "cpu" else counted
 
-    def _target_spec(self, mb: int) -> tuple[MessageKey, int, tuple[int, ...], torch.dtype]:
-        key: MessageKey = (
-            ("eval_target", self.last, self._eval_first + mb)
-            if self.evaluating
-            else ("target", self.last, self._global(mb))
-        )
+    def _target_spec(self, mb: int) -> RecvSpec:
+        """The target message of micro-batch ``mb``: in training the targets and the
+        mini-batch's counted targets (one int64), a tuple message; in evaluation the
+        targets alone."""
         n = self._size(mb)
-        return key, self.rank_of[0], (n, *self.target.shape), self.target.dtype
+        shape = (n, *self.target.shape)
+        if self.evaluating:
+            key: MessageKey = ("eval_target", self.last, self._eval_first + mb)
+            return key, self.rank_of[0], shape, self.target.dtype
+        parts: Parts = ((shape, self.target.dtype), ((1,), torch.int64))
+        return ("target", self.last, self._global(mb)), self.rank_of[0], parts
 
     def _size(self, mb: int) -> int:
         return self._eval_sizes[mb] if self.evaluating else self.micro_size
@@ -276,4 +285,8 @@ class RankMessages:
                 else:
                     self.transport.post_recv_parts(*spec)
             elif self._needs_target_message(a):
-                self.transport.post_recv(*self._target_spec(a.mb))
+                target = self._target_spec(a.mb)
+                if len(target) == 4:
+                    self.transport.post_recv(*target)
+                else:
+                    self.transport.post_recv_parts(*target)

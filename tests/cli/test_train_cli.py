@@ -97,7 +97,10 @@ def test_schedule_precision_and_clipping_flags(capsys: pytest.CaptureFixture[str
     code, out, _ = run_cli([*args, "--grad-clip", "0.5", "--max-steps", "8", "--json"], capsys)
     assert code == 0
     data = json.loads(out)
-    assert (data["end_step"], data["notes"]) == (8, [])
+    assert data["end_step"] == 8
+    # the only note says whose norm is clipped (issue 63 item 4)
+    assert [n.split(":")[0] for n in data["notes"]] == ["gradient clipping at 0.5"]
+    assert "clip_scope='stage'" in data["notes"][0]  # the default method is asynchronous
     assert data["eval"]["samples"] == 359 and 0.0 < data["eval"]["accuracy"] <= 1.0
 
 
@@ -159,6 +162,10 @@ def test_user_model_example(capsys: pytest.CaptureFixture[str]) -> None:
         (["--amp", "fp16", "--device", "cpu"], "amp='fp16' needs a CUDA device"),
         (["--lr-schedule", "warmup-cosine", "--warmup", "5"], "--warmup 5 is not shorter"),
         (["--grad-clip", "0"], "--grad-clip must be positive"),
+        (
+            ["--method", "pipedream+bounded", "--grad-clip", "1", "--clip-scope", "pipeline"],
+            "a bounded delay), so no mini-batch's gradient leaves every stage",
+        ),
         (["--transport", "dist", "--forwards-first"], "drop --forwards-first"),
         (
             ["--method", "pipedream+nesterov", "--optimizer", "rmsprop"],

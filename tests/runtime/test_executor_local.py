@@ -172,10 +172,14 @@ def test_predicted_weights_are_closer_to_the_future_than_stale_ones(
     running: dict[int, int] = {}
 
     def spy_forward(
-        self: Stage, mb: int, x: torch.Tensor, target: torch.Tensor | None = None
+        self: Stage,
+        mb: int,
+        x: torch.Tensor,
+        target: torch.Tensor | None = None,
+        counted: torch.Tensor | int | None = None,
     ) -> torch.Tensor:
         running[self.index] = mb
-        return forward(self, mb, x, target)
+        return forward(self, mb, x, target, counted)
 
     def spy_write(self: Stage, s: int) -> list[torch.Tensor]:
         """The weights the forward really runs on: what the stage wrote, read back."""

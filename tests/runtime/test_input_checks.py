@@ -585,6 +585,7 @@ CONSTRUCTOR = {
     "loss_fn": _mix([F.cross_entropy, None], (_detached, _constant, _per_sample)),
     "amp": _mix([None, None, "bf16"], ("fp16", "fp8")),
     "grad_clip": _mix([None, 1.0, 0.5]),
+    "clip_scope": _mix([None, "pipeline", "stage"], ("model",)),
     "timeout": _mix([300.0, 30]),
     "log_every": _mix([50, 1]),
     "memory_every": _mix([4, 1]),

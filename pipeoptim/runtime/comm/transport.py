@@ -36,8 +36,9 @@ __all__ = ["MessageKey", "Parts", "RecvSpec", "Transport", "describe_message"]
 
 MessageKey = tuple[str, int, int]
 """``(kind, receiving stage, micro-batch)``: kind ``act``, ``grad``, ``target`` (stage 0's rank
-to the last stage's), ``eval`` / ``eval_target`` for evaluation batches, or ``tie`` (a weight
-shared across stages: ``model/ties.py``)."""
+to the last stage's: the targets and the mini-batch's counted targets, a tuple message),
+``eval`` / ``eval_target`` for evaluation batches, or ``tie`` (a weight shared across stages:
+``model/ties.py``)."""
 
 Parts = tuple[tuple[tuple[int, ...], torch.dtype], ...]
 """The (shape, dtype) of each tensor of a tuple message, in order."""

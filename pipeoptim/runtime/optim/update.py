@@ -35,6 +35,7 @@ from pipeoptim.runtime.optim.corrections.protocol import (
     StageContext,
 )
 from pipeoptim.runtime.optim.families import TORCH_FAMILIES, torch_family
+from pipeoptim.runtime.optim.global_clip import squared_norm
 from pipeoptim.runtime.optim.predict import check_distance
 from pipeoptim.runtime.optim.sharded import (
     full_state_dict,
@@ -189,7 +190,8 @@ def build_scheduler(factory: SchedulerFactory, opt: Optimizer, stage: int) -> An
 
 class StageUpdate:
     """One stage's optimizer step with everything around it, in this order: gradient sync
-    over the replicas, unscaling and clipping, the correction's ``before_step``, the step,
+    over the replicas, unscaling (:meth:`prepare`) and clipping (by the stage's norm or by the
+    pipeline's: ``global_clip.py``), the correction's ``before_step``, the step,
     its ``after_step``, the scheduler step, ``zero_grad``."""
 
     def __init__(
@@ -222,6 +224,10 @@ class StageUpdate:
         self.tied: list[Tensor] = []
         """Weights this stage shares with other stages (``ties.py``): each is clipped on its
         own norm, which is the same on every member stage, so their copies stay equal."""
+        self.tied_elsewhere: list[Tensor] = []
+        """Those of :attr:`tied` whose first member stage is another: the pipeline's
+        clipping norm counts a shared weight once, there."""
+        self._prepared = False  # prepare() ran for the coming step
         self._note = note
         # The run's own base rates: a resume with other rates rescales the loaded ones.
         self._base_lrs = [float(g.get("initial_lr", g["lr"])) for g in optimizer.param_groups]
@@ -231,32 +237,63 @@ class StageUpdate:
         each update (:meth:`_shifted_lrs`)."""
         self._lrs_unknown = False  # the scheduler cannot be queried: lr·s it is
 
-    def step(self, params: Sequence[Tensor], delay: int, mini_batches: int = 1) -> None:
-        """Apply the accumulated gradient of ``params``: one mini-batch's, or under a
-        bounded delay the sum over ``mini_batches`` of them, which is divided into their
-        mean first (so the update, its clipping and its correction see one mini-batch's
-        scale); the scheduler then steps once per mini-batch, so the rate follows the
-        samples seen and an update uses the rate of the first mini-batch it applies."""
-        opt = self.optimizer
+    def prepare(self, params: Sequence[Tensor], mini_batches: int = 1) -> None:
+        """Make the accumulated gradient of ``params`` the one the step applies, before its
+        clipping: under a bounded delay the sum over ``mini_batches`` is divided into their
+        mean (so the update, its clipping and its correction see one mini-batch's scale),
+        the replicas average it, and fp16 loss scaling is undone where clipping or a
+        correction reads it. Called by :meth:`step`, or before it where the clipping norm
+        spans the pipeline (``global_clip.py``: the norm is read in between)."""
+        if self._prepared:
+            return
+        self._prepared = True
         if mini_batches > 1:
             grads = [p.grad for p in params if p.grad is not None]
             if grads:
                 torch._foreach_div_(grads, float(mini_batches))
-        # a shared weight is synced and clipped alone: its average and its clipping factor
-        # are then the same on every member stage (in one bucket with others, its place, and
-        # so the rounding, would differ; in one norm with others, the factor would)
-        buckets = self._buckets(params)
         if self.grad_sync is not None:  # before unscaling, clipping: replicas stay equal
-            for bucket in buckets:
+            for bucket in self._buckets(params):
                 self.grad_sync(bucket)
         scaler = self.scaler
         if scaler is not None and (self.grad_clip is not None or self.correction is not None):
-            scaler.unscale_(opt)
-        if self.grad_clip is not None:
-            for bucket in buckets:
+            scaler.unscale_(self.optimizer)
+
+    def clip_norm_squared(self, params: Sequence[Tensor], device: torch.device) -> Tensor:
+        """The squared 2-norm of the prepared gradients of ``params`` this stage counts in
+        the pipeline's norm: a weight shared with other stages only on its first member
+        stage (:attr:`tied_elsewhere` left out)."""
+        elsewhere = {id(t) for t in self.tied_elsewhere}
+        grads = [p.grad for p in params if p.grad is not None and id(p) not in elsewhere]
+        return squared_norm(grads, device)
+
+    def step(
+        self,
+        params: Sequence[Tensor],
+        delay: int,
+        mini_batches: int = 1,
+        clip: Tensor | None = None,
+    ) -> None:
+        """Apply the accumulated gradient of ``params``: one mini-batch's, or under a
+        bounded delay the sum over ``mini_batches`` of them (:meth:`prepare`); the scheduler
+        then steps once per mini-batch, so the rate follows the samples seen and an update
+        uses the rate of the first mini-batch it applies. ``clip``: the factor of the
+        pipeline's norm (``global_clip.clip_factor``) every gradient is scaled by; None: the
+        stage clips by its own norm where ``grad_clip`` is set."""
+        opt = self.optimizer
+        self.prepare(params, mini_batches)
+        self._prepared = False
+        if clip is not None:
+            grads = [p.grad for p in params if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, clip.to(grads[0].device))
+        elif self.grad_clip is not None:
+            # a shared weight is clipped alone: its clipping factor is then the same on every
+            # member stage (in one norm with others, the factor would differ)
+            for bucket in self._buckets(params):
                 nn.utils.clip_grad_norm_(bucket, self.grad_clip)
         if self.correction is not None:
             self.correction.before_step(opt, params, delay)
+        scaler = self.scaler
         if scaler is not None:
             scaler.step(opt)
             scaler.update()

@@ -39,7 +39,10 @@ class StageOptions:
     amp: str | None = None
     """Mixed precision: None, ``"bf16"`` or ``"fp16"`` (CUDA, loss scaling per stage)."""
     grad_clip: float | None = None
-    """Largest gradient norm of a stage (each stage clips its own); None: no clipping."""
+    """Largest gradient norm; None: no clipping."""
+    clip_scope: str = "stage"
+    """Whose norm ``grad_clip`` bounds: ``"pipeline"`` (every stage's gradients of one
+    mini-batch) or ``"stage"`` (each its own); resolved (``global_clip.clip_scope_of``)."""
     prediction_offset: int = 0
     """Updates added to the derived prediction distance s (predicting methods)."""
     predicted_backward: bool = False

@@ -21,6 +21,7 @@ from pipeoptim.plan.plan import OptimizerSpec
 from pipeoptim.runtime.checkpoint.formats import DEFAULT_FORMAT, FORMATS
 from pipeoptim.runtime.checkpoint.store import DEFAULT_KEEP
 from pipeoptim.runtime.comm.process_model import ProcessModel
+from pipeoptim.runtime.optim.global_clip import CLIP_SCOPES
 from pipeoptim.runtime.options.checks import (
     AMP_MODES,
     MAX_SEED,
@@ -127,8 +128,17 @@ class OptimizerOptions:
     scheduler: Callable[..., Any] | None = None
     """``scheduler(optimizer)`` called once per stage; None: constant learning rates."""
     grad_clip: float | None = None
-    """Largest gradient norm of a stage (each stage clips its own: stages update
-    independently, so there is no global norm); None: no clipping."""
+    """Largest gradient norm, as ``torch.nn.utils.clip_grad_norm_``'s ``max_norm``; whose norm
+    is ``clip_scope``'s; None: no clipping."""
+    clip_scope: str | None = None
+    """Whose gradient norm ``grad_clip`` bounds: ``"pipeline"``, the norm over every stage's
+    gradients of one mini-batch (a shared weight once), so that a synchronous method clips
+    as ``clip_grad_norm_`` does on the uncut model (one all-reduce of one number per update
+    under dist); or ``"stage"``, each stage its own norm at its own update. None: the
+    method's default, ``"pipeline"`` for synchronous methods and ``"stage"`` for
+    asynchronous ones, whose stages update at their own times (``"pipeline"`` makes each
+    stage's t-th update wait for every stage's gradient of mini-batch t; refused under a
+    bounded delay). See ``runtime/optim/global_clip.py``."""
 
     def __post_init__(self) -> None:
         optimizer = self.optimizer
@@ -145,6 +155,12 @@ class OptimizerOptions:
             raise RuntimeConfigError(
                 f"grad_clip must be {kind}, the largest gradient norm of a stage "
                 f"(got {clip!r}); e.g. grad_clip=1.0, or None for no clipping"
+            )
+        if self.clip_scope is not None and self.clip_scope not in CLIP_SCOPES:
+            raise RuntimeConfigError(
+                f"clip_scope must be one of {', '.join(CLIP_SCOPES)} or None (got "
+                f"{self.clip_scope!r}); 'pipeline' clips by the norm over every stage's "
+                f"gradients, 'stage' each stage by its own, None the method's default"
             )
         if self.scheduler is not None and not callable(self.scheduler):
             raise RuntimeConfigError(

@@ -24,6 +24,7 @@ from pipeoptim.plan.recompute import (
 from pipeoptim.runtime.comm.process_model import ProcessModel
 from pipeoptim.runtime.model.layout import stage_boundaries
 from pipeoptim.runtime.model.units import ModelUnits
+from pipeoptim.runtime.optim.global_clip import clip_scope_of
 from pipeoptim.runtime.options.built import PipelineOptions, StageOptions
 from pipeoptim.runtime.options.checks import check_offset, check_replicas, resolve_plan
 from pipeoptim.runtime.options.tree import PipelineConfig
@@ -104,6 +105,7 @@ def resolve_run(config: PipelineConfig, model: ModelUnits, labels: UnitLabels) -
         loss_fn=loss_fn,
         amp=config.precision.amp,
         grad_clip=optim.grad_clip,
+        clip_scope=clip_scope_of(method, optim.clip_scope),
         prediction_offset=run_plan.prediction_offset,
         predicted_backward=schedule.predicted_backward,
         seed=config.seed,

@@ -49,6 +49,7 @@ class StageFields:
     method: Method
     policy: WeightPolicy
     micro_batches: int
+    replicas: int
     prediction_offset: int
     loss_fn: LossFn
     first_unit: int

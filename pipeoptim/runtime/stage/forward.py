@@ -25,7 +25,7 @@ from pipeoptim.plan.versions import MicroBatchVersions
 from pipeoptim.runtime.payload import Payload, checked_payload_loss, checked_tuple
 from pipeoptim.runtime.stage.backward import StageBackward
 from pipeoptim.runtime.stage.diagnose import describe_failure
-from pipeoptim.runtime.stage.loss import count_correct
+from pipeoptim.runtime.stage.loss import count_correct, token_share
 from pipeoptim.runtime.stage.precision import unpack
 from pipeoptim.runtime.stage.prediction import StagePrediction
 from pipeoptim.runtime.stage.recompute import (
@@ -99,10 +99,18 @@ class StageForward(StageBackward, StagePrediction):
             return True
         return s == 0 and v.distance == 0 and v.forward_version == self.weights.current
 
-    def forward(self, mb: int, x: Payload, target: Tensor | None = None) -> Payload:
+    def forward(
+        self,
+        mb: int,
+        x: Payload,
+        target: Tensor | None = None,
+        counted: Tensor | int | None = None,
+    ) -> Payload:
         """Run micro-batch ``mb``; returns the (detached) output, or on the last stage the
-        loss already divided by M. ``x`` and the output may be tuples of tensors (a unit's
-        positional arguments); the floating-point ones take gradients."""
+        loss as its share of the mini-batch's token mean (``counted``: the mini-batch's
+        counted targets; :func:`~pipeoptim.runtime.stage.loss.token_share`; None: divided by
+        M). ``x`` and the output may be tuples of tensors (a unit's positional arguments);
+        the floating-point ones take gradients."""
         self.finish_backward()
         v = self.versions(mb)
         store = self.weights
@@ -211,7 +219,8 @@ class StageForward(StageBackward, StagePrediction):
                 if target is None:
                     raise RuntimeError(f"stage {self.index}: the last stage needs targets")
                 self.correct = self.count_correct(out, target)
-                out = self.loss(out, target, f"micro-batch {mb}") / self.micro_batches
+                loss = self.loss(out, target, f"micro-batch {mb}")
+                out = token_share(loss, target, self.micro_batches, counted, self.replicas)
             elif not isinstance(out, Tensor):
                 out = self._tuple_out(out)
         if self._split and shape_key not in by_shape:

@@ -18,12 +18,17 @@ __all__ = [
     "LossFn",
     "checked_loss",
     "count_correct",
+    "counted_targets",
     "evaluation_weight",
     "nothing_counted_is_zero",
+    "token_share",
 ]
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
-"""(output of the last stage, targets) -> scalar loss (the mean over the micro-batch)."""
+"""(output of the last stage, targets) -> scalar loss: the mean over the micro-batch's counted
+targets (integer targets equal to :data:`IGNORE_INDEX` are not counted, as
+``F.cross_entropy``'s default ``reduction="mean"`` does), or for other targets the mean over
+the micro-batch. See :func:`token_share` for how micro-batches add up."""
 
 IGNORE_INDEX = -100
 """The target id a token-mean loss skips: ``F.cross_entropy``'s and ``F.nll_loss``'s default
@@ -70,6 +75,55 @@ def evaluation_weight(target: Tensor, samples: int) -> Tensor | int:
     per_sample = max(1, target.numel() // max(1, samples))
     counted = (target != IGNORE_INDEX).sum(dtype=torch.float64) / per_sample
     return counted.float()
+
+
+def token_targets(target: Tensor) -> bool:
+    """Whether ``target`` holds token ids (integer class targets), of which those equal to
+    :data:`IGNORE_INDEX` are ignored; float and bool targets are values, all counted."""
+    return not (target.is_floating_point() or target.dtype == torch.bool)
+
+
+def counted_targets(target: Tensor) -> Tensor:
+    """The targets a token-mean loss counts (those not :data:`IGNORE_INDEX`; every target
+    where the targets are not token ids), as a one-element int64 tensor where ``target``
+    is. No host sync."""
+    if not token_targets(target):
+        return torch.full((1,), target.numel(), dtype=torch.int64, device=target.device)
+    return (target != IGNORE_INDEX).sum(dtype=torch.int64).reshape(1)
+
+
+def token_share(
+    loss: Tensor,
+    target: Tensor,
+    micro_batches: int,
+    counted: Tensor | int | None,
+    replicas: int = 1,
+) -> Tensor:
+    """A micro-batch's ``loss`` (its mean over its counted targets) as its share of the
+    mini-batch's token mean: ``loss x its counted targets / the mini-batch's``, so that the
+    M micro-batches' shares add up to (sum of token losses) / (counted targets), M = 1's
+    loss, and their gradients to its gradient. ``counted``: the whole mini-batch's counted
+    targets over its ``replicas`` data-parallel shares (each replica's gradient is then
+    the replicas' mean: the share is scaled by D). Where nothing is ignored (or the targets
+    are not token ids, or ``counted`` is None) every share is 1/M and the loss is divided
+    by M exactly as the mean of micro-batch means always was, bit for bit. On the device:
+    no host sync; a count known on the host (an int: the batch was counted where it was
+    read, in this process) decides there, at no cost where nothing is ignored."""
+    mean_of_means = loss / micro_batches
+    if counted is None or not token_targets(target) or target.numel() == 0:
+        return mean_of_means
+    full = target.numel() * micro_batches * replicas
+    if isinstance(counted, int):
+        if counted == full:
+            return mean_of_means
+        mine = (target != IGNORE_INDEX).sum()
+        return (loss.float() * (mine * (replicas / max(counted, 1)))).to(loss.dtype)
+    total = counted.reshape(()).to(loss.device)
+    mine = (target != IGNORE_INDEX).sum(dtype=torch.int64)
+    weight = (mine * replicas).float() / total.clamp(min=1).float()
+    weighted = (loss.float() * weight).to(loss.dtype)
+    nothing_ignored = total == full
+    return torch.where(nothing_ignored, mean_of_means, weighted)
 
 
 def checked_scalar(loss: object) -> Tensor:

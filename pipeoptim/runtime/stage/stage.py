@@ -64,6 +64,7 @@ from pipeoptim.plan.methods import Method
 from pipeoptim.plan.versions import MicroBatchVersions, gradient_delays, prediction_distance
 from pipeoptim.runtime.optim.builder import build_stage_rule
 from pipeoptim.runtime.optim.corrections.protocol import StageContext
+from pipeoptim.runtime.optim.global_clip import clip_note
 from pipeoptim.runtime.optim.predict import WeightPredictor
 from pipeoptim.runtime.optim.prediction_closure import PredictionClosure
 from pipeoptim.runtime.optim.update import StageUpdate
@@ -105,8 +106,9 @@ class Stage(StageForward, StageState):
     The executor calls :meth:`begin_segment` with this stage's passes (local micro-batch id
     to versions) of the segment's schedule, then :meth:`forward`, :meth:`backward` (or its
     halves :meth:`backward_input` and :meth:`backward_weight`) and :meth:`update` in the
-    schedule's order. Micro-batch losses are scaled by 1/M so the
-    accumulated gradient is that of the mini-batch mean. Nothing here reads a value back to
+    schedule's order. Micro-batch losses are weighted by their share of the mini-batch's
+    counted targets (1/M where none is ignored) so the accumulated gradient is that of the
+    mini-batch's token mean (``loss.token_share``). Nothing here reads a value back to
     the host: losses and correct counts stay on the device until the caller reads them.
     """
 
@@ -141,6 +143,9 @@ class Stage(StageForward, StageState):
         """What this stage does under its method: versions, copies, predictor, A_k."""
         self.policy = self.stage_policy.versions
         self.micro_batches = micro_batches
+        self.replicas = 1
+        """D, the data-parallel replicas whose gradients are averaged (set by the assembly):
+        a micro-batch's token share is scaled by it (``loss.token_share``)."""
         self.prediction_offset = options.prediction_offset
         self.loss_fn = options.loss_fn
         self.first_unit = first_unit
@@ -148,6 +153,8 @@ class Stage(StageForward, StageState):
         self.notes: list[str] = []
         """What this stage does differently from the rule of docs/design.md ("Weight-version
         semantics"), said once each."""
+        if grad_clip is not None:  # said in the run's notes, not warned: it is the rule
+            self.notes.append(clip_note(options.clip_scope, grad_clip, method.keeps_one_version))
         self._params = [p for p in self.module.parameters() if p.requires_grad]
         self.precision = Precision(
             options.amp, self.device, stage=index, has_weights=bool(self._params)
@@ -381,13 +388,26 @@ class Stage(StageForward, StageState):
         return self._updates_before_segment
 
     # -- the update ------------------------------------------------------------------------
-    def update(self) -> None:
+    def clip_norm_squared(self) -> Tensor:
+        """The squared norm of the gradient this stage's coming update applies, as the
+        pipeline's clipping norm counts it (``optim/global_clip.py``): the gradient is made
+        final first (averaged over replicas, unscaled), and :meth:`update` applies it."""
+        self.finish_backward()
+        if self.updater is None:
+            return torch.zeros((), device=self.device)
+        mini_batches = max(1, self._backwards_since_update // self.micro_batches)
+        self.updater.prepare(self._params, mini_batches)
+        return self.updater.clip_norm_squared(self._params, self.device)
+
+    def update(self, clip: Tensor | None = None) -> None:
         """Apply the accumulated gradient with the optimizer (one update per mini-batch, or
         per A_k mini-batches under a bounded delay, on their mean gradient), then step the
         LR scheduler once per mini-batch applied. The predictor records its state through
         the optimizer's step hooks, so a step a GradScaler skips records nothing. Under data
         parallelism the buffers follow replica 0's here, where every replica has run the
-        same passes (a stage without weights updates nothing but its buffers)."""
+        same passes (a stage without weights updates nothing but its buffers). ``clip``: the
+        factor of the pipeline's clipping norm (``optim/global_clip.py``); None: the stage
+        clips by its own norm, where it clips."""
         self.finish_backward()
         if self.buffer_sync is not None:
             self.buffer_sync()
@@ -396,6 +416,7 @@ class Stage(StageForward, StageState):
         mini_batches = max(1, self._backwards_since_update // self.micro_batches)
         self._backwards_since_update = 0
         if self.updater is not None:
-            self.updater.step(self._params, self._delays.get(self.weights.current, 0), mini_batches)
+            delay = self._delays.get(self.weights.current, 0)
+            self.updater.step(self._params, delay, mini_batches, clip)
         self.weights.after_update()
         self.memory_count.updated()  # recounted when memory() is next read, not per update

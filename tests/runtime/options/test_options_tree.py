@@ -44,6 +44,7 @@ KEYWORD_DEFAULTS: dict[str, Any] = {
     "device": "auto",
     "amp": None,
     "grad_clip": None,
+    "clip_scope": None,
     "checkpoint_dir": None,
     "checkpoint_every": None,
     "timeout": 300.0,
