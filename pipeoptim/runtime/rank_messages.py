@@ -175,8 +175,7 @@ class RankMessages:
         k, mb = a.stage, a.mb
         if a.kind is Kind.FORWARD and k == 0 and self.rank_of[self.last] != holder:
             if self.evaluating or not self.targets_read:  # the targets ride with stage 0's input
-                key, _, shape, dtype = self._target_spec(mb)
-                return [(self.rank_of[self.last], (key, holder, shape, dtype))]
+                return [(self.rank_of[self.last], self._target_spec(mb))]  # from rank_of[0]
         elif a.kind is Kind.SEND_F:
             return [(self.rank_of[k + 1], self._recv_spec(Action(k + 1, Kind.RECV_F, mb)))]
         elif a.kind is Kind.SEND_B:
