@@ -103,6 +103,7 @@ class Assembly:
             self.replicas.global_rank(0),
             self.timeout,
             one_tag=options.one_tag,
+            varying_shapes=options.varying_shapes,
         )
         self.chained_probe = not self.process_model.one_process and bool(meta_units(units))
         """No rank holds the whole model (built on the meta device): the dry run goes stage

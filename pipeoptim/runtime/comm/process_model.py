@@ -56,13 +56,15 @@ class ProcessModel(str, Enum):
         timeout: float,
         *,
         one_tag: bool = False,
+        varying_shapes: bool = False,
     ) -> dict[int, Transport]:
         """This process's transport endpoint of each rank it runs: all ``num_ranks`` sharing
         a mailbox in one process, or ``own_rank``'s alone over the process group
         (``first_rank``: the process-group rank of this pipeline's rank 0), with shared
         memory between the ranks on one host where the group is gloo's (``timeout``:
         seconds a wait for a peer may last; ``one_tag``: every gloo message under one tag,
-        ``CommOptions.one_tag``)."""
+        ``CommOptions.one_tag``; ``varying_shapes``: each message carries its shape,
+        ``CommOptions.varying_shapes``)."""
         # imported here: the run configuration checks a process model without loading torch
         if self.one_process:
             from pipeoptim.runtime.comm.local import LocalTransport
@@ -87,10 +89,16 @@ class ProcessModel(str, Enum):
                     timeout=timeout,
                     ring_bytes=ring,
                     one_tag=one_tag,
+                    varying_shapes=varying_shapes,
                 )
             }
         return {
             own_rank: DistTransport(
-                own_rank, num_ranks, device, first_rank=first_rank, one_tag=one_tag
+                own_rank,
+                num_ranks,
+                device,
+                first_rank=first_rank,
+                one_tag=one_tag,
+                varying_shapes=varying_shapes,
             )
         }

@@ -53,6 +53,7 @@ KEYWORD_DEFAULTS: dict[str, Any] = {
     "keep_checkpoints": 2,
     "targets": "send",
     "one_tag": False,
+    "varying_shapes": False,
     "store": None,
     "run_identity": None,
     "hyperparameters": None,
