@@ -76,10 +76,7 @@ class BatchSpec:
 
         x = self.input_shape
         if x and isinstance(x[0], tuple):
-            inputs: tuple[int, ...] | tuple[tuple[int, ...], ...] = tuple(
-                free(p)
-                for p in x  # type: ignore[arg-type]
-            )
+            inputs: tuple[int, ...] | tuple[tuple[int, ...], ...] = tuple(free(p) for p in x)
         else:
             inputs = free(x)  # type: ignore[arg-type]
         return replace(self, input_shape=inputs, target_shape=free(self.target_shape))
