@@ -112,8 +112,8 @@ class BatchSpec:
                     f"{where} has {name} of per-sample shape {a[0]} and dtype {a[1]}, but the "
                     f"first batch had {b[0]} and {b[1]}: every batch must match (pad "
                     f"sequences to one length, or turn varying shapes on: varying_shapes="
-                    f"True in the comm options, where a collate pads each batch to its own "
-                    f"longest sequence)"
+                    f"True (Pipeline or CommOptions), where a collate pads each batch to its "
+                    f"own longest sequence)"
                 )
 
 

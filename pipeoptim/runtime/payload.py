@@ -138,7 +138,7 @@ def boundary_refusal(stage: Any, where: str, got: str, want: str) -> str:
         f"message arrives (across processes a changed shape would arrive cut short or "
         f"padded with garbage), in one process as in many; where batches vary in length "
         f"(a collate that pads each batch to its longest sequence), turn varying shapes on "
-        f"(varying_shapes=True in the comm options, --varying-shapes), so each message "
+        f"(Pipeline(..., varying_shapes=True), CommOptions.varying_shapes), so each message "
         f"carries its shape; otherwise pad every batch to one length or keep the "
         f"shape-changing units within one stage"
     )

@@ -14,7 +14,7 @@ from runtime.test_boundary_shape_checks import trimming_net
 from support.padded_lm import padded_batches, padded_pipeline, single_device, tiny_gpt
 
 from pipeoptim import Pipeline
-from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.errors import RuntimeConfigError, StageError
 from pipeoptim.runtime.feed import BatchSpec
 from pipeoptim.workloads.gpt import lm_loss
 
@@ -51,6 +51,16 @@ def test_fixed_shapes_refuse_a_batch_of_another_length_with_the_fix() -> None:
         r"shape \(\d+,\) .* turn varying shapes on: varying_shapes=True",
     ):
         pipe.fit(padded_batches(4), max_steps=4)
+
+
+def test_fixed_shapes_refuse_a_boundary_that_changes_with_the_fix() -> None:
+    pipe = Pipeline(trimming_net(), method="1f1b", stages=2, micro_batches=2, device="cpu")
+    with pytest.raises(
+        StageError,
+        match=r"turn varying shapes on \(Pipeline\(\.\.\., "
+        r"varying_shapes=True\)",
+    ):
+        pipe.fit(trimmed_batches(8), max_steps=8)
 
 
 def test_a_boundary_that_changes_inside_the_model_trains_with_varying_shapes() -> None:
