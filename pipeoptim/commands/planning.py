@@ -108,6 +108,14 @@ def register(sub: Any) -> None:
     plan.add_argument("--optimizer", choices=OPTIMIZER_FAMILIES, default=None)
     plan.add_argument("--lr", type=float, default=None, help="learning rate stored in the plan")
     plan.add_argument("--batch-size", type=int, default=64, help="with --model: samples per batch")
+    plan.add_argument(
+        "--max-length",
+        type=int,
+        default=None,
+        help="plan for batches of up to this many tokens per sample (varying shapes): the "
+        "profile's activation bytes and per-sample times scale linearly from the length it "
+        "was measured at",
+    )
     plan.add_argument("--out", type=Path, default=None, help="plan JSON to write")
     plan.add_argument("--html", type=Path, default=None, help="draw the partition to this page")
     add_json_flag(plan)
@@ -245,6 +253,10 @@ def run_plan(args: argparse.Namespace) -> int:
             progress=not args.json,
             ranks=args.stages,
         )
+    if args.max_length is not None:
+        from pipeoptim.plan.sequence_length import at_length
+
+        profile = at_length(profile, args.max_length)
     if args.stages is not None:
         warning = conditions_warning(profile.device, profile.meta.get("threads"), args.stages)
         if warning:

@@ -115,6 +115,13 @@ def register(subparsers: Any) -> None:
     )
     src.add_argument("--profile", type=Path, default=None, help="per-layer profile JSON")
     p.add_argument(
+        "--max-length",
+        type=int,
+        default=None,
+        help="with --profile: simulate batches of this many tokens per sample (the profile's "
+        "activation bytes and per-sample times scale linearly from its measured length)",
+    )
+    p.add_argument(
         "--plan",
         type=Path,
         default=None,
@@ -285,6 +292,15 @@ def run(args: argparse.Namespace) -> int:
         from pipeoptim.plan.profile import Profile
 
         profile = Profile.load(args.profile)
+        if args.max_length is not None:
+            from pipeoptim.plan.sequence_length import at_length
+
+            profile = at_length(profile, args.max_length)
+    elif args.max_length is not None:
+        raise PlanError(
+            "--max-length scales a profile's costs to a sequence length: give --profile FILE "
+            "(a uniform cost model has no length)"
+        )
     method_text = args.method or (plan.method if plan is not None else "all")
     num_ranks = args.stages if args.stages is not None else (plan.num_stages if plan else None)
     if num_ranks is None:

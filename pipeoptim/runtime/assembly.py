@@ -108,6 +108,7 @@ class Assembly:
             self.timeout,
             one_tag=options.one_tag,
             num_stages=n_stages,
+            varying_shapes=options.varying_shapes,
         )
         self.chained_probe = not self.process_model.one_process and bool(meta_units(units))
         """No rank holds the whole model (built on the meta device): the dry run goes stage

@@ -12,7 +12,11 @@ from typing import TypeAlias
 
 import torch
 
-__all__ = ["Boundary", "TensorSpec"]
+__all__ = ["VARIES", "Boundary", "TensorSpec", "loosened", "shape_fits"]
+
+VARIES = -1
+"""A per-sample dimension that may change from batch to batch (``CommOptions.
+varying_shapes``): a receive spec that holds it takes the message's shape from the message."""
 
 
 @dataclass(frozen=True)
@@ -32,3 +36,18 @@ Boundary: TypeAlias = TensorSpec | tuple[TensorSpec, ...]
 """What crosses a stage boundary, per sample: one tensor, or a tuple of them (the next
 stage's first unit takes them as its positional arguments). The gradient sent back carries
 the floating-point tensors of a tuple only."""
+
+
+def loosened(b: Boundary) -> Boundary:
+    """``b`` with every per-sample dimension :data:`VARIES` (rank and dtype kept): what a
+    receiving rank expects when shapes vary, the sender's message giving the sizes."""
+    if isinstance(b, tuple):
+        return tuple(TensorSpec((VARIES,) * len(p.shape), p.dtype) for p in b)
+    return TensorSpec((VARIES,) * len(b.shape), b.dtype)
+
+
+def shape_fits(shape: tuple[int, ...], want: tuple[int, ...]) -> bool:
+    """Whether ``shape`` is ``want``, a :data:`VARIES` dimension of ``want`` taking any size."""
+    return len(shape) == len(want) and all(
+        w in (d, VARIES) for d, w in zip(shape, want, strict=True)
+    )

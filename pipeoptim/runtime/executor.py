@@ -44,7 +44,7 @@ from torch import Tensor
 
 from pipeoptim.errors import StageError
 from pipeoptim.plan.actions import Action, Kind
-from pipeoptim.runtime.boundary import Boundary, TensorSpec
+from pipeoptim.runtime.boundary import VARIES, Boundary, TensorSpec
 from pipeoptim.runtime.comm.stop_channel import StopChannel
 from pipeoptim.runtime.comm.transport import Transport
 from pipeoptim.runtime.feed import TrainFeed
@@ -119,6 +119,10 @@ class RankExecutor(RankMessages):
         self._posts_receives = transport.posts_receives
         self.boundaries = list(boundaries)
         self.target = target
+        parts = [p for b in boundaries for p in (b if isinstance(b, tuple) else (b,))]
+        self._varying = any(VARIES in p.shape for p in parts)
+        """Shapes vary (``CommOptions.varying_shapes``): the boundaries hold free sizes."""
+        self._input_shapes: dict[tuple[int, int], tuple[int, ...]] = {}
         self.micro_size = micro_size
         self.rank_of = dict(rank_of)
         self.last = max(self.rank_of)
@@ -399,8 +403,10 @@ class RankExecutor(RankMessages):
                 if g_in is None:  # the input took no gradient; the sender still expects one
                     b = self.boundaries[k - 1]
                     assert isinstance(b, TensorSpec)  # a tuple input's gradient is a tuple
-                    shape = (self.micro_size, *b.shape)
+                    shape = self._input_shapes.pop((k, mb), (self.micro_size, *b.shape))
                     g_in = torch.zeros(shape, dtype=b.grad_dtype, device=stage.device)
+                else:
+                    self._input_shapes.pop((k, mb), None)
                 self._grads[(k - 1, mb)] = g_in
             return stage.version_base(self._first) + stage.versions(mb).backward_version, 0, 0
         version = stage.version_base(self._first) + stage.version
@@ -447,7 +453,10 @@ class RankExecutor(RankMessages):
     def _stage_input(self, k: int, mb: int, read: Callable[[], tuple[Payload, Tensor]]) -> Payload:
         """Stage 0 reads the data (and passes the targets on); other stages their input."""
         if k > 0:
-            return self._inputs.pop((k, mb))
+            x = self._inputs.pop((k, mb))
+            if self._varying and isinstance(x, Tensor) and not self.evaluating:
+                self._input_shapes[(k, mb)] = tuple(x.shape)  # for a gradient it never took
+            return x
         x, y = read()
         # training targets carry the mini-batch's counted targets (``loss.token_share``)
         step = self._first + mb // self._m

@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -39,6 +39,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.replicas import check_batch_split
+from pipeoptim.runtime.boundary import VARIES, shape_fits
 from pipeoptim.runtime.payload import Payload, batch_len, describe, split, to_device
 from pipeoptim.runtime.stage.loss import counted_targets
 
@@ -69,6 +70,20 @@ class BatchSpec:
     target_shape: tuple[int, ...]
     target_dtype: torch.dtype
 
+    def varying(self) -> BatchSpec:
+        """This spec with every per-sample dimension free (``CommOptions.varying_shapes``):
+        batches must keep their ranks and dtypes only."""
+
+        def free(shape: tuple[int, ...]) -> tuple[int, ...]:
+            return (VARIES,) * len(shape)
+
+        x = self.input_shape
+        if x and isinstance(x[0], tuple):
+            inputs: tuple[int, ...] | tuple[tuple[int, ...], ...] = tuple(free(p) for p in x)
+        else:
+            inputs = free(x)  # type: ignore[arg-type]
+        return replace(self, input_shape=inputs, target_shape=free(self.target_shape))
+
     @classmethod
     def of(cls, x: Payload, y: Tensor) -> BatchSpec:
         if isinstance(x, Tensor):
@@ -95,12 +110,23 @@ class BatchSpec:
                 (self.target_shape, self.target_dtype),
             ),
         ):
-            if a != b:
+            if a[1] != b[1] or not _shapes_fit(a[0], b[0]):
                 raise RuntimeConfigError(
                     f"{where} has {name} of per-sample shape {a[0]} and dtype {a[1]}, but the "
                     f"first batch had {b[0]} and {b[1]}: every batch must match (pad "
-                    f"sequences to one length)"
+                    f"sequences to one length, or turn varying shapes on: varying_shapes="
+                    f"True (Pipeline or CommOptions), where a collate pads each batch to its "
+                    f"own longest sequence)"
                 )
+
+
+def _shapes_fit(got: tuple[Any, ...], want: tuple[Any, ...]) -> bool:
+    """Per-sample shapes (of one tensor, or of each of a tuple's) that fit ``want``."""
+    if want and isinstance(want[0], tuple):
+        return len(got) == len(want) and all(
+            isinstance(g, tuple) and shape_fits(g, w) for g, w in zip(got, want, strict=False)
+        )
+    return not (got and isinstance(got[0], tuple)) and shape_fits(got, want)
 
 
 def _digest(t: Tensor) -> str:
@@ -344,8 +370,11 @@ class TrainFeed:
         start_step: int,
         replicas: int = 1,
         replica: int = 0,
+        varying_shapes: bool = False,
     ) -> None:
         self.data = data
+        self.varying_shapes = varying_shapes
+        """Batches may differ in their per-sample sizes (``CommOptions.varying_shapes``)."""
         self.steps_per_epoch = steps_per_epoch
         self.micro_batches = micro_batches
         self.replicas, self.replica = replicas, replica
@@ -388,6 +417,8 @@ class TrainFeed:
         x, y = as_batch(item, where)
         if self.spec is None:
             self.spec = BatchSpec.of(x, y)
+            if self.varying_shapes:
+                self.spec = self.spec.varying()
             check_batch_split(
                 self.spec.batch_size, self.replicas, self.micro_batches, error=RuntimeConfigError
             )

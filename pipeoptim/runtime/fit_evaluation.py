@@ -18,6 +18,7 @@ from torch import Tensor
 
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.runtime import host_allocator
+from pipeoptim.runtime.boundary import VARIES, loosened
 from pipeoptim.runtime.executor import (
     Boundary,
     RankExecutor,
@@ -103,13 +104,17 @@ class FitEvaluation(FitWatching):
         if self.spec is None:
             self.boundaries = info["boundaries"]
             self._target = TensorSpec(spec.target_shape, spec.target_dtype)
-            self.spec = spec
+            self.spec = spec.varying() if self.parts.options.varying_shapes else spec
             self._build_executors()
         self.spec = replace(self.spec, batch_size=spec.batch_size)
 
     def _build_executors(self) -> None:
         assert self.boundaries is not None and self._target is not None
         p = self.parts
+        boundaries, target = self.boundaries, self._target
+        if p.options.varying_shapes:  # the receives take their sizes from the messages
+            boundaries = [loosened(b) for b in boundaries]
+            target = TensorSpec((VARIES,) * len(target.shape), target.dtype)
         for rank in sorted(p.transports):
             mine = {k: s for k, s in p.stages.items() if p.rank_of[k] == rank}
             self._executors.append(
@@ -117,8 +122,8 @@ class FitEvaluation(FitWatching):
                     rank,
                     mine,
                     p.transports[rank],
-                    boundaries=self.boundaries,
-                    target=self._target,
+                    boundaries=boundaries,
+                    target=target,
                     micro_size=1,
                     rank_of=p.rank_of,
                     recorder=self.recorder,

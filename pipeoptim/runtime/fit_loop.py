@@ -82,6 +82,7 @@ class FitLoop(FitEvaluation):
                 start_step=start,
                 replicas=replicas.replicas,
                 replica=replicas.replica,
+                varying_shapes=parts.options.varying_shapes,
             )
 
         def read_first() -> dict[str, Any]:

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from pipeoptim.errors import StageError
+from pipeoptim.runtime.boundary import shape_fits
 from pipeoptim.runtime.stage.loss import (
     LossFn,
     checked_loss,
@@ -92,7 +93,7 @@ def boundary_mismatch(
             not isinstance(spec, tuple)
             and out.dim() > 0
             and out.shape[0] == n
-            and out.shape[1:] == spec.shape
+            and shape_fits(tuple(out.shape[1:]), spec.shape)
             and out.dtype == spec.dtype
         ):
             return None
@@ -100,7 +101,10 @@ def boundary_mismatch(
         isinstance(spec, tuple)
         and len(out) == len(spec)
         and all(
-            t.dim() > 0 and t.shape[0] == n and t.shape[1:] == p.shape and t.dtype == p.dtype
+            t.dim() > 0
+            and t.shape[0] == n
+            and shape_fits(tuple(t.shape[1:]), p.shape)
+            and t.dtype == p.dtype
             for t, p in zip(out, spec, strict=True)
         )
     ):
@@ -132,10 +136,11 @@ def boundary_refusal(stage: Any, where: str, got: str, want: str) -> str:
         f"where the dry run gave {want}: what crosses a stage boundary keeps the shape "
         f"the first batch gave it, since the receiving rank allocates that before the "
         f"message arrives (across processes a changed shape would arrive cut short or "
-        f"padded with garbage), in one process as in many; pad every batch to one length "
-        f"(e.g. a tokenizer's padding='max_length') rather than trimming it in the model, "
-        f"or keep the shape-changing units within one stage (the shape that leaves the "
-        f"stage fixed)"
+        f"padded with garbage), in one process as in many; where batches vary in length "
+        f"(a collate that pads each batch to its longest sequence), turn varying shapes on "
+        f"(Pipeline(..., varying_shapes=True), CommOptions.varying_shapes), so each message "
+        f"carries its shape; otherwise pad every batch to one length or keep the "
+        f"shape-changing units within one stage"
     )
 
 

@@ -610,6 +610,8 @@ CONSTRUCTOR = {
     "callbacks": _mix([None, [], [Callback()]], ("on_step_end", [object()], 7)),
     "tune_allocator": _mix([True, False], ("yes", 1, None)),
     "forwards_first": _mix([False, True], ("yes", 1, None)),
+    "varying_shapes": _mix([False, True], ("yes", 1, None)),
+    "one_tag": _mix([False, True], ("yes", 1, None)),
     "options": _mix(
         [None, PipelineConfig(), PipelineConfig(seed=3, observe=ObserveOptions(log_every=1))],
         ({"stages": 2}, 5),

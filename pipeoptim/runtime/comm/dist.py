@@ -15,6 +15,15 @@ ends: ``rank_messages.RankMessages.agreed_order``), and a receive posts every re
 it in that order first, each into its own buffer. The parts of a tuple are posted in order
 on both sides. Ranks that were given no order for a peer (the tied weights' own group) post
 in call order, which their exchange keeps alike on both ends.
+
+Varying shapes (``CommOptions.varying_shapes``): every message between stages (not the tied
+weights') is sent as a header first, an int64 tensor of the sizes of each of its tensors,
+then the tensors. A receive posted ahead posts the header only; the data's receive is posted
+once the header is in (at the receive, or earlier where a later message of the same sender
+is waited for). Ordered, the header and its data are two messages in the agreed order: once
+a header is posted, nothing more from that sender is posted ahead until its data's receive
+is, so both ends post in one order. Gradients carry a header too, one uniform rule rather
+than the sender of the activation sizing them (a message of a few bytes per message).
 """
 
 from __future__ import annotations
@@ -63,8 +72,11 @@ class DistTransport(Transport):
         group: dist.ProcessGroup | None = None,
         one_tag: bool = False,
         tag_stages: int | None = None,
+        varying_shapes: bool = False,
     ) -> None:
         self.rank = rank
+        self.varying_shapes = varying_shapes
+        """Each message between stages carries its sizes in a header sent first."""
         self.device = device
         self._group = group
         """The process group the messages go over (None: the default one); peers are still
@@ -84,6 +96,11 @@ class DistTransport(Transport):
         with ``one_tag``, ``CommOptions.one_tag``)."""
         self._order: dict[int, deque[RecvSpec]] = {}
         """Per sending rank, the receives not yet posted, in the order it sends them."""
+        self._headers: dict[MessageKey, tuple[dist.Work, Tensor, RecvSpec]] = {}
+        """Varying shapes: the headers posted whose data's receive is not yet."""
+        self._blocked: dict[int, MessageKey] = {}
+        """Ordered, varying shapes: per sender, the message whose header is posted and whose
+        data is not (nothing after it is posted before)."""
 
     @property
     def needs_order(self) -> bool:
@@ -109,23 +126,92 @@ class DistTransport(Transport):
         """The receives of ``specs`` that this transport's process group carries."""
         return list(specs)
 
-    def _post_through(self, key: MessageKey, peer: int) -> None:
-        """Ordered: post every receive from ``peer`` up to ``key`` in the agreed order."""
+    def _posted(self, key: MessageKey) -> bool:
+        return key in self._recvs or key in self._part_recvs or key in self._headers
+
+    def _carries_shape(self, key: MessageKey) -> bool:
+        return self.varying_shapes and key[0] != "tie"
+
+    def _post_spec(self, spec: RecvSpec) -> None:
+        if self._carries_shape(spec[0]):
+            self._post_header(spec)
+        elif len(spec) == 4:
+            self._post_one(*spec)
+        else:
+            self._post_parts(*spec)
+
+    def _post_through(self, key: MessageKey, peer: int, wait: bool = True) -> None:
+        """Ordered: post every receive from ``peer`` up to ``key`` in the agreed order;
+        ``wait``: also wait for the headers on the way (varying shapes), else stop at one."""
         queue = self._order.get(peer)
         if queue is None:  # no order given for this peer: post in call order
             return
-        while key not in self._recvs and key not in self._part_recvs:
+        while not self._posted(key):
+            blocked = self._blocked.get(peer)
+            if blocked is not None:
+                if not wait:  # posting ahead: the header's wait is the receive's
+                    return
+                self._open_header(blocked)
+                continue
             if not queue:
                 raise RuntimeError(
                     f"rank {self.rank}: {describe_message(key)} from rank "
                     f"{self._first + peer} is not in the order agreed from the schedule: the "
                     f"sender's messages (RankMessages.sent_by) and this rank's receives differ"
                 )
-            spec = queue.popleft()
-            if len(spec) == 4:
-                self._post_one(*spec)
-            else:
-                self._post_parts(*spec)
+            self._post_spec(queue.popleft())
+
+    def _prepare(self, spec: RecvSpec, wait: bool) -> None:
+        """Post ``spec``'s receive (ordered: with those before it); ``wait``: this rank is
+        about to wait for it, so a header of varying shapes is waited for and the data's
+        receive posted."""
+        key, peer = spec[0], spec[1]
+        if self.ordered and peer in self._order:
+            self._post_through(key, peer, wait)
+        else:
+            self._post_spec(spec)
+        if wait and key in self._headers:
+            self._open_header(key)
+
+    def _header(self, payload: Payload) -> Tensor:
+        parts = (payload,) if isinstance(payload, Tensor) else payload
+        sizes = [d for t in parts for d in t.shape]
+        return torch.tensor(sizes, dtype=torch.int64).to(self.device)
+
+    def _post_header(self, spec: RecvSpec) -> None:
+        key, peer = spec[0], spec[1]
+        if self._posted(key):
+            return
+        ranks = [len(spec[2])] if len(spec) == 4 else [len(s) for s, _ in spec[2]]
+        buf = torch.empty(sum(ranks), dtype=torch.int64, device=self.device)
+        work = dist.irecv(buf, self._first + peer, tag=self._header_tag(key), group=self._group)
+        if work is None:  # pragma: no cover
+            raise RuntimeError(f"rank {self.rank}: irecv from rank {peer} returned no work")
+        self._headers[key] = (work, buf, spec)
+        if self.ordered:
+            self._blocked[peer] = key
+
+    def _open_header(self, key: MessageKey) -> None:
+        """Wait for ``key``'s header and post its data's receive, sized by it."""
+        work, buf, spec = self._headers.pop(key)
+        peer = spec[1]
+        self._wait(
+            work, peer, f"the sizes of {describe_message(key)} from rank {self._first + peer}"
+        )
+        sizes = [int(d) for d in buf.tolist()]
+        if len(spec) == 4:
+            self._post_one(key, peer, tuple(sizes), spec[3])
+        else:
+            parts, at = [], 0
+            for shape, dtype in spec[2]:
+                parts.append((tuple(sizes[at : at + len(shape)]), dtype))
+                at += len(shape)
+            self._post_parts(key, peer, tuple(parts))
+        if self._blocked.get(peer) == key:
+            del self._blocked[peer]
+
+    def _header_tag(self, key: MessageKey) -> int:
+        return 0 if self.ordered else _TAG_LIMIT + self._tag(key)  # above every data tag
 
     def _wire_tag(self, key: MessageKey) -> int:
         return 0 if self.ordered else self._tag(key)
@@ -140,6 +226,14 @@ class DistTransport(Transport):
         return ((mb * self._tag_stages + stage) * len(_KINDS) + _KINDS[kind]) % _TAG_LIMIT
 
     def send(self, tensor: Payload, peer: int, key: MessageKey) -> None:
+        if self._carries_shape(key):
+            header = self._header(tensor)
+            work = dist.isend(
+                header, self._first + peer, tag=self._header_tag(key), group=self._group
+            )
+            if work is None:  # pragma: no cover
+                raise RuntimeError(f"rank {self.rank}: isend to rank {peer} returned no work")
+            self._sends.append((work, header, peer, key))
         if not isinstance(tensor, Tensor):
             self._send_parts(tensor, peer, key)
             return
@@ -173,9 +267,7 @@ class DistTransport(Transport):
             del self._sends[:32]
 
     def post_recv_parts(self, key: MessageKey, peer: int, parts: Parts) -> None:
-        if self.ordered:
-            self._post_through(key, peer)
-        self._post_parts(key, peer, parts)
+        self._prepare((key, peer, parts), wait=False)
 
     def _post_parts(self, key: MessageKey, peer: int, parts: Parts) -> None:
         if key in self._part_recvs:
@@ -190,7 +282,7 @@ class DistTransport(Transport):
         self._part_recvs[key] = posted
 
     def recv_parts(self, key: MessageKey, peer: int, parts: Parts) -> tuple[Tensor, ...]:
-        self.post_recv_parts(key, peer, parts)
+        self._prepare((key, peer, parts), wait=True)
         what = f"{describe_message(key)} from rank {self._first + peer}"
         out = []
         for i, (work, buf) in enumerate(self._part_recvs.pop(key)):
@@ -201,9 +293,7 @@ class DistTransport(Transport):
     def post_recv(
         self, key: MessageKey, peer: int, shape: Sequence[int], dtype: torch.dtype
     ) -> None:
-        if self.ordered:
-            self._post_through(key, peer)
-        self._post_one(key, peer, shape, dtype)
+        self._prepare((key, peer, tuple(shape), dtype), wait=False)
 
     def _post_one(
         self, key: MessageKey, peer: int, shape: Sequence[int], dtype: torch.dtype
@@ -217,7 +307,7 @@ class DistTransport(Transport):
         self._recvs[key] = (work, buf, peer)
 
     def recv(self, key: MessageKey, peer: int, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
-        self.post_recv(key, peer, shape, dtype)
+        self._prepare((key, peer, tuple(shape), dtype), wait=True)
         work, buf, _ = self._recvs.pop(key)
         self._wait(work, peer, f"{describe_message(key)} from rank {self._first + peer}")
         return buf

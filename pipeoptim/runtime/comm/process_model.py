@@ -57,6 +57,7 @@ class ProcessModel(str, Enum):
         *,
         one_tag: bool = False,
         num_stages: int | None = None,
+        varying_shapes: bool = False,
     ) -> dict[int, Transport]:
         """This process's transport endpoint of each rank it runs: all ``num_ranks`` sharing
         a mailbox in one process, or ``own_rank``'s alone over the process group
@@ -64,7 +65,8 @@ class ProcessModel(str, Enum):
         memory between the ranks on one host where the group is gloo's (``timeout``:
         seconds a wait for a peer may last; ``one_tag``: every gloo message under one tag,
         ``CommOptions.one_tag``; ``num_stages``: the pipeline's stages, which the message
-        tags count in, where a rank holds several)."""
+        tags count in, where a rank holds several; ``varying_shapes``: each message
+        carries its shape, ``CommOptions.varying_shapes``)."""
         # imported here: the run configuration checks a process model without loading torch
         if self.one_process:
             from pipeoptim.runtime.comm.local import LocalTransport
@@ -90,6 +92,7 @@ class ProcessModel(str, Enum):
                     ring_bytes=ring,
                     one_tag=one_tag,
                     tag_stages=num_stages,
+                    varying_shapes=varying_shapes,
                 )
             }
         return {
@@ -100,5 +103,6 @@ class ProcessModel(str, Enum):
                 first_rank=first_rank,
                 one_tag=one_tag,
                 tag_stages=num_stages,
+                varying_shapes=varying_shapes,
             )
         }

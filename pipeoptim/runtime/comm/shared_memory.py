@@ -12,7 +12,9 @@ rank its peer is gone (the connection closes).
 
 What does not fit goes over gloo as before (:class:`DistTransport`): CUDA tensors, peers on
 other hosts, and messages over half a ring. Both sides decide alike, from the tensor's size,
-which receiver and sender both know.
+which receiver and sender both know; with varying shapes (``CommOptions.varying_shapes``)
+the receiver knows it only from the message, so those messages go over gloo, header first
+(:class:`DistTransport`), and the ring carries the rest (the tied weights' messages).
 
 No rank ever waits on shared memory without serving its own: while it waits for a record or
 for room in a ring, it reads every record that has reached it (copying out any it has not
@@ -132,9 +134,16 @@ class SharedMemoryTransport(DistTransport):
         ring_bytes: int = DEFAULT_RING_BYTES,
         one_tag: bool = False,
         tag_stages: int | None = None,
+        varying_shapes: bool = False,
     ) -> None:
         super().__init__(
-            rank, num_stages, device, first_rank=first_rank, one_tag=one_tag, tag_stages=tag_stages
+            rank,
+            num_stages,
+            device,
+            first_rank=first_rank,
+            one_tag=one_tag,
+            varying_shapes=varying_shapes,
+            tag_stages=tag_stages,
         )
         self._timeout = timeout
         self._ring_bytes = ring_bytes
@@ -259,6 +268,9 @@ class SharedMemoryTransport(DistTransport):
     # -- sending ----------------------------------------------------------------------------
 
     def send(self, tensor: Payload, peer: int, key: MessageKey) -> None:
+        if self._carries_shape(key):
+            super().send(tensor, peer, key)  # header first, over gloo
+            return
         if isinstance(tensor, Tensor) and tensor.device.type == "cpu":
             if self._shared(peer, tensor.nbytes, outbound=True):
                 self._write(tensor, peer, self._tag(key), key)
@@ -345,6 +357,8 @@ class SharedMemoryTransport(DistTransport):
         return [spec for spec in specs if not self._through_ring(spec)]
 
     def _through_ring(self, spec: RecvSpec) -> bool:
+        if self._carries_shape(spec[0]):
+            return False
         if len(spec) == 4:
             _, peer, shape, dtype = spec
             parts: Parts = ((shape, dtype),)
@@ -355,21 +369,21 @@ class SharedMemoryTransport(DistTransport):
     def post_recv(
         self, key: MessageKey, peer: int, shape: Sequence[int], dtype: torch.dtype
     ) -> None:
-        if not self._shared(peer, _nbytes(shape, dtype), outbound=False):
+        if not self._through_ring((key, peer, tuple(shape), dtype)):
             super().post_recv(key, peer, shape, dtype)
 
     def post_recv_parts(self, key: MessageKey, peer: int, parts: Parts) -> None:
-        if not all(self._shared(peer, _nbytes(s, d), outbound=False) for s, d in parts):
+        if not self._through_ring((key, peer, parts)):
             super().post_recv_parts(key, peer, parts)
 
     def recv(self, key: MessageKey, peer: int, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
-        if not self._shared(peer, _nbytes(shape, dtype), outbound=False):
+        if not self._through_ring((key, peer, tuple(shape), dtype)):
             return super().recv(key, peer, shape, dtype)
         what = f"{describe_message(key)} from rank {self._first + peer}"
         return self._take(peer, self._tag(key), tuple(shape), dtype, what)
 
     def recv_parts(self, key: MessageKey, peer: int, parts: Parts) -> tuple[Tensor, ...]:
-        if not all(self._shared(peer, _nbytes(s, d), outbound=False) for s, d in parts):
+        if not self._through_ring((key, peer, parts)):
             return super().recv_parts(key, peer, parts)
         what = f"{describe_message(key)} from rank {self._first + peer}"
         tags = self._part_tags(key, len(parts))

@@ -78,6 +78,8 @@ class PipelineOptions:
     """``init_weights(index, unit)`` fills a unit built on the meta device, in place."""
     one_tag: bool = False
     """Every gloo message under one tag (``CommOptions.one_tag``)."""
+    varying_shapes: bool = False
+    """Each message between stages carries its shape (``CommOptions.varying_shapes``)."""
 
 
 @dataclass(kw_only=True)

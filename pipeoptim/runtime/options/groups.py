@@ -226,6 +226,15 @@ class CommOptions:
     ranks' messages in posting order per direction, as NCCL always does (each receiver posts
     its receives in the order the schedule says the sender sends them). The same numbers as
     the default (a tag per message); a check, on CPU, of what runs over NCCL."""
+    varying_shapes: bool = False
+    """Batches may differ in their per-sample sizes (a collate that pads each batch to its
+    own longest sequence): each message between stages carries its shape (under ``dist`` a
+    small header of its sizes goes first; in one process tensors just move), and batches
+    must keep only their tensors' ranks and dtypes. Off (the default): every tensor that
+    crosses a stage boundary keeps the first batch's shape, and a batch that differs is
+    refused before it is sent, as receives are sized ahead without a header. Opt-in, since
+    one batch cannot tell whether shapes will vary, and a fixed-shape run then keeps its
+    messages (one per tensor) and its early refusal."""
 
     def __post_init__(self) -> None:
         ProcessModel.parse(self.transport)
@@ -246,6 +255,11 @@ class CommOptions:
             raise RuntimeConfigError(
                 f"one_tag must be True or False (got {self.one_tag!r}): whether every gloo "
                 f"message goes under one tag"
+            )
+        if not isinstance(self.varying_shapes, bool):
+            raise RuntimeConfigError(
+                f"varying_shapes must be True or False (got {self.varying_shapes!r}): "
+                f"whether batches may differ in their per-sample sizes"
             )
 
 

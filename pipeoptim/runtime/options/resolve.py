@@ -125,5 +125,6 @@ def resolve_run(config: PipelineConfig, model: ModelUnits, labels: UnitLabels) -
         comm.store,
         init_weights,
         one_tag=comm.one_tag,
+        varying_shapes=comm.varying_shapes,
     )
     return ResolvedRun(run_plan, method, bounds, pipeline)

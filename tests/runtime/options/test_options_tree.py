@@ -55,6 +55,7 @@ KEYWORD_DEFAULTS: dict[str, Any] = {
     "checkpoint_format": "torch-save",
     "targets": "send",
     "one_tag": False,
+    "varying_shapes": False,
     "store": None,
     "run_identity": None,
     "hyperparameters": None,
