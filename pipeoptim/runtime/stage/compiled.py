@@ -136,7 +136,7 @@ def _caller(unit: nn.Module) -> Callable[..., Any]:
     by a stage's units would recompile at every change of unit and hit that limit."""
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        return unit._call_impl(*args, **kwargs)
+        return unit._call_impl(*args, **kwargs)  # type: ignore[no-untyped-call]
 
     own = types.FunctionType(
         call.__code__.replace(), call.__globals__, call.__name__, None, call.__closure__
