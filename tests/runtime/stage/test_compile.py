@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch._inductor.config
 from torch import Tensor, nn
 from torch._dynamo.backends.debugging import aot_eager
 from torch._dynamo.backends.registry import register_backend
@@ -143,15 +144,13 @@ def test_compiling_in_place_keeps_the_state_dict_names() -> None:
         assert not any("_orig_mod" in name for name, _ in stage.module.named_parameters())
 
 
-def test_inductor_compiles_a_small_model_to_eager_losses() -> None:
-    torch.manual_seed(0)
-    layers = [nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)]
-    torch.manual_seed(0)
-    layers_again = [nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)]
-    eager = Pipeline(layers, method="1f1b", stages=2, micro_batches=2)
-    compiled = Pipeline(layers_again, method="1f1b", stages=2, micro_batches=2, compile=True)
-    expected = eager.fit(batches(2), epochs=1).losses
-    assert_close_losses(expected, compiled.fit(batches(2), epochs=1).losses, torch.float32)
+def test_inductor_trains_a_predicting_method_to_eager_losses() -> None:
+    """Inductor's kernels, on predicted weights; its dropout draws from torch's generator
+    as eager's does only with ``fallback_random`` (else it draws other masks)."""
+    eager = pipeline("pipeoptim", False).fit(batches(3), epochs=1).losses
+    with torch._inductor.config.patch(fallback_random=True):
+        compiled = pipeline("pipeoptim", True).fit(batches(3), epochs=1).losses
+    assert_close_losses(eager, compiled, torch.float32)
 
 
 @pytest.mark.parametrize(
