@@ -20,11 +20,11 @@ products (``accumulate_in_product.py``: a torch function mode the compiled graph
 see); a compiled unit's backward is one function, so a split backward's input half computes
 the unit's weight gradients too and its weight half computes them again (same values, more
 work). Inductor's random operations draw from a generator of their own (seeded from the
-stage's stream: reproducible, but not eager's numbers, unless ``torch._inductor.config.
-fallback_random``). Under autocast, a forward on another weight version than the live one saves its own
-casts of that version inside the compiled graph, where the stage cannot re-cast them: where
-the backward is to read other weights than the forward (a predicting method), that is
-refused (:func:`compile_refusal`).
+stage's stream: reproducible, but not eager's numbers, unless
+``torch._inductor.config.fallback_random``). Under autocast, a forward on another weight
+version than the live one saves its own casts of that version inside the compiled graph,
+where the stage cannot re-cast them: where the backward is to read other weights than the
+forward (a predicting method), that is refused (:func:`compile_refusal`).
 """
 
 from __future__ import annotations
