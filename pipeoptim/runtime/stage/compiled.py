@@ -17,9 +17,9 @@ again, however many versions follow (``tests/runtime/stage/test_compile.py`` cou
 
 What changes under compile: the linear layers' gradients are no longer added inside their
 products (``accumulate_in_product.py``: a torch function mode the compiled graph would not
-see); a compiled unit's backward is one function, so a split backward's input half computes
-the unit's weight gradients too and its weight half computes them again (same values, more
-work). Inductor's random operations draw from a generator of their own (seeded from the
+see); a compiled unit's backward is one function, which may compute the unit's weight
+gradients in a split backward's input half as well as in its weight half (the same values;
+the extra work is not measured here). Inductor's random operations draw from a generator of their own (seeded from the
 stage's stream: reproducible, but not eager's numbers, unless
 ``torch._inductor.config.fallback_random``). Under autocast, a forward on another weight
 version than the live one saves its own casts of that version inside the compiled graph,
