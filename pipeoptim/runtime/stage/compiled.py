@@ -19,9 +19,9 @@ What changes under compile: the linear layers' gradients are no longer added ins
 products (``accumulate_in_product.py``: a torch function mode the compiled graph would not
 see); a compiled unit's backward is one function, which may compute the unit's weight
 gradients in a split backward's input half as well as in its weight half (the same values;
-the extra work is not measured here). Inductor's random operations draw from a generator of their own (seeded from the
-stage's stream: reproducible, but not eager's numbers, unless
-``torch._inductor.config.fallback_random``). Under autocast, a forward on another weight
+the extra work is not measured here). Inductor's random operations draw from a generator
+of their own (seeded from the stage's stream: reproducible, but not eager's numbers,
+unless ``torch._inductor.config.fallback_random``). Under autocast, a forward on another weight
 version than the live one saves its own casts of that version inside the compiled graph,
 where the stage cannot re-cast them: where the backward is to read other weights than the
 forward (a predicting method), that is refused (:func:`compile_refusal`).
