@@ -257,6 +257,15 @@ def register(subparsers: Any) -> None:
         "then its backwards (the same weights bit for bit; faster on one thread at many "
         "stages, at up to one more mini-batch of activations per stage)",
     )
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="MODE|BACKEND",
+        help="torch.compile each unit once at stage build: inductor by default, or an "
+        "inductor mode (max-autotune-no-cudagraphs...) or a backend's name (aot_eager...)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_json_flag(p)
     p.set_defaults(func=handler)
@@ -371,6 +380,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         keep_checkpoints=args.keep_checkpoints or option_default("keep_checkpoints"),
         checkpoint_format=args.checkpoint_format,
         forwards_first=args.forwards_first,
+        compile=args.compile,
     )
 
 

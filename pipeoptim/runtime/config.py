@@ -39,11 +39,13 @@ from pipeoptim.runtime.options.groups import (
     CheckpointOptions,
     CommOptions,
     MemoryOptions,
+    ModelOptions,
     OptimizerOptions,
     PrecisionOptions,
     ScheduleOptions,
 )
 from pipeoptim.runtime.options.tree import PipelineConfig, option_default
+from pipeoptim.runtime.stage.compiled import compile_refusal
 
 __all__ = [
     "AMP_MODES",
@@ -83,6 +85,7 @@ TREE_FLAGS = {
     "keep_checkpoints": "--keep-checkpoints",
     "checkpoint_format": "--checkpoint-format",
     "forwards_first": "--forwards-first",
+    "compile": "--compile",
 }
 """The options of the tree that ``pipeoptim train`` sets from a flag -> that flag: the
 tree's errors name the option (``grad_clip``), the command's the flag (``--grad-clip``).
@@ -163,6 +166,8 @@ class TrainConfig:
     (``observe.loggers.spec``), each a logger of the run."""
     forwards_first: bool = option_default("forwards_first")
     """``--forwards-first``: ``ScheduleOptions.forwards_first``."""
+    compile: bool | str = option_default("compile")
+    """``--compile [MODE|BACKEND]``: ``ModelOptions.compile``."""
 
     def __post_init__(self) -> None:
         self.plan.model = self.plan.model or "mlp"
@@ -180,6 +185,15 @@ class TrainConfig:
         if spec.runs_whole_mini_batches and self.plan.micro_batches != 1:
             spec.shape(self.plan.num_stages, self.plan.micro_batches)  # the registry's error
         self.options()  # the shared options' checks: the tree's, worded with the flags
+        refusal = compile_refusal(
+            self.compile,
+            method=spec.name,
+            one_version=spec.keeps_one_version,
+            predicts=spec.predicts,
+            amp=self.amp,
+        )
+        if refusal is not None:
+            raise RuntimeConfigError(flag_worded(refusal))
         if self.lr_schedule not in LR_SCHEDULES:
             raise RuntimeConfigError(
                 f"unknown --lr-schedule {self.lr_schedule!r}; choose one of: "
@@ -214,6 +228,7 @@ class TrainConfig:
         return PipelineConfig(
             plan=self.plan,
             seed=self.seed,
+            model=ModelOptions(compile=self.compile),  # the loss: the workload's
             schedule=ScheduleOptions(forwards_first=self.forwards_first),
             optim=OptimizerOptions(
                 grad_clip=self.grad_clip, clip_scope=self.clip_scope

@@ -4,6 +4,7 @@ traceback), and the help states the defaults the run uses."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -84,3 +85,24 @@ def test_the_help_states_the_default_rate_the_run_uses(model: str, optimizer: st
     # the epilog's word on the language model matches too
     gpt = re.search(r"AdamW, lr ([0-9.e-]+) unless given", text)
     assert gpt is not None and float(gpt.group(1)) == 5e-4
+
+
+def test_compile_flag_trains_and_a_refused_combination_exits_2(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--compile BACKEND`` compiles the units (aot_eager: no C++ build); ``--compile``
+    with ``--amp`` under a predicting method is refused in one line naming the flags."""
+    code = main(["train", "--stages", "2", "--max-steps", "2", "--compile", "aot_eager", "--json"])
+    out, _ = capsys.readouterr()
+    assert code == 0, out
+    assert len(json.loads(out)["losses"]) == 2
+    code = main(["train", "--compile", "--amp", "bf16", "--max-steps", "2"])
+    _, err = capsys.readouterr()
+    assert code == 2
+    assert err.strip().endswith(
+        "--compile with --amp bf16 under pipeoptim: a predicted forward saves its casts of the "
+        "predicted weights inside the compiled graph, where the stage cannot re-cast them from "
+        "the live weights its backward is to read; drop --amp or --compile, or use a method "
+        "that does not predict (pipedream, 2bw, 1f1b)"
+    )
+    assert "Traceback" not in err

@@ -54,6 +54,8 @@ class StageOptions:
     backward instead of keeping them (absent: none; ``plan.recompute``)."""
     shard_optimizer: bool = False
     """Each stage's optimizer state is sharded across its data-parallel replicas (ZeRO-1)."""
+    compile: bool | str = False
+    """``torch.compile`` each unit once at stage build (``ModelOptions.compile``)."""
 
     def stage_seed(self, index: int) -> int:
         """The seed of stage ``index``'s own random stream."""

@@ -29,6 +29,7 @@ from pipeoptim.runtime.options.checks import (
     check_whole,
     is_whole,
 )
+from pipeoptim.runtime.stage.compiled import check_compile
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
@@ -58,7 +59,8 @@ def _check_flag(name: str, value: object) -> None:
 
 @dataclass(frozen=True)
 class ModelOptions:
-    """What the stages compute with besides the units: the loss and the initialiser."""
+    """What the stages compute with besides the units: the loss, the initialiser, and
+    whether the units are compiled."""
 
     loss_fn: Callable[..., Any] | None = None
     """``loss_fn(output, target)`` -> the mean loss, on the last stage; None: the model's
@@ -66,8 +68,14 @@ class ModelOptions:
     init_weights: Callable[..., Any] | None = None
     """``init_weights(index, unit)`` fills a unit built on the meta device, in place; None:
     the model's (a ``ModelUnits``'s)."""
+    compile: bool | str = False
+    """``torch.compile`` each unit once, in place, when its stage is built: True (inductor,
+    its default mode), an inductor mode (``"max-autotune-no-cudagraphs"``...) or a registered
+    backend's name (``"aot_eager"``, ``"eager"``...); False: eager. Checked against the
+    method and ``amp`` when the Pipeline is built (``stage/compiled.py``)."""
 
     def __post_init__(self) -> None:
+        check_compile(self.compile)
         if self.init_weights is not None and not callable(self.init_weights):
             raise RuntimeConfigError(
                 f"init_weights must be a callable (index, unit) -> None that fills a unit's "

@@ -28,6 +28,7 @@ from pipeoptim.runtime.optim.global_clip import clip_scope_of
 from pipeoptim.runtime.options.built import PipelineOptions, StageOptions
 from pipeoptim.runtime.options.checks import check_offset, check_replicas, resolve_plan
 from pipeoptim.runtime.options.tree import PipelineConfig
+from pipeoptim.runtime.stage.compiled import compile_refusal
 
 __all__ = ["ResolvedRun", "resolve_run"]
 
@@ -98,6 +99,15 @@ def resolve_run(config: PipelineConfig, model: ModelUnits, labels: UnitLabels) -
     run_plan.shard_optimizer = check_shard_optimizer(
         shard, run_plan.data_parallel, error=RuntimeConfigError
     )
+    refusal = compile_refusal(
+        config.model.compile,
+        method=method.name,
+        one_version=method.keeps_one_version,
+        predicts=method.predicts,
+        amp=config.precision.amp,
+    )
+    if refusal is not None:
+        raise RuntimeConfigError(refusal)
     optim = config.optim
     stage = StageOptions(
         optimizer=optim.optimizer if optim.optimizer is not None else run_plan.optimizer,
@@ -115,6 +125,7 @@ def resolve_run(config: PipelineConfig, model: ModelUnits, labels: UnitLabels) -
             if (units_of := recompute_units(entry, *bounds[k], labels))
         },
         shard_optimizer=run_plan.shard_optimizer,
+        compile=config.model.compile,
     )
     process_model = ProcessModel.parse(comm.transport)
     pipeline = PipelineOptions(

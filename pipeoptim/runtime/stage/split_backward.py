@@ -17,9 +17,11 @@ its ``W``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import Any, cast
 
 import torch
+import torch._functorch.config as aot_config
 from torch import Tensor, nn
 
 from pipeoptim.errors import StageError
@@ -217,7 +219,10 @@ def input_half(
         assert root_grad is not None
         half.append((root, params, root_grad))
     if targets:
-        found = torch.autograd.grad(root, targets, root_grad, retain_graph=True, allow_unused=True)
+        with _walked_twice():
+            found = torch.autograd.grad(
+                root, targets, root_grad, retain_graph=True, allow_unused=True
+            )
         if isinstance(x_in, Tensor):
             g_in = found[0] if wants_input else None
         elif wants_input:
@@ -239,6 +244,13 @@ def input_half(
 
 def weight_half(half: WeightHalf) -> None:
     """The W of one micro-batch: its weight gradients accumulate into ``.grad``."""
-    for root, params, g in half:
-        # inputs=: autograd walks only what leads to these weights (this unit).
-        torch.autograd.backward(root, g, inputs=params, retain_graph=True)
+    with _walked_twice():
+        for root, params, g in half:
+            # inputs=: autograd walks only what leads to these weights (this unit).
+            torch.autograd.backward(root, g, inputs=params, retain_graph=True)
+
+
+def _walked_twice() -> AbstractContextManager[None]:
+    """The context of a walk of a graph that is walked again: a compiled unit's backward
+    (``compiled.py``) refuses a retained graph while torch's donated buffers are on."""
+    return cast(AbstractContextManager[None], aot_config.patch(donated_buffer=False))

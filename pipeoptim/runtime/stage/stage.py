@@ -72,6 +72,7 @@ from pipeoptim.runtime.options import StageOptions
 from pipeoptim.runtime.payload import Payload
 from pipeoptim.runtime.stage.accumulate_in_product import AccumulateInProduct
 from pipeoptim.runtime.stage.chain import UnitChain, as_chain
+from pipeoptim.runtime.stage.compiled import compile_units
 from pipeoptim.runtime.stage.forward import StageForward
 from pipeoptim.runtime.stage.memory import StageMemory
 from pipeoptim.runtime.stage.precision import Precision
@@ -138,6 +139,12 @@ class Stage(StageForward, StageState):
         self.device = torch.device(device)
         # units may hand on tuples (unit(*h)); the same object, so state_dict keys stay
         self.module = as_chain(layers).to(self.device)
+        self.compiled_units = compile_units(
+            self.module,
+            options.compile,
+            retains_graph=method.stage_policy(index, num_stages).splits_backward,
+        )
+        """Units compiled in place (``compiled.py``; 0: eager)."""
         self.method = method
         self.stage_policy = method.stage_policy(index, num_stages)
         """What this stage does under its method: versions, copies, predictor, A_k."""
@@ -184,7 +191,9 @@ class Stage(StageForward, StageState):
         sends_gradient = index > 0
         in_product = (
             AccumulateInProduct(self.module)
-            if (adds_up or sends_gradient) and not self.stage_policy.splits_backward
+            if (adds_up or sends_gradient)
+            and not self.stage_policy.splits_backward
+            and not self.compiled_units  # a function mode the compiled graph would not see
             else None
         )
         self._in_product = in_product if in_product is not None and in_product.active else None

@@ -68,6 +68,7 @@ KEYWORD_DEFAULTS: dict[str, Any] = {
     "callbacks": None,
     "tune_allocator": True,
     "forwards_first": False,
+    "compile": False,
 }
 """Pipeline's keywords and their defaults before the tree (its signature then)."""
 
