@@ -594,6 +594,7 @@ CONSTRUCTOR = {
     "checkpoint_dir": _mix([None, "FRESH"], wrong=st.sampled_from([None, 1, 2.5, [1], True])),
     "checkpoint_every": _mix([None, 1, 2]),
     "keep_checkpoints": _mix([2, 1]),
+    "checkpoint_format": _mix(["torch-save", "dcp"], ("pickle", 3)),
     "transport": _mix(["local"], ("pigeon",)),
     "device": _mix(["cpu"], ("quantum",)),
     "targets": _mix(["send", "read"], ("both",)),
@@ -612,6 +613,7 @@ CONSTRUCTOR = {
     "forwards_first": _mix([False, True], ("yes", 1, None)),
     "varying_shapes": _mix([False, True], ("yes", 1, None)),
     "one_tag": _mix([False, True], ("yes", 1, None)),
+    "compile": _mix([False, False, "eager"], ("turbo", 3)),
     "options": _mix(
         [None, PipelineConfig(), PipelineConfig(seed=3, observe=ObserveOptions(log_every=1))],
         ({"stages": 2}, 5),

@@ -70,17 +70,14 @@ def padded_pipeline(method: str, **kw: Any) -> Pipeline:
 
 
 def single_device(steps: int, make_optimizer: Callable[[Any], Any] = adam) -> list[float]:
-    """The same batches on one device, each micro-batch's mean averaged over the batch's
-    ``MICRO`` micro-batches (the pipeline's loss), one optimizer step per batch."""
+    """The same batches on one device, the loss the batch's token mean (the pipeline's: its
+    micro-batches weighted by their counted targets), one optimizer step per batch."""
     model = nn.Sequential(*tiny_gpt())
     optimizer = make_optimizer(list(model.parameters()))
     losses = []
     for x, y in padded_batches(steps):
         optimizer.zero_grad()
-        parts = [
-            lm_loss(model(xj), yj) for xj, yj in zip(x.chunk(MICRO), y.chunk(MICRO), strict=True)
-        ]
-        loss = torch.stack(parts).mean()
+        loss = lm_loss(model(x), y)
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
