@@ -84,6 +84,13 @@ def register(sub: Any) -> None:
     )
     plan.add_argument("--method", default="auto", help=f"auto or one of: {', '.join(METHODS)}")
     plan.add_argument("--micro-batches", type=int, default=None, help="M (default: P)")
+    plan.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=None,
+        help="stages per rank v for --method interleaved-1f1b or interleaved-zb (default 2; "
+        "zb-v and dualpipev always hold 2)",
+    )
     plan.add_argument("--memory-cap", default=None, help="per-device memory, e.g. 8GiB")
     plan.add_argument(
         "--bandwidth",
@@ -117,6 +124,19 @@ def register(sub: Any) -> None:
 def _check_whole(flag: str, value: int, maximum: int, why: str) -> None:
     if not 1 <= value <= maximum:
         raise PlanError(f"{flag} must be between 1 and {maximum:,} (got {value:,}); {why}")
+
+
+def _check_virtual_stages(virtual_stages: int | None, method: str) -> None:
+    """--virtual-stages only with one named method that places several stages per rank."""
+    if virtual_stages is None:
+        return
+    several = [n for n, m in METHODS.items() if m.places_several_stages_per_rank]
+    if method not in several:
+        raise PlanError(
+            f"--virtual-stages {virtual_stages} sets the stages per rank of a method that "
+            f"places several on every rank, but --method is {method}; give --method one of "
+            f"{', '.join(several)}, or leave --virtual-stages out"
+        )
 
 
 def _check_batch(batch_size: int) -> None:
@@ -233,6 +253,7 @@ def run_plan(args: argparse.Namespace) -> int:
             raise PlanError(f"{flag} must be a whole number >= 1 (got {value}); e.g. {flag} 64")
     if args.model is not None:
         _check_batch(args.batch_size)
+    _check_virtual_stages(args.virtual_stages, args.method)
     if args.profile is not None:
         profile = Profile.load(args.profile)
     else:
@@ -272,6 +293,7 @@ def run_plan(args: argparse.Namespace) -> int:
         micro_batches=args.micro_batches,
         optimizer=family,
         lr=args.lr,
+        virtual_stages=args.virtual_stages,
     )
     if args.devices is not None:
         from pipeoptim.commands.plan_devices import run_device_plan
