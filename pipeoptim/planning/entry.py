@@ -174,7 +174,8 @@ def plan_for(
     ranked. ``method`` is ``"auto"`` (every method of
     :data:`~pipeoptim.plan.methods.RANKED_BY_DEFAULT`, ranked) or one method, by name or
     object (with ``stages``, one that places several stages per device too: its P x v
-    stages partitioned, :mod:`~pipeoptim.planning.several_stages`); ``model`` is the plan's model (default: the profile's).
+    stages partitioned, :mod:`~pipeoptim.planning.several_stages`); ``model`` is the plan's
+    model (default: the profile's).
     Raises :class:`PlanError` with the rule and the fix for a bad request (neither or both
     sizes, a size below 1, an unknown method) and when nothing fits."""
     limits = limits or PlanLimits()

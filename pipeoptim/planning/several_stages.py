@@ -48,7 +48,9 @@ def check_several_stages_request(method: Method, replicas: int, cluster: Cluster
         )
 
 
-def rank_peaks(result: Evaluation, costs: CostModel, method: Method, shape: Shape) -> dict[int, int]:
+def rank_peaks(
+    result: Evaluation, costs: CostModel, method: Method, shape: Shape
+) -> dict[int, int]:
     """Peak bytes of every rank, its stages together, over the simulated run ``result``
     (evaluated with ``keep_timing``)."""
     assert result.timing is not None

@@ -32,7 +32,9 @@ def test_the_cap_holds_each_rank_to_its_stages_together(method: str) -> None:
     fits = plan_for(profile, stages=2, method=method, limits=PlanLimits(memory_cap_bytes=rank_peak))
     assert fits.plan.boundaries == free.plan.boundaries
     with pytest.raises(PlanError, match="holds 2 stages that together peak at") as err:
-        plan_for(profile, stages=2, method=method, limits=PlanLimits(memory_cap_bytes=rank_peak - 1))
+        plan_for(
+            profile, stages=2, method=method, limits=PlanLimits(memory_cap_bytes=rank_peak - 1)
+        )
     assert "raise --memory-cap to at least" in str(err.value)
 
 
