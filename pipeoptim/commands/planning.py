@@ -131,7 +131,7 @@ def _check_virtual_stages(virtual_stages: int | None, method: str) -> None:
     if virtual_stages is None:
         return
     several = [n for n, m in METHODS.items() if m.places_several_stages_per_rank]
-    if method not in several:
+    if method.strip().lower() not in several:
         raise PlanError(
             f"--virtual-stages {virtual_stages} sets the stages per rank of a method that "
             f"places several on every rank, but --method is {method}; give --method one of "
@@ -225,12 +225,15 @@ def run_profile(args: argparse.Namespace) -> int:
 
 
 def _stage_rows(candidate: Candidate, profile: Profile) -> list[list[Any]]:
+    """One row per stage; where a rank holds several stages, the rank follows the stage."""
     part = candidate.partition
     assert part is not None  # only feasible candidates get here
     risk = candidate.risk
+    ranks = candidate.stage_ranks
     return [
         [
             k,
+            *([ranks[k]] if ranks else []),
             f"{a}..{b - 1}",
             b - a,
             part.stage_times[k] * 1e3,
@@ -355,6 +358,7 @@ def run_plan(args: argparse.Namespace) -> int:
         format_table(
             [
                 "stage",
+                *(["rank"] if best.stage_ranks else []),
                 "layers",
                 "count",
                 "ms per unit",

@@ -61,6 +61,9 @@ class Candidate:
     rank_peak_memory_bytes: int = 0
     """Where a rank holds several stages: the fullest rank's peak, its stages together,
     from the simulated run (0: one stage per rank, the partition's stage peak)."""
+    stage_ranks: tuple[int, ...] = ()
+    """Where a rank holds several stages: the rank of every stage, as the method places
+    them (empty: stage k on rank k)."""
     update_period_s: float = 0.0
     """Predicted steady-state seconds per mini-batch (update): global batch / throughput."""
     steady_bubble: float = 0.0

@@ -116,6 +116,7 @@ def evaluate_several_stages(
             f"use more --stages"
         )
         return Candidate(spec.name, m, None, infeasible=why, stages=p, virtual_stages=v)
+    placed = dict(zip(program.stage, program.rank_of, strict=True))
     report = program.versions()
     risk = method_risk(
         spec,
@@ -141,6 +142,7 @@ def evaluate_several_stages(
         stages=p,
         virtual_stages=v,
         rank_peak_memory_bytes=peak,
+        stage_ranks=tuple(placed[k] for k in range(stages)),
         update_period_s=batch_size / rate if rate > 0 else 0.0,
         steady_bubble=idle,
     )

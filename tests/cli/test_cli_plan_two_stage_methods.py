@@ -41,6 +41,7 @@ def test_plan_partitions_their_stages_and_simulate_runs_the_plan(
     text = capsys.readouterr().out
     assert f"{per_rank} stages on each of 2 ranks" in text
     assert "peak rank memory (its stages together)" in text
+    assert text.splitlines()[0].split()[:3] == ["stage", "rank", "layers"]
     plan = Plan.load(out)
     assert (plan.method, plan.num_stages, plan.virtual_stages) == (method, 2, per_rank)
     assert plan.boundaries is not None and len(plan.boundaries) == 2 * per_rank

@@ -26,6 +26,8 @@ def test_the_cap_holds_each_rank_to_its_stages_together(method: str) -> None:
     free = plan_for(profile, stages=2, method=method)
     best = free.best
     assert best.partition is not None and best.virtual_stages == 2
+    # placed as the method places them: a V for dualpipev, looped for interleaved-zb
+    assert best.stage_ranks == ((0, 1, 1, 0) if method == "dualpipev" else (0, 1, 0, 1))
     rank_peak = best.peak_memory_bytes
     # a rank's two stages together hold more than its fullest stage alone
     assert rank_peak > max(best.partition.stage_memory)
