@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeoptim.plan.risk_tables import packaged_path, risk_tables_json
-from pipeoptim.study.grid import StudyConfig, run_study
+from pipeoptim.study.grid import StudyConfig, run_study, with_methods
 from pipeoptim.study.report import write_study_report
 from pipeoptim.study.risk_fit import risk_tables_from_fit
 
@@ -171,6 +171,12 @@ def main() -> None:
     parser.add_argument(
         "--models", default="mlp,cnn,gpt,gpt-deep,gpt-deeper", help="comma-separated"
     )
+    parser.add_argument(
+        "--methods",
+        default=None,
+        help="comma-separated methods to train in place of each study's own (e.g. "
+        "gpipe,dualpipev,interleaved-zb); default: the study's",
+    )
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--threads", type=int, default=None, help="torch threads per run")
     parser.add_argument("--report-only", action="store_true")
@@ -183,21 +189,25 @@ def main() -> None:
     )
     args = parser.parse_args()
     models = args.models.split(",")
-    for model in models:
-        config = STUDIES[model]
+    configs = [
+        STUDIES[m] if args.methods is None else with_methods(STUDIES[m], args.methods)
+        for m in models
+    ]
+    for model, config in zip(models, configs, strict=True):
         out = args.out / model
         if not args.report_only:
             start = time.perf_counter()
             run_study(config, out, workers=args.workers, threads=args.threads)
             print(f"{model}: study ran in {time.perf_counter() - start:.0f} s")
-    write_study_report(args.out, [STUDIES[m] for m in models])
-    if set(models) == set(STUDIES):
+    write_study_report(args.out, configs)
+    if set(models) == set(STUDIES) and args.methods is None:
         write_risk_tables(args.out, args.tables)
         print(f"wrote the planner's risk tables to {args.tables}")
     else:
         print(
             f"left the planner's risk tables ({args.tables}) as they are: they are fitted "
-            f"over every model; report all of them ({','.join(STUDIES)}) to rewrite them"
+            f"over every model; report all of them ({','.join(STUDIES)}), without --methods, to "
+            f"rewrite them"
         )
 
 

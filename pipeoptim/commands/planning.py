@@ -84,6 +84,13 @@ def register(sub: Any) -> None:
     )
     plan.add_argument("--method", default="auto", help=f"auto or one of: {', '.join(METHODS)}")
     plan.add_argument("--micro-batches", type=int, default=None, help="M (default: P)")
+    plan.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=None,
+        help="stages per rank v for --method interleaved-1f1b or interleaved-zb (default 2; "
+        "zb-v and dualpipev always hold 2)",
+    )
     plan.add_argument("--memory-cap", default=None, help="per-device memory, e.g. 8GiB")
     plan.add_argument(
         "--bandwidth",
@@ -125,6 +132,19 @@ def register(sub: Any) -> None:
 def _check_whole(flag: str, value: int, maximum: int, why: str) -> None:
     if not 1 <= value <= maximum:
         raise PlanError(f"{flag} must be between 1 and {maximum:,} (got {value:,}); {why}")
+
+
+def _check_virtual_stages(virtual_stages: int | None, method: str) -> None:
+    """--virtual-stages only with one named method that places several stages per rank."""
+    if virtual_stages is None:
+        return
+    several = [n for n, m in METHODS.items() if m.places_several_stages_per_rank]
+    if method.strip().lower() not in several:
+        raise PlanError(
+            f"--virtual-stages {virtual_stages} sets the stages per rank of a method that "
+            f"places several on every rank, but --method is {method}; give --method one of "
+            f"{', '.join(several)}, or leave --virtual-stages out"
+        )
 
 
 def _check_batch(batch_size: int) -> None:
@@ -213,12 +233,15 @@ def run_profile(args: argparse.Namespace) -> int:
 
 
 def _stage_rows(candidate: Candidate, profile: Profile) -> list[list[Any]]:
+    """One row per stage; where a rank holds several stages, the rank follows the stage."""
     part = candidate.partition
     assert part is not None  # only feasible candidates get here
     risk = candidate.risk
+    ranks = candidate.stage_ranks
     return [
         [
             k,
+            *([ranks[k]] if ranks else []),
             f"{a}..{b - 1}",
             b - a,
             part.stage_times[k] * 1e3,
@@ -241,6 +264,7 @@ def run_plan(args: argparse.Namespace) -> int:
             raise PlanError(f"{flag} must be a whole number >= 1 (got {value}); e.g. {flag} 64")
     if args.model is not None:
         _check_batch(args.batch_size)
+    _check_virtual_stages(args.virtual_stages, args.method)
     if args.profile is not None:
         profile = Profile.load(args.profile)
     else:
@@ -284,6 +308,7 @@ def run_plan(args: argparse.Namespace) -> int:
         micro_batches=args.micro_batches,
         optimizer=family,
         lr=args.lr,
+        virtual_stages=args.virtual_stages,
     )
     if args.devices is not None:
         from pipeoptim.commands.plan_devices import run_device_plan
@@ -345,6 +370,7 @@ def run_plan(args: argparse.Namespace) -> int:
         format_table(
             [
                 "stage",
+                *(["rank"] if best.stage_ranks else []),
                 "layers",
                 "count",
                 "ms per unit",

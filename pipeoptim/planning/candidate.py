@@ -54,7 +54,16 @@ class Candidate:
     allreduce_s: tuple[float, ...] = ()
     """Seconds of each stage's gradient all-reduce per update (empty: no replicas)."""
     stages: int = 0
-    """Pipeline stages P (one per device of a replica)."""
+    """Pipeline ranks P (devices of a replica); each holds ``virtual_stages`` stages."""
+    virtual_stages: int = 1
+    """Stages per rank (the method's v: 2 for zb-v and dualpipev); the partition has
+    ``stages x virtual_stages`` stages."""
+    rank_peak_memory_bytes: int = 0
+    """Where a rank holds several stages: the fullest rank's peak, its stages together,
+    from the simulated run (0: one stage per rank, the partition's stage peak)."""
+    stage_ranks: tuple[int, ...] = ()
+    """Where a rank holds several stages: the rank of every stage, as the method places
+    them (empty: stage k on rank k)."""
     update_period_s: float = 0.0
     """Predicted steady-state seconds per mini-batch (update): global batch / throughput."""
     steady_bubble: float = 0.0
@@ -99,6 +108,9 @@ class Candidate:
 
     @property
     def peak_memory_bytes(self) -> int:
+        """The fullest device's peak: its stage's, or its stages' together."""
+        if self.rank_peak_memory_bytes:
+            return self.rank_peak_memory_bytes
         return self.partition.peak_memory_bytes if self.partition else 0
 
     @property

@@ -65,6 +65,9 @@ class PlanLimits:
     """The learning rate the plan stores (default: :class:`OptimizerSpec`'s)."""
     tie_tolerance: float = 0.01
     """Effective throughputs within this fraction of each other rank as equal."""
+    virtual_stages: int | None = None
+    """Stages per rank v for one named method that places several on every rank
+    (interleaved-1f1b, interleaved-zb; default: the method's, 2); None elsewhere."""
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,7 @@ def plan_from_candidate(
         method=candidate.method,
         num_stages=candidate.stages,
         micro_batches=candidate.micro_batches,
+        virtual_stages=candidate.virtual_stages,
         data_parallel=candidate.data_parallel,
         optimizer=optimizer,
         model=model,
@@ -167,8 +171,11 @@ def plan_for(
 ) -> PlanChoice:
     """The plan for ``profile`` on ``stages`` pipeline stages (one device each) or on
     ``devices`` devices (every P stages x D replicas with P x D = N), and the candidates
-    ranked. ``method`` is ``"auto"`` (every method with one stage per device, ranked) or
-    one method, by name or object; ``model`` is the plan's model (default: the profile's).
+    ranked. ``method`` is ``"auto"`` (every method of
+    :data:`~pipeoptim.plan.methods.RANKED_BY_DEFAULT`, ranked) or one method, by name or
+    object (with ``stages``, one that places several stages per device too: its P x v
+    stages partitioned, :mod:`~pipeoptim.planning.several_stages`); ``model`` is the plan's
+    model (default: the profile's).
     Raises :class:`PlanError` with the rule and the fix for a bad request (neither or both
     sizes, a size below 1, an unknown method) and when nothing fits."""
     limits = limits or PlanLimits()
@@ -232,6 +239,7 @@ def _plan_stages(
                 cluster=cluster,
                 batch_size=batch,
                 host=host,
+                virtual_stages=limits.virtual_stages,
             )
         ]
     why = explain(ranked, cap)  # raises when nothing fits
@@ -280,8 +288,10 @@ def _plan_devices(
     """:func:`plan_for` over every P x D factorisation of ``devices``."""
     if chosen is not None and chosen.places_several_stages_per_rank:
         raise PlanError(
-            f"plan search places one stage per device; {chosen.name} (several stages per "
-            f"device) is not searched; pick another --method or auto"
+            f"the search over P x D places one stage per device; {chosen.name} places "
+            f"several stages on every device, so it is planned for one replica only: plan it "
+            f"with --stages P (e.g. --stages {devices} --method {chosen.name}), or search "
+            f"--devices {devices} with --method auto"
         )
     methods: Sequence[Method] = [chosen] if chosen is not None else resolve_methods(None)
     result = search_devices(

@@ -17,6 +17,7 @@ from pipeoptim.plan.risk import method_risk
 from pipeoptim.plan.units import format_bytes
 from pipeoptim.planning.candidate import Candidate, per_unit_profile, resolve_method
 from pipeoptim.planning.memory_fit import MemoryFit, fit_memory, smallest_reach, sync_costs
+from pipeoptim.planning.several_stages import check_several_stages_request, evaluate_several_stages
 from pipeoptim.sim.collectives import Cluster, edge_links
 from pipeoptim.sim.costs import CostModel
 from pipeoptim.sim.evaluate import Evaluation, compile_method, evaluate_program
@@ -39,9 +40,12 @@ def evaluate_candidate(
     batch_size: int | None = None,
     short_run: bool = False,
     host: ProfiledHost | None = None,
+    virtual_stages: int | None = None,
 ) -> Candidate:
     """Partition for ``method`` at ``micro_batches`` and simulate it; ``optimizer`` sets
-    the convergence-risk coefficient (``risk.py``).
+    the convergence-risk coefficient (``risk.py``). A method that places several stages on
+    every rank (``virtual_stages`` of them: the method's default where None) is planned by
+    :mod:`~pipeoptim.planning.several_stages`, for one replica.
 
     ``batch_size`` is the global mini-batch (default: the profile's), shared by
     ``replicas`` replicas placed on ``cluster``; a cluster replaces
@@ -52,18 +56,31 @@ def evaluate_candidate(
     and ``host`` (default: the profile's) come resolved from the search, once for all its
     candidates."""
     spec = resolve_method(method)
-    shape = spec.shape(num_stages, spec.micro_batches_for(micro_batches), mini_batches)
-    if spec.places_several_stages_per_rank:
-        raise PlanError(
-            f"plan search places one stage per device; {spec.name} (several stages per "
-            f"device) is not searched — pick it by hand with `pipeoptim simulate`"
-        )
+    shape = spec.shape(
+        num_stages,
+        spec.micro_batches_for(micro_batches),
+        mini_batches,
+        spec.virtual_stages_for(virtual_stages),
+    )
     d, m = check_replicas(replicas, "replicas"), shape.micro_batches
     batch = profile.batch_size if batch_size is None else batch_size
-    if d > 1:  # (one replica keeps its old leniency: M need not divide the batch)
-        check_batch_split(batch, d, m)
     if cluster is None:
         cluster = Cluster(bandwidth_bytes_per_s, latency_s)
+    if spec.places_several_stages_per_rank:
+        check_several_stages_request(spec, d, cluster)
+        return evaluate_several_stages(
+            profile,
+            spec,
+            shape,
+            memory_cap_bytes=memory_cap_bytes,
+            cluster=cluster,
+            batch_size=batch,
+            optimizer=optimizer,
+            host=host if host is not None else ProfiledHost.of(profile),
+            short_run=short_run,
+        )
+    if d > 1:  # (one replica keeps its old leniency: M need not divide the batch)
+        check_batch_split(batch, d, m)
     links = (
         edge_links(num_stages, d, cluster) if d > 1 or cluster.gpus_per_node is not None else None
     )

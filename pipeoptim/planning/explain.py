@@ -52,9 +52,9 @@ def explain(ranked: Sequence[Candidate], memory_cap_bytes: int | None = None) ->
     best = feasible[0]
     cap = f" within the {format_bytes(memory_cap_bytes)} cap" if memory_cap_bytes else ""
     text = (
-        f"Run {best.method} with {best.micro_batches} micro-batch(es): predicted "
-        f"{format_rate(best.throughput)} samples/s, {describe_staleness(best)}, peak stage "
-        f"memory {format_bytes(best.peak_memory_bytes)}{cap}."
+        f"Run {best.method} with {best.micro_batches} micro-batch(es){_placement(best)}: "
+        f"predicted {format_rate(best.throughput)} samples/s, {describe_staleness(best)}, "
+        f"{_peak_words(best)} {format_bytes(best.peak_memory_bytes)}{cap}."
     )
     choice = memory_choice(best, memory_cap_bytes)
     if choice:
@@ -94,6 +94,21 @@ def explain(ranked: Sequence[Candidate], memory_cap_bytes: int | None = None) ->
             f" Not simulated (over the work limit, pipeoptim.plan.limits): {', '.join(skipped)}."
         )
     return text
+
+
+def _placement(c: Candidate) -> str:
+    """Where a rank holds several stages: how many, and that the partition balances
+    stages, not ranks (empty for one stage per rank)."""
+    if c.virtual_stages <= 1:
+        return ""
+    return (
+        f", {c.virtual_stages} stages on each of {c.stages} ranks as the method places them "
+        f"({c.stages * c.virtual_stages} stages balanced one by one)"
+    )
+
+
+def _peak_words(c: Candidate) -> str:
+    return "peak rank memory (its stages together)" if c.virtual_stages > 1 else "peak stage memory"
 
 
 def describe_staleness(c: Candidate) -> str:

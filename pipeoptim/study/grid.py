@@ -12,6 +12,7 @@ finish, so an interrupted study resumes where it stopped.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -39,12 +40,14 @@ __all__ = [
     "run_specs",
     "run_study",
     "sweep_specs",
+    "with_methods",
 ]
 
 ALL_METHODS = ("gpipe", "1f1b", "zb-h1", "pipedream", "2bw", "spectrain", "xpipe", "pipeoptim")
-"""Every method with one stage per rank (interleaved-1f1b, zb-v, dualpipev and interleaved-zb
-have gpipe's numerics, as zb-h1 does: their rows would be gpipe's; zb-h1 is in for its time
-to accuracy, the synchronous rival's)."""
+"""The methods a study trains by default: every method with one stage per rank (zb-h1 is in
+for its time to accuracy, the synchronous rival's). interleaved-1f1b, zb-v, dualpipev and
+interleaved-zb train when named (``StudyConfig.methods``, :func:`with_methods`, or
+``examples/convergence/run.py --methods``); their rows equal gpipe's, the same updates."""
 PREDICTING = frozenset(name for name, m in METHODS.items() if m.predicts)
 """Methods whose forward runs on predicted weights (the closure is measured for them)."""
 DEFAULT_RATES: dict[str, tuple[float, ...]] = {
@@ -207,6 +210,17 @@ class StudyConfig:
             grad_clip=self.grad_clip,
             trained_optimizer=trained_optimizer,
         )
+
+
+def with_methods(config: StudyConfig, names: str) -> StudyConfig:
+    """``config`` training the comma-separated ``names`` (any registered method, those
+    that place several stages per rank included) in place of its own methods."""
+    methods = tuple(name.strip() for name in names.split(",") if name.strip())
+    if not methods:
+        raise RuntimeConfigError(
+            f"--methods names no method (got {names!r}); give names by commas, e.g. gpipe,dualpipev"
+        )
+    return dataclasses.replace(config, methods=methods)
 
 
 def sweep_specs(config: StudyConfig) -> list[RunSpec]:

@@ -178,7 +178,7 @@ def test_plan_devices_prints_the_factorisations_and_why(capsys, profile: Path) -
         ),
         (
             ["--devices", "4", "--method", "interleaved-1f1b"],
-            "interleaved-1f1b (several stages per device) is not searched",
+            "plan it with --stages P (e.g. --stages 4 --method interleaved-1f1b)",
         ),
         (
             ["--devices", "4", "--global-batch", "2", "--method", "gpipe"],

@@ -274,6 +274,7 @@ COMMANDS: dict[str, dict[str, st.SearchStrategy[str] | None]] = {
         "--stages": SIZES,
         "--method": METHOD_NAMES,
         "--micro-batches": SIZES,
+        "--virtual-stages": SIZES,
         "--memory-cap": BYTES,
         "--bandwidth": BANDWIDTHS,
         "--latency": NUMBERS,
