@@ -7,8 +7,9 @@ worth recomputing; in one region with the layer before it, it frees its whole ou
 cheapest set is found by a dynamic programme over the stage's units with two states (the
 previous unit recomputed or not). Per slot, a unit ``l`` left alone keeps ``a_l``; recomputed,
 it holds ``w_l`` (its weights, where the recomputation holds Ŵ) and, where it opens a region,
-``x_l``; a stage whose last unit is left alone keeps its output ``o`` too. Among equally small sets the one with the fewest forward seconds again wins, and a
-unit that frees nothing is left alone.
+``x_l``; a stage whose last unit is left alone keeps its output ``o`` too. Among equally
+small sets the one with the fewest forward seconds again wins, and a unit that frees nothing
+is left alone.
 
 :func:`least_kept_band` prices every stage the partitioner may try at once (one numpy step
 per stage length); :func:`least_kept_units` gives the set for one stage.
