@@ -7,6 +7,8 @@ recomputation (so the planner must recompute), let the planner choose (``plan_fo
 ``pipeoptim plan`` runs), train the plan it chose for a few mini-batches in this process and
 read each stage's peak of the runtime's own byte count (weights, copies, optimizer state,
 gradients, activations: ``Stage.memory()``). The error is (counted − predicted) / predicted.
+Where the search cuts and what it recomputes may move with the measured times; the bytes
+of model and count agree for every choice (docs/fitting-in-memory.md).
 
     python benchmarks/bench_plan_memory.py                       # cnn, mlp, gpt; 1f1b, P = 2
     python benchmarks/bench_plan_memory.py --models mlp --method pipeoptim --stages 3
@@ -69,7 +71,7 @@ def plan_and_count(
     layers, data = build_model(model, 0)
     pipe = Pipeline(layers, plan=choice.plan, loss_fn=model_loss(model), memory_every=1)
     x, y = data.train_x, data.train_y
-    # own storage per batch: a view of the whole data set would be counted as all of it
+    # own storage per batch, as a data loader hands them (a saved view counts its span)
     batches = [
         (x[i * batch : (i + 1) * batch].clone(), y[i * batch : (i + 1) * batch].clone())
         for i in range(steps)

@@ -14,8 +14,8 @@ Stage memory, used here and by the partitioner (one formula for both)::
                  + optimizer_state_bytes
                  + activation_slots * activation_bytes   # stashed for in-flight backwards
 
-where ``activation_bytes`` sums the output activations of all the stage's layers for one
-batch of ``Profile.batch_size`` samples (what a backward needs).
+where ``activation_bytes`` is what the stage's layers save for the backward of one batch of
+``Profile.batch_size`` samples, with the output it sends (:mod:`pipeoptim.plan.kept_bytes`).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from pipeoptim.filecheck import (
     WholeNumber,
     check,
 )
+from pipeoptim.plan.kept_bytes import stage_kept_bytes
 from pipeoptim.plan.limits import MAX_STAGE_BYTES
 from pipeoptim.plan.profile import Profile
 
@@ -265,7 +266,7 @@ def stage_graph(
         layers = profile.layers[start:end]
         param = sum(layer.param_bytes for layer in layers)
         state = sum(layer.optimizer_state_bytes for layer in layers)
-        act = sum(layer.activation_bytes for layer in layers)
+        act = stage_kept_bytes(layers)
         graph.add_node(
             k,
             start=start,

@@ -24,6 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pipeoptim.errors import PlanError
+from pipeoptim.plan.kept_bytes import output_kept_bytes, unit_saved_bytes
 from pipeoptim.plan.limits import check_partition_size
 from pipeoptim.plan.memory_factors import MemoryFactors, resolve_factors
 from pipeoptim.plan.partition_cost import (
@@ -147,7 +148,8 @@ class _Prefixes:
         self.recompute = list(recompute) if recompute is not None else [False] * n
         self.hold = list(hold) if hold is not None else [False] * n
         self.compute: FloatArray = _prefix([la.compute_s for la in layers], np.float64)
-        self.act = np.asarray([la.activation_bytes for la in layers], dtype=np.int64)
+        self.act = np.asarray([unit_saved_bytes(la) for la in layers], dtype=np.int64)
+        self.out = np.asarray([output_kept_bytes(la) for la in layers], dtype=np.int64)
         self.param: IntArray = _prefix([la.param_bytes for la in layers], np.int64)
         d = max(1, shards)
         self.state: IntArray = _prefix(
@@ -179,6 +181,8 @@ class _Prefixes:
         out: IntArray = f[rows + 1][None, :] - f[rows][:, None]
         if self.recompute[k]:
             out = out + self.slots[k] * self._band(k, rows)[0]
+        else:  # the stage's output, kept until its backward (plan/kept_bytes.py)
+            out = out + self.slots[k] * self.out[rows][None, :]
         return out
 
 

@@ -52,6 +52,7 @@ import numpy as np
 
 from pipeoptim.errors import PlanError
 from pipeoptim.plan.graph import stage_graph, stage_memory_bytes, validate_boundaries
+from pipeoptim.plan.kept_bytes import stage_kept_bytes
 from pipeoptim.plan.memory_factors import MemoryFactors, resolve_factors
 from pipeoptim.plan.profile import Profile
 from pipeoptim.plan.recompute_costs import profile_unit_costs, stage_recompute
@@ -276,7 +277,7 @@ def evaluate_partition(
     compute, comm, memory, synced = [], [], [], []
     for k, (start, end) in enumerate(stages):
         layers = profile.layers[start:end]
-        act = sum(layer.activation_bytes for layer in layers)
+        act = stage_kept_bytes(layers)
         extra_s, held = 0.0, 0
         if units is not None and sets[k]:
             r = stage_recompute(units, start, end, sets[k])

@@ -161,6 +161,14 @@ class LayerProfile:
     backward_fixed_s: float = 0.0
     """As ``forward_fixed_s``, for the backward."""
 
+    saved_bytes: int | None = None
+    """Bytes the layer's forward saves for its backward other than its output, for one batch
+    of ``Profile.batch_size`` samples, counted as the runtime counts them (each storage's
+    saved span once, weights left out): a transformer block's attention probabilities and
+    MLP hidden, a max-pool's indices, a Linear's input. The output is booked where it is kept
+    (``plan/kept_bytes.py``). None (files from before it was measured): the memory model
+    books ``activation_bytes`` instead."""
+
     weight_grad_fraction: float = 0.5
     """Share of ``backward_s`` that computes the weight gradient (W), in [0, 1]; the rest
     computes the input gradient (I). A zero-bubble schedule runs the two apart. The
@@ -181,6 +189,9 @@ class LayerProfile:
         for name in ("activation_bytes", "param_bytes", "optimizer_state_bytes", "param_count"):
             value = _check_nonnegative_int(f"{where} {name}", getattr(self, name))
             object.__setattr__(self, name, value)
+        if self.saved_bytes is not None:
+            saved = _check_nonnegative_int(f"{where} saved_bytes", self.saved_bytes)
+            object.__setattr__(self, "saved_bytes", saved)
         for name in ("update_s", "predict_s", "forward_fixed_s", "backward_fixed_s"):
             number = _check_nonnegative_number(f"{where} {name}", getattr(self, name))
             object.__setattr__(self, name, number)
@@ -243,6 +254,7 @@ class LayerFile(TypedDict, total=False):
     forward_fixed_s: NonNegativeNumber
     backward_fixed_s: NonNegativeNumber
     weight_grad_fraction: NonNegativeNumber
+    saved_bytes: LayerBytes
 
 
 @with_config(ConfigDict(title="profile", extra="allow"))
@@ -493,7 +505,11 @@ class Profile:
             "device": self.device,
             "dtype_bytes": self.dtype_bytes,
             "meta": self.meta,
-            "layers": [asdict(layer) for layer in self.layers],
+            # a layer without saved_bytes is written as older files had it
+            "layers": [
+                {k: v for k, v in asdict(layer).items() if k != "saved_bytes" or v is not None}
+                for layer in self.layers
+            ],
         }
         if self.runtime_costs is not None:
             out["runtime_costs"] = self.runtime_costs.to_dict()

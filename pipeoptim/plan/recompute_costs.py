@@ -3,17 +3,20 @@
 Torch-free; read by the simulator's cost model (:mod:`pipeoptim.sim.costs`) and the
 partitioner (:mod:`pipeoptim.plan.partition`), so both charge one formula. For a stage
 holding units ``[start, end)`` of which the set ``R`` is recomputed (``a_l``: what unit
-``l`` keeps for its backward, the profile's ``activation_bytes``; ``x_l``: what enters it,
-``a_{l-1}``, or the model's input for unit 0; ``f_l``: its forward seconds; ``w_l``: its
-parameter bytes), per micro-batch in flight::
+``l`` saves for its backward other than its output, ``s_l`` of :mod:`pipeoptim.plan.kept_bytes`;
+``o_l``: the output a stage ending with ``l`` keeps; ``x_l``: what enters it, the output of
+``l-1`` (the profile's ``activation_bytes``), or the model's input for unit 0; ``f_l``: its
+forward seconds; ``w_l``: its parameter bytes), per micro-batch in flight::
 
     kept     = Σ_{l ∉ R} a_l + Σ_{l ∈ R, l-1 ∉ R} x_l   # held from forward to backward
+               + o_{end-1} if end-1 ∉ R                 # the output, until the backward
     rebuilt  = Σ_{l ∈ R} a_l                       # what the recomputation makes again
     extra_s  = Σ_{l ∈ R} f_l                       # one more forward of R in each backward
     held_w   = Σ_{l ∈ R} w_l                       # PREDICT: the Ŵ the recomputation must meet
 
 A run of consecutive recomputed units is one region that keeps only its first unit's input
-(the runtime's ``stage/recompute.py``), so recomputing a whole stage keeps the stage's input.
+(the runtime's ``stage/recompute.py``), so recomputing a whole stage keeps the stage's input;
+a stage whose last unit is recomputed lets its output go once sent.
 ``rebuilt`` is held from a split backward's input half I (which recomputes) to its weight
 half W; an unsplit backward frees it as it goes (the runtime counts what a stage stores
 between actions, not the transient inside one). ``held_w`` is kept per in-flight
@@ -34,6 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pipeoptim.errors import PipeoptimError, PlanError
+from pipeoptim.plan.kept_bytes import output_kept_bytes, unit_saved_bytes
 from pipeoptim.plan.profile import Profile
 from pipeoptim.plan.recompute import (
     RecomputeEntry,
@@ -73,10 +77,17 @@ class UnitCosts:
     forward_s: tuple[float, ...]
     forward_fixed_s: tuple[float, ...]
     activation_bytes: tuple[int, ...]
-    """``a_l``: what the unit keeps for its backward without recomputation."""
+    """``a_l``: what the unit keeps for its backward without recomputation, its output
+    aside."""
     input_bytes: tuple[int, ...]
     """``x_l``: what enters the unit (the previous unit's output; the model input for 0)."""
     param_bytes: tuple[int, ...]
+    output_bytes: tuple[int, ...] = ()
+    """``o_l``: what a stage ending with the unit keeps of its output (empty: 0 each)."""
+
+    def output_kept(self, unit: int) -> int:
+        """``o_unit`` (0 where not given)."""
+        return self.output_bytes[unit] if self.output_bytes else 0
 
     def __len__(self) -> int:
         return len(self.forward_s)
@@ -113,14 +124,15 @@ def model_input_bytes(profile: Profile) -> int | None:
 def profile_unit_costs(profile: Profile) -> UnitCosts:
     """The per-unit numbers of ``profile`` the module's formula reads."""
     layers = profile.layers
-    acts = tuple(x.activation_bytes for x in layers)
+    outs = tuple(x.activation_bytes for x in layers)
     first = model_input_bytes(profile)
     return UnitCosts(
         forward_s=tuple(x.forward_s for x in layers),
         forward_fixed_s=tuple(x.forward_fixed_s for x in layers),
-        activation_bytes=acts,
-        input_bytes=(acts[0] if first is None else first, *acts[:-1]),
+        activation_bytes=tuple(unit_saved_bytes(x) for x in layers),
+        input_bytes=(outs[0] if first is None else first, *outs[:-1]),
         param_bytes=tuple(x.param_bytes for x in layers),
+        output_bytes=tuple(output_kept_bytes(x) for x in layers),
     )
 
 
@@ -133,6 +145,8 @@ def stage_recompute(
     kept = sum(units.activation_bytes[u] for u in mine if u - start not in local)
     # a run of consecutive recomputed units keeps only its first unit's input
     kept += sum(units.input_bytes[u] for u in chosen if u == start or u - 1 - start not in local)
+    if end - 1 - start not in local:  # a recomputed last unit's output is let go once sent
+        kept += units.output_kept(end - 1)
     return StageRecompute(
         frozenset(local),
         kept,
@@ -181,6 +195,9 @@ UNIT_KEYS = (
 """The per-unit lists a planned stage graph's nodes carry (:func:`annotate_units`), so a
 plan's recomputation can be costed without the profile."""
 
+OUTPUT_KEY = "unit_output_bytes"
+"""``o_l`` per unit on a stage graph's node; plans written before it have none (0 each)."""
+
 
 def annotate_units(graph: nx.DiGraph, units: UnitCosts) -> nx.DiGraph:
     """``graph`` (a stage graph of ``units``' model) with each stage's per-unit costs on its
@@ -191,6 +208,7 @@ def annotate_units(graph: nx.DiGraph, units: UnitCosts) -> nx.DiGraph:
         start, end = int(node["start"]), int(node["end"])
         for key, name in zip(UNIT_KEYS, fields, strict=True):
             node[key] = list(getattr(units, name)[start:end])
+        node[OUTPUT_KEY] = [units.output_kept(u) for u in range(start, end)]
     return graph
 
 
@@ -205,10 +223,12 @@ def graph_unit_costs(graph: nx.DiGraph) -> UnitCosts:
             f"(cut at the plan's boundaries), or re-plan with `pipeoptim plan`, which writes them"
         )
     lists = [[x for node in nodes for x in node[key]] for key in UNIT_KEYS]
+    outputs = [x for node in nodes for x in node.get(OUTPUT_KEY, [0] * len(node[UNIT_KEYS[0]]))]
     return UnitCosts(
         tuple(float(x) for x in lists[0]),
         tuple(float(x) for x in lists[1]),
         tuple(int(x) for x in lists[2]),
         tuple(int(x) for x in lists[3]),
         tuple(int(x) for x in lists[4]),
+        tuple(int(x) for x in outputs),
     )

@@ -7,8 +7,9 @@ worth recomputing; in one region with the layer before it, it frees its whole ou
 cheapest set is found by a dynamic programme over the stage's units with two states (the
 previous unit recomputed or not). Per slot, a unit ``l`` left alone keeps ``a_l``; recomputed,
 it holds ``w_l`` (its weights, where the recomputation holds Ŵ) and, where it opens a region,
-``x_l``. Among equally small sets the one with the fewest forward seconds again wins, and a
-unit that frees nothing is left alone.
+``x_l``; a stage whose last unit is left alone keeps its output ``o`` too. Among equally
+small sets the one with the fewest forward seconds again wins, and a unit that frees nothing
+is left alone.
 
 :func:`least_kept_band` prices every stage the partitioner may try at once (one numpy step
 per stage length); :func:`least_kept_units` gives the set for one stage.
@@ -49,6 +50,7 @@ def least_kept_band(units: UnitCosts, hold: bool, width: int) -> tuple[IntArray,
     weights) and the forward seconds that recomputation adds; 0 past the last unit."""
     kept, entry, held, seconds = _per_unit(units, hold)
     n = len(kept)
+    output = np.asarray([units.output_kept(u) for u in range(n)], dtype=np.int64)
     band_b = np.zeros((n, width), dtype=np.int64)
     band_t = np.zeros((n, width), dtype=np.float64)
     starts = np.arange(n)
@@ -63,7 +65,8 @@ def least_kept_band(units: UnitCosts, hold: bool, width: int) -> tuple[IntArray,
             _, joined_b, joined_t = _lesser(rec_b, rec_t, opens_b, opens_t)
             alone_b, alone_t = best_b + kept[last], best_t
             rec_b, rec_t = joined_b + held[last], joined_t + seconds[last]
-        _, b, t = _lesser(alone_b, alone_t, rec_b, rec_t)
+        last = np.minimum(starts + d, n - 1)
+        _, b, t = _lesser(alone_b + output[last], alone_t, rec_b, rec_t)
         inside = starts + d < n
         band_b[:, d] = np.where(inside, b, 0)
         band_t[:, d] = np.where(inside, t, 0.0)
@@ -90,6 +93,7 @@ def least_kept_units(units: UnitCosts, start: int, end: int, hold: bool) -> froz
         rec.append((jb + int(held[u]), jt + float(seconds[u]), stays))
     chosen: set[int] = set()
     (ab, at, _), (rb, rt, _) = alone[-1], rec[-1]
+    ab += units.output_kept(end - 1)  # a last unit left alone keeps its output
     recomputed = not _no_worse(ab, at, rb, rt)
     for u in range(end - 1, start - 1, -1):
         i = u - start

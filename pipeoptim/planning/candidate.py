@@ -162,6 +162,9 @@ def per_unit_profile(
                 forward_s=forward,
                 backward_s=backward,
                 activation_bytes=-(-layer.activation_bytes * batch // (pb * m)),
+                saved_bytes=(
+                    None if layer.saved_bytes is None else -(-layer.saved_bytes * batch // (pb * m))
+                ),
             )
         )
     return replace(profile, layers=tuple(layers), batch_size=max(1, batch // m))

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pipeoptim.errors import PlanError
+from pipeoptim.plan.kept_bytes import stage_kept_bytes
 from pipeoptim.plan.profile import optimizer_state_factor
 from pipeoptim.plan.recompute_costs import (
     UnitCosts,
@@ -176,7 +177,7 @@ def from_profile(
                 "predict_s": math.fsum(x.predict_s for x in layers),
                 "param_bytes": sum(x.param_bytes for x in layers),
                 "optimizer_state_bytes": sum(x.optimizer_state_bytes for x in layers),
-                "activation_bytes": sum(x.activation_bytes for x in layers),
+                "activation_bytes": stage_kept_bytes(layers),
             }
         )
     if recompute is not None:

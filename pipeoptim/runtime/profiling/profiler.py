@@ -54,6 +54,7 @@ from pipeoptim.runtime.profiling.layer_timing import (
     timer_for,
     weight_grad_fractions,
 )
+from pipeoptim.runtime.stage.saved import SavedBytes
 
 __all__ = ["profile_model"]
 
@@ -93,7 +94,7 @@ def _measure_layer(
     its profile and its (detached) output. With ``optimizer`` its state is measured, else
     estimated (the factor, or the shapes where the state is no multiple of the weights)."""
     params = list(module.parameters())
-    out = check_output(name, module(leaf_input(x)))
+    out, saved = _forward_saving(name, module, x, params)
     param_bytes = sum(tensor_bytes(p) for p in params)
     trainable = trainable_bytes(module)
     state_bytes = estimated_state_bytes(module, family, state_factor)
@@ -106,11 +107,34 @@ def _measure_layer(
         forward_s=0.0,
         backward_s=0.0,
         activation_bytes=tensor_bytes(out),
+        saved_bytes=saved,
         param_bytes=param_bytes,
         optimizer_state_bytes=state_bytes,
         param_count=sum(p.numel() for p in params),
     )
     return profile, out.detach()
+
+
+def _forward_saving(
+    name: str, module: nn.Module, x: Tensor, params: Sequence[Tensor]
+) -> tuple[Tensor, int]:
+    """The layer's output on ``x``, and the bytes its forward saves for its backward other
+    than its output (counted as the runtime's hook counts them: ``SavedBytes``). The output
+    is left to whoever keeps it: the next unit that saves its input, a recomputed region
+    that starts there, or the stage that sends it (``plan/kept_bytes.py``)."""
+    kept: list[Tensor] = []
+
+    def pack(t: Tensor) -> Tensor:
+        kept.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = check_output(name, module(leaf_input(x)))
+    weights = {p.untyped_storage().data_ptr() for p in params}
+    counter = SavedBytes(weights | {out.untyped_storage().data_ptr()})
+    for t in kept:
+        counter.add(t)
+    return out, counter.total
 
 
 def _keep_busy(
