@@ -12,7 +12,7 @@ from typing import TypeAlias
 
 import torch
 
-__all__ = ["Boundary", "TensorSpec"]
+__all__ = ["Boundary", "MappingSpec", "TensorSpec"]
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,23 @@ class TensorSpec:
         return self.dtype if self.dtype.is_floating_point else torch.float32
 
 
-Boundary: TypeAlias = TensorSpec | tuple[TensorSpec, ...]
-"""What crosses a stage boundary, per sample: one tensor, or a tuple of them (the next
-stage's first unit takes them as its positional arguments). The gradient sent back carries
-the floating-point tensors of a tuple only."""
+@dataclass(frozen=True)
+class MappingSpec:
+    """A mapping a stage hands on, per sample: its keys in the order the dry run saw them,
+    and per key the tensor's spec, or None where the value was None. It travels as its
+    tensors in that key order (the parts of a tuple); a None travels as nothing."""
+
+    keys: tuple[str, ...]
+    values: tuple[TensorSpec | None, ...]
+
+    @property
+    def parts(self) -> tuple[TensorSpec, ...]:
+        """The specs of the tensors that travel, in key order."""
+        return tuple(v for v in self.values if v is not None)
+
+
+Boundary: TypeAlias = TensorSpec | tuple[TensorSpec, ...] | MappingSpec
+"""What crosses a stage boundary, per sample: one tensor, a tuple of them (the next stage's
+first unit takes them as its positional arguments), or a mapping of them (the next stage's
+first unit takes it as one argument). The gradient sent back carries the floating-point
+tensors of a tuple or a mapping only."""

@@ -252,9 +252,10 @@ class Recomputation:
 
         def run(*a: Any) -> Any:
             if keep is not None:
-                for t in a:
-                    if isinstance(t, Tensor):
-                        keep(t)
+                for arg in a:
+                    for t in arg.values() if isinstance(arg, dict) else (arg,):
+                        if isinstance(t, Tensor):
+                            keep(t)
             return checkpoint(forward, *a, use_reentrant=False, context_fn=contexts)
 
         return run
