@@ -217,8 +217,13 @@ class DecoderBlock(nn.Module):
         if isinstance(x, Tensor):
             hidden, padding, given = x, None, None
         else:
-            hidden, padding, given = x["hidden_states"], x.get("attention_mask"), x.get("position_ids")
-            assert hidden is not None  # the dict of _hidden_fields
+            found, padding, given = (
+                x["hidden_states"],
+                x.get("attention_mask"),
+                x.get("position_ids"),
+            )
+            assert found is not None  # the dict of _hidden_fields
+            hidden = found
         steps = _positions(hidden)
         positions = steps if given is None else given
         embeds, cache, takes_cache_position = self.mask_arguments

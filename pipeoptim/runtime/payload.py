@@ -35,6 +35,7 @@ from pipeoptim.runtime.stage.loss import (
 __all__ = [
     "MAX_PARTS",
     "Gradients",
+    "Message",
     "Payload",
     "batch_len",
     "boundary_mismatch",
@@ -58,6 +59,8 @@ __all__ = [
 Payload: TypeAlias = Tensor | tuple[Tensor, ...] | dict[str, Tensor | None]
 """One tensor, a tuple of tensors (a unit's positional arguments), or a dict of tensors and
 None (a unit's one argument)."""
+Message: TypeAlias = Tensor | tuple[Tensor, ...]
+"""What a transport carries: one tensor, or the parts of a tuple or dict (:func:`parts`)."""
 Gradients: TypeAlias = Tensor | tuple[Tensor | None, ...]
 """The gradient of a payload: a tensor, or per tensor of a tuple (None: not floating point)."""
 
@@ -123,9 +126,12 @@ def _fits(t: Tensor, p: Spec, n: int) -> bool:
     return t.dim() > 0 and t.shape[0] == n and t.shape[1:] == p.shape and t.dtype == p.dtype
 
 
-def _mapping_words(keys: Sequence[str], values: Sequence[tuple[Sequence[int], torch.dtype] | None]) -> str:
+def _mapping_words(
+    keys: Sequence[str], values: Sequence[tuple[Sequence[int], torch.dtype] | None]
+) -> str:
     inner = ", ".join(
-        f"{k!r}: {'None' if v is None else _shape_words(*v)}" for k, v in zip(keys, values, strict=True)
+        f"{k!r}: {'None' if v is None else _shape_words(*v)}"
+        for k, v in zip(keys, values, strict=True)
     )
     return f"a dict (per sample {{{inner}}})"
 
@@ -166,10 +172,12 @@ def boundary_mismatch(
     matches. The receiving rank allocates ``spec`` before the message arrives, so a tensor
     whose shape depends on the data could not travel; a dict keeps its keys, and which of
     them are None, since the receiving rank rebuilds it from the dry run's."""
-    if isinstance(out, dict) or isinstance(spec, MappingSpec):
-        if not isinstance(out, dict):
-            return describe(out), _mapping_words(spec.keys, [None] * len(spec.keys))  # type: ignore[union-attr]
+    if isinstance(out, dict):
         return _mapping_mismatch(out, spec, n)
+    if isinstance(spec, MappingSpec):
+        return describe(out), _mapping_words(
+            spec.keys, [None if p is None else (p.shape, p.dtype) for p in spec.values]
+        )
     if isinstance(out, Tensor):
         if (
             not isinstance(spec, tuple)

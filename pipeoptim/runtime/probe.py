@@ -175,7 +175,9 @@ def _boundary(
     if isinstance(h, Tensor):
         return TensorSpec(tuple(h.shape[1:]), h.dtype)
     if isinstance(h, dict):
-        values = tuple(None if t is None else TensorSpec(tuple(t.shape[1:]), t.dtype) for t in h.values())
+        values = tuple(
+            None if t is None else TensorSpec(tuple(t.shape[1:]), t.dtype) for t in h.values()
+        )
         return MappingSpec(tuple(h), values)
     return tuple(TensorSpec(tuple(t.shape[1:]), t.dtype) for t in h)
 

@@ -116,9 +116,9 @@ class RankMessages:
         t: Payload
         if a.kind is Kind.SEND_F:
             t = self._inputs.pop((k + 1, mb))
-            if isinstance(t, dict):  # travels as its tensors, in the dry run's key order
-                t = parts(t)
-            self.transport.send(t, self.rank_of[k + 1], (act, k + 1, self._message_mb(mb)))
+            # a dict travels as its tensors, in the dry run's key order
+            sent = parts(t) if isinstance(t, dict) else t
+            self.transport.send(sent, self.rank_of[k + 1], (act, k + 1, self._message_mb(mb)))
         elif a.kind is Kind.SEND_B:
             g = self._grads.pop((k - 1, mb))
             # a tuple's gradient travels for its floating-point tensors only
@@ -131,7 +131,7 @@ class RankMessages:
             self.wait_s += time.perf_counter() - waited
             if a.kind is Kind.RECV_F:
                 b = self.boundaries[k - 1]
-                got = t
+                got: Payload = t
                 if isinstance(b, MappingSpec):  # rebuilt from the dry run's keys
                     assert isinstance(t, tuple)
                     got = rebuilt(b.keys, [v is not None for v in b.values], t)

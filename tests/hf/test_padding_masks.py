@@ -134,11 +134,15 @@ def test_cut_llama_trains_on_padded_batches(method: str) -> None:
     micro = 2 if method != "pipeoptim" else 1
     x, y = batches[0]
     with torch.no_grad():
-        pieces = zip(x["input_ids"].chunk(micro), x["attention_mask"].chunk(micro), y.chunk(micro))
-        own = sum(
-            causal_lm_loss(model(input_ids=i, attention_mask=m).logits, t).item()
-            for i, m, t in pieces
-        ) / micro
+        ids, mask = x["input_ids"].chunk(micro), x["attention_mask"].chunk(micro)
+        pieces = zip(ids, mask, y.chunk(micro), strict=True)
+        own = (
+            sum(
+                causal_lm_loss(model(input_ids=i, attention_mask=m).logits, t).item()
+                for i, m, t in pieces
+            )
+            / micro
+        )
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     sizes = {"micro_batches": micro} if method != "pipeoptim" else {}
     pipe = Pipeline(

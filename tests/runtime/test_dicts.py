@@ -87,7 +87,9 @@ def sgd(params: list[Tensor]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-def plain(units: list[nn.Module], data: Sequence[tuple[Payload, Tensor]], steps: int, micro: int) -> list[Tensor]:
+def plain(
+    units: list[nn.Module], data: Sequence[tuple[Payload, Tensor]], steps: int, micro: int
+) -> list[Tensor]:
     """Single-process torch: the units chained (a dict is the next unit's one argument),
     the gradient of ``micro`` micro-batches accumulated per step."""
     model = UnitChain(*units)

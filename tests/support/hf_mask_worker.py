@@ -18,7 +18,6 @@ import transformers
 from pipeoptim import Pipeline
 from pipeoptim.hf import IGNORE_INDEX, cut_causal_lm
 
-
 Batches = list[tuple[dict[str, torch.Tensor], torch.Tensor]]
 
 

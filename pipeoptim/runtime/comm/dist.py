@@ -37,7 +37,7 @@ from pipeoptim.runtime.comm.transport import (
     Transport,
     describe_message,
 )
-from pipeoptim.runtime.payload import MAX_PARTS, Payload
+from pipeoptim.runtime.payload import MAX_PARTS, Message
 
 __all__ = ["DistTransport"]
 
@@ -135,7 +135,7 @@ class DistTransport(Transport):
         kind, stage, mb = key
         return ((mb * self._num_stages + stage) * len(_KINDS) + _KINDS[kind]) % _TAG_LIMIT
 
-    def send(self, tensor: Payload, peer: int, key: MessageKey) -> None:
+    def send(self, tensor: Message, peer: int, key: MessageKey) -> None:
         if not isinstance(tensor, Tensor):
             self._send_parts(tensor, peer, key)
             return

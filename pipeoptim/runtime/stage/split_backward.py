@@ -155,7 +155,9 @@ def run_units_kept(
             if not params:
                 continue
             if isinstance(h, tuple | dict):
-                kept = _keep_parts(tuple(h.values() if isinstance(h, dict) else h), params, kept, seen)
+                kept = _keep_parts(
+                    tuple(h.values() if isinstance(h, dict) else h), params, kept, seen
+                )
                 continue
             if not isinstance(h, Tensor) or not h.requires_grad:
                 continue
