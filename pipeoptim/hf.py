@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.hf_batches import BATCH_KEYS, Batch, TokenEmbeddings, batch_fields, hidden_fields
 from pipeoptim.runtime.model.attention_logits import (
     AttentionLogits,
     HeadRows,
@@ -111,54 +112,6 @@ def _positions(hidden: Tensor) -> Tensor:
     return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
 
 
-BATCH_KEYS = ("input_ids", "attention_mask", "position_ids")
-"""The keys a dict batch of a cut model may hold (``attention_mask``, ``position_ids``: as
-the model's forward takes them; None or left out: none)."""
-
-Batch = Tensor | dict[str, Tensor | None]
-"""What the first unit takes: token ids (B, T), or a dict of :data:`BATCH_KEYS`."""
-
-
-def _batch_fields(batch: Batch) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """(ids, attention_mask, position_ids) of what the first unit takes."""
-    if isinstance(batch, Tensor):
-        return batch, None, None
-    odd = sorted(set(batch) - set(BATCH_KEYS))
-    ids = batch.get("input_ids")
-    if odd or ids is None:
-        raise RuntimeConfigError(
-            f"a cut causal LM takes token ids, or a dict with 'input_ids' and optionally "
-            f"'attention_mask' and 'position_ids'; this batch's dict holds {sorted(batch)}"
-            f"{f' ({odd} unknown)' if odd else ''}: keep the labels out of the input (the "
-            f"targets, the second item of each (input, target) pair)"
-        )
-    return ids, batch.get("attention_mask"), batch.get("position_ids")
-
-
-def _hidden_fields(hidden: Tensor, mask: Tensor | None, positions: Tensor | None) -> Batch:
-    """What a unit of a dict batch hands on (None travels as nothing)."""
-    return {"hidden_states": hidden, "attention_mask": mask, "position_ids": positions}
-
-
-class TokenEmbeddings(nn.Module):
-    """A Llama-style model's ``embed_tokens`` as the first unit: ids (B, T) to hidden states
-    (B, T, D), or a dict batch to the dict of :func:`_hidden_fields`."""
-
-    def __init__(self, embed_tokens: nn.Embedding) -> None:
-        super().__init__()
-        self.embed_tokens = embed_tokens
-
-    @property
-    def weight(self) -> Tensor:
-        """The embedding matrix (what a tied LM head shares)."""
-        return self.embed_tokens.weight
-
-    def forward(self, batch: Batch) -> Batch:
-        ids, mask, positions = _batch_fields(batch)
-        hidden: Tensor = self.embed_tokens(ids)
-        return hidden if isinstance(batch, Tensor) else _hidden_fields(hidden, mask, positions)
-
-
 class GPT2Embeddings(nn.Module):
     """GPT-2's input side: token plus position embedding, then dropout; ids (B, T) to
     hidden states (B, T, D)."""
@@ -168,7 +121,7 @@ class GPT2Embeddings(nn.Module):
         self.wte, self.wpe, self.drop = wte, wpe, drop
 
     def forward(self, batch: Batch) -> Batch:
-        ids, mask, positions = _batch_fields(batch)
+        ids, mask, positions = batch_fields(batch)
         length = ids.shape[1]
         if length > self.wpe.num_embeddings:
             raise RuntimeConfigError(
@@ -179,7 +132,7 @@ class GPT2Embeddings(nn.Module):
         tokens: Tensor = self.wte(ids)
         at = _positions(tokens) if positions is None else positions
         hidden: Tensor = self.drop(tokens + self.wpe(at))
-        return hidden if isinstance(batch, Tensor) else _hidden_fields(hidden, mask, positions)
+        return hidden if isinstance(batch, Tensor) else hidden_fields(hidden, mask, positions)
 
 
 def _mask_arguments(make_mask: Callable[..., Any]) -> tuple[str, str, bool]:
@@ -222,7 +175,7 @@ class DecoderBlock(nn.Module):
                 x.get("attention_mask"),
                 x.get("position_ids"),
             )
-            assert found is not None  # the dict of _hidden_fields
+            assert found is not None  # the dict of hidden_fields
             hidden = found
         steps = _positions(hidden)
         positions = steps if given is None else given
