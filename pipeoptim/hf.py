@@ -9,6 +9,12 @@ and rotary embeddings that the model's forward makes once for all layers. Each b
 here makes those itself from the hidden states' shape, so only (B, T, D) hidden states cross
 a stage boundary, and the units chained give the model's own logits.
 
+A padded batch gives the first unit a dict, ``{"input_ids": ids, "attention_mask": mask}``
+(and ``"position_ids"`` where the data sets them): the units then hand on
+``{"hidden_states": h, "attention_mask": mask, "position_ids": ...}``, and each block makes
+its causal mask from the padding mask as the model's forward does, so left and right padding
+give the logits of the model called with the same ``attention_mask`` (and position ids).
+
 The units are the model's own submodules (wrapped, never copied), so ``ModelUnits`` names
 every unit tensor as the model's ``state_dict`` does, and :func:`save_pretrained_folder`
 turns trained weights back into a folder ``from_pretrained`` loads.
@@ -38,6 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeoptim.errors import RuntimeConfigError
+from pipeoptim.hf_batches import BATCH_KEYS, Batch, TokenEmbeddings, batch_fields, hidden_fields
 from pipeoptim.runtime.model.attention_logits import (
     AttentionLogits,
     HeadRows,
@@ -46,6 +53,7 @@ from pipeoptim.runtime.model.attention_logits import (
 from pipeoptim.runtime.model.units import InitWeights, ModelUnits
 
 __all__ = [
+    "BATCH_KEYS",
     "IGNORE_INDEX",
     "KNOWN_MODELS",
     "LOGITS_ATTENTION",
@@ -53,6 +61,7 @@ __all__ = [
     "DecoderBlock",
     "GPT2Embeddings",
     "HFAttentionLogits",
+    "TokenEmbeddings",
     "causal_lm_loss",
     "cut_causal_lm",
     "save_pretrained_folder",
@@ -111,7 +120,8 @@ class GPT2Embeddings(nn.Module):
         super().__init__()
         self.wte, self.wpe, self.drop = wte, wpe, drop
 
-    def forward(self, ids: Tensor) -> Tensor:
+    def forward(self, batch: Batch) -> Batch:
+        ids, mask, positions = batch_fields(batch)
         length = ids.shape[1]
         if length > self.wpe.num_embeddings:
             raise RuntimeConfigError(
@@ -120,8 +130,9 @@ class GPT2Embeddings(nn.Module):
                 f"build the model with a larger n_positions"
             )
         tokens: Tensor = self.wte(ids)
-        hidden: Tensor = self.drop(tokens + self.wpe(_positions(tokens)))
-        return hidden
+        at = _positions(tokens) if positions is None else positions
+        hidden: Tensor = self.drop(tokens + self.wpe(at))
+        return hidden if isinstance(batch, Tensor) else hidden_fields(hidden, mask, positions)
 
 
 def _mask_arguments(make_mask: Callable[..., Any]) -> tuple[str, str, bool]:
@@ -137,7 +148,9 @@ def _mask_arguments(make_mask: Callable[..., Any]) -> tuple[str, str, bool]:
 class DecoderBlock(nn.Module):
     """One decoder layer as a unit: hidden states (B, T, D) in and out. The causal mask, the
     position ids and (with ``rotary_emb``) the rotary cos/sin are made here from the hidden
-    states' shape, as the model's forward makes them for every layer; no KV cache."""
+    states' shape, as the model's forward makes them for every layer; no KV cache. Given
+    the dict of a padded batch, the mask is made from its ``attention_mask`` and its
+    ``position_ids`` (where given), and the dict is handed on with the new hidden states."""
 
     def __init__(
         self,
@@ -153,13 +166,24 @@ class DecoderBlock(nn.Module):
         self.make_mask = make_mask
         self.mask_arguments = _mask_arguments(make_mask)
 
-    def forward(self, hidden: Tensor) -> Tensor:
-        positions = _positions(hidden)
+    def forward(self, x: Batch) -> Batch:
+        if isinstance(x, Tensor):
+            hidden, padding, given = x, None, None
+        else:
+            found, padding, given = (
+                x["hidden_states"],
+                x.get("attention_mask"),
+                x.get("position_ids"),
+            )
+            assert found is not None  # the dict of hidden_fields
+            hidden = found
+        steps = _positions(hidden)
+        positions = steps if given is None else given
         embeds, cache, takes_cache_position = self.mask_arguments
-        cache_position = {"cache_position": positions[0]} if takes_cache_position else {}
+        cache_position = {"cache_position": steps[0]} if takes_cache_position else {}
         mask = self.make_mask(
             config=self.config,
-            attention_mask=None,
+            attention_mask=padding,
             position_ids=positions,
             **{embeds: hidden, cache: None},
             **cache_position,
@@ -173,7 +197,7 @@ class DecoderBlock(nn.Module):
         )
         # transformers 5.0's GPT-2 block returns (hidden, ...); later ones the tensor
         hidden_out: Tensor = out[0] if isinstance(out, tuple) else out
-        return hidden_out
+        return hidden_out if isinstance(x, Tensor) else {**x, "hidden_states": hidden_out}
 
 
 LOGITS_ATTENTION = "pipeoptim-logits"
@@ -306,7 +330,8 @@ class CausalLMHead(nn.Module):
         super().__init__()
         self.norm, self.lm_head = norm, lm_head
 
-    def forward(self, hidden: Tensor) -> Tensor:
+    def forward(self, x: Batch) -> Tensor:
+        hidden = x if isinstance(x, Tensor) else x["hidden_states"]
         logits: Tensor = self.lm_head(self.norm(hidden))
         return logits
 
@@ -367,7 +392,7 @@ def _rotary_units(model: Any, masks: Any) -> list[nn.Module]:
         DecoderBlock(layer, config, _mask_maker(config, i, masks), body.rotary_emb)
         for i, layer in enumerate(layers)
     ]
-    return [body.embed_tokens, *blocks, CausalLMHead(body.norm, model.lm_head)]
+    return [TokenEmbeddings(body.embed_tokens), *blocks, CausalLMHead(body.norm, model.lm_head)]
 
 
 def _post_order(module: nn.Module) -> Iterator[nn.Module]:

@@ -12,7 +12,7 @@ from typing import TypeAlias
 
 import torch
 
-__all__ = ["VARIES", "Boundary", "TensorSpec", "loosened", "shape_fits"]
+__all__ = ["VARIES", "Boundary", "MappingSpec", "TensorSpec", "loosened", "shape_fits"]
 
 VARIES = -1
 """A per-sample dimension that may change from batch to batch (``CommOptions.
@@ -32,18 +32,40 @@ class TensorSpec:
         return self.dtype if self.dtype.is_floating_point else torch.float32
 
 
-Boundary: TypeAlias = TensorSpec | tuple[TensorSpec, ...]
-"""What crosses a stage boundary, per sample: one tensor, or a tuple of them (the next
-stage's first unit takes them as its positional arguments). The gradient sent back carries
-the floating-point tensors of a tuple only."""
+@dataclass(frozen=True)
+class MappingSpec:
+    """A mapping a stage hands on, per sample: its keys in the order the dry run saw them,
+    and per key the tensor's spec, or None where the value was None. It travels as its
+    tensors in that key order (the parts of a tuple); a None travels as nothing."""
+
+    keys: tuple[str, ...]
+    values: tuple[TensorSpec | None, ...]
+
+    @property
+    def parts(self) -> tuple[TensorSpec, ...]:
+        """The specs of the tensors that travel, in key order."""
+        return tuple(v for v in self.values if v is not None)
+
+
+Boundary: TypeAlias = TensorSpec | tuple[TensorSpec, ...] | MappingSpec
+"""What crosses a stage boundary, per sample: one tensor, a tuple of them (the next stage's
+first unit takes them as its positional arguments), or a mapping of them (the next stage's
+first unit takes it as one argument). The gradient sent back carries the floating-point
+tensors of a tuple or a mapping only."""
 
 
 def loosened(b: Boundary) -> Boundary:
     """``b`` with every per-sample dimension :data:`VARIES` (rank and dtype kept): what a
     receiving rank expects when shapes vary, the sender's message giving the sizes."""
+    if isinstance(b, MappingSpec):
+        return MappingSpec(b.keys, tuple(None if v is None else _loose(v) for v in b.values))
     if isinstance(b, tuple):
-        return tuple(TensorSpec((VARIES,) * len(p.shape), p.dtype) for p in b)
-    return TensorSpec((VARIES,) * len(b.shape), b.dtype)
+        return tuple(_loose(p) for p in b)
+    return _loose(b)
+
+
+def _loose(spec: TensorSpec) -> TensorSpec:
+    return TensorSpec((VARIES,) * len(spec.shape), spec.dtype)
 
 
 def shape_fits(shape: tuple[int, ...], want: tuple[int, ...]) -> bool:

@@ -11,7 +11,9 @@ what a batch holds.
 
 Any iterable of ``(input, target)`` tensor pairs works; the input may be a tuple (or list) of
 tensors of one batch length, ``((ids, mask), target)``, which stage 0's first unit takes as
-its positional arguments. Every training batch must have the
+its positional arguments, or a dict of tensors (and None), ``({"input_ids": ids,
+"attention_mask": mask}, labels)``, which stage 0's first unit takes as one argument; each
+is split into micro-batches along its batch dimension. Every training batch must have the
 same shape (receiving ranks allocate fixed buffers): the partial last batch a ``DataLoader``
 yields without ``drop_last`` is left out of the epoch and counted, other odd batches are
 refused with the fix. Exact resume: before each epoch the order is re-seeded from
@@ -40,7 +42,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.replicas import check_batch_split
 from pipeoptim.runtime.boundary import VARIES, shape_fits
-from pipeoptim.runtime.payload import Payload, batch_len, describe, split, to_device
+from pipeoptim.runtime.payload import Payload, batch_len, describe, parts, split, to_device
 from pipeoptim.runtime.stage.loss import counted_targets
 
 __all__ = [
@@ -88,8 +90,8 @@ class BatchSpec:
     def of(cls, x: Payload, y: Tensor) -> BatchSpec:
         if isinstance(x, Tensor):
             return cls(len(x), tuple(x.shape[1:]), x.dtype, tuple(y.shape[1:]), y.dtype)
-        shapes = tuple(tuple(t.shape[1:]) for t in x)
-        dtypes = tuple(t.dtype for t in x)
+        shapes = tuple(tuple(t.shape[1:]) for t in parts(x))
+        dtypes = tuple(t.dtype for t in parts(x))
         return cls(batch_len(x), shapes, dtypes, tuple(y.shape[1:]), y.dtype)
 
     def check(self, x: Payload, y: Tensor, where: str, *, any_size: bool = False) -> None:
@@ -245,6 +247,8 @@ def as_batch(item: Any, where: str) -> tuple[Payload, Tensor]:
     x, y = item
     if isinstance(x, (tuple, list)):
         return _tuple_input(x, y, where), y
+    if isinstance(x, dict):
+        return _mapping_input(x, y, where), y
     for name, t in (("input", x), ("target", y)):
         if not isinstance(t, Tensor):
             raise RuntimeConfigError(
@@ -290,6 +294,25 @@ def _tuple_input(x: tuple[Any, ...] | list[Any], y: Any, where: str) -> tuple[Te
             f"every tensor of a tuple input has the batch dimension first, one sample per target"
         )
     return tuple(x)
+
+
+def _mapping_input(x: dict[Any, Any], y: Any, where: str) -> dict[str, Tensor | None]:
+    """A dict input (``{"input_ids": ..., "attention_mask": ...}``), checked as
+    :func:`as_batch` checks a tuple: tensors (or None) under string keys, one batch length."""
+    values = [v for v in x.values() if v is not None]
+    if not values:
+        raise RuntimeConfigError(f"{where}: the input is a dict without a tensor")
+    for k, v in x.items():
+        if not isinstance(k, str) or (v is not None and not isinstance(v, Tensor)):
+            what = f"the key {k!r}" if not isinstance(k, str) else f"its value {k!r}"
+            raise RuntimeConfigError(
+                f"{where}: the input dict's {what} is a {type(v).__name__}, which cannot enter "
+                f"the pipeline: every value of a dict input is a tensor with the batch first, "
+                f"or None, under a string key (convert it with torch.as_tensor in the "
+                f"collate_fn, or leave it out of the batch)"
+            )
+    _tuple_input(values, y, where)  # the same checks, per tensor
+    return dict(x)
 
 
 def steps_per_epoch(data: Iterable[Any], given: int | None) -> tuple[int, int]:

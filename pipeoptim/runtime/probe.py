@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from pipeoptim.errors import StageError
+from pipeoptim.runtime.boundary import MappingSpec
 from pipeoptim.runtime.executor import Boundary, TensorSpec
 from pipeoptim.runtime.payload import (
     MAX_PARTS,
@@ -35,7 +36,10 @@ from pipeoptim.runtime.payload import (
     batch_len,
     checked_payload_loss,
     describe,
+    mapped,
     output_problem,
+    parts,
+    rebuilt,
     to_device,
 )
 from pipeoptim.runtime.stage.diagnose import describe_failure
@@ -131,6 +135,9 @@ def stand_in(spec: Boundary, n: int, device: torch.device) -> Payload:
     valid index for an id input too."""
     if isinstance(spec, TensorSpec):
         return torch.zeros((n, *spec.shape), dtype=spec.dtype, device=device)
+    if isinstance(spec, MappingSpec):
+        zeros = [torch.zeros((n, *t.shape), dtype=t.dtype, device=device) for t in spec.parts]
+        return rebuilt(spec.keys, [v is not None for v in spec.values], zeros)
     return tuple(torch.zeros((n, *t.shape), dtype=t.dtype, device=device) for t in spec)
 
 
@@ -141,18 +148,20 @@ def _boundary(
     have the batch dimension first (the receiving ranks allocate micro-batch x per sample)."""
     if isinstance(h, Tensor) and not check:
         return TensorSpec(tuple(h.shape[1:]), h.dtype)
-    parts = (h,) if isinstance(h, Tensor) else h
-    if check and len(parts) > MAX_PARTS:
+    tensors = parts(h)
+    if check and len(tensors) > MAX_PARTS:
         raise StageError(
-            f"stage {stage}, unit {unit} ({type(module).__name__}) hands the next stage a tuple "
-            f"of {len(parts)} tensors, over the {MAX_PARTS} a stage boundary carries; stack "
-            f"tensors of one shape into one"
+            f"stage {stage}, unit {unit} ({type(module).__name__}) hands the next stage a "
+            f"{type(h).__name__} of {len(tensors)} tensors, over the {MAX_PARTS} a stage "
+            f"boundary carries; stack tensors of one shape into one"
         )
-    for i, t in enumerate(parts):
+    names = [k for k, v in h.items() if v is not None] if isinstance(h, dict) else None
+    for i, t in enumerate(tensors):
         if check and (t.dim() == 0 or t.shape[0] != n):
             which = (
-                f"{describe(h)}; its tensor {i}, of shape {tuple(t.shape)},"
-                if isinstance(h, tuple)
+                f"{describe(h)}; its tensor {i if names is None else repr(names[i])}, of "
+                f"shape {tuple(t.shape)},"
+                if not isinstance(h, Tensor)
                 else f"a tensor of shape {tuple(t.shape)}, which"
             )
             raise StageError(
@@ -165,6 +174,11 @@ def _boundary(
             )
     if isinstance(h, Tensor):
         return TensorSpec(tuple(h.shape[1:]), h.dtype)
+    if isinstance(h, dict):
+        values = tuple(
+            None if t is None else TensorSpec(tuple(t.shape[1:]), t.dtype) for t in h.values()
+        )
+        return MappingSpec(tuple(h), values)
     return tuple(TensorSpec(tuple(t.shape[1:]), t.dtype) for t in h)
 
 
@@ -184,8 +198,7 @@ def _check_trains(
             f"({what}), so training would change no weight; unfreeze some "
             f"(requires_grad=True), or use evaluate() alone"
         )
-    parts = (out,) if isinstance(out, Tensor) else out
-    if not any(t.is_floating_point() or t.is_complex() for t in parts):
+    if not any(t.is_floating_point() or t.is_complex() for t in parts(out)):
         checked_payload_loss(loss_fn, out, target, "the first batch", last)  # its errors first
         what = str(out.dtype) if isinstance(out, Tensor) else f"{describe(out)}, no float in it"
         raise StageError(
@@ -199,9 +212,13 @@ def _check_trains(
         if isinstance(out, Tensor):
             leaf = out.detach().requires_grad_(True)
         else:
-            leaf = tuple(
-                t.detach().requires_grad_(True) if t.is_floating_point() or t.is_complex() else t
-                for t in out
+            leaf = mapped(
+                out,
+                lambda t: (
+                    t.detach().requires_grad_(True)
+                    if t.is_floating_point() or t.is_complex()
+                    else t
+                ),
             )
         loss = checked_payload_loss(loss_fn, leaf, target, "the first batch", last)
     if not loss.requires_grad:

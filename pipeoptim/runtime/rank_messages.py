@@ -28,9 +28,9 @@ from torch import Tensor
 
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.actions import Action, Kind
-from pipeoptim.runtime.boundary import Boundary, TensorSpec
+from pipeoptim.runtime.boundary import Boundary, MappingSpec, TensorSpec
 from pipeoptim.runtime.comm.transport import MessageKey, Parts, RecvSpec, Transport
-from pipeoptim.runtime.payload import Gradients, Payload, payload_bytes
+from pipeoptim.runtime.payload import Gradients, Payload, parts, payload_bytes, rebuilt
 from pipeoptim.runtime.segments import step_of
 
 if TYPE_CHECKING:
@@ -43,9 +43,11 @@ LOOKAHEAD = 8
 """How many upcoming actions a rank scans to post its receives early."""
 
 
-def _parts(b: tuple[TensorSpec, ...], n: int, grad: bool) -> Parts:
-    """A tuple boundary's tensors for ``n`` samples; ``grad``: the floating-point ones."""
-    return tuple(((n, *p.shape), p.dtype) for p in b if not grad or p.dtype.is_floating_point)
+def _parts(b: tuple[TensorSpec, ...] | MappingSpec, n: int, grad: bool) -> Parts:
+    """A tuple or dict boundary's tensors for ``n`` samples (a dict's in its key order, its
+    None values left out); ``grad``: the floating-point ones."""
+    specs = b.parts if isinstance(b, MappingSpec) else b
+    return tuple(((n, *p.shape), p.dtype) for p in specs if not grad or p.dtype.is_floating_point)
 
 
 class RankMessages:
@@ -123,7 +125,9 @@ class RankMessages:
         t: Payload
         if a.kind is Kind.SEND_F:
             t = self._inputs.pop((k + 1, mb))
-            self.transport.send(t, self.rank_of[k + 1], (act, k + 1, self._message_mb(mb)))
+            # a dict travels as its tensors, in the dry run's key order
+            sent = parts(t) if isinstance(t, dict) else t
+            self.transport.send(sent, self.rank_of[k + 1], (act, k + 1, self._message_mb(mb)))
         elif a.kind is Kind.SEND_B:
             g = self._grads.pop((k - 1, mb))
             # a tuple's gradient travels for its floating-point tensors only
@@ -134,7 +138,15 @@ class RankMessages:
             waited = time.perf_counter()
             t = self.transport.recv(*spec) if len(spec) == 4 else self.transport.recv_parts(*spec)
             self.wait_s += time.perf_counter() - waited
-            (self._inputs if a.kind is Kind.RECV_F else self._grads)[(k, mb)] = t
+            if a.kind is Kind.RECV_F:
+                b = self.boundaries[k - 1]
+                got: Payload = t
+                if isinstance(b, MappingSpec):  # rebuilt from the dry run's keys
+                    assert isinstance(t, tuple)
+                    got = rebuilt(b.keys, [v is not None for v in b.values], t)
+                self._inputs[(k, mb)] = got
+            else:
+                self._grads[(k, mb)] = t
         else:
             raise RuntimeError(f"rank {self.rank}: action {a} is for a stage it does not hold")
         return 0, t.numel() * t.element_size() if isinstance(t, Tensor) else payload_bytes(t), 0
@@ -150,11 +162,11 @@ class RankMessages:
         n, k, key = self._size(a.mb), a.stage, self._recv_key(a)
         if a.kind is Kind.RECV_F:
             b = self.boundaries[k - 1]
-            if isinstance(b, tuple):
+            if not isinstance(b, TensorSpec):
                 return key, self.rank_of[k - 1], _parts(b, n, grad=False)
             return key, self.rank_of[k - 1], (n, *b.shape), b.dtype
         b = self.boundaries[k]
-        if isinstance(b, tuple):
+        if not isinstance(b, TensorSpec):
             return key, self.rank_of[k + 1], _parts(b, n, grad=True)
         return key, self.rank_of[k + 1], (n, *b.shape), b.grad_dtype
 

@@ -46,7 +46,7 @@ from pipeoptim.runtime.comm.transport import (
     Transport,
     describe_message,
 )
-from pipeoptim.runtime.payload import MAX_PARTS, Payload
+from pipeoptim.runtime.payload import MAX_PARTS, Message
 
 __all__ = ["DistTransport"]
 
@@ -225,7 +225,7 @@ class DistTransport(Transport):
         kind, stage, mb = key
         return ((mb * self._tag_stages + stage) * len(_KINDS) + _KINDS[kind]) % _TAG_LIMIT
 
-    def send(self, tensor: Payload, peer: int, key: MessageKey) -> None:
+    def send(self, tensor: Message, peer: int, key: MessageKey) -> None:
         if self._carries_shape(key):
             header = self._header(tensor)
             work = dist.isend(

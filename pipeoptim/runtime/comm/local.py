@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from pipeoptim.runtime.comm.transport import MessageKey, Parts, Transport
-from pipeoptim.runtime.payload import Payload
+from pipeoptim.runtime.payload import Message
 
 __all__ = ["LocalTransport"]
 
@@ -17,17 +17,17 @@ class LocalTransport(Transport):
     """All ranks in one process: a shared mailbox. Messages are copies, as over a wire, so a
     receiving stage can never write into a tensor the sending stage saved for backward."""
 
-    def __init__(self, rank: int, mailbox: dict[MessageKey, Payload]) -> None:
+    def __init__(self, rank: int, mailbox: dict[MessageKey, Message]) -> None:
         self.rank = rank
         self._mailbox = mailbox
 
     @classmethod
     def group(cls, world_size: int) -> list[LocalTransport]:
         """One endpoint per rank, sharing a mailbox."""
-        mailbox: dict[MessageKey, Payload] = {}
+        mailbox: dict[MessageKey, Message] = {}
         return [cls(r, mailbox) for r in range(world_size)]
 
-    def send(self, tensor: Payload, peer: int, key: MessageKey) -> None:
+    def send(self, tensor: Message, peer: int, key: MessageKey) -> None:
         if key in self._mailbox:
             raise RuntimeError(f"rank {self.rank}: message {key} sent twice")
         # No copy: what is sent is a stage's detached output or an input gradient, which
@@ -41,7 +41,7 @@ class LocalTransport(Transport):
     def ready(self, key: MessageKey) -> bool:
         return key in self._mailbox
 
-    def _take(self, key: MessageKey, peer: int) -> Payload:
+    def _take(self, key: MessageKey, peer: int) -> Message:
         try:
             return self._mailbox.pop(key)
         except KeyError:

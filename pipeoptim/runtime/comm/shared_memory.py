@@ -49,7 +49,7 @@ from torch import Tensor
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.runtime.comm.dist import DistTransport
 from pipeoptim.runtime.comm.transport import MessageKey, Parts, RecvSpec, describe_message
-from pipeoptim.runtime.payload import Payload
+from pipeoptim.runtime.payload import Message
 
 __all__ = ["DEFAULT_RING_BYTES", "SharedMemoryTransport", "shared_memory_ring_bytes"]
 
@@ -267,7 +267,7 @@ class SharedMemoryTransport(DistTransport):
 
     # -- sending ----------------------------------------------------------------------------
 
-    def send(self, tensor: Payload, peer: int, key: MessageKey) -> None:
+    def send(self, tensor: Message, peer: int, key: MessageKey) -> None:
         if self._carries_shape(key):
             super().send(tensor, peer, key)  # header first, over gloo
             return

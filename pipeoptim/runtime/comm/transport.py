@@ -30,7 +30,7 @@ from typing import TypeAlias
 import torch
 from torch import Tensor
 
-from pipeoptim.runtime.payload import Payload
+from pipeoptim.runtime.payload import Message
 
 __all__ = ["MessageKey", "Parts", "RecvSpec", "Transport", "describe_message"]
 
@@ -55,7 +55,7 @@ class Transport(ABC):
     rank: int
 
     @abstractmethod
-    def send(self, tensor: Payload, peer: int, key: MessageKey) -> None:
+    def send(self, tensor: Message, peer: int, key: MessageKey) -> None:
         """Send ``tensor`` (or a tuple of tensors) to rank ``peer``; returns without waiting
         for delivery."""
 

@@ -23,6 +23,7 @@ from pipeoptim.runtime.payload import (
     Payload,
     input_gradients,
     output_roots,
+    parts,
     payload_bytes,
 )
 from pipeoptim.runtime.stage.diagnose import out_of_memory, out_of_memory_message
@@ -79,7 +80,8 @@ class StageBackward(StageFields):
             self._retire(v)
         if isinstance(x_in, Tensor):
             return self.precision.true_gradient(x_in.grad if x_in.requires_grad else None)
-        return self._input_gradients(x_in, [t.grad if t.requires_grad else None for t in x_in])
+        found = [t.grad if t.requires_grad else None for t in parts(x_in)]
+        return self._input_gradients(x_in, found)
 
     @contextmanager
     def _backward_pass(self, x: Payload) -> Iterator[None]:
@@ -155,7 +157,7 @@ class StageBackward(StageFields):
         if isinstance(x_in, Tensor):
             assert g_in is None or isinstance(g_in, Tensor)
             return self.precision.true_gradient(g_in)
-        found = g_in if isinstance(g_in, tuple) else (None,) * len(x_in)
+        found = g_in if isinstance(g_in, tuple) else (None,) * len(parts(x_in))
         return self._input_gradients(x_in, found)
 
     def backward_weight(self, mb: int) -> None:
@@ -183,9 +185,9 @@ class StageBackward(StageFields):
             raise RuntimeError(f"stage {self.index}: {half} of micro-batch {mb} before its F")
 
     def _input_gradients(
-        self, x_in: tuple[Tensor, ...], found: Sequence[Tensor | None]
+        self, x_in: tuple[Tensor, ...] | dict[str, Tensor | None], found: Sequence[Tensor | None]
     ) -> tuple[Tensor | None, ...] | None:
-        """A tuple input's gradients as sent upstream (None on the first stage)."""
+        """A tuple or dict input's gradients as sent upstream (None on the first stage)."""
         if self.index == 0:
             return None
         return input_gradients(x_in, found, self.precision.true_gradient)

@@ -35,7 +35,7 @@ def _expects(unit: nn.Module) -> str:
 
 
 def _shape(x: object) -> str:
-    if isinstance(x, tuple):
+    if isinstance(x, tuple | dict):
         return f"({describe(x)})"
     return f"of shape {describe(x)}" if isinstance(x, Tensor) else type(x).__name__
 

@@ -22,7 +22,14 @@ from torch import Tensor
 
 from pipeoptim.errors import StageError
 from pipeoptim.plan.versions import MicroBatchVersions
-from pipeoptim.runtime.payload import Payload, checked_payload_loss, checked_tuple
+from pipeoptim.runtime.payload import (
+    Payload,
+    checked_payload_loss,
+    checked_tuple,
+    detached,
+    mapped,
+    parts,
+)
 from pipeoptim.runtime.stage.backward import StageBackward
 from pipeoptim.runtime.stage.diagnose import describe_failure
 from pipeoptim.runtime.stage.loss import count_correct, token_share
@@ -50,7 +57,7 @@ class StageForward(StageBackward, StagePrediction):
         """The stage's units on ``x``, with ``weights`` (one per parameter, in the stage's
         order) in the module's slots (None: its parameters); a tuple ``x`` is the first
         unit's positional arguments."""
-        args = (x,) if isinstance(x, Tensor) else x
+        args = x if isinstance(x, tuple) else (x,)
         try:
             if weights is None:
                 out: Payload = self.module(*args)
@@ -84,8 +91,9 @@ class StageForward(StageBackward, StagePrediction):
         (None for a tuple output: which of its tensors holds the scores is the loss's)."""
         return count_correct(out, target) if isinstance(out, Tensor) else None
 
-    def _tuple_out(self, out: tuple[Any, ...]) -> tuple[Tensor, ...]:
-        """A tuple a non-last stage hands on, refused where it holds a non-tensor."""
+    def _tuple_out(self, out: Any) -> Payload:
+        """A tuple or dict a non-last stage hands on, refused where it holds what cannot
+        travel."""
         last = self.first_unit + len(self.module) - 1
         return checked_tuple(out, self.index, last, type(self.module[-1]).__name__)
 
@@ -126,11 +134,15 @@ class StageForward(StageBackward, StagePrediction):
             )
             shape_key: tuple[Any, ...] = (tuple(x.shape), x.dtype)
         else:
-            x_in = tuple(
-                t.detach().requires_grad_(True) if t.is_floating_point() and self.index > 0 else t
-                for t in x
+            x_in = mapped(
+                x,
+                lambda t: (
+                    t.detach().requires_grad_(True)
+                    if t.is_floating_point() and self.index > 0
+                    else t
+                ),
             )
-            shape_key = tuple((tuple(t.shape), t.dtype) for t in x)
+            shape_key = tuple((tuple(t.shape), t.dtype) for t in parts(x))
         s = self.distance(mb)
         sources = store.sources(v.forward_version, mb)
         direct = self._on_parameters(v, s)
@@ -231,7 +243,7 @@ class StageForward(StageBackward, StagePrediction):
         releases = not self.is_last and self.recompute is not None and self.recompute.ends_stage
         if saves is not None:
             if not releases:
-                for t in (out,) if isinstance(out, Tensor) else out:
+                for t in parts(out):
                     saves.pack(t)
             by_shape.setdefault(shape_key, saves.activation_bytes)
         if held:
@@ -241,7 +253,7 @@ class StageForward(StageBackward, StagePrediction):
         self._saved[mb] = (x_in, out)
         act = saves.activation_bytes if saves is not None else by_shape[shape_key]
         self.memory_count.add_activations(mb, act)
-        sent = out.detach() if isinstance(out, Tensor) else tuple(t.detach() for t in out)
+        sent = detached(out)
         if releases:
             release_output(out, x_in)
         return sent
@@ -252,9 +264,9 @@ class StageForward(StageBackward, StagePrediction):
         self.finish_backward()
         with torch.no_grad(), self.precision.autocast():
             try:
-                out: Payload = self.module(x) if isinstance(x, Tensor) else self.module(*x)
+                out: Payload = self.module(*x) if isinstance(x, tuple) else self.module(x)
             except Exception as err:
                 raise StageError(self._failure(x, err)) from err
-        if isinstance(out, tuple) and not self.is_last:
+        if isinstance(out, tuple | dict) and not self.is_last:
             out = self._tuple_out(out)
         return out

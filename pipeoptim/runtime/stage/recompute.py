@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pipeoptim.errors import StageError
 from pipeoptim.runtime.model.replay import recomputing
-from pipeoptim.runtime.payload import Payload
+from pipeoptim.runtime.payload import Payload, parts
 from pipeoptim.runtime.stage.chain import UnitChain
 from pipeoptim.runtime.stage.swap import ParameterSlots
 from pipeoptim.runtime.stage.weights import alias
@@ -255,9 +255,10 @@ class Recomputation:
 
         def run(*a: Any) -> Any:
             if keep is not None:
-                for t in a:
-                    if isinstance(t, Tensor):
-                        keep(t)
+                for arg in a:
+                    for t in arg.values() if isinstance(arg, dict) else (arg,):
+                        if isinstance(t, Tensor):
+                            keep(t)
             return checkpoint(forward, *a, use_reentrant=False, context_fn=contexts)
 
         return run
@@ -287,9 +288,7 @@ def release_output(out: Payload, inputs: Payload) -> None:
 
 
 def _tensors(x: Payload) -> tuple[Tensor, ...]:
-    if isinstance(x, Tensor):
-        return (x,)
-    return tuple(t for t in x if isinstance(t, Tensor))
+    return tuple(t for t in parts(x) if isinstance(t, Tensor))  # a dict's values, None out
 
 
 def run_steps(steps: Steps, x: Payload) -> Payload:

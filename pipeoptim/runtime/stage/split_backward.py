@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from pipeoptim.errors import StageError
 from pipeoptim.plan.methods import WeightPolicy
-from pipeoptim.runtime.payload import Payload, output_problem
+from pipeoptim.runtime.payload import Payload, output_problem, parts
 from pipeoptim.runtime.stage.chain import UnitChain
 
 __all__ = [
@@ -90,7 +90,7 @@ def reentrant_refusal(out: Any, module: nn.Module, stage: int, first_unit: int) 
     (``torch.utils.checkpoint(use_reentrant=True)``: its backward runs a backward of its own,
     which cannot compute input gradients alone), naming the unit; None where there is none.
     Walks the forward's graph once (the stage does it on its first forward of a shape)."""
-    roots = [out] if isinstance(out, Tensor) else [t for t in out if isinstance(t, Tensor)]
+    roots = [out] if isinstance(out, Tensor) else [t for t in parts(out) if isinstance(t, Tensor)]
     todo = [t.grad_fn for t in roots if t.grad_fn is not None]
     seen: set[int] = set()
     found: list[Any] = []
@@ -148,7 +148,7 @@ def run_units_kept(
     if steps is None:
         steps = [([i], unit) for i, unit in enumerate(module)]
     kept: KeptUnits | None = []
-    seen = {id(t): t.grad_fn for t in x} if isinstance(x, tuple) else {id(x): x.grad_fn}
+    seen = {id(t): t.grad_fn for t in parts(x)}
     h: Any = x
     try:
         for covered, step in steps:
@@ -156,8 +156,10 @@ def run_units_kept(
             params = [p for i in covered for p in units[i]]
             if not params:
                 continue
-            if isinstance(h, tuple):
-                kept = _keep_parts(h, params, kept, seen)
+            if isinstance(h, tuple | dict):
+                kept = _keep_parts(
+                    tuple(h.values() if isinstance(h, dict) else h), params, kept, seen
+                )
                 continue
             if not isinstance(h, Tensor) or not h.requires_grad:
                 continue
@@ -206,6 +208,8 @@ def input_half(
     it that need one. The caller runs it under the stage's RNG stream."""
     half: WeightHalf = []
     g_in: Tensor | tuple[Tensor | None, ...] | None = None
+    if isinstance(x_in, dict):  # its gradient is that of its parts
+        x_in = parts(x_in)
     inputs = [t for t in x_in if t.requires_grad] if isinstance(x_in, tuple) else []
     wants_input = x_in.requires_grad if isinstance(x_in, Tensor) else bool(inputs)
     targets = [x_in] if isinstance(x_in, Tensor) and wants_input else inputs
