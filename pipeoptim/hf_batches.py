@@ -43,20 +43,25 @@ def hidden_fields(hidden: Tensor, mask: Tensor | None, positions: Tensor | None)
     return {"hidden_states": hidden, "attention_mask": mask, "position_ids": positions}
 
 
-class TokenEmbeddings(nn.Module):
+class TokenEmbeddings(nn.Embedding):
     """A Llama-style model's ``embed_tokens`` as the first unit: ids (B, T) to hidden states
-    (B, T, D), or a dict batch to the dict of :func:`hidden_fields`."""
+    (B, T, D), or a dict batch to the dict of :func:`hidden_fields`. An ``nn.Embedding``
+    holding the model's own matrix, so its state-dict key stays ``weight`` (checkpoints
+    written before dict batches load) and the model's initialiser, which picks modules by
+    type, materialises it from the meta device."""
 
     def __init__(self, embed_tokens: nn.Embedding) -> None:
-        super().__init__()
-        self.embed_tokens = embed_tokens
+        nn.Module.__init__(self)  # nn.Embedding's own would allocate a second matrix
+        self.num_embeddings = embed_tokens.num_embeddings
+        self.embedding_dim = embed_tokens.embedding_dim
+        self.padding_idx = embed_tokens.padding_idx
+        self.max_norm = embed_tokens.max_norm
+        self.norm_type = embed_tokens.norm_type
+        self.scale_grad_by_freq = embed_tokens.scale_grad_by_freq
+        self.sparse = embed_tokens.sparse
+        self.weight = embed_tokens.weight
 
-    @property
-    def weight(self) -> Tensor:
-        """The embedding matrix (what a tied LM head shares)."""
-        return self.embed_tokens.weight
-
-    def forward(self, batch: Batch) -> Batch:
+    def forward(self, batch: Batch) -> Batch:  # type: ignore[override]
         ids, mask, positions = batch_fields(batch)
-        hidden: Tensor = self.embed_tokens(ids)
+        hidden: Tensor = super().forward(ids)
         return hidden if isinstance(batch, Tensor) else hidden_fields(hidden, mask, positions)

@@ -44,7 +44,7 @@ from torch import Tensor
 
 from pipeoptim.errors import StageError
 from pipeoptim.plan.actions import Action, Kind
-from pipeoptim.runtime.boundary import VARIES, Boundary, TensorSpec
+from pipeoptim.runtime.boundary import VARIES, Boundary, MappingSpec, TensorSpec
 from pipeoptim.runtime.comm.stop_channel import StopChannel
 from pipeoptim.runtime.comm.transport import Transport
 from pipeoptim.runtime.feed import TrainFeed
@@ -119,7 +119,7 @@ class RankExecutor(RankMessages):
         self._posts_receives = transport.posts_receives
         self.boundaries = list(boundaries)
         self.target = target
-        parts = [p for b in boundaries for p in (b if isinstance(b, tuple) else (b,))]
+        parts = [p for b in boundaries for p in _spec_parts(b)]
         self._varying = any(VARIES in p.shape for p in parts)
         """Shapes vary (``CommOptions.varying_shapes``): the boundaries hold free sizes."""
         self._input_shapes: dict[tuple[int, int], tuple[int, ...]] = {}
@@ -549,3 +549,10 @@ def drive_local(executors: Sequence[RankExecutor]) -> None:
         if idle_waves == 2:
             waiting = ", ".join(f"rank {e.rank} at {e.next_action()}" for e in pending)
             raise RuntimeError(f"pipeline deadlock: every rank waits for a message ({waiting})")
+
+
+def _spec_parts(b: Boundary) -> tuple[TensorSpec, ...]:
+    """The specs of the tensors a boundary's message carries."""
+    if isinstance(b, MappingSpec):
+        return b.parts
+    return b if isinstance(b, tuple) else (b,)

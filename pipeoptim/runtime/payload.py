@@ -123,7 +123,9 @@ def _shape_words(shape: Sequence[int], dtype: torch.dtype) -> str:
 
 
 def _fits(t: Tensor, p: Spec, n: int) -> bool:
-    return t.dim() > 0 and t.shape[0] == n and t.shape[1:] == p.shape and t.dtype == p.dtype
+    return (
+        t.dim() > 0 and t.shape[0] == n and shape_fits(t.shape[1:], p.shape) and t.dtype == p.dtype
+    )
 
 
 def _mapping_words(

@@ -173,7 +173,7 @@ class DistTransport(Transport):
         if wait and key in self._headers:
             self._open_header(key)
 
-    def _header(self, payload: Payload) -> Tensor:
+    def _header(self, payload: Message) -> Tensor:
         parts = (payload,) if isinstance(payload, Tensor) else payload
         sizes = [d for t in parts for d in t.shape]
         return torch.tensor(sizes, dtype=torch.int64).to(self.device)

@@ -1,0 +1,95 @@
+"""One rank of the dynamic-padding test under torchrun (tests/hf/test_padded_lengths.py):
+a cut Llama trained on dict batches whose length changes from batch to batch (each padded
+to its own longest sequence, left or right, labels -100 on padding), with varying shapes on,
+over 2 gloo ranks with one tag; ``--transport local`` runs the same in one process. For
+each method named, writes the losses."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+import transformers
+
+from pipeoptim import Pipeline
+from pipeoptim.hf import IGNORE_INDEX, cut_causal_lm
+
+Batches = list[tuple[dict[str, torch.Tensor], torch.Tensor]]
+LENGTHS = (9, 6, 12, 7, 10)
+"""Each batch's longest sequence: the tensors crossing the boundary change shape."""
+
+
+def llama() -> transformers.LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def padded_batches(batch: int = 4) -> Batches:
+    """One batch per entry of :data:`LENGTHS`, rows padded on the left (even rows) or the
+    right (odd rows) by a seeded amount; labels are the next token, -100 on padding."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for length in LENGTHS:
+        ids = torch.randint(1, 101, (batch, length + 1), generator=g)
+        mask = torch.ones(batch, length + 1, dtype=torch.long)
+        for row in range(batch):
+            pad = int(torch.randint(1, length // 2, (1,), generator=g))
+            if row % 2 == 0:
+                mask[row, :pad] = 0
+            else:
+                mask[row, length + 1 - pad :] = 0
+        ids = ids.masked_fill(mask == 0, 0)
+        labels = ids[:, 1:].masked_fill(mask[:, 1:] == 0, IGNORE_INDEX)
+        out.append(({"input_ids": ids[:, :-1], "attention_mask": mask[:, :-1]}, labels))
+    return out
+
+
+def adamw(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def train(method: str, transport: str) -> list[float] | None:
+    """The losses of ``method`` on the padded batches (None on a rank without them)."""
+    pipe = Pipeline(
+        cut_causal_lm(llama()),
+        method=method,
+        stages=2,
+        micro_batches=None if method == "pipeoptim" else 2,
+        transport=transport,
+        one_tag=transport == "dist",
+        varying_shapes=True,
+        optimizer=adamw,
+        device="cpu",
+        timeout=120,
+    )
+    result = pipe.fit(padded_batches(), max_steps=len(LENGTHS))
+    losses = list(result.losses) if 0 in pipe.stages else None
+    pipe.close()
+    return losses
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--transport", default="dist")
+    parser.add_argument("--methods", default="1f1b,zb-h1,pipeoptim,xpipe")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    record = {m: train(m, args.transport) for m in args.methods.split(",")}
+    if all(losses is not None for losses in record.values()):
+        (args.out / "losses.json").write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()
