@@ -45,8 +45,8 @@ def measured_length(profile: Profile) -> int | None:
 
 
 def at_length(profile: Profile, max_length: int) -> Profile:
-    """``profile`` at ``max_length`` tokens per sample: activation bytes and the per-sample
-    part of each time scaled by ``max_length`` over the measured length."""
+    """``profile`` at ``max_length`` tokens per sample: activation and saved bytes and the
+    per-sample part of each time scaled by ``max_length`` over the measured length."""
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
         raise PlanError(f"the maximum length must be a whole number >= 1 (got {max_length!r})")
     measured = measured_length(profile)
@@ -71,6 +71,9 @@ def at_length(profile: Profile, max_length: int) -> Profile:
                 forward_s=forward,
                 backward_s=backward,
                 activation_bytes=-(-layer.activation_bytes * max_length // measured),
+                saved_bytes=None
+                if layer.saved_bytes is None
+                else -(-layer.saved_bytes * max_length // measured),
             )
         )
     meta = {**profile.meta, LENGTH_KEY: max_length, "measured_length": measured}

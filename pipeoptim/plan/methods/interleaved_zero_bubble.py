@@ -76,9 +76,11 @@ def interleaved_zb_order(
 
 @lru_cache(maxsize=64)
 def _slots(num_stages: int, micro_batches: int) -> dict[int, int]:
-    # the rule is told the stage count only: counted at the default 2 stages per rank
+    # the rule is told the stage count only: counted at the default 2 stages per rank; asked
+    # below the size rule's M >= P (a memory table's sweep), it counts at M = P, capped at M
     p = max(num_stages // 2, 1)
-    return held_micro_batches(interleaved_zb_order(p, micro_batches, 1, num_stages // p))
+    held = held_micro_batches(interleaved_zb_order(p, max(micro_batches, p), 1, num_stages // p))
+    return {k: min(n, micro_batches) for k, n in held.items()}
 
 
 def _order(shape: Shape) -> Order:
