@@ -17,9 +17,14 @@ import torch
 import transformers
 
 from pipeoptim import Pipeline
-from pipeoptim.hf import IGNORE_INDEX, cut_causal_lm
+from pipeoptim.hf import cut_causal_lm
 
-Batches = list[tuple[dict[str, torch.Tensor], torch.Tensor]]
+try:
+    from support import hf_mask_worker as mask_worker
+except ImportError:  # run as torchrun's script: this folder is the first on the path
+    import hf_mask_worker as mask_worker  # type: ignore[no-redef]
+
+Batches = mask_worker.Batches
 LENGTHS = (9, 6, 12, 7, 10)
 """Each batch's longest sequence: the tensors crossing the boundary change shape."""
 
@@ -35,23 +40,8 @@ def llama() -> transformers.LlamaForCausalLM:
 
 
 def padded_batches(batch: int = 4) -> Batches:
-    """One batch per entry of :data:`LENGTHS`, rows padded on the left (even rows) or the
-    right (odd rows) by a seeded amount; labels are the next token, -100 on padding."""
-    g = torch.Generator().manual_seed(3)
-    out = []
-    for length in LENGTHS:
-        ids = torch.randint(1, 101, (batch, length + 1), generator=g)
-        mask = torch.ones(batch, length + 1, dtype=torch.long)
-        for row in range(batch):
-            pad = int(torch.randint(1, length // 2, (1,), generator=g))
-            if row % 2 == 0:
-                mask[row, :pad] = 0
-            else:
-                mask[row, length + 1 - pad :] = 0
-        ids = ids.masked_fill(mask == 0, 0)
-        labels = ids[:, 1:].masked_fill(mask[:, 1:] == 0, IGNORE_INDEX)
-        out.append(({"input_ids": ids[:, :-1], "attention_mask": mask[:, :-1]}, labels))
-    return out
+    """One batch per entry of :data:`LENGTHS`, rows padded on the left or the right."""
+    return mask_worker.padded_batches(LENGTHS, batch)
 
 
 def adamw(params: list[torch.Tensor]) -> torch.optim.Optimizer:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -21,12 +22,13 @@ from pipeoptim.hf import IGNORE_INDEX, cut_causal_lm
 Batches = list[tuple[dict[str, torch.Tensor], torch.Tensor]]
 
 
-def padded_batches(count: int, batch: int, length: int) -> Batches:
-    """``count`` batches of ``length`` tokens, each row padded on the left (even rows) or the
-    right (odd rows) by a seeded amount; labels are the next token, -100 on padding."""
+def padded_batches(lengths: Sequence[int], batch: int) -> Batches:
+    """One batch per entry of ``lengths`` (its tokens), each row padded on the left (even
+    rows) or the right (odd rows) by a seeded amount; labels are the next token, -100 on
+    padding."""
     g = torch.Generator().manual_seed(3)
     out = []
-    for _ in range(count):
+    for length in lengths:
         ids = torch.randint(1, 101, (batch, length + 1), generator=g)
         mask = torch.ones(batch, length + 1, dtype=torch.long)
         for row in range(batch):
@@ -68,7 +70,7 @@ def main() -> None:
         timeout=60,
         **sizes,
     )
-    result = pipe.fit(padded_batches(4, 4, 10), max_steps=4)
+    result = pipe.fit(padded_batches([10] * 4, 4), max_steps=4)
     if 0 in pipe.stages:
         (args.out / "losses.json").write_text(json.dumps(result.losses))
     pipe.close()
