@@ -58,12 +58,14 @@ XPIPE = Method(
 
 PIPEOPTIM = Method(
     "pipeoptim",
-    "PipeOptim: asynchronous 1F1B, forward on weights predicted by the optimizer's rule",
+    "PipeOptim: asynchronous 1F1B, forward on weights predicted by the optimizer's rule; "
+    "whole mini-batches by default, --micro-batches M cuts stage k's delay to ⌈(P−1−k)/M⌉ "
+    "(M ≥ P: XPipe's schedule, one update)",
     schedules.async_one_f_one_b,
     WeightPolicy.PREDICT,
     array_generator=schedules.async_one_f_one_b_arrays,
     prediction_rule="optimizer",
-    micro_batched=False,
+    default_micro_batches=1,  # the dial: whole mini-batches unless asked for more
     asynchronous=True,
     slots_rule=_units_in_flight,
 )

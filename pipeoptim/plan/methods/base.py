@@ -193,6 +193,9 @@ class Method:
     """Predictor the runtime builds (``optimizer``, ``spectrain``, ``xpipe``), if any."""
     micro_batched: bool = True
     """Splits a mini-batch into M micro-batches; if False, M is always 1."""
+    default_micro_batches: int | None = None
+    """M when the user names none (a micro-batched method): None for P, one per stage, or a
+    count of its own (PipeOptim's dial: 1, whole mini-batches, unless asked for more)."""
     asynchronous: bool = False
     """Never flushes: updates happen while other mini-batches are in flight."""
     min_micro_batches_per_stage: bool = False
@@ -304,14 +307,31 @@ class Method:
         """Old name of :attr:`schedule_family`, kept for callers that still use it."""
         return self.schedule_family
 
+    @property
+    def dials_micro_batches(self) -> bool:
+        """Whether M is a free choice from 1 up (its default below P): the delay per stage
+        falls as M grows (PipeOptim's dial), so a planner tries counts from 1 to P."""
+        return self.micro_batched and self.default_micro_batches is not None
+
+    def default_micro_batches_at(self, num_stages: int) -> int:
+        """M when the user names none, at ``num_stages`` stages: 1 where the method runs
+        whole mini-batches, its declared default, else P."""
+        if self.runs_whole_mini_batches:
+            return 1
+        return self.default_micro_batches or num_stages
+
     @overload
     def micro_batches_for(self, requested: int) -> int: ...
     @overload
     def micro_batches_for(self, requested: None) -> int | None: ...
     def micro_batches_for(self, requested: int | None) -> int | None:
         """The micro-batch count a run of this method has for a ``requested`` count: 1
-        where it runs whole mini-batches, else the request (None: the default)."""
-        return 1 if self.runs_whole_mini_batches else requested
+        where it runs whole mini-batches, else the request; None asks for the default (the
+        declared one, or None where it is P: :meth:`shape` fills it in). A caller that
+        knows P and means "the default" asks :meth:`default_micro_batches_at`."""
+        if self.runs_whole_mini_batches:
+            return 1
+        return requested if requested is not None else self.default_micro_batches
 
     def virtual_stages_for(self, requested: int | None) -> int | None:
         """The stages per rank to hand :meth:`shape`: the request where the method places
@@ -366,7 +386,11 @@ class Method:
         if num_ranks < 1:
             raise PlanError(f"need at least 1 stage (got {num_ranks}); pass --stages 1 or more")
         if self.micro_batched:
-            m = micro_batches if micro_batches is not None else num_ranks
+            m = (
+                micro_batches
+                if micro_batches is not None
+                else self.default_micro_batches_at(num_ranks)
+            )
         else:
             if micro_batches not in (None, 1):
                 raise PlanError(

@@ -42,8 +42,9 @@ def shrunk(base: Method) -> Method:
 
 
 def bounded(base: Method, max_delay: int) -> Method:
-    """``base`` (never micro-batched, asynchronous) with its delay bounded by local gradient
-    accumulation: a schedule of its own (fewer updates on the early stages)."""
+    """``base`` (asynchronous) with its delay bounded by local gradient accumulation: a
+    schedule of its own (fewer updates on the early stages) over whole mini-batches (M = 1
+    only, whatever micro-batch count the base allows)."""
 
     def arrays(shape: Shape) -> OrderArrays:
         return schedules.bounded_async_one_f_one_b_arrays(shape, max_delay)
@@ -60,6 +61,9 @@ def bounded(base: Method, max_delay: int) -> Method:
         generator=order,
         array_generator=arrays,
         max_delay=max_delay,
+        # its schedule accumulates whole mini-batches: M = 1 only, whatever the base's dial
+        micro_batched=False,
+        default_micro_batches=None,
         # a forward meets at most one update, so a stash holds at most one older version;
         # the gradient buffer kept across the accumulation is the +1 every stage is charged
         copies_rule=lambda k, p: 1 if k == p - 1 else 2,
