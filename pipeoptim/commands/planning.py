@@ -83,7 +83,12 @@ def register(sub: Any) -> None:
         "(PP x DP) and explain the choice",
     )
     plan.add_argument("--method", default="auto", help=f"auto or one of: {', '.join(METHODS)}")
-    plan.add_argument("--micro-batches", type=int, default=None, help="M (default: P)")
+    plan.add_argument(
+        "--micro-batches",
+        type=int,
+        default=None,
+        help="M (default: the search's counts; 1, 2, 4 … P for pipeoptim)",
+    )
     plan.add_argument(
         "--virtual-stages",
         type=int,
@@ -320,7 +325,8 @@ def run_plan(args: argparse.Namespace) -> int:
         print(
             f"note: --micro-batches {args.micro_batches} is not searched with --method "
             f"auto, which tries P, 2P and 4P micro-batches (those that divide the batch) "
-            f"for every micro-batching method; give --method METHOD to plan that count",
+            f"for every micro-batching method, and 1, 2, 4 … P for pipeoptim's dial; give "
+            f"--method METHOD to plan that count",
             file=sys.stderr,
         )
     choice = plan_for(

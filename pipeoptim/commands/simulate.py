@@ -90,7 +90,8 @@ def register(subparsers: Any) -> None:
         "-M",
         type=int,
         default=None,
-        help="micro-batches per mini-batch (default: P; 1 for methods that do not micro-batch)",
+        help="micro-batches per mini-batch (default: P; 1 for pipeoptim and for methods that do "
+        "not micro-batch)",
     )
     p.add_argument(
         "--mini-batches",

@@ -125,8 +125,9 @@ def register(subparsers: Any) -> None:
         "--micro-batches",
         type=int,
         metavar="M",
-        help="micro-batches per mini-batch, micro-batching methods only (default: P, or the "
-        "next count that divides the batch size)",
+        help="micro-batches per mini-batch, micro-batching methods only (default: 1 for "
+        "pipeoptim, whose stage k then runs P-1-k updates behind and ⌈(P-1-k)/M⌉ with M; "
+        "else P, or the next count that divides the batch size)",
     )
     p.add_argument(
         "--batch-size", type=int, metavar="B", help="samples per mini-batch (default 32)"
@@ -308,6 +309,8 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         micro = args.micro_batches
     elif base is not None and base.method == method:  # the plan's, made for this method
         micro = base.micro_batches
+    elif spec.dials_micro_batches:  # the method's own default (pipeoptim: whole mini-batches)
+        micro = spec.default_micro_batches_at(stages)
     else:  # P micro-batches, or the next count that divides the batch
         micro = next((m for m in range(stages, batch + 1) if batch % m == 0), stages)
         micro = spec.micro_batches_for(micro)

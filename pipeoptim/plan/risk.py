@@ -188,9 +188,11 @@ def schedule_versions(
     method: str, num_stages: int, micro_batches: int | None = None
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Per stage, the largest prediction distance s and staleness of ``method``'s schedule
-    (a run long enough to reach the steady state)."""
+    at ``micro_batches`` (None: the method's default M; a run long enough to reach the
+    steady state)."""
     spec = get_method(method)
-    m = spec.micro_batches_for(micro_batches or num_stages)
+    m = micro_batches if micro_batches is not None else spec.default_micro_batches_at(num_stages)
+    m = spec.micro_batches_for(m)
     shape = spec.shape(num_stages, m, 2 * num_stages + 2)
     report = analyze_versions(spec.schedule(shape), spec.version_rule, shape.micro_batches)
     stages = range(num_stages * shape.virtual_stages)
@@ -303,9 +305,10 @@ def _asynchronous(row: str) -> bool:
 
 
 def _micro_batched(row: str) -> bool:
-    """The study row's method splits each mini-batch into micro-batches (``xpipe``)."""
+    """The study row's method splits each mini-batch into micro-batches (``xpipe``): a row
+    trains at its method's default M, so pipeoptim's rows are whole mini-batches."""
     method = _method_of(row)
-    return method is not None and not method.runs_whole_mini_batches
+    return method is not None and method.micro_batched_by_default
 
 
 def split_row(row: str) -> tuple[str, str | None]:

@@ -126,13 +126,19 @@ class Candidate:
 def micro_batch_options(
     method: str | Method, num_stages: int, batch_size: int | None = None
 ) -> list[int]:
-    """M values worth trying: 1 for methods that don't micro-batch, else P, 2P, 4P; with a
-    ``batch_size``, only counts that divide it (the runtime splits a batch evenly): those
-    of P, 2P, 4P, else the three smallest divisors from P on (none when the batch has
-    fewer samples than P)."""
+    """M values worth trying: 1 for methods that don't micro-batch; for a method whose M
+    is a dial (its default below P: PipeOptim, whose delay falls as M grows) 1, 2, 4, …
+    up to P and P itself, those dividing ``batch_size`` where one is given; else P, 2P,
+    4P; with a ``batch_size``, only counts that divide it (the runtime splits a batch
+    evenly): those of P, 2P, 4P, else the three smallest divisors from P on (none when the
+    batch has fewer samples than P)."""
     spec = resolve_method(method)
     if spec.runs_whole_mini_batches:
         return [1]
+    if spec.dials_micro_batches and spec.default_micro_batches_at(num_stages) < num_stages:
+        dial = sorted({1 << i for i in range(num_stages.bit_length()) if 1 << i <= num_stages})
+        dial += [num_stages] if num_stages not in dial else []
+        return [m for m in dial if batch_size is None or batch_size % m == 0]
     wanted = [num_stages, 2 * num_stages, 4 * num_stages]
     if batch_size is None or num_stages < 1:  # Method.shape says what is wrong with P
         return wanted

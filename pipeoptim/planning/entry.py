@@ -211,8 +211,10 @@ def _plan_stages(
     """:func:`plan_for` on ``stages`` stages: every method searched, or ``chosen`` alone."""
     batch = limits.batch_size or profile.batch_size
     cap, cluster = limits.memory_cap_bytes, limits.cluster
-    if chosen is None:
-        methods = tuple(resolve_methods(None))
+    # a dial's M is searched (its delay and speed move with M) unless the user fixed one
+    dial = chosen is not None and chosen.dials_micro_batches and limits.micro_batches is None
+    if chosen is None or dial:
+        methods = tuple(resolve_methods(None)) if chosen is None else (chosen,)
         ranked = search(
             profile,
             stages,
@@ -226,6 +228,7 @@ def _plan_stages(
             host=host,
         )
     else:
+        assert chosen is not None
         methods = (chosen,)
         m = _one_count(chosen, stages, batch, limits)
         ranked = [

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from pipeoptim.errors import PlanError
 from pipeoptim.plan.units import format_bytes, format_distances
-from pipeoptim.planning.candidate import Candidate
+from pipeoptim.planning.candidate import Candidate, resolve_method
 
 
 def format_rate(samples_per_s: float) -> str:
@@ -56,6 +56,9 @@ def explain(ranked: Sequence[Candidate], memory_cap_bytes: int | None = None) ->
         f"predicted {format_rate(best.throughput)} samples/s, {describe_staleness(best)}, "
         f"{_peak_words(best)} {format_bytes(best.peak_memory_bytes)}{cap}."
     )
+    dial = _dial_choice(best, feasible)
+    if dial:
+        text += " " + dial
     choice = memory_choice(best, memory_cap_bytes)
     if choice:
         text += " " + choice
@@ -94,6 +97,34 @@ def explain(ranked: Sequence[Candidate], memory_cap_bytes: int | None = None) ->
             f" Not simulated (over the work limit, pipeoptim.plan.limits): {', '.join(skipped)}."
         )
     return text
+
+
+def _dial_choice(best: Candidate, feasible: Sequence[Candidate]) -> str | None:
+    """For a method whose M is a dial (PipeOptim): the chosen M, stage 0's delay at it,
+    and the other counts searched with their effective rates (None: not a dial, or one
+    count)."""
+    if best.risk is None or not resolve_method(best.method).dials_micro_batches:
+        return None
+    others: dict[int, Candidate] = {}
+    for c in feasible:  # ranked: each count's best candidate
+        if c.method == best.method and c.micro_batches != best.micro_batches:
+            others.setdefault(c.micro_batches, c)
+    delay = best.risk.distances[0] if best.risk.distances else 0
+    text = (
+        f"M = {best.micro_batches} puts stage 0 {delay} update(s) behind (P−1 = "
+        f"{best.stages - 1} at M = 1, one at M = P)"
+    )
+    if others:
+        rates = ", ".join(
+            f"M = {m}: {format_rate(c.throughput)} samples/s, risk "
+            f"+{100 * (c.risk.risk if c.risk else 0.0):.0f}%"
+            for m, c in sorted(others.items())
+        )
+        text += (
+            f"; chosen by effective samples/s, throughput / (1 + risk), over the other counts "
+            f"({rates})"
+        )
+    return text + "."
 
 
 def _placement(c: Candidate) -> str:

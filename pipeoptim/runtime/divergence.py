@@ -1,13 +1,16 @@
 """What a run that diverged tells its user: the step, what was kept, and the remedies.
 
 Apart from the fit loop because the message is the toolkit's advice, not training: it names
-the last good checkpoint and, for the never-micro-batched asynchronous methods, the remedies
-the convergence study measured at their depth.
+the last good checkpoint and, for the asynchronous methods whose stage 0 runs more than one
+update behind (whole mini-batches, or PipeOptim's dial at M < P-1), the remedies the
+convergence study measured at their depth.
 """
 
 from __future__ import annotations
 
 from pipeoptim.plan.methods import Method
+from pipeoptim.plan.shape import Shape
+from pipeoptim.plan.versions import steady_delays
 from pipeoptim.runtime.options import StageOptions
 
 __all__ = ["nonfinite_message"]
@@ -20,7 +23,7 @@ def nonfinite_message(
     last_checkpoint: int | None,
     checkpoint_dir: str | None,
     method: Method,
-    num_stages: int,
+    shape: Shape,
     options: StageOptions,
 ) -> str:
     """The error of a non-finite loss ``value`` at ``step`` of a run whose stages were built
@@ -36,20 +39,29 @@ def nonfinite_message(
     return (
         f"non-finite loss ({value}) at step {step} (mini-batches count from 0); training "
         f"stopped and {kept}. Lower the learning rate{resume}"
-        + _divergence_advice(method, num_stages, options)
+        + _divergence_advice(method, shape, options)
     )
 
 
-def _divergence_advice(method: Method, num_stages: int, options: StageOptions) -> str:
-    """The remedies the convergence study measured, for this method and depth."""
-    if method.flushes or not method.runs_whole_mini_batches:
+def _divergence_advice(method: Method, shape: Shape, options: StageOptions) -> str:
+    """The remedies the convergence study measured, for this method, depth and M: where
+    stage 0 runs more than one update behind (the version analysis's delay at this M)."""
+    if method.flushes:
         return "."
-    s = num_stages - 1
+    s = steady_delays(method, shape).get(0, 0)
+    if s <= 1:
+        return "."
+    more = (
+        f", or more micro-batches (--micro-batches {shape.num_stages} gives one update)"
+        if method.dials_micro_batches
+        else ""
+    )
     text = (
         f"; {method.name} runs stage 0's forward {s} update(s) ahead of its backward "
-        f"(s = P-1), and in the convergence study (examples/convergence/results) such "
-        f"pipelines at 8 stages lost accuracy or diverged under SGD-momentum where gpipe, "
-        f"2bw and xpipe (s <= 1) did not: use 2bw or xpipe, or fewer stages"
+        f"(at M = {shape.micro_batches}), and in the convergence study "
+        f"(examples/convergence/results) such pipelines at 8 stages lost accuracy or diverged "
+        f"under SGD-momentum where gpipe, 2bw and xpipe (s <= 1) did not: use 2bw or xpipe"
+        f"{more}, or fewer stages"
     )
     if method.predicts and not options.predicted_backward:
         text += (

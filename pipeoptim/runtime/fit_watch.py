@@ -160,7 +160,7 @@ class FitWatching:
             last_checkpoint=self.state.last_checkpoint,
             checkpoint_dir=self.options.checkpoint_dir,
             method=p.method,
-            num_stages=p.shape.num_stages,
+            shape=p.shape,
             options=p.options.stage,
         )
 

@@ -108,7 +108,7 @@ class RunSpec:
     def micro_batches(self) -> int:
         from pipeoptim.plan.methods import get_method
 
-        return get_method(self.method).micro_batches_for(self.stages)
+        return get_method(self.method).default_micro_batches_at(self.stages)
 
 
 _NAMED_IN_KEY = frozenset(

@@ -94,7 +94,7 @@ def peak_copies(label: str, stages: int) -> int:
     model's count (``plan.memory_factors``); the predicted-backward variant keeps one Ŵ per
     mini-batch in flight, as a stash does."""
     method = get_method(schedule_of(label))
-    m = method.micro_batches_for(stages)
+    m = method.default_micro_batches_at(stages)
     if "Ŵbackward" in label:
         return stages  # current weights and a Ŵ per mini-batch in flight (P−1 at stage 0)
     factors = method_memory_factors(method.schedule_family, stages, m)

@@ -122,7 +122,7 @@ def simulated_seconds_per_sample(profile: Profile, method: str, stages: int) -> 
     from pipeoptim.sim.evaluate import compile_method, evaluate_program
 
     spec = get_method(method)
-    m = spec.micro_batches_for(stages)
+    m = spec.default_micro_batches_at(stages)
     shape = spec.shape(stages, m, 4 * stages)
     costs = CostModel.from_profile(profile, even_boundaries(profile.num_layers, stages), m)
     result = evaluate_program(compile_method(method, shape), costs)
@@ -376,7 +376,7 @@ def _measured_distance(method: str, optimizer: str, stages: int, closed: dict[in
     """e at the stage where it is largest, from the closure measured in this cell alone (so
     the fit never reads the constants it produces). A predicting method's stages without a
     measurement hold no weights (a lone ReLU) or never predict (s = 0): nothing is stale."""
-    distances, staleness = schedule_versions(method, stages, stages)
+    distances, staleness = schedule_versions(method, stages)  # the row's default M
     predicting = get_method(method).predicts
     spec = get_method(method)
     values = [

@@ -224,6 +224,9 @@ CASES = [
     ("pipeoptim", 3, 1, "sgd", 0.1),
     ("pipeoptim", 4, 1, "adam", 0.01),
     ("pipeoptim", 3, 1, "adamw", 0.01),
+    # the dial: M < P, so a mini-batch's micro-batches predict over different distances
+    ("pipeoptim", 4, 2, "adam", 0.01),
+    ("pipeoptim", 3, 2, "sgd", 0.1),
 ]
 
 

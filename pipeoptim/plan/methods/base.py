@@ -308,6 +308,12 @@ class Method:
         return self.schedule_family
 
     @property
+    def micro_batched_by_default(self) -> bool:
+        """Whether a run that names no M splits its mini-batches (M = P, or a declared
+        default above 1); False for the never-micro-batched methods and PipeOptim's dial."""
+        return self.micro_batched and self.default_micro_batches != 1
+
+    @property
     def dials_micro_batches(self) -> bool:
         """Whether M is a free choice from 1 up (its default below P): the delay per stage
         falls as M grows (PipeOptim's dial), so a planner tries counts from 1 to P."""

@@ -91,7 +91,7 @@ def resolve_plan(
         check_whole("virtual_stages", virtual, example="virtual_stages=2 (interleaved-1f1b)")
     same = base is not None and base.method == name
     if micro is None:
-        micro = base.micro_batches if base and same else spec.micro_batches_for(p)
+        micro = base.micro_batches if base and same else spec.default_micro_batches_at(p)
     if spec.runs_whole_mini_batches and micro != 1:
         spec.shape(p, micro)  # the registry's error, which names the fix
     if virtual is not None and not spec.places_several_stages_per_rank and virtual != 1:
