@@ -112,9 +112,15 @@ def test_the_methods_questions_answer_as_their_rules_say() -> None:
         "interleaved-zb",
     )
     whole = {n for n, m in METHODS.items() if m.runs_whole_mini_batches}
-    assert whole == {"pipedream", "spectrain", "pipeoptim"} | {
-        n for n in METHODS if n.startswith(("pipedream+", "pipeoptim+"))
+    assert whole == {"pipedream", "spectrain", "pipeoptim+bounded"} | {
+        n for n in METHODS if n.startswith("pipedream+")
     }
+    # pipeoptim's M is a dial, whole mini-batches unless asked (its corrections keep it)
+    dials = {n for n, m in METHODS.items() if m.dials_micro_batches}
+    assert dials == {"pipeoptim"} | {
+        n for n in METHODS if n.startswith("pipeoptim+") and n != "pipeoptim+bounded"
+    }
+    assert not any(METHODS[n].micro_batched_by_default for n in whole | dials)
     assert get_method("pipedream").micro_batches_for(8) == 1
     assert get_method("2bw").micro_batches_for(8) == 8
     assert get_method("2bw").micro_batches_for(None) is None
