@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from pipeoptim.errors import PlanError
 from pipeoptim.plan.units import format_bytes, format_distances
-from pipeoptim.planning.candidate import Candidate, resolve_method
+from pipeoptim.planning.candidate import Candidate
 
 
 def format_rate(samples_per_s: float) -> str:
@@ -99,32 +99,31 @@ def explain(ranked: Sequence[Candidate], memory_cap_bytes: int | None = None) ->
     return text
 
 
+def _stage0_delay(c: Candidate) -> int:
+    """Updates stage 0's forwards run ahead of their backwards (its largest distance)."""
+    return c.risk.distances[0] if c.risk is not None and c.risk.distances else 0
+
+
 def _dial_choice(best: Candidate, feasible: Sequence[Candidate]) -> str | None:
-    """For a method whose M is a dial (PipeOptim): the chosen M, stage 0's delay at it,
-    and the other counts searched with their effective rates (None: not a dial, or one
-    count)."""
-    if best.risk is None or not resolve_method(best.method).dials_micro_batches:
-        return None
+    """Where the search tried the best method at counts whose delays differ (PipeOptim's
+    dial: stage 0 is ⌈(P−1)/M⌉ updates behind): the chosen M, stage 0's delay at it, and
+    the other counts with their delays, rates and risks (None: no such choice was made)."""
     others: dict[int, Candidate] = {}
     for c in feasible:  # ranked: each count's best candidate
         if c.method == best.method and c.micro_batches != best.micro_batches:
             others.setdefault(c.micro_batches, c)
-    delay = best.risk.distances[0] if best.risk.distances else 0
-    text = (
-        f"M = {best.micro_batches} puts stage 0 {delay} update(s) behind (P−1 = "
-        f"{best.stages - 1} at M = 1, one at M = P)"
+    delay = _stage0_delay(best)
+    if all(_stage0_delay(c) == delay for c in others.values()):
+        return None
+    rates = ", ".join(
+        f"M = {m}: {_stage0_delay(c)} behind, {format_rate(c.throughput)} samples/s, risk "
+        f"+{100 * (c.risk.risk if c.risk else 0.0):.0f}%"
+        for m, c in sorted(others.items())
     )
-    if others:
-        rates = ", ".join(
-            f"M = {m}: {format_rate(c.throughput)} samples/s, risk "
-            f"+{100 * (c.risk.risk if c.risk else 0.0):.0f}%"
-            for m, c in sorted(others.items())
-        )
-        text += (
-            f"; chosen by effective samples/s, throughput / (1 + risk), over the other counts "
-            f"({rates})"
-        )
-    return text + "."
+    return (
+        f"M = {best.micro_batches} puts stage 0 {delay} update(s) behind; chosen by "
+        f"effective samples/s, throughput / (1 + risk), over the other counts ({rates})."
+    )
 
 
 def _placement(c: Candidate) -> str:

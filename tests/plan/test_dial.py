@@ -46,7 +46,7 @@ def test_methods_built_on_pipeoptim_keep_its_dial(name: str) -> None:
 def test_the_bounded_delay_stays_whole_mini_batches() -> None:
     spec = get_method("pipeoptim+bounded")
     assert spec.shape(P).micro_batches == 1
-    with pytest.raises(PlanError, match="runs each mini-batch as one unit .got 2 micro-batches"):
+    with pytest.raises(PlanError, match=r"runs each mini-batch as one unit \(got 2 micro-batches"):
         spec.shape(P, 2)
 
 

@@ -29,7 +29,7 @@ def test_round_trip(tmp_path: Path) -> None:
     ("kwargs", "message"),
     [
         ({"method": "1f1b", "num_stages": 4, "micro_batches": 2}, "raise --micro-batches"),
-        ({"method": "pipeoptim", "num_stages": 2, "micro_batches": 4}, "as one unit"),
+        ({"method": "pipedream", "num_stages": 2, "micro_batches": 4}, "as one unit"),
         ({"method": "pipeoptim", "num_stages": 2, "boundaries": [(0, 2), (3, 4)]}, "start at"),
         ({"method": "pipeoptim", "num_stages": 2, "boundaries": [(0, 2)]}, "1 stage ranges"),
     ],

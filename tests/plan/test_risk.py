@@ -85,13 +85,18 @@ def test_planner_passes_over_a_faster_method_with_high_risk(
 
     monkeypatch.setattr(risk, "KAPPA", {"sgd": 1.0})
     ranked = search(uniform_profile(), 8, methods=["gpipe", "pipeoptim"], optimizer="sgd")
-    po = next(c for c in ranked if c.method == "pipeoptim")
     assert ranked[0].method == "gpipe"
+    # pipeoptim's dial: each M with the delay of its own schedule; the best-ranked is named
+    dial = [c for c in ranked if c.method == "pipeoptim"]
+    assert [c.micro_batches for c in dial] == [8, 4, 2, 1]  # a shorter delay, less risk
+    whole = dial[-1]
+    assert whole.risk is not None and whole.risk.distances == (7, 6, 5, 4, 3, 2, 1, 0)
+    po = dial[0]
     assert po.throughput > ranked[0].throughput
-    assert po.risk is not None and po.risk.distances == (7, 6, 5, 4, 3, 2, 1, 0)
+    assert po.risk is not None and po.risk.distances == schedule_versions("pipeoptim", 8, 8)[0]
     text = explain(ranked)
     assert "pipeoptim is up to" in text and "faster per sample but not chosen" in text
-    assert "s = 7 updates ahead" in text
+    assert f"s = {max(po.risk.distances)} updates ahead" in text
     assert f"+{100 * po.risk.risk:.0f}% samples" in text
 
 
@@ -128,8 +133,10 @@ def test_plan_command_prints_s_per_stage_and_why(
     assert main(["plan", "--profile", str(path), "--stages", "8", "--optimizer", "sgd"]) == 0
     out = capsys.readouterr().out
     assert "s per stage" in out and "staleness" in out
-    po = next(line for line in out.splitlines() if line.startswith("pipeoptim "))
-    assert "7,6,5,4,3,2,1,0" in po
+    po = next(line for line in out.splitlines() if line.split()[:2] == ["pipeoptim", "1"])
+    assert "7,6,5,4,3,2,1,0" in po  # whole mini-batches; the dial's other M are shorter
+    po8 = next(line for line in out.splitlines() if line.split()[:2] == ["pipeoptim", "8"])
+    assert "1x7,0" in po8
     pd = next(line for line in out.splitlines() if line.startswith("pipedream "))
     assert " 7 " in pd  # pipedream: staleness 7 with the same s
     assert "per sample but not chosen" in out
@@ -167,8 +174,8 @@ def test_plan_for_8_stages_of_the_digits_mlp(
     capsys.readouterr()
     assert main(["plan", "--profile", profile, "--stages", "8", "--optimizer", "sgd"]) == 0
     out = capsys.readouterr().out
-    rows = {line.split()[0]: line for line in out.splitlines() if line[:1].isalpha()}
-    assert "7,6,5,4,3,2,1,0" in rows["pipeoptim"]
+    rows = {tuple(line.split()[:2]): line for line in out.splitlines() if line[:1].isalpha()}
+    assert "7,6,5,4,3,2,1,0" in rows[("pipeoptim", "1")]
     why = out.strip().splitlines()[-1]
     assert why.startswith("Run ") and "weight staleness" in why
 
@@ -177,7 +184,7 @@ def test_plan_for_8_stages_of_the_digits_mlp(
     )
     data = json.loads(capsys.readouterr().out)
     ranking = [r for r in data["ranking"] if r["infeasible"] is None]
-    po = next(r for r in ranking if r["method"] == "pipeoptim")
+    po = next(r for r in ranking if r["method"] == "pipeoptim" and r["micro_batches"] == 1)
     assert po["prediction_distance"] == [7, 6, 5, 4, 3, 2, 1, 0]
     assert po["convergence_risk"] > 0 and po["effective_samples_per_s"] < po["samples_per_s"]
     winner = ranking[0]

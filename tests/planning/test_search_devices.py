@@ -139,11 +139,14 @@ def test_factorisations_that_cannot_run_say_why() -> None:
     why = {f.label: f.excluded for f in result.factorisations}
     assert why["P=16 x D=1"] == "more stages than the profile's 8 layers"
     assert why["P=1 x D=16"] == "the global batch of 8 samples does not split into 16 replicas"
-    # P=4 x D=4: 2 samples a replica, but micro-batching methods need at least 4
+    # P=4 x D=4: 2 samples a replica, but micro-batching methods need at least 4 (those
+    # whose M is P by default; pipeoptim's dial runs M = 1 or 2)
     assert result.factorisation(next(c for c in result.ranked if c.stages == 4)).best is not None
-    never_micro_batched = {n for n in RANKED_BY_DEFAULT if not METHODS[n].micro_batched}
-    assert "pipeoptim" in never_micro_batched and "xpipe" not in never_micro_batched
-    assert {c.method for c in result.ranked if c.stages == 4} == never_micro_batched
+    whole = {n for n in RANKED_BY_DEFAULT if not METHODS[n].micro_batched_by_default}
+    assert "pipeoptim" in whole and "xpipe" not in whole
+    assert {c.method for c in result.ranked if c.stages == 4} == whole
+    dial = {c.micro_batches for c in result.ranked if c.stages == 4 and c.method == "pipeoptim"}
+    assert dial == {1, 2}
 
 
 def test_nothing_runs_names_every_reason_and_the_fix() -> None:
