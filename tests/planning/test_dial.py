@@ -10,7 +10,14 @@ import pytest
 import pipeoptim.plan.risk as risk_module
 from pipeoptim.plan.profile import Profile
 from pipeoptim.plan.risk import schedule_versions
-from pipeoptim.planning import Candidate, explain, micro_batch_options, plan_for, search
+from pipeoptim.planning import (
+    Candidate,
+    evaluate_candidate,
+    explain,
+    micro_batch_options,
+    plan_for,
+    search,
+)
 from pipeoptim.planning.entry import PlanLimits
 
 P = 4
@@ -93,3 +100,22 @@ def test_a_given_m_is_planned_as_given() -> None:
         fixed_cost_profile(), stages=P, method="pipeoptim", limits=PlanLimits(micro_batches=2)
     )
     assert choice.plan.micro_batches == 2 and len(choice.ranked) == 1
+
+
+def test_the_memory_fit_works_at_every_m() -> None:
+    """Stage k holds P-k micro-batches at every M, each of B/M samples: under a cap that
+    whole mini-batches exceed, M = 1 is refitted and M = 2, 4 fit as they are."""
+    profile = fixed_cost_profile()
+    free = {m: evaluate_candidate(profile, P, "pipeoptim", m) for m in (1, 2, 4)}
+    assert free[1].peak_memory_bytes > free[2].peak_memory_bytes > free[4].peak_memory_bytes
+    cap = (free[1].peak_memory_bytes + free[2].peak_memory_bytes) // 2
+    capped = {
+        m: evaluate_candidate(profile, P, "pipeoptim", m, memory_cap_bytes=cap) for m in (1, 2, 4)
+    }
+    assert all(c.infeasible is None and c.peak_memory_bytes <= cap for c in capped.values())
+    # whole mini-batches had to change to fit (another partition, or recomputation)
+    one, before = capped[1], free[1]
+    assert one.partition is not None and before.partition is not None
+    assert one.fitted or one.partition.boundaries != before.partition.boundaries
+    for m in (2, 4):  # the same plan as without a cap
+        assert capped[m].peak_memory_bytes == free[m].peak_memory_bytes
