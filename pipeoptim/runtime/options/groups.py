@@ -100,8 +100,9 @@ class ScheduleOptions:
     stages: int | None = None
     """Pipeline ranks P; None: the plan's (one of the two is needed)."""
     micro_batches: int | None = None
-    """Micro-batches per mini-batch; None: the plan's for its method, else P (1 for methods
-    that do not split a mini-batch)."""
+    """Micro-batches per mini-batch; None: the plan's for its method, else the method's
+    default: P, or 1 for pipeoptim (its dial: any M >= 1, stage k ⌈(P-1-k)/M⌉ updates
+    behind) and for methods that do not split a mini-batch."""
     virtual_stages: int | None = None
     """Stages per rank (interleaved methods); None: the plan's for its method, else 2 for an
     interleaved method and 1 otherwise."""
