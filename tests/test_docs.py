@@ -164,7 +164,8 @@ def test_the_derived_figures_of_the_design_are_the_version_analysis() -> None:
     assert sorted(rows) == sorted(n for n, m in METHODS.items() if not m.interleaved)
     for name, (copies, distance, staleness) in rows.items():
         method = METHODS[name]
-        shape = method.shape(4, 4 if method.micro_batched else None, 16)
+        # each method at its default M (pipeoptim's dial: whole mini-batches)
+        shape = method.shape(4, 4 if method.micro_batched_by_default else None, 16)
         report = analyze_order(
             method.order_arrays(shape), method.weight_policy, shape.micro_batches
         )

@@ -82,10 +82,10 @@ def batches(n: int = 4) -> list[tuple[Tensor, Tensor]]:
 
 def method_shape(name: str) -> dict[str, Any]:
     """Stages and micro-batches each method runs here (2bw needs M >= P, zb-v and the
-    interleaved schedule two stages per rank)."""
+    interleaved schedule two stages per rank; pipeoptim its default, whole mini-batches)."""
     method = METHODS[name]
     kw: dict[str, Any] = {"stages": 3}
-    if method.micro_batched:
+    if method.micro_batched_by_default:
         kw["micro_batches"] = 4
     # looped interleaving (interleaved-1f1b, interleaved-zb): M a multiple of the ranks
     if method.places_several_stages_per_rank and not method.folds_stages_in_a_v:
