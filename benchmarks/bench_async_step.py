@@ -94,7 +94,7 @@ def _pipeline(
 ) -> tuple[Pipeline, DatasetLoader]:
     """A fresh pipeline of the workload and its data."""
     layers, data = build_model(MODEL, 0)
-    micro = factor * stages if get_method(method).micro_batched else 1
+    micro = factor * stages if get_method(method).micro_batched_by_default else 1
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the depth advice for methods that stall at depth
         pipe = Pipeline(

@@ -64,7 +64,7 @@ def train(
     argv = [sys.executable, "-m", "pipeoptim", "train", "--model", model, "--method", method]
     argv += ["--stages", str(stages), "--transport", transport, "--batch-size", str(batch)]
     argv += ["--max-steps", str(steps), "--trace", str(trace), "--quiet", "--device", device]
-    if get_method(method).micro_batched:
+    if get_method(method).micro_batched_by_default:
         argv += ["--micro-batches", str(micro_batches)]
     subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
     return Trace.load(trace)
@@ -81,7 +81,7 @@ def peak(trace: Trace) -> int:
 
 def offline(profile: Profile, measured: Trace, method: str, micro_batches: int) -> Trace:
     spec = get_method(method)
-    shape = spec.shape(2, micro_batches if spec.micro_batched else None, 60)
+    shape = spec.shape(2, micro_batches if spec.micro_batched_by_default else None, 60)
     costs = CostModel.from_profile(
         profile, run_boundaries(measured), shape.micro_batches, batch_size=BATCH
     )

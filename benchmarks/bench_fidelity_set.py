@@ -82,7 +82,7 @@ def offline(
     the burst fix."""
     spec = get_method(method)
     ranks = len(bounds)
-    shape = spec.shape(ranks, micro_batches if spec.micro_batched else None, 30)
+    shape = spec.shape(ranks, micro_batches if spec.micro_batched_by_default else None, 30)
     costs = CostModel.from_profile(profile, bounds, shape.micro_batches, batch_size=batch)
     host = ProfiledHost.of(profile)
     runtime = host.runtime
@@ -125,7 +125,7 @@ def compare(
     before, after = (
         offline(profile, method, bounds, micro, batch, before=b) for b in (True, False)
     )
-    m = ranks if get_method(method).micro_batched else None
+    m = ranks if get_method(method).micro_batched_by_default else None
     guess = what_if(runs["1f1b"], method, micro_batches=m, profile=profile)
     return Row(
         name,
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                     if args.reuse:
                         runs[method] = Trace.load(path)
                         continue
-                    m = p if get_method(method).micro_batched else 1
+                    m = p if get_method(method).micro_batched_by_default else 1
                     runs[method] = train(
                         method, m, steps, path, "dist", "cpu", model=model, stages=p, batch=batch
                     )

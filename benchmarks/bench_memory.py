@@ -77,7 +77,7 @@ def _shape(method: str) -> dict[str, Any]:
 
     spec = get_method(method)
     kw: dict[str, Any] = {"stages": STAGES}
-    if spec.micro_batched:
+    if spec.micro_batched_by_default:
         kw["micro_batches"] = STAGES
     if spec.interleaved and not spec.split_backward:
         kw["virtual_stages"] = 2

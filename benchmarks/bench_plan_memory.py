@@ -56,7 +56,7 @@ def plan_and_count(
 
     spec = get_method(method)
     # M = 2P: the steady state holds a stage's gradients with its activations in flight
-    m = 2 * stages if spec.micro_batched else 1
+    m = 2 * stages if spec.micro_batched_by_default else 1
     profile = profile_builtin(model, batch_size=batch, repeats=1)
     unit = per_unit_profile(profile, m)
     reach = smallest_reach(unit, spec, stages, m, 1)

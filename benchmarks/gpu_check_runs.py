@@ -99,12 +99,12 @@ def shape_keywords(method: str, ranks: int) -> dict[str, int]:
     refusal: PlanError | None = None
     for m in (ranks, 2 * ranks):
         try:
-            spec.shape(ranks, m if spec.micro_batched else None, None, v)
+            spec.shape(ranks, m if spec.micro_batched_by_default else None, None, v)
         except PlanError as e:
             refusal = e
             continue
         keywords = {"stages": ranks}
-        if spec.micro_batched:
+        if spec.micro_batched_by_default:
             keywords["micro_batches"] = m
         if v is not None:
             keywords["virtual_stages"] = v

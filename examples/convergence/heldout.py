@@ -88,7 +88,7 @@ def run(name: str) -> dict[str, object]:
         cut_causal_lm(LlamaForCausalLM(config)),
         method=method,
         stages=STAGES,
-        micro_batches=STAGES if get_method(method).micro_batched else 1,
+        micro_batches=STAGES if get_method(method).micro_batched_by_default else 1,
         optimizer=OptimizerSpec(optimizer, LR, {"weight_decay": 0.01}),
         scheduler=functools.partial(LambdaLR, lr_lambda=WarmupCosine(200, STEPS, 0.1)),
         grad_clip=1.0,
