@@ -60,7 +60,7 @@ PIPEOPTIM = Method(
     "pipeoptim",
     "PipeOptim: asynchronous 1F1B, forward on weights predicted by the optimizer's rule; "
     "whole mini-batches by default, --micro-batches M cuts stage k's delay to ⌈(P−1−k)/M⌉ "
-    "(M ≥ P: XPipe's schedule, one update)",
+    "updates (one from M = P−1; M = P is XPipe's schedule with this rule)",
     schedules.async_one_f_one_b,
     WeightPolicy.PREDICT,
     array_generator=schedules.async_one_f_one_b_arrays,
