@@ -115,7 +115,7 @@ def _dial_choice(best: Candidate, feasible: Sequence[Candidate]) -> str | None:
     delay = _stage0_delay(best)
     if all(_stage0_delay(c) == delay for c in others.values()):
         return None
-    rates = ", ".join(
+    rates = "; ".join(
         f"M = {m}: {_stage0_delay(c)} behind, {format_rate(c.throughput)} samples/s, risk "
         f"+{100 * (c.risk.risk if c.risk else 0.0):.0f}%"
         for m, c in sorted(others.items())
