@@ -480,15 +480,18 @@ def test_plan_devices_says_why_micro_batching_methods_are_dropped(
     argv = ["plan", "--profile", str(profile), "--devices", "4", "--micro-batches", "3"]
     assert main(argv) == 0
     out = capsys.readouterr().out
+    # pipeoptim's dial takes the given M too, and so is dropped with the others
+    dropped = (
+        "gpipe, 1f1b, 2bw, xpipe, pipeoptim, zb-h1, pipeoptim+shrink, pipeoptim+pipemare, "
+        "pipeoptim+nesterov and pipeoptim+qk-clip dropped"
+    )
     assert (
-        "note: P=4 x D=1: gpipe, 1f1b, 2bw, xpipe and zb-h1 dropped: a replica's 32 samples do not "
+        f"note: P=4 x D=1: {dropped}: a replica's 32 samples do not "
         "split into 3 micro-batches (the runtime splits each replica's batch evenly into the "
         "micro-batches); pass a --micro-batches that divides 32, or a --global-batch divisible "
         "by 1 x 3 = 3"
     ) in out
-    assert (
-        "note: P=1 x D=4: gpipe, 1f1b, 2bw, xpipe and zb-h1 dropped: a replica's 8 samples" in out
-    )
+    assert f"note: P=1 x D=4: {dropped}: a replica's 8 samples" in out
     # a batch that splits: the method's own rule (M >= P) is the note
     assert main([*argv, "--global-batch", "24", "--json"]) == 0
     dropped = json.loads(capsys.readouterr().out)["dropped"]
