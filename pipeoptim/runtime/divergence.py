@@ -52,7 +52,7 @@ def _divergence_advice(method: Method, shape: Shape, options: StageOptions) -> s
     if s <= 1:
         return "."
     more = (
-        f", or more micro-batches (--micro-batches {shape.num_stages} gives one update)"
+        f", or more micro-batches (--micro-batches {shape.num_stages - 1} or more gives one update)"
         if method.dials_micro_batches
         else ""
     )
