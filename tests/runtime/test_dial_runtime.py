@@ -2,7 +2,7 @@
 each forward predicts over the distance the version analysis derives for its micro-batch,
 and one process per stage (gloo) gives the weights of the local run bit for bit.
 
-The distances are written out by hand (tests/plan/test_dial.py derives them): at P = 4 and
+The distances are written out by hand (tests/plan/test_dial_versions.py derives them): at P = 4 and
 M = 2, micro-batch j of a mini-batch meets ⌈(P-1-k-j)/2⌉ updates on stage k.
 """
 
