@@ -570,7 +570,17 @@ def _per_sample(out: Tensor, target: Tensor) -> Tensor:
     return F.cross_entropy(out, target, reduction="none")
 
 
-METHODS = ["pipeoptim", "gpipe", "1f1b", "pipedream", "2bw", "xpipe", "spectrain", "zb-h1"]
+METHODS = [
+    "pipeoptim",
+    "gpipe",
+    "1f1b",
+    "pipedream",
+    "2bw",
+    "xpipe",
+    "spectrain",
+    "zb-h1",
+    "2bw+extrapolate",
+]
 
 CONSTRUCTOR = {
     "method": _mix([None, *METHODS], ("interleaved-1f1b", "zb-v", "bogus")),
@@ -586,6 +596,7 @@ CONSTRUCTOR = {
     "amp": _mix([None, None, "bf16"], ("fp16", "fp8")),
     "grad_clip": _mix([None, 1.0, 0.5]),
     "clip_scope": _mix([None, "pipeline", "stage"], ("model",)),
+    "extrapolation": _mix([None, None, 0.5], (-1.0, math.nan, math.inf)),
     "timeout": _mix([300.0, 30]),
     "log_every": _mix([50, 1]),
     "memory_every": _mix([4, 1]),

@@ -122,7 +122,7 @@ class Extrapolate:
         taken = [(i, b) for i, b in enumerate(before) if b is not None]
         if not taken:
             return
-        steps = [self.params[i].detach() - b for i, b in taken]
+        steps = [b.sub_(self.params[i].detach()) for i, b in taken]  # η_t u_t = x_t − x_(t+1)
         norms = torch._foreach_norm(steps)
         moved_any = torch.stack([n.to(norms[0].device) for n in norms]).ne(0).any()
         for (i, _), step in zip(taken, steps, strict=True):
