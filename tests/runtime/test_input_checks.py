@@ -481,13 +481,15 @@ def test_plan_devices_says_why_micro_batching_methods_are_dropped(
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert (
-        "note: P=4 x D=1: gpipe, 1f1b, 2bw, xpipe and zb-h1 dropped: a replica's 32 samples do not "
+        "note: P=4 x D=1: gpipe, 1f1b, 2bw, xpipe, zb-h1, xpipe+extrapolate and 2bw+extrapolate "
+        "dropped: a replica's 32 samples do not "
         "split into 3 micro-batches (the runtime splits each replica's batch evenly into the "
         "micro-batches); pass a --micro-batches that divides 32, or a --global-batch divisible "
         "by 1 x 3 = 3"
     ) in out
     assert (
-        "note: P=1 x D=4: gpipe, 1f1b, 2bw, xpipe and zb-h1 dropped: a replica's 8 samples" in out
+        "note: P=1 x D=4: gpipe, 1f1b, 2bw, xpipe, zb-h1, xpipe+extrapolate and 2bw+extrapolate "
+        "dropped: a replica's 8 samples" in out
     )
     # a batch that splits: the method's own rule (M >= P) is the note
     assert main([*argv, "--global-batch", "24", "--json"]) == 0
@@ -496,7 +498,7 @@ def test_plan_devices_says_why_micro_batching_methods_are_dropped(
         "P=4 x D=1: 1f1b (M=3) dropped: 1f1b needs at least as many micro-batches as stages "
         "(got 3 micro-batches for 4 stages); raise --micro-batches to 4 or more"
     ) in dropped
-    assert len(dropped) == 3  # 1f1b, 2bw and zb-h1 at P=4
+    assert len(dropped) == 4  # 1f1b, 2bw, zb-h1 and 2bw+extrapolate at P=4
 
 
 def test_plan_stages_says_that_auto_does_not_search_the_given_micro_batches(
