@@ -235,6 +235,14 @@ def register(subparsers: Any) -> None:
         "methods, stage for asynchronous ones",
     )
     p.add_argument(
+        "--extrapolation",
+        type=float,
+        metavar="LAMBDA",
+        help="λ of the extrapolate correction (xpipe+extrapolate, 2bw+extrapolate, "
+        "pipeoptim+extrapolate): each update is x - lr*[(1+λ)u_t - λu_(t-1)], u the "
+        "optimizer's own update; 0 is the plain step (default 0.5)",
+    )
+    p.add_argument(
         "--recompute",
         metavar="WHAT",
         help="recompute activations in the backward instead of keeping them: none, full (every "
@@ -380,6 +388,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         amp=args.amp,
         grad_clip=args.grad_clip,
         clip_scope=args.clip_scope,
+        extrapolation=args.extrapolation,
         keep_checkpoints=args.keep_checkpoints or option_default("keep_checkpoints"),
         checkpoint_format=args.checkpoint_format,
         forwards_first=args.forwards_first,

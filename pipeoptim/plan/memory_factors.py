@@ -49,6 +49,7 @@ def method_memory_factors(method: str, num_stages: int, micro_batches: int) -> M
     pipedream           P-k (stashed versions)     P-k
     2bw                 2                          min(P-k, M)
     base+correction     as base                    as base
+    base+extrapolate    base's + 1 (kept update)   as base
     spectrain           2, last stage 1            P-k
     xpipe               2, last stage 1            P-k (async: no flush)
     pipeoptim           2, last stage 1            P-k
@@ -66,8 +67,8 @@ def method_memory_factors(method: str, num_stages: int, micro_batches: int) -> M
     for name, value in (("num_stages", num_stages), ("micro_batches", micro_batches)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise PlanError(f"{name} must be a whole number >= 1, got {value!r}")
-    # a corrected method keeps its base's weights and activations (its corrections hold no
-    # weight-sized state): the method object carries its base's rules
+    # a corrected method keeps its base's weights and activations, plus the weight-sized
+    # buffers its correction keeps (the extrapolation's): the method object carries its rules
     method_ = METHODS[key]
 
     def factors(stage_index: int, num_stages: int) -> tuple[int, int]:

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from pipeoptim.errors import PlanError
 from pipeoptim.plan.limits import fit_budget
-from pipeoptim.plan.methods import METHODS, Method
+from pipeoptim.plan.methods import METHODS, Method, get_method
 from pipeoptim.plan.profile import Profile
 from pipeoptim.plan.risk import method_risk
 from pipeoptim.planning.candidate import (
@@ -66,7 +66,8 @@ def search(
             found.append(skipped_candidate(spec.name, m, size, num_stages))
             continue
         twin = simulated.get((spec.schedule_family, m))
-        if twin is not None:  # a corrected method: its base's timeline, its own risk
+        if twin is not None and _keeps_base_memory(spec, num_stages):
+            # a corrected method: its base's timeline, its own risk
             found.append(_corrected_candidate(twin, spec, optimizer))
             continue
         if progress is not None:
@@ -89,6 +90,16 @@ def search(
         )
         simulated[(spec.name, m)] = found[-1]
     return rank(found, tie_tolerance)
+
+
+def _keeps_base_memory(method: Method, num_stages: int) -> bool:
+    """Whether ``method`` holds its base's weight copies on every stage (a correction that
+    keeps a weight-sized buffer does not: its own partition and peak are evaluated)."""
+    base = get_method(method.schedule_family)
+    return all(
+        method.weight_copies(k, num_stages) == base.weight_copies(k, num_stages)
+        for k in range(num_stages)
+    )
 
 
 def _corrected_candidate(base: Candidate, method: Method, optimizer: str) -> Candidate:

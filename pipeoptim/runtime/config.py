@@ -25,6 +25,7 @@ from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.plan.recompute import parse_recompute_flag
 from pipeoptim.runtime.observe.loggers.spec import check_logger_spec
+from pipeoptim.runtime.optim.corrections.extrapolate import refuse_extrapolation_without_correction
 from pipeoptim.runtime.options.checks import (
     AMP_MODES,
     MAX_SEED,
@@ -80,6 +81,7 @@ TREE_FLAGS = {
     "amp": "--amp",
     "grad_clip": "--grad-clip",
     "clip_scope": "--clip-scope",
+    "extrapolation": "--extrapolation",
     "checkpoint_dir": "--checkpoint-dir",
     "checkpoint_every": "--checkpoint-every",
     "keep_checkpoints": "--keep-checkpoints",
@@ -154,6 +156,9 @@ class TrainConfig:
     """``--grad-clip``: ``OptimizerOptions.grad_clip``."""
     clip_scope: str | None = option_default("clip_scope")
     """``--clip-scope``: ``OptimizerOptions.clip_scope``."""
+    extrapolation: float | None = option_default("extrapolation")
+    """``--extrapolation``: ``OptimizerOptions.extrapolation`` (λ of the extrapolate
+    correction; None: 0.5)."""
     keep_checkpoints: int = option_default("keep_checkpoints")
     """``--keep-checkpoints``: ``CheckpointOptions.keep_checkpoints``."""
     checkpoint_format: str = option_default("checkpoint_format")
@@ -185,6 +190,9 @@ class TrainConfig:
         if spec.runs_whole_mini_batches and self.plan.micro_batches != 1:
             spec.shape(self.plan.num_stages, self.plan.micro_batches)  # the registry's error
         self.options()  # the shared options' checks: the tree's, worded with the flags
+        refuse_extrapolation_without_correction(
+            spec.name, spec.correction, self.extrapolation, flag="--extrapolation"
+        )
         refusal = compile_refusal(
             self.compile,
             method=spec.name,
@@ -231,7 +239,9 @@ class TrainConfig:
             model=ModelOptions(compile=self.compile),  # the loss: the workload's
             schedule=ScheduleOptions(forwards_first=self.forwards_first),
             optim=OptimizerOptions(
-                grad_clip=self.grad_clip, clip_scope=self.clip_scope
+                grad_clip=self.grad_clip,
+                clip_scope=self.clip_scope,
+                extrapolation=self.extrapolation,
             ),  # the optimizer: the plan's
             precision=PrecisionOptions(amp=self.amp),
             memory=MemoryOptions(recompute=recompute),

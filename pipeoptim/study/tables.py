@@ -97,7 +97,7 @@ def peak_copies(label: str, stages: int) -> int:
     m = method.default_micro_batches_at(stages)
     if "Ŵbackward" in label:
         return stages  # current weights and a Ŵ per mini-batch in flight (P−1 at stage 0)
-    factors = method_memory_factors(method.schedule_family, stages, m)
+    factors = method_memory_factors(method.name, stages, m)
     return max(factors(k, stages)[0] for k in range(stages))
 
 

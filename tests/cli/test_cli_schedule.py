@@ -97,6 +97,9 @@ def test_methods_json(capsys: pytest.CaptureFixture[str]) -> None:
         "pipeoptim+nesterov",
         "pipedream+qk-clip",
         "pipeoptim+qk-clip",
+        "xpipe+extrapolate",
+        "2bw+extrapolate",
+        "pipeoptim+extrapolate",
         "pipedream+bounded",
         "pipeoptim+bounded",
     ]

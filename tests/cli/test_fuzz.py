@@ -388,6 +388,7 @@ COMMANDS["train"] = {
     "--warmup": SIZES,
     "--amp": st.sampled_from(["bf16", "fp16", "fp8"]),
     "--grad-clip": NUMBERS,
+    "--extrapolation": NUMBERS,
     "--timeout": NUMBERS,
     "--checkpoint-dir": _path(OUTPUT),
     "--checkpoint-every": SIZES,

@@ -168,6 +168,14 @@ def test_user_model_example(capsys: pytest.CaptureFixture[str]) -> None:
         ),
         (["--transport", "dist", "--forwards-first"], "drop --forwards-first"),
         (
+            ["--method", "2bw+extrapolate", "--extrapolation", "-1"],
+            "--extrapolation must be a finite number >= 0 (got -1.0)",
+        ),
+        (
+            ["--method", "xpipe", "--extrapolation", "0.5"],
+            "--extrapolation 0.5 sets λ of the extrapolate correction, and xpipe does not",
+        ),
+        (
             ["--method", "pipedream+nesterov", "--optimizer", "rmsprop"],
             "RMSprop has no momentum to set (no betas, momentum 0); use NAdam",
         ),

@@ -55,6 +55,10 @@ COPIES_READS_PREDICTOR: dict[str, tuple[list[int], tuple[str, str], str | None]]
     "pipeoptim+nesterov": PIPEOPTIM_ROW,
     "pipedream+qk-clip": PIPEDREAM_ROW,
     "pipeoptim+qk-clip": PIPEOPTIM_ROW,
+    # the extrapolation keeps the previous update: one more weight-sized buffer
+    "xpipe+extrapolate": ([3, 3, 3, 2], PREDICT, "xpipe"),
+    "2bw+extrapolate": ([3, 3, 3, 3], ("one behind", "one behind"), None),
+    "pipeoptim+extrapolate": ([3, 3, 3, 2], PREDICT, "optimizer"),
     # a forward meets at most one update: one older version at most
     "pipedream+bounded": ([2, 2, 2, 1], STASH, None),
     "pipeoptim+bounded": PIPEOPTIM_ROW,
@@ -66,6 +70,9 @@ CORRECTION = {
     "pipeoptim+nesterov": "delay-momentum",
     "pipedream+qk-clip": "qk-clip",
     "pipeoptim+qk-clip": "qk-clip",
+    "xpipe+extrapolate": "extrapolate",
+    "2bw+extrapolate": "extrapolate",
+    "pipeoptim+extrapolate": "extrapolate",
 }
 BOUNDED_ACCUMULATION = [3, 2, 1, 1]  # A_k = ⌈(P-1-k)/1⌉, at least 1
 SPLIT_BACKWARD = {"zb-h1", "zb-v", "dualpipev", "interleaved-zb"}
@@ -143,7 +150,10 @@ def test_a_stage_outside_the_pipeline_is_refused_with_the_range() -> None:
 
 def test_a_correction_keeps_its_bases_schedule_versions_and_memory() -> None:
     corrections = ("pipemare", "nesterov", "qk-clip")
-    assert {f"{b}+{c}" for b in ("pipedream", "pipeoptim") for c in corrections} == CORRECTED
+    extrapolating = {f"{b}+extrapolate" for b in ("xpipe", "2bw", "pipeoptim")}
+    assert {f"{b}+{c}" for b in ("pipedream", "pipeoptim") for c in corrections} == (
+        CORRECTED - extrapolating
+    )
     for name in CORRECTED:
         method = get_method(name)
         base = get_method(method.schedule_family)
@@ -155,7 +165,8 @@ def test_a_correction_keeps_its_bases_schedule_versions_and_memory() -> None:
         assert method.predictor == base.predictor
         for k in range(P):
             mine, theirs = method.stage_policy(k, P), base.stage_policy(k, P)
-            assert mine.weight_copies == theirs.weight_copies
+            # the extrapolation's kept update is one more weight-sized buffer
+            assert mine.weight_copies == theirs.weight_copies + (name in extrapolating)
             assert mine.accumulation == theirs.accumulation
             assert theirs.correction is None and mine.correction == method.correction
     made = corrected(get_method("2bw"), "pipemare-lr", "pipemare", "a test")

@@ -42,6 +42,20 @@ def test_ranking_prefers_fresh_weights_at_equal_speed() -> None:
     assert po.peak_memory_bytes < pd.peak_memory_bytes  # 2 weight copies instead of P-k
 
 
+def test_a_correction_that_keeps_a_buffer_is_planned_with_its_memory() -> None:
+    """The extrapolation keeps one weight-sized buffer: the search charges it as one more
+    weight copy (not its base's evaluation, whose memory it does not have) and ranks the
+    base first at the same speed and risk."""
+    ranked = search(uneven(), 4, methods=["2bw", "2bw+extrapolate"])
+    by = {(c.method, c.micro_batches): c for c in ranked}
+    base, extra = by[("2bw", 4)], by[("2bw+extrapolate", 4)]
+    assert extra.throughput == pytest.approx(base.throughput)
+    assert extra.peak_memory_bytes > base.peak_memory_bytes
+    assert [c.method for c in ranked].index("2bw") < [c.method for c in ranked].index(
+        "2bw+extrapolate"
+    )
+
+
 def test_async_beats_flushed_with_few_micro_batches() -> None:
     po = evaluate_candidate(uneven(), 4, "pipeoptim", 1, mini_batches=64)
     gp = evaluate_candidate(uneven(), 4, "gpipe", 4, mini_batches=64)

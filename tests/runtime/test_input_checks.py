@@ -483,7 +483,8 @@ def test_plan_devices_says_why_micro_batching_methods_are_dropped(
     # pipeoptim's dial takes the given M too, and so is dropped with the others
     dropped = (
         "gpipe, 1f1b, 2bw, xpipe, pipeoptim, zb-h1, pipeoptim+shrink, pipeoptim+pipemare, "
-        "pipeoptim+nesterov and pipeoptim+qk-clip dropped"
+        "pipeoptim+nesterov, pipeoptim+qk-clip, xpipe+extrapolate, 2bw+extrapolate and "
+        "pipeoptim+extrapolate dropped"
     )
     assert (
         f"note: P=4 x D=1: {dropped}: a replica's 32 samples do not "
@@ -499,7 +500,7 @@ def test_plan_devices_says_why_micro_batching_methods_are_dropped(
         "P=4 x D=1: 1f1b (M=3) dropped: 1f1b needs at least as many micro-batches as stages "
         "(got 3 micro-batches for 4 stages); raise --micro-batches to 4 or more"
     ) in dropped
-    assert len(dropped) == 3  # 1f1b, 2bw and zb-h1 at P=4
+    assert len(dropped) == 4  # 1f1b, 2bw, zb-h1 and 2bw+extrapolate at P=4
 
 
 def test_plan_stages_says_that_auto_does_not_search_the_given_micro_batches(
@@ -573,7 +574,17 @@ def _per_sample(out: Tensor, target: Tensor) -> Tensor:
     return F.cross_entropy(out, target, reduction="none")
 
 
-METHODS = ["pipeoptim", "gpipe", "1f1b", "pipedream", "2bw", "xpipe", "spectrain", "zb-h1"]
+METHODS = [
+    "pipeoptim",
+    "gpipe",
+    "1f1b",
+    "pipedream",
+    "2bw",
+    "xpipe",
+    "spectrain",
+    "zb-h1",
+    "2bw+extrapolate",
+]
 
 CONSTRUCTOR = {
     "method": _mix([None, *METHODS], ("interleaved-1f1b", "zb-v", "bogus")),
@@ -589,6 +600,7 @@ CONSTRUCTOR = {
     "amp": _mix([None, None, "bf16"], ("fp16", "fp8")),
     "grad_clip": _mix([None, 1.0, 0.5]),
     "clip_scope": _mix([None, "pipeline", "stage"], ("model",)),
+    "extrapolation": _mix([None, None, 0.5], (-1.0, math.nan, math.inf)),
     "timeout": _mix([300.0, 30]),
     "log_every": _mix([50, 1]),
     "memory_every": _mix([4, 1]),

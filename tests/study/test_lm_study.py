@@ -129,6 +129,8 @@ def test_the_target_is_gpipes_final_and_the_gap_table_marks_the_goal() -> None:
     assert "1.500 (+0.0 %) ✓ (3 seeds), 1 copy" in rows["gpipe"]
     assert "not run" in rows["gpipe"]  # P=4 had no records
     assert peak_copies("gpipe", 8) == 1 and peak_copies("pipeoptim+Ŵbackward", 8) == 8
+    # a correction that keeps a weight-sized buffer counts it (the extrapolation's update)
+    assert peak_copies("2bw+extrapolate", 8) == 3 and peak_copies("pipeoptim+nesterov", 8) == 2
 
 
 def test_a_row_under_another_optimizer_is_judged_against_gpipe_under_it() -> None:

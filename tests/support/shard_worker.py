@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from pipeoptim import Pipeline
 from pipeoptim.errors import PipeoptimError
+from pipeoptim.runtime.optim.corrections.protocol import HoldsTensors
 from pipeoptim.runtime.optim.optimizers import MuonWithAdamW
 
 BATCH = 16
@@ -36,6 +37,7 @@ CASES = [  # (method, optimizer, micro-batches, grad clip)
     ("pipeoptim", "muon", 1, None),
     ("pipeoptim", "adamw", 1, 0.05),  # a clip that binds: the global norm, as unsharded
     ("xpipe", "adam", 2, None),  # a kept Δ and one prediction per micro-batch
+    ("xpipe+extrapolate", "adamw", 2, None),  # its kept update is whole on every replica
 ]
 
 
@@ -109,9 +111,18 @@ def finished(pipe: Pipeline, result: Any) -> dict[str, Any]:
             k: [p.detach().clone() for p in s.module.parameters()] for k, s in pipe.stages.items()
         },
         "optimizer_bytes": {k: s.memory()["optimizer"] for k, s in pipe.stages.items()},
+        # what a correction keeps (counted in the optimizer bytes, not sharded)
+        "correction_bytes": {k: _correction_bytes(s) for k, s in pipe.stages.items()},
     }
     pipe.close()
     return out
+
+
+def _correction_bytes(stage: Any) -> int:
+    correction = None if stage.updater is None else stage.updater.correction
+    if not isinstance(correction, HoldsTensors):
+        return 0
+    return sum(t.numel() * t.element_size() for t in correction.held_tensors())
 
 
 def run(method: str, family: str, micro: int, shard: bool, clip: float | None) -> dict[str, Any]:

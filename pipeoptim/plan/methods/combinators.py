@@ -1,6 +1,7 @@
 """Methods built from methods: a delay correction on a base (``base+pipemare``,
-``base+nesterov``, ``base+qk-clip``), a shrunk prediction (``pipeoptim+shrink``) and a
-bounded delay (``base+bounded``). Each keeps what it does not change from its base."""
+``base+nesterov``, ``base+qk-clip``, ``base+extrapolate``), a shrunk prediction
+(``pipeoptim+shrink``) and a bounded delay (``base+bounded``). Each keeps what it does not
+change from its base."""
 
 from __future__ import annotations
 
@@ -15,15 +16,24 @@ from pipeoptim.plan.shape import Shape
 __all__ = ["bounded", "corrected", "shrunk"]
 
 
-def corrected(base: Method, correction: str, suffix: str, what: str) -> Method:
+def corrected(base: Method, correction: str, suffix: str, what: str, *, buffers: int = 0) -> Method:
     """``base`` with a delay correction: its schedule, weight policy and prediction, and the
-    correction's update (a prediction fixes the forward's weights, a correction the update)."""
+    correction's update (a prediction fixes the forward's weights, a correction the update).
+    ``buffers``: weight-sized tensors the correction keeps on every stage between updates
+    (the extrapolation's previous update), counted as weight copies on top of the base's."""
+    copies = base.copies_rule
+    if buffers:
+
+        def copies(k: int, p: int) -> int:
+            return base.weight_copies(k, p) + buffers
+
     return replace(
         base,
         name=f"{base.name}+{suffix}",
         description=f"{base.name} with {what} (delay correction {correction!r})",
         delay_correction=correction,
         corrects=base.name,
+        copies_rule=copies,
     )
 
 

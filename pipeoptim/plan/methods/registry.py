@@ -43,6 +43,11 @@ _QK_CLIP = (
     "Kimi K2's QK-Clip: after each step a head whose max attention logit S exceeds "
     "τ = 100 has its query and key rows scaled by √(τ/S)"
 )
+_EXTRAPOLATE = (
+    "the extrapolation x_(t+1) = x_t − η[(1+λ)u_t − λu_(t−1)] of the optimizer's own update "
+    "u (λ: --extrapolation, default 0.5; one more weight-sized buffer): our reading of "
+    "Zmushko et al.'s one-step-delay correction, not their published rule"
+)
 
 _REGISTRY: list[Method] = [
     GPIPE,
@@ -64,6 +69,9 @@ _REGISTRY: list[Method] = [
     corrected(PIPEOPTIM, "delay-momentum", "nesterov", _NESTEROV),
     corrected(PIPEDREAM, "qk-clip", "qk-clip", _QK_CLIP),
     corrected(PIPEOPTIM, "qk-clip", "qk-clip", _QK_CLIP),
+    corrected(XPIPE, "extrapolate", "extrapolate", _EXTRAPOLATE, buffers=1),
+    corrected(TWO_BW, "extrapolate", "extrapolate", _EXTRAPOLATE, buffers=1),
+    corrected(PIPEOPTIM, "extrapolate", "extrapolate", _EXTRAPOLATE, buffers=1),
     bounded(PIPEDREAM, 1),
     bounded(PIPEOPTIM, 1),
 ]

@@ -43,6 +43,8 @@ class StageOptions:
     clip_scope: str = "stage"
     """Whose norm ``grad_clip`` bounds: ``"pipeline"`` (every stage's gradients of one
     mini-batch) or ``"stage"`` (each its own); resolved (``global_clip.clip_scope_of``)."""
+    extrapolation: float | None = None
+    """λ of the ``extrapolate`` correction (None: its default)."""
     prediction_offset: int = 0
     """Updates added to the derived prediction distance s (predicting methods)."""
     predicted_backward: bool = False

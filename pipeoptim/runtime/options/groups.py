@@ -21,6 +21,7 @@ from pipeoptim.plan.plan import OptimizerSpec
 from pipeoptim.runtime.checkpoint.formats import DEFAULT_FORMAT, FORMATS
 from pipeoptim.runtime.checkpoint.store import DEFAULT_KEEP
 from pipeoptim.runtime.comm.process_model import ProcessModel
+from pipeoptim.runtime.optim.corrections.extrapolate import check_extrapolation
 from pipeoptim.runtime.optim.global_clip import CLIP_SCOPES
 from pipeoptim.runtime.options.checks import (
     AMP_MODES,
@@ -148,8 +149,16 @@ class OptimizerOptions:
     asynchronous ones, whose stages update at their own times (``"pipeline"`` makes each
     stage's t-th update wait for every stage's gradient of mini-batch t; refused under a
     bounded delay). See ``runtime/optim/global_clip.py``."""
+    extrapolation: float | None = None
+    """λ of the ``extrapolate`` correction (``xpipe+extrapolate``, ``2bw+extrapolate``,
+    ``pipeoptim+extrapolate``): each update is ``x_{t+1} = x_t − η[(1+λ)u_t − λu_{t−1}]``,
+    u the optimizer's own update direction; a finite number >= 0 (0: the plain step).
+    None: 0.5. Refused with a method that does not extrapolate (checked when the Pipeline
+    is built). See ``runtime/optim/corrections/extrapolate.py``."""
 
     def __post_init__(self) -> None:
+        if self.extrapolation is not None:
+            check_extrapolation(self.extrapolation)
         optimizer = self.optimizer
         if optimizer is not None and not (
             isinstance(optimizer, OptimizerSpec) or callable(optimizer)

@@ -24,6 +24,9 @@ from pipeoptim.plan.recompute import (
 from pipeoptim.runtime.comm.process_model import ProcessModel
 from pipeoptim.runtime.model.layout import stage_boundaries
 from pipeoptim.runtime.model.units import ModelUnits
+from pipeoptim.runtime.optim.corrections.extrapolate import (
+    refuse_extrapolation_without_correction,
+)
 from pipeoptim.runtime.optim.global_clip import clip_scope_of
 from pipeoptim.runtime.options.built import PipelineOptions, StageOptions
 from pipeoptim.runtime.options.checks import check_offset, check_replicas, resolve_plan
@@ -74,6 +77,9 @@ def resolve_run(config: PipelineConfig, model: ModelUnits, labels: UnitLabels) -
             f"and {method.name} does not predict; use pipeoptim, spectrain or xpipe, "
             f"or leave predicted_backward off"
         )
+    refuse_extrapolation_without_correction(
+        method.name, method.correction, config.optim.extrapolation
+    )
     shape = run_plan.shape(1)
     check_offset(
         run_plan.prediction_offset,
@@ -116,6 +122,7 @@ def resolve_run(config: PipelineConfig, model: ModelUnits, labels: UnitLabels) -
         amp=config.precision.amp,
         grad_clip=optim.grad_clip,
         clip_scope=clip_scope_of(method, optim.clip_scope),
+        extrapolation=optim.extrapolation,
         prediction_offset=run_plan.prediction_offset,
         predicted_backward=schedule.predicted_backward,
         seed=config.seed,

@@ -63,7 +63,7 @@ from pipeoptim.errors import StageError
 from pipeoptim.plan.methods import Method
 from pipeoptim.plan.versions import MicroBatchVersions, gradient_delays, prediction_distance
 from pipeoptim.runtime.optim.builder import build_stage_rule
-from pipeoptim.runtime.optim.corrections.protocol import StageContext
+from pipeoptim.runtime.optim.corrections.protocol import HoldsTensors, StageContext
 from pipeoptim.runtime.optim.global_clip import clip_note
 from pipeoptim.runtime.optim.predict import WeightPredictor
 from pipeoptim.runtime.optim.prediction_closure import PredictionClosure
@@ -172,7 +172,13 @@ class Stage(StageForward, StageState):
         rule = build_stage_rule(
             self._params,
             context=StageContext(
-                index, num_stages, method.name, delay, micro_batches, module=self.module
+                index,
+                num_stages,
+                method.name,
+                delay,
+                micro_batches,
+                extrapolation=options.extrapolation,
+                module=self.module,
             ),
             method=method,
             optimizer=optimizer,
@@ -245,11 +251,7 @@ class Stage(StageForward, StageState):
         consistent as PipeDream's stash, at one weight copy per mini-batch in flight)."""
         self.closure: PredictionClosure | None = None
         """Set to measure how much of the stale distance each prediction removes."""
-        self.memory_count = StageMemory(
-            self._params,
-            self.optimizer,
-            self.predictor.held_tensors if self.predictor is not None else None,
-        )
+        self.memory_count = StageMemory(self._params, self.optimizer, self._held_tensors())
         self._unit_params = unit_params(self.module, self._params)
         """Trainable weights of each unit, where the stage can run its units one by one for
         a split backward (None: it cannot; the stage is then one unit)."""
@@ -308,6 +310,22 @@ class Stage(StageForward, StageState):
         if self.predicted_backward or self.predictor is None:
             return 0  # a predicted backward's Ŵ is the copy its graph holds anyway
         return self.recompute.held_bytes
+
+    def _held_tensors(self) -> Callable[[], list[Tensor]] | None:
+        """What the predictor (its Δ) and the correction (a kept update) hold between
+        updates, for the memory count's optimizer state; None: nothing."""
+        predictor = self.predictor
+        correction = None if self.updater is None else self.updater.correction
+        if not isinstance(correction, HoldsTensors):
+            correction = None
+        if predictor is None and correction is None:
+            return None
+
+        def held() -> list[Tensor]:
+            own = [] if predictor is None else list(predictor.held_tensors())
+            return own + ([] if correction is None else correction.held_tensors())
+
+        return held
 
     @property
     def peak_weight_copies(self) -> int:

@@ -100,7 +100,13 @@ def saved(folder: Path) -> list[dict[str, object]]:
 
 
 @pytest.mark.parametrize(
-    ("method", "family"), [("pipeoptim", "rmsprop"), ("pipedream", "adam"), ("2bw", "sgd")]
+    ("method", "family"),
+    [
+        ("pipeoptim", "rmsprop"),
+        ("pipedream", "adam"),
+        ("2bw", "sgd"),
+        ("pipeoptim+extrapolate", "adam"),  # its kept update travels in the checkpoint
+    ],
 )
 def test_resumed_run_equals_uninterrupted_run(tmp_path: Path, method: str, family: str) -> None:
     """RMSprop without momentum makes the predictor keep displacement state: it must travel

@@ -43,6 +43,9 @@ def test_every_corrected_method_names_its_base_and_correction() -> None:
         "pipeoptim+nesterov",
         "pipedream+qk-clip",
         "pipeoptim+qk-clip",
+        "xpipe+extrapolate",
+        "2bw+extrapolate",
+        "pipeoptim+extrapolate",
     } == CORRECTED
     for name in CORRECTED:
         method, base = METHODS[name], get_method(name.split("+")[0])

@@ -45,6 +45,7 @@ KEYWORD_DEFAULTS: dict[str, Any] = {
     "amp": None,
     "grad_clip": None,
     "clip_scope": None,
+    "extrapolation": None,
     "checkpoint_dir": None,
     "checkpoint_every": None,
     "timeout": 300.0,

@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-__all__ = ["DelayCorrection", "FollowsScheduler", "RescalesLr", "StageContext"]
+__all__ = ["DelayCorrection", "FollowsScheduler", "HoldsTensors", "RescalesLr", "StageContext"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,9 @@ class StageContext:
     (``plan.versions.steady_delays``). Warm-up updates have smaller delays."""
     micro_batches: int
     """Micro-batches M per mini-batch."""
+    extrapolation: float | None = None
+    """λ of the ``extrapolate`` correction (the run's ``extrapolation`` option; None: its
+    default, ``extrapolate.DEFAULT_EXTRAPOLATION``); read by no other rule."""
     module: nn.Module | None = field(default=None, compare=False, repr=False)
     """The stage's units (its ``nn.Module``, on the stage's device), for a correction that
     acts on the weights by what they are (QK-Clip rescales attention heads); None where a
@@ -86,3 +89,13 @@ class FollowsScheduler(Protocol):
 
     def after_scheduler(self, optimizer: Optimizer) -> None:
         """Re-apply the correction to the values the scheduler just wrote (if any)."""
+
+
+@runtime_checkable
+class HoldsTensors(Protocol):
+    """A correction that keeps tensors between updates (the extrapolation's previous
+    update): the stage's memory count adds them to its optimizer state, as it does a
+    predictor's kept Δ."""
+
+    def held_tensors(self) -> list[Tensor]:
+        """The tensors kept now."""

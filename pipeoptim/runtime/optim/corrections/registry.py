@@ -11,6 +11,7 @@ from torch.optim import Optimizer
 
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.runtime.optim.corrections.delay_momentum import DelayMomentum
+from pipeoptim.runtime.optim.corrections.extrapolate import EXTRAPOLATE, Extrapolate
 from pipeoptim.runtime.optim.corrections.pipemare_lr import PipeMareLr
 from pipeoptim.runtime.optim.corrections.protocol import DelayCorrection, StageContext
 from pipeoptim.runtime.optim.corrections.qk_clip import QKClip
@@ -24,6 +25,7 @@ CORRECTIONS: dict[str, CorrectionFactory] = {
     "pipemare-lr": lambda context, optimizer: PipeMareLr(context),
     "delay-momentum": DelayMomentum,
     "qk-clip": QKClip,
+    EXTRAPOLATE: Extrapolate,
 }
 """Delay corrections by name: a factory called once per stage with its context and
 optimizer."""
