@@ -20,8 +20,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipeoptim.plan.methods import METHODS
 from pipeoptim.plan.risk_tables import packaged_path, risk_tables_json
-from pipeoptim.study.grid import StudyConfig, run_study, with_methods
+from pipeoptim.study.grid import (
+    StudyConfig,
+    check_model,
+    load_records,
+    print_progress,
+    run_specs,
+    run_study,
+    with_methods,
+)
+from pipeoptim.study.parts import PARTS, estimated_seconds, part_order, part_specs
 from pipeoptim.study.report import write_study_report
 from pipeoptim.study.risk_fit import risk_tables_from_fit
 
@@ -41,6 +51,37 @@ LM_RECIPE: dict[str, Any] = {
 }
 """The language-model studies' recipe (gpt-deep, gpt-deeper): one seed at the gpt's best
 AdamW rate, 10 % warm-up, cosine to 0.1x, clipping 1.0, weight decay 0.01."""
+
+ONE_STEP = ("xpipe", "2bw")
+"""The one-step family (a delay of one update: XPipe predicting it, PipeDream-2BW not),
+whose rows make the ``--part one-step``."""
+
+EXTRAPOLATE = "xpipe+extrapolate"
+"""The one-step family's update-level correction, x_{t+1} = x_t − η[(1+λ)u_t − λu_{t−1}]."""
+
+
+def _registered(rows: tuple[tuple[str, str, float], ...]) -> tuple[tuple[str, str, float], ...]:
+    """The extrapolation rows whose method is registered: the correction lands on its own
+    (issue 65), and until it does the study leaves its rows out rather than refuse to start."""
+    return tuple(row for row in rows if row[0] in METHODS)
+
+
+LM_DEPTH_ROWS: dict[str, Any] = {
+    # the dial between PipeOptim (M = 1) and XPipe (M = P): M = P/4 and P/2 at every depth
+    "dial": ("adamw", "muon"),
+    # the equal-time runs: the one-step family, the dial (pipeoptim names its dial rows) and
+    # the best λ of the extrapolation, under AdamW and Muon
+    "equal_time": tuple(
+        row
+        for optimizer in (None, "muon")
+        for row in (
+            *(m if optimizer is None else f"{m} ({optimizer})" for m in ONE_STEP),
+            "pipeoptim" if optimizer is None else f"pipeoptim ({optimizer})",
+            EXTRAPOLATE if optimizer is None else f"{EXTRAPOLATE} ({optimizer})",
+        )
+    ),
+}
+"""The rows issue 65 adds to both language-model studies besides their pairs."""
 
 STUDIES = {
     # 15 epochs, 21 under Adam: gpipe needs up to 5 epochs to reach 95 % test accuracy at
@@ -118,6 +159,14 @@ STUDIES = {
             ("pipeoptim", "basis-rotation"),
             ("pipeoptim+qk-clip", "muon"),
             ("pipeoptim+nesterov", "basis-rotation"),
+            # the one-step family under every optimizer (xpipe and 2bw under AdamW are
+            # methods above), at every depth
+            ("xpipe", "muon"),
+            ("2bw", "muon"),
+            ("xpipe", "nadam"),
+            ("2bw", "nadam"),
+            ("xpipe", "basis-rotation"),
+            ("2bw", "basis-rotation"),
         ),
         # the optimizer rows that ask one question each, at 8 stages only; the corrections
         # (nesterov) and the best row with its reference (muon) train at every depth
@@ -135,6 +184,14 @@ STUDIES = {
         repeat=("gpipe", "pipeoptim (muon)", "pipeoptim+nesterov (muon)"),
         repeat_seeds=3,
         repeat_stages=8,
+        **LM_DEPTH_ROWS,
+        # the λ scan at 8 stages, the middle λ at every depth
+        extrapolations=_registered(
+            tuple((EXTRAPOLATE, o, lam) for o in ("adamw", "muon") for lam in (0.25, 1.0))
+        ),
+        extrapolations_every_depth=_registered(
+            tuple((EXTRAPOLATE, o, 0.5) for o in ("adamw", "muon"))
+        ),
     ),
     # A deeper model and a shorter run: 16 blocks cut in halves (35 units, so 32 stages
     # exist), 1,000 updates, gpt-deep's recipe and windows; the reference rows and the best
@@ -143,7 +200,7 @@ STUDIES = {
         "gpt-deeper",
         steps=1000,
         eval_every=250,
-        methods=("gpipe", "xpipe", "pipeoptim"),
+        methods=("gpipe", "xpipe", "pipeoptim", "2bw"),
         optimizers=("adamw",),
         stages=(8, 32),
         sweep_stages=8,
@@ -154,8 +211,15 @@ STUDIES = {
             ("pipeoptim+nesterov", "muon"),
             ("gpipe", "basis-rotation"),
             ("pipeoptim", "basis-rotation"),
+            ("xpipe", "muon"),
+            ("2bw", "muon"),
         ),
         twins=("1f1b", "zb-h1"),
+        **LM_DEPTH_ROWS,
+        # the middle λ of gpt-deep's scan, at both depths
+        extrapolations_every_depth=_registered(
+            tuple((EXTRAPOLATE, o, 0.5) for o in ("adamw", "muon"))
+        ),
     ),
 }
 
@@ -164,6 +228,34 @@ def write_risk_tables(results: Path, path: Path) -> None:
     """Write the planner's tables to ``path`` from the report's ``results/risk_fit.json``."""
     fit = json.loads((results / "risk_fit.json").read_text())
     path.write_text(risk_tables_json(risk_tables_from_fit(fit)))
+
+
+def run_part(
+    config: StudyConfig, out: Path, part: str, *, workers: int, threads: int | None
+) -> None:
+    """Train ``part`` of ``config``'s study into ``out/runs.jsonl`` (resuming), Muon and
+    AdamW rows first, the longest first within them, with progress on stderr."""
+    check_model(out, config.model)
+    specs, notes = part_specs(config, out, part, one_step=ONE_STEP)
+    for note in notes:
+        print(f"{config.model}, part {part}: left out {note}", flush=True)
+    done = {r.spec.key for r in load_records(out / "runs.jsonl")}
+    todo = [s for s in dict.fromkeys(specs) if s.key not in done]
+    guess = estimated_seconds(todo, load_records(out / "runs.jsonl"), workers)
+    print(
+        f"{config.model}, part {part}: {len(todo)} runs to do, {len(specs) - len(todo)} on "
+        f"file; estimated {guess / 60:.0f} min on {workers} workers (from the measured "
+        f"seconds per unit of relative_cost of the runs on file: an estimate)",
+        flush=True,
+    )
+    run_specs(
+        specs,
+        out / "runs.jsonl",
+        workers=workers,
+        threads=threads,
+        progress=print_progress,
+        order=part_order(("muon", "adamw")),
+    )
 
 
 def main() -> None:
@@ -180,6 +272,14 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--threads", type=int, default=None, help="torch threads per run")
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument(
+        "--part",
+        choices=PARTS,
+        default=None,
+        help="train one resumable part of the study (its rows at the rates on file; "
+        "equal-time last, from the rows it compares), then write the report; default: the "
+        "whole grid but equal-time",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(
         "--tables",
@@ -195,10 +295,14 @@ def main() -> None:
     ]
     for model, config in zip(models, configs, strict=True):
         out = args.out / model
-        if not args.report_only:
-            start = time.perf_counter()
+        if args.report_only:
+            continue
+        start = time.perf_counter()
+        if args.part is None:
             run_study(config, out, workers=args.workers, threads=args.threads)
-            print(f"{model}: study ran in {time.perf_counter() - start:.0f} s")
+        else:
+            run_part(config, out, args.part, workers=args.workers, threads=args.threads)
+        print(f"{model}: {args.part or 'study'} ran in {time.perf_counter() - start:.0f} s")
     write_study_report(args.out, configs)
     if set(models) == set(STUDIES) and args.methods is None:
         write_risk_tables(args.out, args.tables)

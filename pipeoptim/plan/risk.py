@@ -47,6 +47,7 @@ __all__ = [
     "KAPPA",
     "MethodRisk",
     "RiskFitPoint",
+    "StudyRow",
     "closure",
     "closure_from_rows",
     "correction_gain",
@@ -55,6 +56,8 @@ __all__ = [
     "gain_table",
     "join_row",
     "method_risk",
+    "parse_row",
+    "row_label",
     "schedule_versions",
     "split_row",
     "uncorrected_distance",
@@ -295,7 +298,7 @@ WITHIN = 0.03
 
 def _method_of(row: str) -> Method | None:
     """The registered method a study row trains (None: a label that names none)."""
-    return METHODS.get(split_row(row)[0].removesuffix(PREDICTED_BACKWARD))
+    return METHODS.get(parse_row(row).method)
 
 
 def _asynchronous(row: str) -> bool:
@@ -305,17 +308,85 @@ def _asynchronous(row: str) -> bool:
 
 
 def _micro_batched(row: str) -> bool:
-    """The study row's method splits each mini-batch into micro-batches (``xpipe``): a row
-    trains at its method's default M, so pipeoptim's rows are whole mini-batches."""
+    """The study row splits each mini-batch into micro-batches (``xpipe``, a dial row
+    ``pipeoptim M=2``)."""
     method = _method_of(row)
-    return method is not None and method.micro_batched_by_default
+    if method is None:
+        return False
+    m = parse_row(row).micro_batches
+    return method.micro_batched_by_default if m is None else m > 1
 
 
 def split_row(row: str) -> tuple[str, str | None]:
-    """A study row's method and the optimizer it names: ``M (O)`` -> (M, O), ``M`` ->
-    (M, None)."""
+    """A study row's name and the optimizer it names: ``M (O)`` -> (M, O), ``M`` ->
+    (M, None). The name keeps the row's settings (``pipeoptim M=2``: :func:`parse_row`)."""
     name, _, optimizer = row.partition(" (")
     return name, optimizer.removesuffix(")") or None
+
+
+MICRO_BATCHES = "M="
+"""A row's setting of its micro-batches per update, where not its method's default
+(``pipeoptim M=2``: the dial between PipeOptim and XPipe)."""
+
+EXTRAPOLATION = "λ="
+"""A row's setting of the extrapolation's λ (``xpipe+extrapolate λ=0.5``)."""
+
+
+@dataclass(frozen=True)
+class StudyRow:
+    """A study row's label read apart (:func:`parse_row`; :func:`row_label` writes it)."""
+
+    method: str
+    """The method the row trains, without the predicted-backward suffix."""
+    optimizer: str | None
+    """The optimizer the row names (None: the study's first optimizer)."""
+    micro_batches: int | None = None
+    """Micro-batches per update where not the method's default (None: the default)."""
+    extrapolation: float | None = None
+    """The extrapolation's λ where set (None: the correction's default)."""
+    predicted_backward: bool = False
+    """Trained with ``Pipeline(predicted_backward=True)`` (``+Ŵbackward``)."""
+
+
+def row_label(
+    method: str,
+    optimizer: str | None = None,
+    *,
+    micro_batches: int | None = None,
+    extrapolation: float | None = None,
+    predicted_backward: bool = False,
+) -> str:
+    """The study row of ``method`` with its settings, under ``optimizer``:
+    ``pipeoptim M=2 (muon)``, ``xpipe+extrapolate λ=0.5``; :func:`parse_row` undone."""
+    name = method + (PREDICTED_BACKWARD if predicted_backward else "")
+    if micro_batches is not None:
+        name += f" {MICRO_BATCHES}{micro_batches}"
+    if extrapolation is not None:
+        name += f" {EXTRAPOLATION}{extrapolation:g}"
+    return join_row(name, optimizer)
+
+
+def parse_row(row: str) -> StudyRow:
+    """A study row's method, optimizer and settings (:func:`row_label` undone); a setting it
+    does not know is left in the method's name (which then names no registered method)."""
+    name, optimizer = split_row(row)
+    head, *settings = name.split(" ")
+    micro: int | None = None
+    lam: float | None = None
+    rest = []
+    for setting in settings:
+        if setting.startswith(MICRO_BATCHES) and setting[len(MICRO_BATCHES) :].isdigit():
+            micro = int(setting[len(MICRO_BATCHES) :])
+        elif setting.startswith(EXTRAPOLATION):
+            try:
+                lam = float(setting[len(EXTRAPOLATION) :])
+            except ValueError:
+                rest.append(setting)
+        else:
+            rest.append(setting)
+    method = " ".join([head, *rest])
+    backward = method.endswith(PREDICTED_BACKWARD)
+    return StudyRow(method.removesuffix(PREDICTED_BACKWARD), optimizer, micro, lam, backward)
 
 
 def join_row(method: str, optimizer: str | None) -> str:
@@ -329,12 +400,18 @@ PREDICTED_BACKWARD = "+Ŵbackward"
 
 
 def _flags(row: str) -> str:
-    """How to train a study row: ``--method M``, ``--optimizer O`` for ``M (O)``, and
+    """How to train a study row: ``--method M``, ``--micro-batches N`` for ``M M=N``,
+    ``--extrapolation L`` for ``M λ=L``, ``--optimizer O`` for ``M (O)``, and
     ``Pipeline(predicted_backward=True)`` for ``M+Ŵbackward``."""
-    name, optimizer = split_row(row)
-    base = name.removesuffix(PREDICTED_BACKWARD)
-    flags = f"--method {base}" + (f" --optimizer {optimizer}" if optimizer else "")
-    return flags + (", Pipeline(predicted_backward=True)" if base != name else "")
+    parts = parse_row(row)
+    flags = f"--method {parts.method}"
+    if parts.micro_batches is not None:
+        flags += f" --micro-batches {parts.micro_batches}"
+    if parts.extrapolation is not None:
+        flags += f" --extrapolation {parts.extrapolation:g}"
+    if parts.optimizer:
+        flags += f" --optimizer {parts.optimizer}"
+    return flags + (", Pipeline(predicted_backward=True)" if parts.predicted_backward else "")
 
 
 STUDY_FAMILY = {

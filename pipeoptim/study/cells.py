@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pipeoptim.plan.methods import METHODS
-from pipeoptim.plan.risk import join_row
+from pipeoptim.plan.risk import join_row, parse_row, row_label
 from pipeoptim.study.grid import StudyConfig
 from pipeoptim.study.runs import MODEL_METRIC, RunRecord, split_label
 
@@ -27,6 +27,7 @@ __all__ = [
     "higher_is_better",
     "method_labels",
     "rate_sets",
+    "row_micro_batches",
     "schedule_of",
     "synchronous_label",
 ]
@@ -92,12 +93,32 @@ def rate_sets(
 
 
 def method_labels(config: StudyConfig) -> list[str]:
-    """Table rows: every method, the predicted-backward variants, the other optimizers."""
+    """Table rows: every method, the predicted-backward variants, the other optimizers, the
+    dial's rows (each M it trains at some depth) and the extrapolation's (each λ)."""
+    first = config.optimizers[0]
+    dial = sorted({m for p in config.stages for m in config.dial_counts(p)}) if config.dial else []
+    extrapolated = dict.fromkeys((*config.extrapolations_every_depth, *config.extrapolations))
     return [
         *config.methods,
         *(f"{m}+Ŵbackward" for m in config.variants),
         *(f"{m} ({o})" for m, o in config.pairs),
+        *(
+            row_label(config.dial_method, config.trained_as(o), micro_batches=m)
+            for o in config.dial
+            for m in dial
+        ),
+        *(
+            row_label(method, None if o == first else o, extrapolation=lam)
+            for method, o, lam in sorted(extrapolated, key=lambda r: (r[0], r[1], r[2]))
+        ),
     ]
+
+
+def row_micro_batches(label: str, stages: int) -> int:
+    """Micro-batches per update of row ``label`` at ``stages``: its setting (a dial row's
+    M), else its method's default."""
+    m = parse_row(label).micro_batches
+    return m if m is not None else METHODS[schedule_of(label)].default_micro_batches_at(stages)
 
 
 def synchronous_label(label: str, method: str = "gpipe") -> str:
@@ -110,5 +131,5 @@ def synchronous_label(label: str, method: str = "gpipe") -> str:
 def schedule_of(label: str) -> str:
     """The registered method a row label runs (``pipeoptim+Ŵbackward``, ``pipeoptim
     (nadam)`` and ``pipeoptim+pipemare`` all follow a registered schedule)."""
-    name, _ = split_label(label)
+    name = parse_row(label).method
     return name if name in METHODS else name.split("+")[0]

@@ -22,11 +22,13 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
+from typing import Any
 
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.methods import METHODS
 from pipeoptim.plan.optimizer_families import FAMILIES, find_family
-from pipeoptim.study.runs import MODEL_METRIC, RunRecord, RunSpec, run_one, split_label
+from pipeoptim.plan.risk import parse_row
+from pipeoptim.study.runs import MODEL_METRIC, RunRecord, RunSpec, run_one
 
 __all__ = [
     "ALL_METHODS",
@@ -115,6 +117,33 @@ class StudyConfig:
     variants: tuple[str, ...] = ()
     """Predicting methods also trained with ``predicted_backward`` (beyond the paper: input
     gradients through Ŵ as well), at every rate, depth and seed of the main runs."""
+    dial: tuple[str, ...] = ()
+    """Optimizers under which ``dial_method`` also trains with M = P·share micro-batches per
+    update for each of ``dial_shares``, at every depth, in the first optimizer's column at
+    its chosen rate (rows ``pipeoptim M=2``, ``pipeoptim M=2 (muon)``): the dial between
+    PipeOptim (M = 1) and XPipe (M = P). An M equal to the method's own default is its
+    plain row and is not trained twice."""
+    dial_method: str = "pipeoptim"
+    """The asynchronous method the dial's rows train."""
+    dial_shares: tuple[float, ...] = (0.25, 0.5)
+    """The dial's micro-batches per update as shares of the depth (M = round(P·share), at
+    least 1)."""
+    extrapolations: tuple[tuple[str, str, float], ...] = ()
+    """(method, optimizer, λ) rows of the extrapolation correction (``Pipeline(
+    extrapolation=λ)``) trained at ``sweep_stages`` only, in the first optimizer's column at
+    its chosen rate (``xpipe+extrapolate λ=0.25 (muon)``): the λ scan."""
+    extrapolations_every_depth: tuple[tuple[str, str, float], ...] = ()
+    """(method, optimizer, λ) rows trained at every depth, as ``extrapolations``: the λ
+    carried to depth."""
+    equal_time: tuple[str, ...] = ()
+    """Rows, as ``method`` or ``method (optimizer)`` without settings, that also train at
+    equal time (:mod:`pipeoptim.study.equal_time`): the row itself, each of its dial rows
+    (``pipeoptim (muon)`` names ``pipeoptim M=2 (muon)`` too), and of its extrapolation rows
+    the one with the lowest final test loss at each depth; seed 0, wherever the row trained."""
+    equal_time_reference: str = "zb-h1"
+    """The synchronous method whose simulated time for the study's updates (under the row's
+    optimizer) is the equal-time budget; a twin of gpipe, so its loss in that budget is
+    gpipe's final loss."""
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.optimizers) - set(self.rates))
@@ -144,8 +173,16 @@ class StudyConfig:
             raise RuntimeConfigError(
                 f"grad_clip must be positive (got {self.grad_clip}); e.g. 1.0, or leave it out"
             )
+        extrapolated = (*self.extrapolations, *self.extrapolations_every_depth)
         unknown_methods = sorted(
-            {*self.methods, *self.twins, *(m for m, _ in self.pairs)} - set(METHODS)
+            {
+                *self.methods,
+                *self.twins,
+                *(m for m, _ in self.pairs),
+                *([self.dial_method] if self.dial else []),
+                *(m for m, _, _ in extrapolated),
+            }
+            - set(METHODS)
         )
         if unknown_methods:
             raise RuntimeConfigError(
@@ -176,6 +213,16 @@ class StudyConfig:
                 f"repeat_stages={self.repeat_stages}: their seed 0 would be missing there; "
                 f"set repeat_stages to {self.sweep_stages} or train them at every depth"
             )
+        if any(not share > 0.0 for share in self.dial_shares):
+            raise RuntimeConfigError(
+                f"dial_shares are shares of the depth above 0 (got {list(self.dial_shares)}); "
+                f"e.g. (0.25, 0.5) for M = P/4 and P/2"
+            )
+        if extrapolated and self.sweep_stages not in self.stages:
+            raise RuntimeConfigError(
+                f"extrapolations train at sweep_stages={self.sweep_stages}, which is not "
+                f"among stages {list(self.stages)}; add it to stages"
+            )
         if self.model not in MODEL_METRIC:
             raise RuntimeConfigError(
                 f"the study knows the test metric of {sorted(MODEL_METRIC)} (got {self.model!r})"
@@ -190,6 +237,8 @@ class StudyConfig:
         seed: int,
         predicted_backward: bool = False,
         trained_optimizer: str | None = None,
+        micro_batch_count: int | None = None,
+        extrapolation: float | None = None,
     ) -> RunSpec:
         return RunSpec(
             self.model,
@@ -209,7 +258,58 @@ class StudyConfig:
             final_lr=self.final_lr,
             grad_clip=self.grad_clip,
             trained_optimizer=trained_optimizer,
+            micro_batch_count=micro_batch_count,
+            extrapolation=extrapolation,
         )
+
+    def trained_as(self, optimizer: str) -> str | None:
+        """A row's ``trained_optimizer`` for ``optimizer``: None for the first optimizer
+        (its rows carry no optimizer in their names), else the optimizer."""
+        return None if optimizer == self.optimizers[0] else optimizer
+
+    def dial_counts(self, stages: int) -> list[int]:
+        """The dial's micro-batches per update at ``stages`` stages, ascending, without the
+        method's own default (its plain row)."""
+        default = METHODS[self.dial_method].default_micro_batches_at(stages)
+        counts = {max(1, round(stages * share)) for share in self.dial_shares}
+        return sorted(counts - {default})
+
+    def extrapolation_rows(self, stages: int) -> list[tuple[str, str, float]]:
+        """The (method, optimizer, λ) extrapolation rows trained at ``stages`` stages."""
+        rows = list(self.extrapolations_every_depth)
+        if stages == self.sweep_stages:
+            rows += [r for r in self.extrapolations if r not in rows]
+        return rows
+
+    def setting_specs(self, lr: float, stages: int, seed: int) -> list[RunSpec]:
+        """The dial's and the extrapolation's rows at ``stages`` (first optimizer's column)."""
+        first = self.optimizers[0]
+        specs = [
+            self.spec(
+                self.dial_method,
+                first,
+                lr,
+                stages,
+                seed,
+                trained_optimizer=self.trained_as(o),
+                micro_batch_count=m,
+            )
+            for o in self.dial
+            for m in self.dial_counts(stages)
+        ]
+        specs += [
+            self.spec(
+                method,
+                first,
+                lr,
+                stages,
+                seed,
+                trained_optimizer=self.trained_as(o),
+                extrapolation=lam,
+            )
+            for method, o, lam in self.extrapolation_rows(stages)
+        ]
+        return specs
 
 
 def with_methods(config: StudyConfig, names: str) -> StudyConfig:
@@ -265,7 +365,8 @@ def choose_rates(
 def main_specs(config: StudyConfig, rates: dict[str, tuple[float, float | None]]) -> list[RunSpec]:
     """Every method x optimizer x depth x seed at the chosen rate (and the high rate); the
     pair rows at the first optimizer's chosen rate, at every depth or, for those in
-    ``pairs_only_at_sweep_depth``, at ``sweep_stages``; the repeated rows' further seeds."""
+    ``pairs_only_at_sweep_depth``, at ``sweep_stages``; the dial's and the extrapolation's
+    rows there too (:meth:`StudyConfig.setting_specs`); the repeated rows' further seeds."""
     specs: list[RunSpec] = []
     for opt in config.optimizers:
         best, high = rates[opt]
@@ -290,14 +391,23 @@ def main_specs(config: StudyConfig, rates: dict[str, tuple[float, float | None]]
                             if p == config.sweep_stages
                             or f"{m} ({o})" not in config.pairs_only_at_sweep_depth
                         )
+                        specs.extend(config.setting_specs(lr, p, seed))
     first = config.optimizers[0]
     best = rates[first][0]
     for seed in range(1, config.repeat_seeds):
         for label in config.repeat:
-            method, trained = split_label(label)
+            row = parse_row(label)
             specs.append(
                 config.spec(
-                    method, first, best, config.repeat_stages, seed, trained_optimizer=trained
+                    row.method,
+                    first,
+                    best,
+                    config.repeat_stages,
+                    seed,
+                    predicted_backward=row.predicted_backward,
+                    trained_optimizer=row.optimizer,
+                    micro_batch_count=row.micro_batches,
+                    extrapolation=row.extrapolation,
                 )
             )
     return specs
@@ -345,14 +455,17 @@ def run_specs(
     workers: int = 1,
     threads: int | None = None,
     progress: Callable[[RunRecord, int, int], None] | None = None,
+    order: Callable[[RunSpec], Any] | None = None,
 ) -> list[RunRecord]:
     """Run the specs not yet in ``path`` (appending each record as it finishes); returns
-    the records of every spec, old and new."""
+    the records of every spec, old and new. ``order``: a sort key of the runs to do
+    (default: the longest first, :func:`relative_cost`)."""
     done = {r.spec.key: r for r in load_records(path)}
     # the longest first, so two workers end together instead of one finishing a long run
     # alone (a stable sort: equal estimates keep the grid's order)
     todo = sorted(
-        (s for s in dict.fromkeys(specs) if s.key not in done), key=relative_cost, reverse=True
+        (s for s in dict.fromkeys(specs) if s.key not in done),
+        key=order or (lambda s: -relative_cost(s)),
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     threads = threads or max(1, (os.cpu_count() or 1) // max(1, workers))

@@ -26,25 +26,37 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from pipeoptim.plan.profile import Profile
 from pipeoptim.plan.risk import fit_risk
-from pipeoptim.study.cells import aggregate, rate_sets
+from pipeoptim.study.cells import aggregate, method_labels, rate_sets, synchronous_label
+from pipeoptim.study.equal_time import EqualTimeResult, equal_time_results
 from pipeoptim.study.grid import StudyConfig, sweep_specs
 from pipeoptim.study.plots import curves_figures, time_figure
 from pipeoptim.study.risk_fit import (
     TARGETS,
+    Cells,
+    Rates,
     RiskFitParts,
     closure_rates,
     model_records,
     model_targets,
 )
-from pipeoptim.study.tables import closure_rows, closure_table, final_table, gap_table, time_table
+from pipeoptim.study.tables import (
+    closure_by_micro_batches_table,
+    closure_rows,
+    closure_table,
+    equal_time_table,
+    final_table,
+    gap_table,
+    time_ratio_table,
+    time_table,
+)
 from pipeoptim.study.targets import (
-    check_profile,
-    machine_profile,
-    optimizer_profile,
-    profile_fingerprint,
+    gpipe_finals,
+    pinned_profiles,
+    seconds_per_sample_of,
     time_to_target,
 )
 
@@ -56,6 +68,49 @@ def _steps_text(config: StudyConfig) -> str:
     if not longer:
         return str(config.steps)
     return f"{config.steps} ({', '.join(f'{o}: {n}' for o, n in longer.items())})"
+
+
+def _depth_sections(
+    config: StudyConfig,
+    cells: Cells,
+    rates: Rates,
+    closure: Sequence[dict[str, Any]],
+    equal: Sequence[EqualTimeResult],
+    profile: Profile,
+    trained_profiles: Mapping[str, Profile],
+) -> list[str]:
+    """The language model's tables beyond equal samples (issue 65): the time to gpipe's
+    final loss against zb-h1's, the loss in zb-h1's time, the closure per s and M."""
+    md: list[str] = []
+    ref = config.equal_time_reference
+    at_final = {
+        sync: gpipe_finals(config, cells, rates, within=0.0, label=sync)
+        for sync in dict.fromkeys(synchronous_label(m) for m in method_labels(config))
+    }
+    at_final = {s: t for s, t in at_final.items() if t}
+    times = time_to_target(config, cells, rates, at_final, profile, trained_profiles)
+    md += [
+        f"### Time to gpipe's final loss against {ref} (chosen rate)",
+        "",
+        *time_ratio_table(config, times),
+        "",
+    ]
+    if config.equal_time:
+        md += [f"### Equal time: the loss in {ref}'s time (chosen rate)", ""]
+        md += [*equal_time_table(config, equal), ""] if equal else ["no rows yet", ""]
+    table = closure_by_micro_batches_table(closure, closure_rates(config, rates))
+    if table:
+        md += [
+            "### Prediction closure per s and M (chosen rate, seed 0)",
+            "",
+            "The share of the stale distance each plain prediction rule removed, by "
+            "micro-batches per update M (the dial's rows at their M) and prediction distance "
+            "s: the mean over the stages and depths with that s.",
+            "",
+            *table,
+            "",
+        ]
+    return md
 
 
 def write_study_report(
@@ -89,10 +144,19 @@ def write_study_report(
             md += [f"## {config.model}", "", "no runs recorded", ""]
             continue
         records, mine, rates = found
+        cells = aggregate(mine)
+        given = (profiles or {}).get(config.model)
+        chosen, trained_profiles = pinned_profiles(out / config.model, config, given)
+        per_sample = seconds_per_sample_of(config, chosen, trained_profiles)
+        equal = (
+            equal_time_results(config, rates, cells, records, per_sample)
+            if config.equal_time
+            else []
+        )
         # runs of an earlier configuration (other steps or rates) stay on file, unused
         used = {r.spec.key for r in mine} | {s.key for s in sweep_specs(config)}
+        used |= {r.key for r in equal if r.key}
         records = [r for r in records if r.spec.key in used]
-        cells = aggregate(mine)
         fixed = TARGETS.get(config.model)
         seconds = sum(r.seconds for r in records)
         md += [f"## {config.model}", ""]
@@ -133,30 +197,6 @@ def write_study_report(
         # each row is held to gpipe's final under its own optimizer, or to the fixed target
         targets = model_targets(config, cells, rates)
         parts.add_model(config, cells, rates, targets, closure)
-        chosen = (profiles or {}).get(config.model)
-        pinned = out / config.model / "profile.json"
-        if chosen is not None:
-            check_profile(chosen, config.model)
-        else:
-            # this machine's profile, taken once and kept beside the runs, so redrawing the
-            # report gives the same times
-            if not pinned.exists():
-                machine_profile(config.model, config.batch_size, config.optimizers[0]).save(pinned)
-            chosen = Profile.load(pinned)
-        trained_profiles = {}
-        if chosen is not (profiles or {}).get(config.model):
-            # on this machine's profile, rows under another optimizer (Muon) at that
-            # optimizer's own update cost, measured here once and kept beside the runs
-            for trained in dict.fromkeys(o for _, o in config.pairs):
-                if trained == chosen.optimizer:
-                    continue
-                kept = out / config.model / f"profile-{trained}.json"
-                made = Profile.load(kept) if kept.exists() else None
-                if made is None or made.meta.get("base") != profile_fingerprint(chosen):
-                    # none yet, or made from a profile taken since; read back as it is kept
-                    optimizer_profile(chosen, config.model, trained).save(kept)
-                    made = Profile.load(kept)
-                trained_profiles[trained] = made
         times = time_to_target(config, cells, rates, targets, chosen, trained_profiles)
         hardware = (
             f"Hardware: the profile given ({chosen.device}, batch {chosen.batch_size})."
@@ -178,6 +218,8 @@ def write_study_report(
             *time_table(config, times, targets),
             "",
         ]
+        if fixed is None:
+            md += _depth_sections(config, cells, rates, closure, equal, chosen, trained_profiles)
         html_parts.append(f"<h2>{config.model}</h2>")
         for fig in [*curves_figures(config, cells, rates), time_figure(config.model, times)]:
             html_parts.append(fig.to_html(full_html=False, include_plotlyjs=False))

@@ -15,6 +15,7 @@ from typing import Any
 
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.optimizer_families import find_family
+from pipeoptim.plan.risk import row_label
 from pipeoptim.plan.risk import split_row as split_label
 
 __all__ = ["CurvePoint", "RunRecord", "RunSpec", "run_one", "split_label"]
@@ -65,6 +66,15 @@ class RunSpec:
     trained_optimizer: str | None = None
     """The optimizer actually trained where it is not ``optimizer`` (the study's column):
     the NAdam and Muon rows of the AdamW column, at its rate (None: ``optimizer``)."""
+    micro_batch_count: int | None = None
+    """Micro-batches per update where the row does not use its method's default (the dial
+    between PipeOptim and XPipe: ``pipeoptim`` at M = P/4, P/2); None: the default."""
+    extrapolation: float | None = None
+    """The extrapolation correction's λ (``Pipeline(extrapolation=λ)``); None: its default."""
+    equal_time: bool = False
+    """A run of the equal-time comparison: ``steps`` are as many updates as the row's
+    simulated throughput buys in the time the reference (zb-h1) needs for the study's
+    updates (:mod:`pipeoptim.study.equal_time`); keyed apart from the equal-sample run."""
 
     @property
     def recipe(self) -> str:
@@ -91,9 +101,16 @@ class RunSpec:
 
     @property
     def label(self) -> str:
-        """The method as the tables name it (``pipeoptim+Ŵbackward`` for the variant)."""
-        name = f"{self.method}+Ŵbackward" if self.predicted_backward else self.method
-        return f"{name} ({self.trained_optimizer})" if self.trained_optimizer else name
+        """The row as the tables name it: ``pipeoptim+Ŵbackward`` for the variant, its
+        settings where set (``pipeoptim M=2 (muon)``, ``xpipe+extrapolate λ=0.5``); an
+        equal-time run has its row's label (its key tells it apart)."""
+        return row_label(
+            self.method,
+            self.trained_optimizer,
+            micro_batches=self.micro_batch_count,
+            extrapolation=self.extrapolation,
+            predicted_backward=self.predicted_backward,
+        )
 
     @property
     def key(self) -> str:
@@ -106,6 +123,9 @@ class RunSpec:
 
     @property
     def micro_batches(self) -> int:
+        """Micro-batches per update: ``micro_batch_count``, else the method's default."""
+        if self.micro_batch_count is not None:
+            return self.micro_batch_count
         from pipeoptim.plan.methods import get_method
 
         return get_method(self.method).default_micro_batches_at(self.stages)
@@ -212,6 +232,10 @@ def run_one(spec: RunSpec) -> RunRecord:
         warmup = max(1, round(spec.warmup * spec.steps))
         shape = WarmupCosine(warmup, spec.steps, spec.final_lr)
         scheduler = functools.partial(LambdaLR, lr_lambda=shape)
+    # passed only where set, so a run of the default is the call it always was
+    settings: dict[str, Any] = {}
+    if spec.extrapolation is not None:
+        settings["extrapolation"] = spec.extrapolation
     pipe = Pipeline(
         list(layers),
         method=spec.method,
@@ -223,6 +247,7 @@ def run_one(spec: RunSpec) -> RunRecord:
         predicted_backward=spec.predicted_backward,
         scheduler=scheduler,
         grad_clip=spec.grad_clip,
+        **settings,
         progress=False,
         log_every=10**9,
         forwards_first=True,  # the same weights, a cheaper order on one thread (issue 34)

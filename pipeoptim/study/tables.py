@@ -12,20 +12,32 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from pipeoptim.plan.memory_factors import method_memory_factors
-from pipeoptim.plan.methods import get_method
+from pipeoptim.plan.methods import METHODS, get_method
 from pipeoptim.plan.risk import WITHIN
 from pipeoptim.study.cells import (
     Cell,
     higher_is_better,
     method_labels,
+    row_micro_batches,
     schedule_of,
     synchronous_label,
 )
+from pipeoptim.study.equal_time import EqualTimeResult
 from pipeoptim.study.grid import StudyConfig
 from pipeoptim.study.runs import RunRecord
 from pipeoptim.study.targets import Target, Targets, TimeToTarget
 
-__all__ = ["closure_rows", "closure_table", "final_table", "gap_table", "peak_copies", "time_table"]
+__all__ = [
+    "closure_by_micro_batches_table",
+    "closure_rows",
+    "closure_table",
+    "equal_time_table",
+    "final_table",
+    "gap_table",
+    "peak_copies",
+    "time_ratio_table",
+    "time_table",
+]
 
 
 def _fmt_metric(model: str, mean: float, std: float) -> str:
@@ -94,7 +106,7 @@ def peak_copies(label: str, stages: int) -> int:
     model's count (``plan.memory_factors``); the predicted-backward variant keeps one Ŵ per
     mini-batch in flight, as a stash does."""
     method = get_method(schedule_of(label))
-    m = method.default_micro_batches_at(stages)
+    m = row_micro_batches(label, stages)
     if "Ŵbackward" in label:
         return stages  # current weights and a Ŵ per mini-batch in flight (P−1 at stage 0)
     factors = method_memory_factors(method.name, stages, m)
@@ -273,4 +285,107 @@ def time_table(config: StudyConfig, rows: Sequence[TimeToTarget], targets: Targe
             f"{1 / r.seconds_per_sample:,.0f} | {ms} | {versus(r, 'gpipe')} | "
             f"{versus(r, 'zb-h1')} |"
         )
+    return lines
+
+
+def _percent(excess: float) -> str:
+    return f"{100 * excess:+.1f} %" if math.isfinite(excess) else "—"
+
+
+def equal_time_table(config: StudyConfig, results: Sequence[EqualTimeResult]) -> list[str]:
+    """Markdown: per depth, each equal-time row's final test loss after the updates its
+    simulated throughput buys in the reference's (zb-h1's) time for the study's updates,
+    against the reference's loss in that time (gpipe's final under the same optimizer)."""
+    if not results:
+        return []
+    ref = config.equal_time_reference
+    lines = [
+        f"Budget: the simulated time {ref} under the row's optimizer needs for the study's "
+        f"updates; each row trains as many updates as its own simulated throughput buys in it "
+        f"(its schedule ending there), seed 0. {ref}'s loss in the budget is gpipe's final "
+        f"loss (the same updates). vs {ref}: the row's loss over that, minus 1.",
+        "",
+        f"| P | row | updates in the budget | final test loss | vs {ref} |",
+        "|---|---|---|---|---|",
+    ]
+    for r in results:
+        if r.not_simulated:
+            loss = f"no budget: {r.not_simulated}"
+        elif not r.run:
+            loss = "no λ finished yet" if r.steps == 0 else "not run"
+        elif not math.isfinite(r.loss):
+            loss = "— (diverged)"
+        else:
+            loss = f"{r.loss:.3f}"
+        steps = f"{r.steps:,}" if r.steps else "—"
+        excess = _percent(r.excess) if r.run else "—"
+        lines.append(f"| {r.stages} | {r.label} | {steps} | {loss} | {excess} |")
+    return lines
+
+
+def time_ratio_table(config: StudyConfig, rows: Sequence[TimeToTarget]) -> list[str]:
+    """Markdown: per row (the first optimizer's column) and depth, the predicted time to
+    gpipe's final test loss under the row's optimizer (``rows``: :func:`~pipeoptim.study.
+    targets.time_to_target` against that target) as a share of the reference's (zb-h1's)
+    under the same optimizer; ``not run`` where the row has not trained there."""
+    opt = config.optimizers[0]
+    ref = config.equal_time_reference
+    seconds = {(r.method, r.stages): r for r in rows if r.optimizer == opt}
+    labels = [*method_labels(config), *dict.fromkeys(r.method for r in rows if r.optimizer == opt)]
+    lines = [
+        f"Target: gpipe's final test loss under the row's own optimizer (no margin). Time: "
+        f"samples to it (the first evaluation at or below it; median over seeds) x the "
+        f"row's simulated time per sample at its micro-batches; shown as a share of "
+        f"{ref}'s under the same optimizer (gpipe's samples at {ref}'s speed). never: no "
+        f"evaluation reached it.",
+        "",
+        "| row | " + " | ".join(f"P={p}" for p in config.stages) + " |",
+        "|---|" + "---|" * len(config.stages),
+    ]
+    for label in dict.fromkeys(labels):
+        row = []
+        for p in config.stages:
+            mine = seconds.get((label, p))
+            base = seconds.get((synchronous_label(label, ref), p))
+            if mine is None:
+                row.append("not run")
+            elif not math.isfinite(mine.seconds):
+                row.append(f"never ({mine.reached}/{mine.seeds})")
+            elif base is None or not math.isfinite(base.seconds):
+                row.append(f"— (no {synchronous_label(label, ref)})")
+            else:
+                row.append(f"{mine.seconds / base.seconds:.2f}x")
+        lines.append(f"| {label} | " + " | ".join(row) + " |")
+    return lines
+
+
+def closure_by_micro_batches_table(
+    rows: Sequence[dict[str, Any]], lr_of: dict[str, float]
+) -> list[str]:
+    """Markdown: the share of the stale distance each plain prediction rule removed, per
+    (method, optimizer, micro-batches per update M) and prediction distance s: the mean
+    over the stages and depths with that s (the dial's rows at their M)."""
+    picked = [
+        r
+        for r in rows
+        if r["lr"] == lr_of.get(r["optimizer"])
+        and r["rule_of"] in METHODS
+        and METHODS[r["rule_of"]].correction is None  # a correction's closure is its own
+    ]
+    if not picked:
+        return []
+    by: dict[tuple[str, str, int], dict[int, list[float]]] = {}
+    for r in picked:
+        key = (r["rule_of"], r["optimizer"], row_micro_batches(r["method"], r["stages"]))
+        by.setdefault(key, {}).setdefault(int(r["s"]), []).append(float(r["closed"]))
+    distances = sorted({s for table in by.values() for s in table})
+    lines = [
+        "| method | optimizer | M | " + " | ".join(f"s={s}" for s in distances) + " |",
+        "|---|---|---|" + "---|" * len(distances),
+    ]
+    for (method, opt, m), table in sorted(by.items()):
+        cells = [
+            f"{100 * sum(table[s]) / len(table[s]):.0f}%" if s in table else "" for s in distances
+        ]
+        lines.append(f"| {method} | {opt} | {m} | " + " | ".join(cells) + " |")
     return lines

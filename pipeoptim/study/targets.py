@@ -11,18 +11,27 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.profile import Profile
-from pipeoptim.plan.risk import RiskFitPoint, join_row, schedule_versions, uncorrected_distance
+from pipeoptim.plan.risk import (
+    RiskFitPoint,
+    join_row,
+    parse_row,
+    row_label,
+    schedule_versions,
+    uncorrected_distance,
+)
 from pipeoptim.study.cells import (
     Cell,
     higher_is_better,
     method_labels,
+    row_micro_batches,
     schedule_of,
     synchronous_label,
 )
@@ -39,9 +48,13 @@ __all__ = [
     "gpipe_finals",
     "machine_profile",
     "optimizer_profile",
+    "pinned_profiles",
     "profile_fingerprint",
     "risk_points",
+    "row_optimizers",
+    "row_seconds_per_sample",
     "samples_to_target",
+    "seconds_per_sample_of",
     "simulated_seconds_per_sample",
     "target_at",
     "target_of",
@@ -113,16 +126,19 @@ def samples_to_target(record: RunRecord, target: float) -> int | None:
     return None
 
 
-def simulated_seconds_per_sample(profile: Profile, method: str, stages: int) -> float:
+def simulated_seconds_per_sample(
+    profile: Profile, method: str, stages: int, micro_batches: int | None = None
+) -> float:
     """Time per sample of ``method`` on ``profile``, the study's even partition, no link
-    cost: the simulator's steady state."""
+    cost: the simulator's steady state. ``micro_batches``: per update, where not the
+    method's default (a dial row's M)."""
     from pipeoptim.plan.methods import get_method
     from pipeoptim.plan.plan import even_boundaries
     from pipeoptim.sim.costs import CostModel
     from pipeoptim.sim.evaluate import compile_method, evaluate_program
 
     spec = get_method(method)
-    m = spec.default_micro_batches_at(stages)
+    m = micro_batches if micro_batches is not None else spec.default_micro_batches_at(stages)
     shape = spec.shape(stages, m, 4 * stages)
     costs = CostModel.from_profile(profile, even_boundaries(profile.num_layers, stages), m)
     result = evaluate_program(compile_method(method, shape), costs)
@@ -187,6 +203,48 @@ def optimizer_profile(profile: Profile, model: str, optimizer: str) -> Profile:
     return dataclasses.replace(profile, layers=tuple(layers), optimizer=optimizer, meta=meta)
 
 
+def row_optimizers(config: StudyConfig) -> list[str]:
+    """The optimizers the rows of ``config`` name (the pairs', the dial's and the
+    extrapolation rows'), in order: each needs a profile at its own update cost."""
+    named = [
+        *(o for _, o in config.pairs),
+        *config.dial,
+        *(o for _, o, _ in (*config.extrapolations, *config.extrapolations_every_depth)),
+    ]
+    return list(dict.fromkeys(named))
+
+
+def pinned_profiles(
+    out_dir: Path, config: StudyConfig, given: Profile | None = None
+) -> tuple[Profile, dict[str, Profile]]:
+    """The hardware the study's times are simulated on, and the profile of each optimizer
+    its rows train besides (:func:`row_optimizers`). ``given``: a profile of the model (then
+    every row is simulated on it). Else this machine's, taken once and kept beside the runs
+    (``out_dir/profile.json``), so redrawing the report gives the same times; and per other
+    optimizer, that profile at the optimizer's own update cost (:func:`optimizer_profile`),
+    measured here once and kept as ``out_dir/profile-<optimizer>.json`` (taken again when
+    the base profile is)."""
+    if given is not None:
+        check_profile(given, config.model)
+        return given, {}
+    pinned = out_dir / "profile.json"
+    if not pinned.exists():
+        machine_profile(config.model, config.batch_size, config.optimizers[0]).save(pinned)
+    chosen = Profile.load(pinned)
+    trained_profiles = {}
+    for trained in row_optimizers(config):
+        if trained == chosen.optimizer:
+            continue
+        kept = out_dir / f"profile-{trained}.json"
+        made = Profile.load(kept) if kept.exists() else None
+        if made is None or made.meta.get("base") != profile_fingerprint(chosen):
+            # none yet, or made from a profile taken since; read back as it is kept
+            optimizer_profile(chosen, config.model, trained).save(kept)
+            made = Profile.load(kept)
+        trained_profiles[trained] = made
+    return chosen, trained_profiles
+
+
 def profile_fingerprint(profile: Profile) -> str:
     """A digest of ``profile``'s layers and batch: an :func:`optimizer_profile` made from
     another base (the profile taken again) is stale."""
@@ -234,6 +292,43 @@ def twin_labels(config: StudyConfig) -> dict[str, str]:
     return {synchronous_label(s, twin): s for s in syncs for twin in config.twins}
 
 
+def row_seconds_per_sample(
+    label: str,
+    optimizer: str,
+    stages: int,
+    profile: Profile,
+    trained_profiles: Mapping[str, Profile] | None = None,
+    cache: dict[tuple[str, int, int, str], float] | None = None,
+) -> float:
+    """Simulated time per sample of row ``label`` (its method, at its micro-batches) at
+    ``stages``, on ``trained_profiles[the optimizer it trains]`` where one is given, else on
+    ``profile``; ``optimizer``: the column's (a row that names none trains it). ``cache``
+    keeps each simulation for the next row of the same schedule."""
+    base = schedule_of(label)
+    trained = split_label(label)[1] or optimizer
+    on = (trained_profiles or {}).get(trained, profile)
+    m = row_micro_batches(label, stages)
+    key = (base, stages, m, trained if on is not profile else "")
+    cache = {} if cache is None else cache
+    if key not in cache:
+        cache[key] = simulated_seconds_per_sample(on, base, stages, m)
+    return cache[key]
+
+
+def seconds_per_sample_of(
+    config: StudyConfig, profile: Profile, trained_profiles: Mapping[str, Profile] | None = None
+) -> Callable[[str, int], float]:
+    """Row label and depth -> the row's simulated time per sample in ``config``'s first
+    optimizer's column (:func:`row_seconds_per_sample`), each simulation done once."""
+    cache: dict[tuple[str, int, int, str], float] = {}
+    first = config.optimizers[0]
+
+    def per_sample(label: str, stages: int) -> float:
+        return row_seconds_per_sample(label, first, stages, profile, trained_profiles, cache)
+
+    return per_sample
+
+
 def time_to_target(
     config: StudyConfig,
     cells: dict[tuple[str, str, float, int], Cell],
@@ -248,7 +343,7 @@ def time_to_target(
     row's Muon, else the column's optimizer; :func:`optimizer_profile`), else on
     ``profile``."""
     out = []
-    per_sample: dict[tuple[str, int, str], float] = {}
+    per_sample: dict[tuple[str, int, int, str], float] = {}
     twins = twin_labels(config)
     for opt in config.optimizers:
         lr = rates[opt][0]
@@ -262,12 +357,9 @@ def time_to_target(
                     continue  # no yardstick (its gpipe did not train or finish here)
                 hits = [samples_to_target(r, goal) for r in cell.records]
                 reached = [h for h in hits if h is not None]
-                base = schedule_of(method)
-                trained = split_label(method)[1] or opt
-                on = (trained_profiles or {}).get(trained, profile)
-                key = (base, p, trained if on is not profile else "")
-                if key not in per_sample:
-                    per_sample[key] = simulated_seconds_per_sample(on, base, p)
+                seconds_per_sample = row_seconds_per_sample(
+                    method, opt, p, profile, trained_profiles, per_sample
+                )
                 out.append(
                     TimeToTarget(
                         method,
@@ -276,7 +368,7 @@ def time_to_target(
                         len(reached),
                         len(hits),
                         statistics.median(reached) if reached else math.nan,
-                        per_sample[key],
+                        seconds_per_sample,
                     )
                 )
     return out
@@ -411,9 +503,16 @@ def correction_gains(
     def loss(cell: Cell | None) -> float:
         return math.nan if cell is None else cell.final_test_loss
 
+    # of a λ scan, the λ carried to every depth is the one whose gain counts
+    carried = {
+        row_label(m, config.trained_as(o), extrapolation=lam)
+        for m, o, lam in config.extrapolations_every_depth
+    }
     for label in method_labels(config):
         method = get_method(schedule_of(label))
         if method.correction is None:
+            continue
+        if parse_row(label).extrapolation is not None and label not in carried:
             continue
         trained = split_label(label)[1] or opt
         # one reference for the row at every depth, so its gains average like with like:

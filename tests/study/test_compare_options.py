@@ -34,6 +34,9 @@ CHANGED: dict[str, object] = {
     "final_lr": 0.5,
     "grad_clip": 1.0,
     "trained_optimizer": "nadam",
+    "micro_batch_count": 1,
+    "extrapolation": 0.5,
+    "equal_time": True,
 }
 """A changed value of every RunSpec field that changes a run's result."""
 
