@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeoptim.plan.methods import METHODS
 from pipeoptim.plan.risk_tables import packaged_path, risk_tables_json
 from pipeoptim.study.grid import (
     StudyConfig,
@@ -58,12 +57,6 @@ whose rows make the ``--part one-step``."""
 
 EXTRAPOLATE = "xpipe+extrapolate"
 """The one-step family's update-level correction, x_{t+1} = x_t − η[(1+λ)u_t − λu_{t−1}]."""
-
-
-def _registered(rows: tuple[tuple[str, str, float], ...]) -> tuple[tuple[str, str, float], ...]:
-    """The extrapolation rows whose method is registered: the correction lands on its own
-    (issue 65), and until it does the study leaves its rows out rather than refuse to start."""
-    return tuple(row for row in rows if row[0] in METHODS)
 
 
 LM_DEPTH_ROWS: dict[str, Any] = {
@@ -186,12 +179,10 @@ STUDIES = {
         repeat_stages=8,
         **LM_DEPTH_ROWS,
         # the λ scan at 8 stages, the middle λ at every depth
-        extrapolations=_registered(
-            tuple((EXTRAPOLATE, o, lam) for o in ("adamw", "muon") for lam in (0.25, 1.0))
+        extrapolations=tuple(
+            (EXTRAPOLATE, o, lam) for o in ("adamw", "muon") for lam in (0.25, 1.0)
         ),
-        extrapolations_every_depth=_registered(
-            tuple((EXTRAPOLATE, o, 0.5) for o in ("adamw", "muon"))
-        ),
+        extrapolations_every_depth=tuple((EXTRAPOLATE, o, 0.5) for o in ("adamw", "muon")),
     ),
     # A deeper model and a shorter run: 16 blocks cut in halves (35 units, so 32 stages
     # exist), 1,000 updates, gpt-deep's recipe and windows; the reference rows and the best
@@ -217,9 +208,7 @@ STUDIES = {
         twins=("1f1b", "zb-h1"),
         **LM_DEPTH_ROWS,
         # the middle λ of gpt-deep's scan, at both depths
-        extrapolations_every_depth=_registered(
-            tuple((EXTRAPOLATE, o, 0.5) for o in ("adamw", "muon"))
-        ),
+        extrapolations_every_depth=tuple((EXTRAPOLATE, o, 0.5) for o in ("adamw", "muon")),
     ),
 }
 

@@ -222,6 +222,10 @@ class Method:
     mini-batches and updates once, so a forward meets at most D updates before its
     backward (``schedules.bounded_async_one_f_one_b_arrays``); None: one update per
     mini-batch."""
+    correction_buffers: int = 0
+    """Weight-sized tensors the delay correction keeps on every stage between updates (the
+    extrapolation's previous update): counted in :meth:`weight_copies` on top of the
+    versions the weight policy keeps."""
     copies_rule: CopiesRule | None = None
     """Weight copies of each stage; None: what the weight policy implies."""
     slots_rule: SlotsRule | None = None

@@ -33,6 +33,7 @@ def corrected(base: Method, correction: str, suffix: str, what: str, *, buffers:
         description=f"{base.name} with {what} (delay correction {correction!r})",
         delay_correction=correction,
         corrects=base.name,
+        correction_buffers=base.correction_buffers + buffers,
         copies_rule=copies,
     )
 
