@@ -28,7 +28,10 @@ each run's measured steady throughput against:
 * **offline, before**: the same with the model before the burst fix (every action's work
   multiplied by the ping-pong's ``burst_slowdown``; kept here to show the change in one run);
 * **what-if**: the 1f1b run calibrated and asked for the method
-  (:func:`pipeoptim.calibrate.what_if`; for 1f1b its own calibration).
+  (:func:`pipeoptim.calibrate.what_if`; for 1f1b its own calibration);
+* **what-if, before**: the same with the calibration before the sharing fix (every busy
+  piece of the run divided by processor sharing, and no work of the asked method's weight
+  policy beyond the run's; kept here to show the change in one run).
 
 Targets: every offline prediction within 25 %, every what-if within 15 %. The runs are
 short; on a shared machine compare the errors of one run of the script, not across runs.
@@ -45,11 +48,14 @@ import tempfile
 import time
 from pathlib import Path
 from typing import NamedTuple
+from unittest import mock
 
 import torch
 from bench_fidelity import error, per_batch, train
 
+import pipeoptim.calibrate.fit as machine_fit
 from pipeoptim.calibrate import run_boundaries, what_if
+from pipeoptim.calibrate.busy import PROCESSOR_SHARING
 from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.profile import Profile
 from pipeoptim.sim.costs import CostModel
@@ -112,6 +118,7 @@ class Row(NamedTuple):
     measured: float
     before: float
     offline: float
+    what_if_before: float
     what_if: float
 
 
@@ -127,6 +134,10 @@ def compare(
     )
     m = ranks if get_method(method).micro_batched_by_default else None
     guess = what_if(runs["1f1b"], method, micro_batches=m, profile=profile)
+    # the calibration before the sharing fix: processor sharing only, no policy's work
+    with mock.patch.object(machine_fit, "_RULES", (PROCESSOR_SHARING,)):
+        plain = dataclasses.replace(profile, runtime_costs=None)
+        old = what_if(runs["1f1b"], method, micro_batches=m, profile=plain)
     return Row(
         name,
         ranks,
@@ -134,6 +145,7 @@ def compare(
         batch / per_batch(run),
         batch / before,
         batch / after,
+        batch / old.time_per_mini_batch,
         batch / guess.time_per_mini_batch,
     )
 
@@ -192,9 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n# {time.perf_counter() - began:.0f} s; load average {load:.1f} at the end\n")
     print(
         "| model | P | method | measured samples/s | offline before (err) | "
-        "offline (err) | what-if from 1f1b (err) |"
+        "offline (err) | what-if before (err) | what-if from 1f1b (err) |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     worst = {key: 0.0 for key in TARGETS}
     for row in rows:
         real = row.measured
@@ -204,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"| {row.model} | {row.ranks} | {row.method} | {real:,.0f} | "
             f"{row.before:,.0f} ({error(row.before, real):+.0%}) | "
-            f"{row.offline:,.0f} ({off:+.0%}) | {row.what_if:,.0f} ({wif:+.0%}) |"
+            f"{row.offline:,.0f} ({off:+.0%}) | "
+            f"{row.what_if_before:,.0f} ({error(row.what_if_before, real):+.0%}) | "
+            f"{row.what_if:,.0f} ({wif:+.0%}) |"
         )
     print()
     for key, target in TARGETS.items():

@@ -38,8 +38,10 @@ steps turn it into what the simulator needs beyond per-action times:
   milliseconds; the messages between two ranks bound the difference from both sides.
 * :mod:`~pipeoptim.calibrate.busy` finds when each rank used a core (actions, sends, the
   executor's work between them, the part of a receive after its message arrived), how many
-  ranks of a host were busy at each moment, and so how much work each piece of time did
-  when the host's cores were shared (processor sharing, :mod:`pipeoptim.sim.sharing`).
+  ranks of a host were busy at each moment (in all and in actions), and so how much work
+  each piece of time did when the host's cores were shared: by processor sharing
+  (:mod:`pipeoptim.sim.sharing`), or with the ranks in actions first, as a real host runs
+  short actions (the fit takes the rule the run's actions show).
 * :mod:`~pipeoptim.calibrate.fit` fits the host's core count where the trace does not record
   it, the work of every action, and the fixed cost of a message at each end, and says which
   it fitted (:class:`~pipeoptim.calibrate.fit.MachineFit`).
@@ -64,7 +66,7 @@ from pipeoptim.calibrate.comparison import (
 from pipeoptim.calibrate.fit import MachineFit, fit_machine
 from pipeoptim.calibrate.fit_costs import profile_meta, shared_costs, with_profile_machine
 from pipeoptim.calibrate.layer_costs import calibrated_profile
-from pipeoptim.calibrate.prediction import WhatIf, what_if
+from pipeoptim.calibrate.prediction import WhatIf, policy_excess, what_if
 from pipeoptim.calibrate.runs import (
     cluster_recorded,
     link_latencies,
@@ -98,6 +100,7 @@ __all__ = [
     "format_comparison",
     "link_latencies",
     "machine_fit",
+    "policy_excess",
     "predict_run",
     "profile_meta",
     "run_boundaries",

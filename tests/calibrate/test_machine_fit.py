@@ -9,8 +9,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from pipeoptim.calibrate import calibrate, costs_from_trace, fitted_costs, machine_fit
+from pipeoptim.calibrate import calibrate, costs_from_trace, fitted_costs, machine_fit, what_if
+from pipeoptim.calibrate.busy import ACTIONS_FIRST, PROCESSOR_SHARING
 from pipeoptim.errors import PipeoptimError
+from pipeoptim.metrics import compute_metrics
 from pipeoptim.plan.machine import Machine
 from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.plan import OptimizerSpec, Plan
@@ -30,8 +32,62 @@ class _Rank:
     events: list[TraceEvent] = field(default_factory=list)
 
 
+class _ActionsFirstHost:
+    """A host whose ranks in actions share its cores first, the others what is left (the
+    rule :data:`ACTIONS_FIRST` of the fit), event by event; the calls of :class:`HostCores`."""
+
+    def __init__(self, machine: Machine) -> None:
+        self.cores = machine.cores
+        self.now = 0.0
+        self.left: dict[int, float] = {}  # busy rank -> work left
+        self.acting: dict[int, bool] = {}
+
+    def _rates(self) -> dict[int, float]:
+        a = sum(self.acting[r] for r in self.left)
+        o = len(self.left) - a
+        act = min(1.0, self.cores / a) if a else 0.0
+        other = min(1.0, max(0.0, self.cores - a) / o) if o else 0.0
+        return {r: act if self.acting[r] else other for r in self.left}
+
+    def _advance(self, t: float) -> None:
+        rates = self._rates()
+        for r in self.left:
+            self.left[r] -= (t - self.now) * rates[r]
+        self.now = t
+
+    def next_finish(self) -> float | None:
+        rates = self._rates()
+        ends = [self.now + w / rates[r] for r, w in self.left.items() if rates[r] > 0]
+        return min(ends) if ends else None
+
+    def finish(self, now: float) -> list[tuple[int, float]]:
+        done: list[tuple[int, float]] = []
+        while self.left:
+            end = self.next_finish()
+            if end is None or end > now + 1e-12:
+                break
+            self._advance(end)
+            for r in [r for r, w in self.left.items() if w <= 1e-12]:
+                del self.left[r], self.acting[r]
+                done.append((r, end))
+        return done
+
+    def start(self, rank: int, work: float, now: float, acting: bool) -> list[tuple[int, float]]:
+        done = self.finish(now)
+        if now > self.now:
+            self._advance(now)
+        self.left[rank], self.acting[rank] = work, acting
+        return done
+
+
 def synthetic_run(
-    method: str, stages: int, mini_batches: int, cores: int, offsets: dict[int, float]
+    method: str,
+    stages: int,
+    mini_batches: int,
+    cores: int,
+    offsets: dict[int, float],
+    sharing: str = PROCESSOR_SHARING,
+    passes: float = 1.0,
 ) -> Trace:
     """A run as a gloo pipeline records it, made by processor sharing of known work.
 
@@ -39,7 +95,9 @@ def synthetic_run(
     work once the message is there), its compute (``WORK``) and its send (when its output
     goes to another rank: ``SEND`` s); a message leaves at its send's end and arrives
     ``LATENCY`` s later. The ranks share ``cores`` cores of one host; each rank's clock is
-    then moved ahead by ``offsets[rank]``, as ranks leaving a barrier apart would see it."""
+    then moved ahead by ``offsets[rank]``, as ranks leaving a barrier apart would see it.
+    ``sharing``: processor sharing, or :data:`ACTIONS_FIRST` (a real host's short actions);
+    ``passes``: how many times ``WORK``'s a forward and a backward take (a bigger batch)."""
     spec = get_method(method)
     shape = spec.shape(stages, None, mini_batches)
     program = Program(spec.order_arrays(shape), shape.micro_batches, spec.weight_policy)
@@ -50,11 +108,18 @@ def synthetic_run(
         for i in range(lo, hi):
             if program.dep[i] >= 0:
                 pieces.append(("RECV", i, RECEIVE))
-            pieces.append((spec_kind(program, i), i, WORK[spec_kind(program, i)]))
+            kind = spec_kind(program, i)
+            pieces.append((kind, i, WORK[kind] * (passes if kind != "U" else 1.0)))
             if feeds[i] >= 0:
                 pieces.append(("SEND", i, SEND))
         ranks[r] = _Rank(pieces)
-    host = HostCores(Machine(cores, len(ranks)))
+    machine = Machine(cores, len(ranks))
+    first = _ActionsFirstHost(machine) if sharing == ACTIONS_FIRST else None
+    host = first or HostCores(machine)
+
+    def start(r: int, work: float, now: float, acting: bool) -> list[tuple[int, float]]:
+        return first.start(r, work, now, acting) if first else host.start(r, work, now)
+
     arrived: dict[int, float] = {}  # consumer action -> arrival of its input
     heap: list[tuple[float, int, int, int]] = []  # (time, order, kind 0 finish/1 arrive, what)
     order = 0
@@ -73,7 +138,7 @@ def synthetic_run(
         if kind == "RECV" and i not in arrived:
             return
         started[r] = now
-        for done, end in host.start(r, work, now):
+        for done, end in start(r, work, now, kind not in ("RECV", "SEND")):
             finish(done, end)
         when = host.next_finish()
         if when is not None:
@@ -117,15 +182,17 @@ def synthetic_run(
         for rank in ranks.values()
         for e in rank.events
     ]  # fmt: skip
-    plan = Plan(method, stages, optimizer=OptimizerSpec("sgd", 0.1), batch_size=8)
+    m = shape.micro_batches
+    plan = Plan(method, stages, micro_batches=m, optimizer=OptimizerSpec("sgd", 0.1), batch_size=8)
     meta = {
         "source": "runtime",
         "plan": plan.to_dict(),
         "batch_size": 8,
         "mini_batches": mini_batches,
-        "micro_batches": 1,
+        "micro_batches": m,
         "transport": "dist",
         "threads": 1,
+        "boundaries": [[k, k + 1] for k in range(stages)],
     }
     return Trace(events=sorted(events, key=lambda e: (e.start, e.rank)), meta=meta)
 
@@ -174,7 +241,7 @@ def test_the_fitted_model_predicts_the_run_it_was_fitted_on() -> None:
     lines = fitted_costs(trace)
     assert lines[0] == (
         "core sharing: 4 rank(s) of 1 thread(s) per host on 3 core(s) (fitted from the "
-        "trace; tried 1, 2, 3, 4): the busy ranks share the cores"
+        "trace; tried 1, 2, 3, 4): the busy ranks share the cores (processor sharing)"
     )
     assert "3000 µs at the sender, 2000 µs at the receiver" in lines[1]
 
@@ -220,3 +287,56 @@ def test_a_bad_machine_record_in_a_trace_is_refused(record: object, match: str) 
     trace.meta["machine"] = record
     with pytest.raises(PipeoptimError, match=match):
         costs_from_trace(trace)
+
+
+def per_batch(trace: Trace) -> float:
+    return float(trace.meta["batch_size"]) / compute_metrics(trace).steady_throughput
+
+
+def test_actions_first_sharing_is_recognised_and_its_works_recovered() -> None:
+    """Where the ranks in actions kept their cores and the woken ones waited, dividing every
+    piece by processor sharing halves an action that met company and charges its time to
+    the waiting receive: the fit takes the rule whose works of one action are alike."""
+    trace = synthetic_run("1f1b", 4, 16, 2, {}, sharing=ACTIONS_FIRST)
+    trace.meta["machine"] = Machine(2, 4, 1).to_dict()
+    fit = machine_fit(trace)
+    assert fit is not None and fit.sharing == ACTIONS_FIRST
+    assert fit.sharing_spread[ACTIONS_FIRST] < fit.sharing_spread[PROCESSOR_SHARING]
+    # by processor sharing the works of a mini-batch came to 15 % less than the truth (an
+    # action 30 % less at most) and a message's cost at each end 56 % and 99 % more
+    every = sum(WORK.values()) * 4
+    assert sum(fit.work_s.values()) == pytest.approx(every, rel=0.04)
+    for kind, work in WORK.items():
+        for stage in range(4):  # the fastest messages met company: arrivals move a little
+            assert fit.work_s[(stage, kind)] == pytest.approx(work, rel=0.15), (stage, kind)
+    assert fit.message_send_s == pytest.approx(SEND, rel=0.15)
+    assert fit.message_receive_s == pytest.approx(RECEIVE, rel=0.4)
+    assert "(actions first)" in fitted_costs(trace)[0]
+
+
+def test_a_processor_shared_run_keeps_processor_sharing() -> None:
+    trace = synthetic_run("1f1b", 4, 16, 2, {})
+    trace.meta["machine"] = Machine(2, 4, 1).to_dict()
+    fit = machine_fit(trace)
+    assert fit is not None and fit.sharing == PROCESSOR_SHARING
+    assert fit.sharing_spread[PROCESSOR_SHARING] < fit.sharing_spread[ACTIONS_FIRST]
+
+
+@pytest.mark.parametrize("target", ["pipedream", "pipeoptim"])
+def test_a_method_with_fewer_messages_is_predicted_from_an_actions_first_run(
+    target: str,
+) -> None:
+    """The 1f1b run's works, taken back to a rank's own speed by the rule its host shared
+    by, predict a method of one micro-batch (every rank busy, a quarter of the messages) as
+    that method's own run measures it; divided by processor sharing they were too small."""
+    measured = synthetic_run("1f1b", 4, 16, 2, {}, sharing=ACTIONS_FIRST)
+    # one micro-batch is the 1f1b run's four: its passes take four times the work
+    truth = synthetic_run(target, 4, 16, 2, {}, sharing=ACTIONS_FIRST, passes=4.0)
+    for trace in (measured, truth):
+        trace.meta["machine"] = Machine(2, 4, 1).to_dict()
+    got = what_if(measured, target).time_per_mini_batch
+    # processor sharing: 11 % (pipedream) and 9 % (pipeoptim) fast; actions first: 2 %, 0 %
+    assert got == pytest.approx(per_batch(truth), rel=0.05)
+    assert what_if(measured, "1f1b").time_per_mini_batch == pytest.approx(
+        per_batch(measured), rel=0.02
+    )

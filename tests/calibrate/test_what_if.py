@@ -13,12 +13,19 @@ from pathlib import Path
 import pytest
 from support.traces import add_receive_waits
 
-from pipeoptim.calibrate import calibrate, calibrated_profile, costs_from_trace, what_if
+from pipeoptim.calibrate import (
+    calibrate,
+    calibrated_profile,
+    costs_from_trace,
+    policy_excess,
+    what_if,
+)
 from pipeoptim.cli import main
 from pipeoptim.metrics import compute_metrics
 from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.plan import OptimizerSpec, Plan
 from pipeoptim.plan.profile import Profile
+from pipeoptim.plan.runtime_costs import RuntimeCosts
 from pipeoptim.sim.costs import CostModel
 from pipeoptim.sim.evaluate import compile_method, evaluate_trace
 from pipeoptim.trace import Trace
@@ -223,3 +230,51 @@ def test_bad_what_if_inputs_name_the_value_and_the_fix(
     assert main([*base, "--out-profile", str(out_profile)]) == 2
     assert "the trace records no layer boundaries" in capsys.readouterr().err
     assert main(base) == 0  # calibrating the run itself needs no boundaries
+
+
+def _with_policies(profile: Profile) -> Profile:
+    """``profile`` with each weight policy's measured work per action, as ``pipeoptim
+    profile --ranks P`` records it (the synchronous one's already in a flush run's actions)."""
+    runtime = RuntimeCosts(
+        action_s={"flush": {"F": 0.001, "U": 0.002}, "predict": {"F": 0.004, "U": 0.0025}}
+    )
+    return dataclasses.replace(profile, runtime_costs=runtime)
+
+
+def test_policy_excess_is_the_asked_policys_work_beyond_the_measured_ones() -> None:
+    runtime = _with_policies(Profile.from_costs([1.0], [2.0], [1], [1])).runtime_costs
+    assert policy_excess(runtime, "1f1b", "pipeoptim") == pytest.approx((0.003, 0, 0.0005, 0, 0))
+    assert policy_excess(runtime, "pipeoptim", "1f1b") == (0.0, 0.0, 0.0, 0.0, 0.0)
+    assert policy_excess(runtime, "1f1b", "gpipe") == (0.0, 0.0, 0.0, 0.0, 0.0)  # both flush
+    assert policy_excess(None, "1f1b", "pipeoptim") == (0.0, 0.0, 0.0, 0.0, 0.0)
+
+
+def test_a_what_if_for_another_weight_policy_charges_its_measured_work_per_action() -> None:
+    """A 1f1b run's actions hold a flush's work around the passes; pipeoptim predicted from
+    it does a prediction's too: each of its forwards takes the profile's measured 3 ms more
+    and each update 0.5 ms (without them, a 1f1b run predicted pipeoptim 28 % fast on
+    2 ranks of 16 x Linear(128))."""
+    costs = known_costs(2)
+    run = as_measured("1f1b", 2, 2, 8, costs)
+    offline = Profile.from_costs([1.0] * 2, [2.0] * 2, [1024] * 2, [4096] * 2)
+    offline = dataclasses.replace(
+        offline, layers=tuple(dataclasses.replace(x, predict_s=0.003) for x in offline.layers)
+    )
+    plain = what_if(run, "pipeoptim", profile=offline)
+    charged = what_if(run, "pipeoptim", profile=_with_policies(offline))
+    assert any("weight policy (predict) charged" in note for note in charged.notes)
+
+    def durations(trace: Trace, kind: str) -> list[float]:
+        return [e.duration for e in trace.events if e.kind == kind]
+
+    more = {"F": 0.003, "B": 0.0, "U": 0.0005}
+    for kind, extra in more.items():
+        before, after = durations(plain.trace, kind), durations(charged.trace, kind)
+        assert after == pytest.approx([d + extra for d in before], abs=1e-12), kind
+    assert charged.time_per_mini_batch > plain.time_per_mini_batch
+    # the run's own policy: nothing more
+    same = what_if(run, "gpipe", micro_batches=2, profile=_with_policies(offline))
+    assert (
+        same.time_per_mini_batch
+        == what_if(run, "gpipe", micro_batches=2, profile=offline).time_per_mini_batch
+    )
