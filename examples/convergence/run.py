@@ -14,6 +14,7 @@ The same study for one model from the command line: ``pipeoptim compare --model 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -247,6 +248,19 @@ def run_part(
     )
 
 
+def at_depths(config: StudyConfig, stages: str) -> StudyConfig:
+    """``config`` training only the comma-separated depths ``stages`` (of its own), so that
+    a study can be trained a depth at a time; the refusal names the depths it has."""
+    wanted = tuple(int(p) for p in stages.split(",") if p.strip())
+    unknown = sorted(set(wanted) - set(config.stages))
+    if not wanted or unknown:
+        raise SystemExit(
+            f"--stages {stages!r}: {config.model} trains at {list(config.stages)} stages; "
+            f"name some of those, e.g. --stages {config.stages[0]}"
+        )
+    return dataclasses.replace(config, stages=wanted)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -269,6 +283,12 @@ def main() -> None:
         "equal-time last, from the rows it compares), then write the report; default: the "
         "whole grid but equal-time",
     )
+    parser.add_argument(
+        "--stages",
+        default=None,
+        help="comma-separated depths to train now, of each study's own (e.g. 8,16); the "
+        "report still covers every depth. Default: all of them",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(
         "--tables",
@@ -287,10 +307,11 @@ def main() -> None:
         if args.report_only:
             continue
         start = time.perf_counter()
+        trained = config if args.stages is None else at_depths(config, args.stages)
         if args.part is None:
-            run_study(config, out, workers=args.workers, threads=args.threads)
+            run_study(trained, out, workers=args.workers, threads=args.threads)
         else:
-            run_part(config, out, args.part, workers=args.workers, threads=args.threads)
+            run_part(trained, out, args.part, workers=args.workers, threads=args.threads)
         print(f"{model}: {args.part or 'study'} ran in {time.perf_counter() - start:.0f} s")
     write_study_report(args.out, configs)
     if set(models) == set(STUDIES) and args.methods is None:
