@@ -165,7 +165,7 @@ def test_calibrate_predict_cli_and_html(tmp_path: Path, capsys: pytest.CaptureFi
     lines = [line.split() for line in out.splitlines() if line.startswith(("gpipe ", "pipeoptim "))]
     assert [(row[0], row[1], row[2]) for row in lines] == [
         ("gpipe", "2", "4"),
-        ("pipeoptim", "2", "1"),
+        ("pipeoptim", "2", "4"),  # the dial takes the given M, as train --micro-batches does
     ]
     assert "pipeoptim: prediction time estimated" in out  # 1f1b measured no prediction
     page = html.read_text()
