@@ -251,7 +251,12 @@ def profile_fingerprint(profile: Profile) -> str:
     import hashlib
     import json
 
-    layers = [dataclasses.asdict(layer) for layer in profile.layers]
+    # a field the profile format gained since (None where not measured, as saved_bytes)
+    # leaves the digest of an older profile as it was
+    layers = [
+        {key: value for key, value in dataclasses.asdict(layer).items() if value is not None}
+        for layer in profile.layers
+    ]
     text = json.dumps([profile.batch_size, profile.optimizer, layers], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -490,3 +490,30 @@ def test_compare_refuses_a_results_folder_of_another_model_definition(
     assert "Move" in err and "give another output folder" in err and "Traceback" not in err
     assert json.loads(kept.read_text()) == {"model": "mlp", "units": 1}
     assert sorted(p.name for p in kept.parent.iterdir()) == ["model.json"]
+
+
+def test_a_profile_field_added_since_leaves_the_fingerprint_of_an_older_profile() -> None:
+    """A layer field the format gained later, unmeasured (None), does not make the optimizer
+    profiles kept beside the study's runs stale: the committed ones stay the study's own."""
+    from pipeoptim.plan.profile import Profile
+    from pipeoptim.study.targets import profile_fingerprint
+
+    base = Profile.uniform(4, forward_s=0.5, backward_s=1.0, batch_size=32, optimizer="adamw")
+    unmeasured = replace(base, layers=tuple(replace(x, saved_bytes=None) for x in base.layers))
+    measured = replace(base, layers=tuple(replace(x, saved_bytes=128) for x in base.layers))
+    assert profile_fingerprint(unmeasured) == profile_fingerprint(base)
+    assert profile_fingerprint(measured) != profile_fingerprint(unmeasured)
+
+
+def test_the_committed_optimizer_profiles_are_made_from_the_committed_base() -> None:
+    """examples/convergence/results: every kept optimizer profile names its base's digest, so
+    redrawing the report measures nothing again."""
+    from pipeoptim.plan.profile import Profile
+    from pipeoptim.study.targets import profile_fingerprint
+
+    results = Path(__file__).parents[2] / "examples" / "convergence" / "results"
+    kept = sorted(results.glob("*/profile-*.json"))
+    assert kept
+    for path in kept:
+        base = Profile.load(path.parent / "profile.json")
+        assert Profile.load(path).meta["base"] == profile_fingerprint(base), path
