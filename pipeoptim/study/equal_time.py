@@ -158,6 +158,10 @@ class EqualTimeResult:
     """Why the row has no budget (the simulator refused its schedule; "" where it has)."""
     key: str = ""
     """The equal-time run's key ("" for the reference and a row without a budget)."""
+    reached_share: float = math.nan
+    """The share of the budget at the run's first evaluation at or below the reference's
+    loss: its time to gpipe's final loss over the reference's (nan: not within the budget,
+    or not run; 1 for the reference itself)."""
 
     @property
     def excess(self) -> float:
@@ -173,6 +177,16 @@ def _budgetless(spec: RunSpec) -> str:
 def _reason(err: PlanError) -> str:
     """The rule a refusal states, without its fix (a table cell)."""
     return str(err).split(";")[0]
+
+
+def reached_share(record: RunRecord, loss: float) -> float:
+    """The share of ``record``'s updates at its first evaluation whose test loss is at or
+    below ``loss`` (nan: none is): an equal-time run's time to that loss over its budget."""
+    steps = record.spec.steps
+    for point in record.curve:
+        if math.isfinite(point.test_loss) and point.test_loss <= loss:
+            return point.step / steps
+    return math.nan
 
 
 def equal_time_results(
@@ -216,7 +230,9 @@ def equal_time_results(
         for ref in references:
             steps = config.steps_by_optimizer.get(first, config.steps)
             loss = gpipe_loss(ref, p)
-            out.append(EqualTimeResult(ref, p, steps, loss, loss, math.isfinite(loss)))
+            out.append(
+                EqualTimeResult(ref, p, steps, loss, loss, math.isfinite(loss), reached_share=1.0)
+            )
         for base in here:
             try:
                 spec = equal_time_spec(config, base, seconds_per_sample)
@@ -230,15 +246,17 @@ def equal_time_results(
             record = by_key.get(spec.key) or timed.get(_budgetless(spec))
             final = None if record is None or record.diverged_at is not None else record.final
             loss = math.nan if final is None else final.test_loss
+            reference = gpipe_loss(spec.label, p)
             out.append(
                 EqualTimeResult(
                     spec.label,
                     p,
                     spec.steps if record is None else record.spec.steps,
                     loss,
-                    gpipe_loss(spec.label, p),
+                    reference,
                     record is not None,
                     key=spec.key if record is None else record.spec.key,
+                    reached_share=math.nan if final is None else reached_share(record, reference),
                 )
             )
         for family in pending:

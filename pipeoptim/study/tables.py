@@ -303,10 +303,13 @@ def equal_time_table(config: StudyConfig, results: Sequence[EqualTimeResult]) ->
         f"Budget: the simulated time {ref} under the row's optimizer needs for the study's "
         f"updates; each row trains as many updates as its own simulated throughput buys in it "
         f"(its schedule ending there), seed 0. {ref}'s loss in the budget is gpipe's final "
-        f"loss (the same updates). vs {ref}: the row's loss over that, minus 1.",
+        f"loss (the same updates). vs {ref}: the row's loss over that, minus 1. Time to "
+        f"{ref}'s loss: the share of the budget at the row's first evaluation (every "
+        f"eval_every updates) at or below it, i.e. its time to gpipe's final loss over "
+        f"{ref}'s; 'not within' where it ended above.",
         "",
-        f"| P | row | updates in the budget | final test loss | vs {ref} |",
-        "|---|---|---|---|---|",
+        f"| P | row | updates in the budget | final test loss | vs {ref} | time to {ref}'s loss |",
+        "|---|---|---|---|---|---|",
     ]
     for r in results:
         if r.not_simulated:
@@ -319,7 +322,13 @@ def equal_time_table(config: StudyConfig, results: Sequence[EqualTimeResult]) ->
             loss = f"{r.loss:.3f}"
         steps = f"{r.steps:,}" if r.steps else "—"
         excess = _percent(r.excess) if r.run else "—"
-        lines.append(f"| {r.stages} | {r.label} | {steps} | {loss} | {excess} |")
+        if not r.run or not math.isfinite(r.loss):
+            when = "—"
+        elif math.isfinite(r.reached_share):
+            when = f"{r.reached_share:.2f}x"
+        else:
+            when = "not within"
+        lines.append(f"| {r.stages} | {r.label} | {steps} | {loss} | {excess} | {when} |")
     return lines
 
 

@@ -16,6 +16,7 @@ from pipeoptim.study.equal_time import (
     equal_time_results,
     equal_time_specs,
     equal_time_steps,
+    reached_share,
 )
 from pipeoptim.study.grid import main_specs
 from pipeoptim.study.runs import CurvePoint, RunRecord, RunSpec
@@ -96,9 +97,9 @@ def test_the_table_shows_each_rows_loss_against_gpipes_and_what_is_missing() -> 
     assert "pipedream+pipemare best λ" in by  # named, no λ finished
     lines = equal_time_table(CONFIG, results)
     row = {line.split(" | ")[1]: line for line in lines if line.startswith("| 8 |")}
-    assert row["xpipe"] == "| 8 | xpipe | 125 | 1.470 | -2.0 % |"
-    assert row["zb-h1"] == "| 8 | zb-h1 | 100 | 1.500 | +0.0 % |"
-    assert row["xpipe (muon)"] == "| 8 | xpipe (muon) | 50 | not run | — |"
+    assert row["xpipe"] == "| 8 | xpipe | 125 | 1.470 | -2.0 % | 1.00x |"
+    assert row["zb-h1"] == "| 8 | zb-h1 | 100 | 1.500 | +0.0 % | 1.00x |"
+    assert row["xpipe (muon)"] == "| 8 | xpipe (muon) | 50 | not run | — | — |"
     assert "no budget: xpipe refuses M=4 here" in row["xpipe M=4 (muon)"]
     assert "no λ finished yet" in row["pipedream+pipemare best λ"]
 
@@ -112,3 +113,19 @@ def test_a_run_trained_on_an_older_profile_is_still_the_rows() -> None:
     done = [_record(replace(old, steps=118), 1.49)]
     by = {r.label: r for r in equal_time_results(CONFIG, RATES, cells, done, fake_speed)}
     assert by["xpipe"].run and by["xpipe"].steps == 118 and by["xpipe"].loss == 1.49
+
+
+def test_the_time_to_the_references_loss_is_the_budget_share_at_the_first_evaluation_below_it() -> (
+    None
+):
+    """An equal-time run whose curve passes gpipe's final loss at 300 of its 400 updates took
+    0.75 of zb-h1's time to it; one that ends above it never got there within the budget."""
+    spec = replace(main_specs(CONFIG, RATES)[0], steps=400, equal_time=True)
+    losses = {100: 1.9, 200: 1.6, 300: 1.49, 400: 1.45}
+    curve = [
+        CurvePoint(step, step * 32, loss, math.exp(loss), loss) for step, loss in losses.items()
+    ]
+    record = RunRecord(spec, curve, None, 1.0)
+    assert reached_share(record, 1.50) == pytest.approx(0.75)
+    assert reached_share(record, 1.45) == pytest.approx(1.0)
+    assert math.isnan(reached_share(record, 1.40))
