@@ -256,7 +256,11 @@ def equal_time_results(
                     reference,
                     record is not None,
                     key=spec.key if record is None else record.spec.key,
-                    reached_share=math.nan if final is None else reached_share(record, reference),
+                    reached_share=(
+                        math.nan
+                        if record is None or final is None
+                        else reached_share(record, reference)
+                    ),
                 )
             )
         for family in pending:
