@@ -113,7 +113,7 @@ def test_simulate_refuses_a_batch_the_replicas_cannot_split(capsys, profile: Pat
     # several methods: the ones that cannot split it are skipped with the reason
     data = _json(
         capsys, "simulate", "--profile", str(profile), "--stages", "2",
-        "--micro-batches", "4", "--data-parallel", "4", "--method", "gpipe,pipeoptim",
+        "--micro-batches", "4", "--data-parallel", "4", "--method", "gpipe,pipedream",
         "--batch-size", "8",
     )  # fmt: skip
     assert [s["method"] for s in data["skipped"]] == ["gpipe"]

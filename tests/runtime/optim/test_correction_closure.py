@@ -54,10 +54,25 @@ def _regression_closure(method: str) -> list[float]:
 
 def test_every_predicting_corrected_method_has_a_closure_test() -> None:
     predicting = {m for m in CORRECTED if get_method(m).weight_policy is WeightPolicy.PREDICT}
-    assert predicting == {"pipeoptim+pipemare", "pipeoptim+nesterov", "pipeoptim+qk-clip"}
+    assert predicting == {
+        "pipeoptim+pipemare",
+        "pipeoptim+nesterov",
+        "pipeoptim+qk-clip",
+        "pipeoptim+extrapolate",
+        "xpipe+extrapolate",
+    }
 
 
-@pytest.mark.parametrize("method", ["pipeoptim", "pipeoptim+pipemare", "pipeoptim+nesterov"])
+@pytest.mark.parametrize(
+    "method",
+    [
+        "pipeoptim",
+        "pipeoptim+pipemare",
+        "pipeoptim+nesterov",
+        "pipeoptim+extrapolate",
+        "xpipe+extrapolate",
+    ],
+)
 def test_the_prediction_closes_most_of_the_stale_distance_on_every_stage(method: str) -> None:
     left = _regression_closure(method)
     assert len(left) == 7  # every stage but the last predicts
