@@ -98,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
             {
                 "report": str(outcome.report),
                 "recommendation": outcome.recommendation,
+                "study_advice": outcome.study_advice,
                 "summary": [
                     dict(zip(outcome.headers, row, strict=True)) for row in outcome.summary
                 ],
@@ -110,6 +111,8 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(outcome.headers, outcome.summary))
     print()
     print(outcome.recommendation)
+    if outcome.study_advice is not None:
+        print(f"note: {outcome.study_advice}")
     skipped = [s for s, how, _ in outcome.steps if how == "skipped"]
     if skipped:
         print(f"resumed: {len(skipped)} step(s) were already done ({', '.join(skipped)})")

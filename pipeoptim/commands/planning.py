@@ -342,7 +342,7 @@ def run_plan(args: argparse.Namespace) -> int:
     files = write_plan_files(args, plan, best.partition, profile, cap, summary)
     # what the convergence study measured of the chosen method under this optimizer at this
     # depth, and the best it found there (None: it converged, or nothing was measured)
-    advice = depth_advice(plan.method, plan.num_stages, family)
+    advice = depth_advice(plan.method, plan.num_stages, family, plan.micro_batches)
     table = [
         {
             "method": c.method,

@@ -420,7 +420,8 @@ def handler(args: argparse.Namespace) -> int:
     if args.checkpoint_dir:
         _check_checkpoint_dir(args.checkpoint_dir)
     config = build_config(args)
-    advice = depth_advice(config.plan.method, config.plan.num_stages, config.plan.optimizer.family)
+    plan = config.plan
+    advice = depth_advice(plan.method, plan.num_stages, plan.optimizer.family, plan.micro_batches)
     if advice is not None and not args.json:  # before the hours, not after them
         print(f"pipeoptim train: note: {advice}", file=sys.stderr)
     try:

@@ -42,6 +42,9 @@ class DemoOutcome:
     """The files this demo's steps wrote (or found current), relative to ``--out``."""
     results: dict[str, Any] = field(default_factory=dict)
     """Every step's result (plain data: what the report is drawn from)."""
+    study_advice: str | None = None
+    """What the convergence study says of the recommended configuration under the demo's
+    optimizer at its depth (``pipeoptim.plan.risk.depth_advice``; None: nothing to add)."""
 
 
 Work = Callable[[], tuple[dict[str, Any], Sequence[Path]]]
@@ -243,7 +246,7 @@ def _run(options: DemoOptions, steps: _Steps) -> DemoOutcome:
     keys = {"calibrate": calibrate_key, "plan": plan_key, "converge": converge_keys}
     what = "writing the report and the JSON of every figure"
     report, _ = steps.run(6, "report", what, {**base, **keys}, do_report)
-    from pipeoptim.demo.summary import summary_headers, summary_rows
+    from pipeoptim.demo.summary import study_advice, summary_headers, summary_rows
 
     return DemoOutcome(
         report=out / "report.html",
@@ -253,6 +256,7 @@ def _run(options: DemoOptions, steps: _Steps) -> DemoOutcome:
         steps=steps.done,
         files=steps.files,
         results=results,
+        study_advice=study_advice(results),
     )
 
 

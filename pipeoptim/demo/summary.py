@@ -12,9 +12,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from pipeoptim.demo.predict import SYNCHRONOUS_RIVALS
+from pipeoptim.plan.risk import depth_advice
 from pipeoptim.plan.units import format_bytes, format_distances
 
-__all__ = ["count", "recommendation", "summary_headers", "summary_rows"]
+__all__ = ["count", "recommendation", "study_advice", "summary_headers", "summary_rows"]
 
 
 def summary_headers(results: Mapping[str, Any]) -> list[str]:
@@ -133,6 +134,20 @@ def recommendation(results: Mapping[str, Any]) -> str:
             f"{_metric_text(theirs[0], metric)}"
         )
     return text + "."
+
+
+def study_advice(results: Mapping[str, Any]) -> str | None:
+    """The advice ``pipeoptim plan`` gives for the recommended method, its micro-batches,
+    the demo's optimizer and depth, from the convergence study's tables (None where they
+    have nothing for it: the digits models' SGD, a depth below the study's)."""
+    plan, options = results["plan"], results["options"]
+    best = _by_method(plan)[plan["recommended"]]
+    return depth_advice(
+        str(best["method"]),
+        int(options["stages"]),
+        str(options["optimizer"]),
+        int(best["micro_batches"]),
+    )
 
 
 def summary_rows(results: Mapping[str, Any]) -> list[list[str]]:

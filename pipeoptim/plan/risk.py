@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 from pipeoptim.plan.methods import METHODS, Method, WeightPolicy, get_method
@@ -43,7 +44,9 @@ __all__ = [
     "CLOSURE",
     "CORRECTION_GAIN",
     "DEPTH_COPIES",
+    "DEPTH_EQUAL_TIME",
     "DEPTH_EXCESS",
+    "DEPTH_SPEED",
     "KAPPA",
     "MethodRisk",
     "RiskFitPoint",
@@ -52,6 +55,7 @@ __all__ = [
     "closure_from_rows",
     "correction_gain",
     "depth_advice",
+    "faster_to_target",
     "fit_risk",
     "gain_table",
     "join_row",
@@ -285,6 +289,22 @@ DEPTH_COPIES: dict[int, dict[str, int]] = {
 }
 """The weight copies each row of :data:`DEPTH_EXCESS` keeps on its fullest stage."""
 
+DEPTH_SPEED: dict[int, dict[str, float]] = {
+    p: dict(rows) for p, rows in _TABLES.depth_speed.items()
+}
+"""Stages -> row of :data:`DEPTH_EXCESS` -> its simulated samples/s over zb-h1's under the
+same optimizer, at the row's own micro-batches (the study's profile of ``gpt-deep``;
+``risk_tables.json``, ``depth_speed``; empty in a table written before the study measured
+time)."""
+
+DEPTH_EQUAL_TIME: dict[int, dict[str, float]] = {
+    p: dict(rows) for p, rows in _TABLES.depth_equal_time.items()
+}
+"""Stages -> row -> the final test loss of its equal-time run (as many updates as its
+throughput buys in zb-h1's time for the study's updates) over zb-h1's loss in that time
+(gpipe's final under the same optimizer), minus 1; only rows whose equal-time run is on file
+(``risk_tables.json``, ``depth_equal_time``)."""
+
 DEPTH_EXCESS_FIRST: dict[int, dict[str, float]] = {
     p: dict(rows) for p, rows in _TABLES.depth_excess_first.items()
 }
@@ -455,29 +475,189 @@ def _other_optimizer(depth: int, family: str) -> str:
     )
 
 
-def depth_advice(method: str, stages: int, optimizer: str) -> str | None:
-    """A note for a user who picked ``method`` under ``optimizer`` at ``stages`` stages,
-    where the study measured that row on its language model at that depth (or the nearest
-    depth below where it measured it) more than :data:`WITHIN` above gpipe's final loss
-    **under the same optimizer** (:data:`DEPTH_EXCESS`): what it measured, and the best
-    configuration for that optimizer and depth, of the rows with at most 2 weight copies per
-    stage: a never-micro-batched asynchronous row that came within :data:`WITHIN` first,
-    then a micro-batched one (said so), else a synchronous method (said so, with the
-    closest asynchronous row). None where nothing was measured or the method converged."""
+def _held(copies: Mapping[str, int], row: str) -> str:
+    n = copies.get(row)
+    return "? weight copies" if n is None else "1 weight copy" if n == 1 else f"{n} weight copies"
+
+
+_STUDY = (
+    "on the convergence study's language model at {depth} stages (gpt-deep, with warm-up, "
+    "cosine decay and clipping)"
+)
+_SEE = "See docs/choosing-a-method.md, 'Choosing a method at depth'"
+
+
+def _user_row(method: str, stages: int, family: str, micro_batches: int | None) -> str:
+    """The study row of the user's choice: ``pipeoptim M=4 (muon)`` where ``micro_batches``
+    is not the method's default at ``stages``."""
+    spec = METHODS.get(method)
+    m = micro_batches
+    if spec is None or m is None or m == spec.default_micro_batches_at(stages):
+        m = None
+    return row_label(method, None if family == "adamw" else family, micro_batches=m)
+
+
+def _time_numbers(depth: int, row: str) -> str:
+    """The time tables' figures of ``row`` at ``depth``, each only where measured."""
+    parts = []
+    speed = DEPTH_SPEED.get(depth, {}).get(row)
+    if speed is not None:
+        parts.append(f"{speed:.2f}× zb-h1's samples/s")
+    excess = DEPTH_EXCESS.get(depth, {}).get(row)
+    if excess is not None:
+        parts.append(f"{100 * excess:+.1f} % over gpipe's final loss at equal samples")
+    equal = DEPTH_EQUAL_TIME.get(depth, {}).get(row)
+    if equal is not None:
+        parts.append(f"{100 * equal:+.1f} % against zb-h1's loss in zb-h1's time")
+    return ", ".join(parts)
+
+
+def faster_to_target(depth: int, family: str) -> list[str]:
+    """The asynchronous rows of ``family`` at ``depth`` with at most 2 weight copies per stage
+    that reach the target sooner than zb-h1 under the same optimizer, best first:
+
+    1. rows whose equal-time run ended below zb-h1's loss in the same time
+       (:data:`DEPTH_EQUAL_TIME` < 0), lowest loss first: measured, the user's question;
+    2. rows with no equal-time run that came within :data:`WITHIN` of gpipe's final loss at
+       equal samples (:data:`DEPTH_EXCESS`) at a simulated speed over zb-h1's
+       (:data:`DEPTH_SPEED`) above 1, fastest first (ties: the lower excess). Such a row
+       reaches the study's target (gpipe's final loss + :data:`WITHIN`) within the run; its
+       time to it against zb-h1's is (its samples to the target / gpipe's) / speed, and the
+       tables carry the speed and the excess, not the samples ratio, so this rule is a
+       screen whose two figures the advice prints side by side, not a measured time.
+
+    A row missing a figure its rule needs is skipped."""
+    copies = DEPTH_COPIES.get(depth, {})
+    excess, speed = DEPTH_EXCESS.get(depth, {}), DEPTH_SPEED.get(depth, {})
+    equal = DEPTH_EQUAL_TIME.get(depth, {})
+    rows = [
+        row
+        for row in dict.fromkeys([*excess, *equal])
+        if (split_row(row)[1] or "adamw") == family
+        and _asynchronous(row)
+        and copies.get(row, 99) <= 2
+    ]
+    measured = sorted((r for r in rows if equal.get(r, 0.0) < 0), key=lambda r: equal[r])
+    predicted = sorted(
+        (
+            r
+            for r in rows
+            if r not in equal and excess.get(r, math.inf) <= WITHIN and speed.get(r, 0.0) > 1
+        ),
+        key=lambda r: (-speed[r], excess[r]),
+    )
+    return measured + predicted
+
+
+def _closest(depth: int, family: str) -> str | None:
+    """The asynchronous row of ``family`` at ``depth`` (at most 2 weight copies per stage)
+    nearest synchronous quality: the lowest equal-time loss where any was measured, else the
+    lowest excess at equal samples (None: no such row)."""
+    copies = DEPTH_COPIES.get(depth, {})
+
+    def ours(table: Mapping[str, float]) -> dict[str, float]:
+        return {
+            row: v
+            for row, v in table.items()
+            if (split_row(row)[1] or "adamw") == family
+            and _asynchronous(row)
+            and copies.get(row, 99) <= 2
+        }
+
+    for table in (ours(DEPTH_EQUAL_TIME.get(depth, {})), ours(DEPTH_EXCESS.get(depth, {}))):
+        if table:
+            return min(table, key=lambda row: table[row])
+    return None
+
+
+def depth_advice(
+    method: str, stages: int, optimizer: str, micro_batches: int | None = None
+) -> str | None:
+    """A note for a user who picked ``method`` (at ``micro_batches`` per update; None: its
+    default) under ``optimizer`` at ``stages`` stages: what the convergence study measured
+    on its language model at that depth, or the nearest depth below where it measured the
+    row (a synchronous method: where it measured gpipe under that optimizer), and the
+    configuration **faster to the target** there, with its numbers and flags.
+
+    Where the study measured time at that depth (:data:`DEPTH_SPEED`,
+    :data:`DEPTH_EQUAL_TIME`), the recommendation is the first of :func:`faster_to_target`
+    (an asynchronous configuration faster than zb-h1 under the same optimizer), else the
+    synchronous zb-h1 with the figures of the closest asynchronous row. None where the
+    user's choice is already the recommendation (that row; any synchronous method where the
+    recommendation is synchronous), or where the optimizer was not measured; a row the study
+    did not train (another M) is said so, with no figure of its own. Where it measured no
+    time, the advice is by loss alone (:func:`_loss_advice`), for measured rows only."""
     family = STUDY_FAMILY.get(optimizer)
-    if family is None:
+    spec = METHODS.get(method)
+    if family is None or spec is None:
         return None
-    mine = join_row(method, None if family == "adamw" else family)
-    # some rows train at one depth only: the deepest at or below ``stages`` that has it
-    depths = [p for p, rows in DEPTH_EXCESS.items() if p <= stages and mine in rows]
+    mine = _user_row(method, stages, family, micro_batches)
+    gpipe = join_row("gpipe", None if family == "adamw" else family)
+    # some rows train at one depth only: the deepest at or below ``stages`` that has it; a
+    # synchronous method (gpipe's updates) or a row the study never trained (another M):
+    # where gpipe under that optimizer trained
+    measured = [p for p, rows in DEPTH_EXCESS.items() if p <= stages and mine in rows]
+    depths = measured or [p for p, rows in DEPTH_EXCESS.items() if p <= stages and gpipe in rows]
     if not depths:
         return None
     depth = max(depths)
+    if not DEPTH_SPEED.get(depth) and not DEPTH_EQUAL_TIME.get(depth):
+        if spec.flushes or not measured:
+            return None
+        return _loss_advice(mine, depth, stages, family)
+    copies = DEPTH_COPIES.get(depth, {})
+    ranked = faster_to_target(depth, family)
+    best = ranked[0] if ranked else None
+    if best == mine or (best is None and spec.flushes):
+        return None
+    zb = join_row("zb-h1", None if family == "adamw" else family)
+    if spec.flushes:
+        said = f"{method} is synchronous, gpipe's updates at its own speed"
+    else:
+        said = f"it measured {_time_numbers(depth, mine)}"
+    head = (
+        f"{mine} at {stages} stages: {_STUDY.format(depth=depth)} {said} (every figure "
+        f"against zb-h1 and gpipe under {family})"
+    )
+    if not spec.flushes and not measured:
+        head = (
+            f"{mine} at {stages} stages: the convergence study did not train it; "
+            f"{_STUDY.format(depth=depth)}, every figure against zb-h1 and gpipe under {family}"
+        )
+    if best is not None:
+        verdict = (
+            f"an asynchronous configuration reaches gpipe's loss sooner than zb-h1: {best} "
+            f"({_time_numbers(depth, best)}; {_held(copies, best)} per stage; {_flags(best)})"
+        )
+    else:
+        verdict = (
+            f"nothing asynchronous with at most 2 weight copies per stage reaches gpipe's loss "
+            f"sooner than zb-h1: the best at this depth is the synchronous zb-h1 (gpipe's "
+            f"updates with the smallest bubble; {_flags(zb)})"
+        )
+        near = _closest(depth, family)
+        if near is not None:
+            verdict += (
+                f"; the closest asynchronous was {near} ({_time_numbers(depth, near)}; "
+                f"{_held(copies, near)} per stage; {_flags(near)})"
+            )
+        verdict += _other_optimizer(depth, family)
+    return f"{head}; {verdict}. {_SEE}"
+
+
+def _loss_advice(mine: str, depth: int, stages: int, family: str) -> str | None:
+    """The advice at a depth where the study measured no time (a table written before it
+    did): by loss at equal samples alone. Silent where ``mine`` converged (within
+    :data:`WITHIN`); else the best of the rows with at most 2 weight copies per stage: a
+    never-micro-batched asynchronous row that came within :data:`WITHIN` first, then a
+    micro-batched one (said so), else a synchronous method (said so, with the closest
+    asynchronous row)."""
     table = DEPTH_EXCESS[depth]
     excess = table[mine]
     if excess <= WITHIN:
         return None
     copies = DEPTH_COPIES.get(depth, {})
+    held = partial(_held, copies)
     ours = {
         row: e
         for row, e in table.items()
@@ -486,12 +666,6 @@ def depth_advice(method: str, stages: int, optimizer: str) -> str | None:
     converged = {row: e for row, e in ours.items() if e <= WITHIN and _asynchronous(row)}
     whole = {row: e for row, e in converged.items() if not _micro_batched(row)}
     closest = {row: e for row, e in ours.items() if _asynchronous(row)}
-
-    def held(row: str) -> str:
-        n = copies.get(row)
-        return (
-            "? weight copies" if n is None else "1 weight copy" if n == 1 else f"{n} weight copies"
-        )
 
     def reached(e: float) -> str:
         return f"came within {100 * e:.1f} %" if e >= 0 else f"ended {100 * -e:.1f} % below gpipe's"
@@ -518,9 +692,7 @@ def depth_advice(method: str, stages: int, optimizer: str) -> str | None:
     if not whole:
         verdict += _other_optimizer(depth, family)
     return (
-        f"{mine} at {stages} stages: on the convergence study's language model at {depth} "
-        f"stages (gpt-deep, with warm-up, cosine decay and clipping) it ended "
+        f"{mine} at {stages} stages: {_STUDY.format(depth=depth)} it ended "
         f"{100 * excess:+.1f} % over gpipe's final test loss {under} (every figure here is "
-        f"against gpipe {under}); {verdict}. See docs/choosing-a-method.md, 'Choosing a "
-        f"method at depth'"
+        f"against gpipe {under}); {verdict}. {_SEE}"
     )

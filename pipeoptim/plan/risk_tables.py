@@ -23,6 +23,7 @@ from pipeoptim.errors import PlanError
 from pipeoptim.jsonfile import read_json
 
 __all__ = [
+    "OPTIONAL_TABLES",
     "RiskTables",
     "packaged_risk_tables",
     "read_risk_tables",
@@ -42,6 +43,10 @@ TABLES = (
     "depth_excess_first",
 )
 """The tables a ``risk_tables.json`` holds, beside its ``meta``."""
+
+OPTIONAL_TABLES = ("depth_speed", "depth_equal_time")
+"""Tables a ``risk_tables.json`` may lack (a file written before the study measured time):
+read as empty, written only where they hold a row."""
 
 REMEDY = (
     "regenerate it with `python examples/convergence/run.py --report-only` (from the "
@@ -66,6 +71,11 @@ class RiskTables:
     """Stages -> study row -> weight copies on its fullest stage."""
     depth_excess_first: dict[int, dict[str, float]]
     """Stages -> study row -> final test loss over gpipe's under AdamW, - 1."""
+    depth_speed: dict[int, dict[str, float]] = field(default_factory=dict)
+    """Stages -> study row -> its simulated samples/s over zb-h1's under the same optimizer."""
+    depth_equal_time: dict[int, dict[str, float]] = field(default_factory=dict)
+    """Stages -> study row -> final test loss of its equal-time run over zb-h1's (gpipe's
+    final under the same optimizer), - 1."""
     meta: dict[str, Any] = field(default_factory=dict)
     """Where the numbers come from and what regenerates them (free-form, not read)."""
 
@@ -136,13 +146,16 @@ def risk_tables_from_json(data: object) -> RiskTables:
         depth_excess=_by_depth(top["depth_excess"], "depth_excess"),
         depth_copies=_by_depth(top["depth_copies"], "depth_copies", counts=True),
         depth_excess_first=_by_depth(top["depth_excess_first"], "depth_excess_first"),
+        depth_speed=_by_depth(top.get("depth_speed", {}), "depth_speed"),
+        depth_equal_time=_by_depth(top.get("depth_equal_time", {}), "depth_equal_time"),
         meta=dict(_mapping(top.get("meta", {}), "meta")),
     )
 
 
 def risk_tables_json(tables: RiskTables) -> str:
     """``tables`` as the text of ``risk_tables.json``: keys in the tables' own order (the
-    risk model's ties go to the first row), floats written exactly (``repr``)."""
+    risk model's ties go to the first row), floats written exactly (``repr``); the
+    :data:`OPTIONAL_TABLES` only where they hold something."""
     closure: dict[str, dict[str, dict[str, float]]] = {}
     for (rule, optimizer), by_s in tables.closure.items():
         closure.setdefault(rule, {})[optimizer] = {str(s): c for s, c in by_s.items()}
@@ -159,6 +172,11 @@ def risk_tables_json(tables: RiskTables) -> str:
         "depth_copies": by_depth(tables.depth_copies),
         "depth_excess_first": by_depth(tables.depth_excess_first),
     }
+    # an older study's file (no time measured) is written back as it was
+    for name in OPTIONAL_TABLES:
+        table = getattr(tables, name)
+        if table:
+            data[name] = by_depth(table)
     return json.dumps(data, indent=1, ensure_ascii=False) + "\n"
 
 

@@ -143,8 +143,8 @@ class Pipeline:
         )
         self.state = RunState()
         stages, family = self.parts.shape.num_stages, self.plan.optimizer.family
-        advice = depth_advice(run.method.name, stages, family)
-        if advice is not None:  # the study found this method to stall at this depth
+        advice = depth_advice(run.method.name, stages, family, run.plan.micro_batches)
+        if advice is not None:  # the study found a configuration faster to the target here
             self.state.notes.append(advice)
         self.closed = False
         """close() left the process group: a dist Pipeline cannot train or evaluate again."""

@@ -196,7 +196,9 @@ def write_study_report(
             ]
         # each row is held to gpipe's final under its own optimizer, or to the fixed target
         targets = model_targets(config, cells, rates)
-        parts.add_model(config, cells, rates, targets, closure)
+        parts.add_model(
+            config, cells, rates, targets, closure, seconds_per_sample=per_sample, equal=equal
+        )
         times = time_to_target(config, cells, rates, targets, chosen, trained_profiles)
         hardware = (
             f"Hardware: the profile given ({chosen.device}, batch {chosen.batch_size})."

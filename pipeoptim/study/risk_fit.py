@@ -2,27 +2,39 @@
 
 :class:`RiskFitParts` gathers, model by model, what the convergence-risk model is fitted
 to (the samples-to-target points, the prediction closure, the corrections' gains, the
-language model's losses at depth); :meth:`RiskFitParts.fit` is ``risk_fit.json`` and
+language model's losses at depth, and there each row's simulated speed over zb-h1's and its
+loss at equal time); :meth:`RiskFitParts.fit` is ``risk_fit.json`` and
 :func:`risk_tables_from_fit` turns that into the tables the planner reads from
 ``pipeoptim/plan/data/risk_tables.json`` (:mod:`pipeoptim.plan.risk_tables`).
-:func:`study_risk_fit` is the report's risk part alone: no profile, simulation or figure,
-so a test can check the package's tables against the committed study in seconds.
+:func:`study_risk_fit` is the report's risk part alone: no profiling or figure (the speeds
+are simulated on the profiles kept beside the runs), so a test can check the package's
+tables against the committed study in seconds.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeoptim.errors import PipeoptimError
 from pipeoptim.plan.risk import WITHIN, RiskFitPoint, closure_from_rows, fit_risk, gain_table
 from pipeoptim.plan.risk_tables import RiskTables, risk_tables_from_json
 from pipeoptim.study.cells import Cell, aggregate, method_labels, synchronous_label
+from pipeoptim.study.equal_time import EqualTimeResult, SecondsPerSample, equal_time_results
 from pipeoptim.study.grid import StudyConfig, choose_rates, load_records, main_specs
 from pipeoptim.study.runs import RunRecord
 from pipeoptim.study.tables import closure_rows, gaps, peak_copies
-from pipeoptim.study.targets import Targets, correction_gains, gpipe_finals, risk_points
+from pipeoptim.study.targets import (
+    Targets,
+    correction_gains,
+    gpipe_finals,
+    kept_profiles,
+    risk_points,
+    seconds_per_sample_of,
+)
 
 __all__ = [
     "TABLES_META",
@@ -58,6 +70,8 @@ TABLES_META: dict[str, Any] = {
         "depth_excess",
         "depth_copies",
         "depth_excess_first",
+        "depth_speed",
+        "depth_equal_time",
     ],
     "not_derived": [],
 }
@@ -103,6 +117,10 @@ class RiskFitParts:
     depth_excess: dict[int, dict[str, float]] = field(default_factory=dict)
     depth_copies: dict[int, dict[str, int]] = field(default_factory=dict)
     depth_excess_first: dict[int, dict[str, float]] = field(default_factory=dict)
+    depth_speed: dict[int, dict[str, float]] = field(default_factory=dict)
+    """Stages -> row -> its simulated samples/s over zb-h1's under the same optimizer."""
+    depth_equal_time: dict[int, dict[str, float]] = field(default_factory=dict)
+    """Stages -> row -> its equal-time run's final test loss over zb-h1's, minus 1."""
 
     def add_model(
         self,
@@ -111,9 +129,15 @@ class RiskFitParts:
         rates: Rates,
         targets: Targets,
         closure: Sequence[dict[str, Any]],
+        *,
+        seconds_per_sample: SecondsPerSample | None = None,
+        equal: Sequence[EqualTimeResult] = (),
     ) -> None:
-        """Add one model's parts (``closure``: its :func:`closure_rows`)."""
+        """Add one model's parts (``closure``: its :func:`closure_rows`;
+        ``seconds_per_sample``: each row's simulated time per sample, None where the model
+        has no profile; ``equal``: its :func:`equal_time_results`)."""
         if TARGETS.get(config.model) is None:
+            self._add_time(config, gaps(config, cells, rates), seconds_per_sample, equal)
             # the planner's table: at a depth two models measured, the first model's rows
             # (gpt-deep's grid) and only the rows it lacks from the next (gpt-deeper)
             for p, rows in gaps(config, cells, rates).items():
@@ -131,6 +155,33 @@ class RiskFitParts:
         self.points += risk_points(config, cells, rates, targets, closure)
         self.gains += correction_gains(config, cells, rates)
 
+    def _add_time(
+        self,
+        config: StudyConfig,
+        rows_by_depth: Mapping[int, Mapping[str, float]],
+        seconds_per_sample: SecondsPerSample | None,
+        equal: Sequence[EqualTimeResult],
+    ) -> None:
+        """The language model's speed and equal-time tables, at a depth two models measured
+        the first model's rows and only the rows it lacks from the next (as the losses)."""
+        ref = config.equal_time_reference
+        if seconds_per_sample is not None:
+            for p, rows in rows_by_depth.items():
+                speed = self.depth_speed.setdefault(p, {})
+                for label in rows:
+                    try:
+                        own = seconds_per_sample(label, p)
+                        zb = seconds_per_sample(synchronous_label(label, ref), p)
+                    except PipeoptimError:  # a schedule the simulator refuses: no speed
+                        continue
+                    speed.setdefault(label, round(zb / own, 4))
+        for result in equal:
+            # the reference's own row (its loss is gpipe's) says nothing
+            mine = result.label != synchronous_label(result.label, ref)
+            if mine and result.run and math.isfinite(result.excess):
+                at = self.depth_equal_time.setdefault(result.stages, {})
+                at.setdefault(result.label, round(result.excess, 4))
+
     def fit(self) -> dict[str, Any]:
         """The content of ``risk_fit.json``."""
         return {
@@ -146,6 +197,10 @@ class RiskFitParts:
             "depth_copies": {str(p): rows for p, rows in sorted(self.depth_copies.items())},
             "depth_excess_first": {
                 str(p): rows for p, rows in sorted(self.depth_excess_first.items())
+            },
+            "depth_speed": {str(p): rows for p, rows in sorted(self.depth_speed.items()) if rows},
+            "depth_equal_time": {
+                str(p): rows for p, rows in sorted(self.depth_equal_time.items()) if rows
             },
             "points": [p.to_dict() for p in self.points],
         }
@@ -166,17 +221,49 @@ def model_records(
 
 def study_risk_fit(out: Path, configs: Iterable[StudyConfig]) -> dict[str, Any]:
     """``risk_fit.json`` of the study under ``out``, as :func:`~pipeoptim.study.report.
-    write_study_report` writes it, without the rest of the report."""
+    write_study_report` writes it, without the rest of the report: the speeds are simulated
+    on the profiles the report keeps beside the runs (:func:`kept_profiles`; none on file:
+    no speed, no equal time)."""
     parts = RiskFitParts()
     for config in configs:
         found = model_records(out, config)
         if found is None:
             continue
-        _, mine, rates = found
+        records, mine, rates = found
         cells = aggregate(mine)
         targets = model_targets(config, cells, rates)
-        parts.add_model(config, cells, rates, targets, closure_rows(mine))
+        per_sample, equal = model_time(out, config, cells, rates, records)
+        parts.add_model(
+            config,
+            cells,
+            rates,
+            targets,
+            closure_rows(mine),
+            seconds_per_sample=per_sample,
+            equal=equal,
+        )
     return parts.fit()
+
+
+def model_time(
+    out: Path,
+    config: StudyConfig,
+    cells: Cells,
+    rates: Rates,
+    records: Sequence[RunRecord],
+) -> tuple[SecondsPerSample | None, list[EqualTimeResult]]:
+    """A language model's time per sample (on its kept profiles) and equal-time results;
+    (None, []) for a model held to a fixed target or without a profile on file."""
+    if TARGETS.get(config.model) is not None:
+        return None, []
+    kept = kept_profiles(out / config.model, config)
+    if kept is None:
+        return None, []
+    per_sample = seconds_per_sample_of(config, *kept)
+    equal = (
+        equal_time_results(config, rates, cells, records, per_sample) if config.equal_time else []
+    )
+    return per_sample, equal
 
 
 def risk_tables_from_fit(fit: Mapping[str, Any]) -> RiskTables:
@@ -193,5 +280,8 @@ def risk_tables_from_fit(fit: Mapping[str, Any]) -> RiskTables:
             "depth_excess": fit["depth_excess"],
             "depth_copies": fit["depth_copies"],
             "depth_excess_first": fit["depth_excess_first"],
+            # a fit written before the study measured time has neither
+            "depth_speed": fit.get("depth_speed", {}),
+            "depth_equal_time": fit.get("depth_equal_time", {}),
         }
     )

@@ -46,6 +46,7 @@ __all__ = [
     "correction_gains",
     "gpipe_equivalent_samples",
     "gpipe_finals",
+    "kept_profiles",
     "machine_profile",
     "optimizer_profile",
     "pinned_profiles",
@@ -243,6 +244,23 @@ def pinned_profiles(
             made = Profile.load(kept)
         trained_profiles[trained] = made
     return chosen, trained_profiles
+
+
+def kept_profiles(out_dir: Path, config: StudyConfig) -> tuple[Profile, dict[str, Profile]] | None:
+    """The profiles :func:`pinned_profiles` keeps under ``out_dir``, read as they are:
+    nothing measured, nothing rewritten (None where the base profile is not on file; an
+    optimizer without its file is simulated on the base). What the study's risk part reads
+    without the report: after a report they are the profiles it simulated on."""
+    pinned = out_dir / "profile.json"
+    if not pinned.exists():
+        return None
+    chosen = Profile.load(pinned)
+    trained = {
+        o: Profile.load(out_dir / f"profile-{o}.json")
+        for o in row_optimizers(config)
+        if o != chosen.optimizer and (out_dir / f"profile-{o}.json").exists()
+    }
+    return chosen, trained
 
 
 def profile_fingerprint(profile: Profile) -> str:

@@ -230,9 +230,12 @@ def test_gain_table_averages_the_depths() -> None:
 def test_depth_advice_names_what_converged_with_few_copies(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Every figure is against gpipe under the user's own optimizer, and the advice is the
-    best configuration for that optimizer: a never-micro-batched asynchronous row first,
-    then a micro-batched one, else a synchronous method, each said plainly."""
+    """Without the time tables (an older study's file): every figure is against gpipe under
+    the user's own optimizer, and the advice is the best configuration for that optimizer:
+    a never-micro-batched asynchronous row first, then a micro-batched one, else a
+    synchronous method, each said plainly."""
+    monkeypatch.setattr(risk, "DEPTH_SPEED", {})
+    monkeypatch.setattr(risk, "DEPTH_EQUAL_TIME", {})
     excess = {"pipeoptim": 0.4, "xpipe": 0.02, "gpipe": 0.0, "pipedream+pipemare": 0.01}
     monkeypatch.setattr(risk, "DEPTH_EXCESS", {8: excess})
     copies = {"pipeoptim": 2, "xpipe": 2, "gpipe": 1, "pipedream+pipemare": 8}
@@ -313,6 +316,8 @@ def test_depth_advice_names_a_row_of_another_optimizer_below_the_users_gpipe(
     optimizer that ends at or below gpipe under the user's optimizer is named with its
     flags; its excess is read against gpipe under AdamW for both and set one against the
     other (Muon's gpipe 10 % below AdamW's: a row 5 % below AdamW's is 5.6 % above it)."""
+    monkeypatch.setattr(risk, "DEPTH_SPEED", {})
+    monkeypatch.setattr(risk, "DEPTH_EQUAL_TIME", {})
     monkeypatch.setattr(
         risk, "DEPTH_EXCESS", {8: {"gpipe": 0.0, "pipeoptim": 0.5, "gpipe (muon)": 0.0}}
     )
@@ -365,22 +370,27 @@ def test_plan_recommends_a_correction_by_name_when_its_measured_gain_wins(
 def test_plan_names_the_best_configuration_for_the_users_optimizer_and_depth(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """``pipeoptim plan`` says what the study measured of the chosen method under the user's
-    optimizer at that depth, against gpipe under that optimizer, and what to run instead:
-    here, plainly, that the best under Muon at 8 stages is a synchronous method."""
+    """``pipeoptim plan`` gives the study's advice for the chosen method at the M it chose
+    under the user's optimizer at that depth, against zb-h1 and gpipe under that optimizer,
+    and what to run instead: here, plainly, that the best under Muon at 8 stages is the
+    synchronous zb-h1, and under AdamW xpipe, simulated faster than zb-h1 and within 1 % of
+    gpipe."""
     from pipeoptim.cli import main
 
     profile = str(STUDY / "gpt-deep" / "profile.json")
     argv = ["plan", "--profile", profile, "--stages", "8", "--method", "pipeoptim"]
     assert main([*argv, "--optimizer", "muon", "--json"]) == 0
-    advice = json.loads(capsys.readouterr().out)["study_advice"]
-    assert advice == risk.depth_advice("pipeoptim", 8, "muon")
-    assert "pipeoptim (muon) at 8 stages" in advice and "under muon" in advice
-    assert "the best at this depth is a synchronous method" in advice
+    data = json.loads(capsys.readouterr().out)
+    advice, m = data["study_advice"], data["plan"]["micro_batches"]
+    assert advice == risk.depth_advice("pipeoptim", 8, "muon", m)
+    assert "at 8 stages" in advice and "under muon" in advice
+    assert "the best at this depth is the synchronous zb-h1" in advice
     assert "--method zb-h1 --optimizer muon" in advice
     assert main([*argv, "--optimizer", "adamw"]) == 0
     out = capsys.readouterr().out
-    assert "note: pipeoptim at 8 stages" in out and "micro-batched: xpipe" in out
+    speed = risk.DEPTH_SPEED[8]["xpipe"]
+    assert "note: pipeoptim" in out
+    assert f"reaches gpipe's loss sooner than zb-h1: xpipe ({speed:.2f}× zb-h1's" in out
     assert main([*argv, "--optimizer", "sgd", "--json"]) == 0  # the study has no SGD rows
     assert json.loads(capsys.readouterr().out)["study_advice"] is None
 

@@ -13,6 +13,7 @@ import pytest
 from pipeoptim.errors import PlanError
 from pipeoptim.plan import risk
 from pipeoptim.plan.risk_tables import (
+    OPTIONAL_TABLES,
     TABLES,
     packaged_path,
     packaged_risk_tables,
@@ -37,7 +38,8 @@ def test_the_package_holds_every_table_and_reads_it_once() -> None:
     assert tables.depth_copies[8]["pipedream"] == 8
     assert list(tables.depth_excess) == [4, 8, 16, 32]
     assert tables.meta["not_derived"] == []
-    assert set(tables.meta["derived_from_committed_results"]) == set(TABLES)
+    assert set(tables.meta["derived_from_committed_results"]) == {*TABLES, *OPTIONAL_TABLES}
+    assert tables.depth_speed[8]["xpipe"] > 1  # simulated faster than zb-h1 there
 
 
 def test_the_file_is_exactly_what_the_writer_writes() -> None:
@@ -56,10 +58,24 @@ def test_the_risk_constants_are_the_tables_as_copies(monkeypatch: pytest.MonkeyP
     assert tables.depth_excess == risk.DEPTH_EXCESS
     assert tables.depth_copies == risk.DEPTH_COPIES
     assert tables.depth_excess_first == risk.DEPTH_EXCESS_FIRST
+    assert tables.depth_speed == risk.DEPTH_SPEED
+    assert tables.depth_equal_time == risk.DEPTH_EQUAL_TIME
     monkeypatch.setitem(risk.KAPPA, "adamw", 9.0)
     monkeypatch.setitem(risk.DEPTH_EXCESS[8], "pipeoptim", 9.0)
     assert tables.kappa["adamw"] == 0.3716  # a test's change stays in the risk module
     assert tables.depth_excess[8]["pipeoptim"] == 0.517
+
+
+def test_a_file_without_the_time_tables_loads_them_empty_and_writes_them_back_absent() -> None:
+    """A table file written before the study measured time (no ``depth_speed``, no
+    ``depth_equal_time``) still loads, and is written back as it was."""
+    data = packaged_json()
+    for name in OPTIONAL_TABLES:
+        del data[name]
+    tables = risk_tables_from_json(data)
+    assert tables.depth_speed == {} and tables.depth_equal_time == {}
+    assert tables.depth_excess == packaged_risk_tables().depth_excess
+    assert json.loads(risk_tables_json(tables)) == data
 
 
 def test_a_file_without_a_table_is_refused_naming_it_and_the_fix() -> None:

@@ -72,7 +72,10 @@ def test_a_dial_row_is_the_dial_methods_and_micro_batched_at_m_above_1() -> None
 
 
 def test_depth_advice_names_a_dial_row_with_its_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A dial row that converged is micro-batched advice, with --micro-batches."""
+    """A dial row that converged is micro-batched advice, with --micro-batches (by loss
+    alone: a table without time)."""
+    monkeypatch.setattr(risk, "DEPTH_SPEED", {})
+    monkeypatch.setattr(risk, "DEPTH_EQUAL_TIME", {})
     monkeypatch.setattr(
         risk, "DEPTH_EXCESS", {8: {"pipeoptim (muon)": 0.06, "pipeoptim M=4 (muon)": 0.005}}
     )
