@@ -419,7 +419,22 @@ def risk_points(
         if opt == config.optimizers[0]:
             rows += [(join_row(m, o), m, o, join_row("gpipe", o)) for m, o in config.pairs]
         for p in config.stages:
-            for label, method, trained, sync in rows:
+            # the dial's rows are points of their optimizer at the delay of their M
+            dial = (
+                [
+                    (
+                        row_label(config.dial_method, config.trained_as(o), micro_batches=m),
+                        config.dial_method,
+                        o,
+                        join_row("gpipe", config.trained_as(o)),
+                    )
+                    for o in config.dial
+                    for m in config.dial_counts(p)
+                ]
+                if opt == config.optimizers[0]
+                else []
+            )
+            for label, method, trained, sync in [*rows, *dial]:
                 base = cells.get((sync, opt, lr, p))
                 cell = cells.get((label, opt, lr, p))
                 target = targets.get(sync)
@@ -458,7 +473,9 @@ def risk_points(
                         method,
                         trained,
                         p,
-                        _measured_distance(method, trained, p, measured),
+                        _measured_distance(
+                            method, trained, p, measured, parse_row(label).micro_batches
+                        ),
                         extra,
                     )
                 )
@@ -487,11 +504,18 @@ def gpipe_equivalent_samples(gpipe: Cell, record: RunRecord) -> float:
     return float(curve[-1].samples)
 
 
-def _measured_distance(method: str, optimizer: str, stages: int, closed: dict[int, float]) -> float:
+def _measured_distance(
+    method: str,
+    optimizer: str,
+    stages: int,
+    closed: dict[int, float],
+    micro_batches: int | None = None,
+) -> float:
     """e at the stage where it is largest, from the closure measured in this cell alone (so
-    the fit never reads the constants it produces). A predicting method's stages without a
-    measurement hold no weights (a lone ReLU) or never predict (s = 0): nothing is stale."""
-    distances, staleness = schedule_versions(method, stages)  # the row's default M
+    the fit never reads the constants it produces), at the row's ``micro_batches`` (None:
+    its method's default M). A predicting method's stages without a measurement hold no
+    weights (a lone ReLU) or never predict (s = 0): nothing is stale."""
+    distances, staleness = schedule_versions(method, stages, micro_batches)
     predicting = get_method(method).predicts
     spec = get_method(method)
     values = [
