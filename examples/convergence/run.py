@@ -14,7 +14,6 @@ The same study for one model from the command line: ``pipeoptim compare --model 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import time
@@ -221,12 +220,20 @@ def write_risk_tables(results: Path, path: Path) -> None:
 
 
 def run_part(
-    config: StudyConfig, out: Path, part: str, *, workers: int, threads: int | None
+    config: StudyConfig,
+    out: Path,
+    part: str,
+    *,
+    workers: int,
+    threads: int | None,
+    stages: tuple[int, ...] | None = None,
 ) -> None:
     """Train ``part`` of ``config``'s study into ``out/runs.jsonl`` (resuming), Muon and
-    AdamW rows first, the longest first within them, with progress on stderr."""
+    AdamW rows first, the longest first within them, with progress on stderr; ``stages``:
+    only the runs at those depths (None: every depth)."""
     check_model(out, config.model)
     specs, notes = part_specs(config, out, part, one_step=ONE_STEP)
+    specs = [s for s in specs if stages is None or s.stages in stages]
     for note in notes:
         print(f"{config.model}, part {part}: left out {note}", flush=True)
     done = {r.spec.key for r in load_records(out / "runs.jsonl")}
@@ -248,9 +255,11 @@ def run_part(
     )
 
 
-def at_depths(config: StudyConfig, stages: str) -> StudyConfig:
-    """``config`` training only the comma-separated depths ``stages`` (of its own), so that
-    a study can be trained a depth at a time; the refusal names the depths it has."""
+def depths(config: StudyConfig, stages: str | None) -> tuple[int, ...]:
+    """The comma-separated depths ``stages`` of ``config``'s own (None: all of them), so that a
+    part can be trained a depth at a time; the refusal names the depths it has."""
+    if stages is None:
+        return config.stages
     wanted = tuple(int(p) for p in stages.split(",") if p.strip())
     unknown = sorted(set(wanted) - set(config.stages))
     if not wanted or unknown:
@@ -258,7 +267,7 @@ def at_depths(config: StudyConfig, stages: str) -> StudyConfig:
             f"--stages {stages!r}: {config.model} trains at {list(config.stages)} stages; "
             f"name some of those, e.g. --stages {config.stages[0]}"
         )
-    return dataclasses.replace(config, stages=wanted)
+    return wanted
 
 
 def main() -> None:
@@ -286,8 +295,8 @@ def main() -> None:
     parser.add_argument(
         "--stages",
         default=None,
-        help="comma-separated depths to train now, of each study's own (e.g. 8,16); the "
-        "report still covers every depth. Default: all of them",
+        help="with --part: comma-separated depths to train now, of each study's own (e.g. "
+        "8,16); the report still covers every depth. Default: all of them",
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(
@@ -307,11 +316,19 @@ def main() -> None:
         if args.report_only:
             continue
         start = time.perf_counter()
-        trained = config if args.stages is None else at_depths(config, args.stages)
         if args.part is None:
-            run_study(trained, out, workers=args.workers, threads=args.threads)
+            if args.stages is not None:
+                raise SystemExit("--stages trains a part a depth at a time; give --part too")
+            run_study(config, out, workers=args.workers, threads=args.threads)
         else:
-            run_part(trained, out, args.part, workers=args.workers, threads=args.threads)
+            run_part(
+                config,
+                out,
+                args.part,
+                workers=args.workers,
+                threads=args.threads,
+                stages=depths(config, args.stages),
+            )
         print(f"{model}: {args.part or 'study'} ran in {time.perf_counter() - start:.0f} s")
     write_study_report(args.out, configs)
     if set(models) == set(STUDIES) and args.methods is None:
