@@ -56,7 +56,8 @@ def test_without_equal_time_the_fastest_row_within_3_percent_is_advised(
         "(every figure against zb-h1 and gpipe under muon)"
     ) in text
     assert (
-        "an asynchronous configuration reaches gpipe's loss sooner than zb-h1: pipeoptim M=4 "
+        "an asynchronous configuration is faster per sample than zb-h1 and ended within 3 % of "
+        "gpipe's loss at equal samples (its time to that loss not measured): pipeoptim M=4 "
         "(muon) (1.15× zb-h1's samples/s, +0.8 % over gpipe's final loss at equal samples; "
         "2 weight copies per stage; --method pipeoptim --micro-batches 4 --optimizer muon)"
     ) in text
@@ -71,9 +72,9 @@ def test_a_lower_loss_at_equal_time_comes_first(tables: dict[str, dict[str, floa
     assert risk.faster_to_target(8, "muon") == ["xpipe (muon)"]
     text = str(risk.depth_advice("pipeoptim", 8, "muon"))
     assert (
-        "sooner than zb-h1: xpipe (muon) (1.07× zb-h1's samples/s, +1.9 % over gpipe's final "
-        "loss at equal samples, -2.1 % against zb-h1's loss in zb-h1's time; 2 weight copies "
-        "per stage; --method xpipe --optimizer muon)"
+        "ends lower than zb-h1 in zb-h1's time: xpipe (muon) (1.07× zb-h1's samples/s, +1.9 % "
+        "over gpipe's final loss at equal samples, -2.1 % against zb-h1's loss in zb-h1's "
+        "time; 2 weight copies per stage; --method xpipe --optimizer muon)"
     ) in text
 
 
@@ -85,8 +86,9 @@ def test_a_synchronous_choice_hears_of_a_faster_asynchronous_one(
     text = str(risk.depth_advice("zb-h1", 12, "muon"))
     assert "zb-h1 (muon) at 12 stages" in text and "at 8 stages" in text
     assert "zb-h1 is synchronous" in text
-    assert "sooner than zb-h1: pipeoptim M=4 (muon)" in text
-    assert "sooner than zb-h1: pipeoptim M=4 (muon)" in str(risk.depth_advice("1f1b", 8, "muon"))
+    assert "(its time to that loss not measured): pipeoptim M=4 (muon)" in text
+    advised = str(risk.depth_advice("1f1b", 8, "muon"))
+    assert "(its time to that loss not measured): pipeoptim M=4 (muon)" in advised
     assert risk.depth_advice("zb-h1", 4, "muon") is None  # nothing measured that shallow
 
 
@@ -97,7 +99,7 @@ def test_an_asynchronous_choice_that_converged_hears_of_a_faster_one(
     still: said; the dial row itself, picked by its flags, is the recommendation: silent."""
     text = str(risk.depth_advice("xpipe", 8, "muon"))
     assert "xpipe (muon) at 8 stages" in text and "1.07× zb-h1's samples/s" in text
-    assert "sooner than zb-h1: pipeoptim M=4 (muon)" in text
+    assert "(its time to that loss not measured): pipeoptim M=4 (muon)" in text
     assert risk.depth_advice("pipeoptim", 8, "muon", micro_batches=4) is None
     # pipeoptim's default M (1) is its plain row
     assert "pipeoptim (muon) at 8 stages" in str(risk.depth_advice("pipeoptim", 8, "muon", 1))
@@ -150,5 +152,5 @@ def test_a_configuration_the_study_did_not_train_hears_the_advice_without_its_ow
     assert text.startswith(
         "pipeoptim M=2 (muon) at 8 stages: the convergence study did not train it; "
     )
-    assert "sooner than zb-h1: pipeoptim M=4 (muon) (1.15×" in text
+    assert "(its time to that loss not measured): pipeoptim M=4 (muon) (1.15×" in text
     assert text.count("× zb-h1's samples/s") == 1  # the recommendation's figures only
