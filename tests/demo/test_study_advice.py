@@ -26,7 +26,7 @@ def test_the_demo_gives_the_plans_advice_for_its_configuration(
     monkeypatch.setattr(risk, "DEPTH_EXCESS_FIRST", {})
     text = study_advice(_results("pipeoptim", 1, 4, "adamw"))
     assert text == risk.depth_advice("pipeoptim", 4, "adamw", 1)
-    assert text is not None and "sooner than zb-h1: xpipe (1.08×" in text
+    assert text is not None and "(its time to that loss not measured): xpipe (1.08×" in text
     assert study_advice(_results("xpipe", 4, 4, "adamw")) is None  # it is the advice
     assert study_advice(_results("pipeoptim", 1, 4, "sgd")) is None  # no SGD rows
     assert study_advice(_results("pipeoptim", 1, 2, "adamw")) is None  # nothing at 2 stages

@@ -77,7 +77,11 @@ def test_the_planner_picks_an_intermediate_m_by_time_to_target(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     profile = fixed_cost_profile()
-    by_m = {c.micro_batches: c for c in search(profile, P, methods=["pipeoptim"])}
+    # a closure of the test's own (the study's tables change as it grows): one update is
+    # predicted better than several, as the study measures
+    monkeypatch.setitem(risk_module.CLOSURE, ("optimizer", "adamw"), {1: 0.6, 2: 0.4, 3: 0.2})
+    ranked = search(profile, P, methods=["pipeoptim"], optimizer="adamw")
+    by_m = {c.micro_batches: c for c in ranked}
     low, high = _kappa_range(by_m)
     assert 0 < low < high
     limits = PlanLimits(optimizer="adamw")
