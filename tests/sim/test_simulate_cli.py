@@ -38,12 +38,20 @@ def test_all_methods_table(capsys: pytest.CaptureFixture[str]) -> None:
 def test_all_skips_methods_whose_rules_reject_the_sizes(capsys) -> None:
     data = _json(capsys, "--stages", "4", "--micro-batches", "2")
     skipped = {s["method"]: s["reason"] for s in data["skipped"]}
-    assert set(skipped) == {"1f1b", "interleaved-1f1b", "2bw", "zb-h1", "interleaved-zb"}
+    assert set(skipped) == {
+        "1f1b",
+        "interleaved-1f1b",
+        "2bw",
+        "2bw+extrapolate",
+        "zb-h1",
+        "interleaved-zb",
+    }
     assert data["runs"]["dualpipev"]["shape"]["micro_batches"] == 2  # a V takes any M too
     assert "raise --micro-batches to 4" in skipped["1f1b"]
     runs = data["runs"]
     assert runs["zb-v"]["shape"]["micro_batches"] == 2  # the V takes any M
     assert runs["pipedream"]["shape"]["micro_batches"] == 1  # does not micro-batch
+    assert runs["pipeoptim"]["shape"]["micro_batches"] == 2  # the dial takes the given M
     assert runs["gpipe"]["shape"]["micro_batches"] == 2
     assert runs["gpipe"]["bubble_ratio"] == pytest.approx(3 / 5)
     assert main(["simulate", "--stages", "4", "--micro-batches", "2"]) == 0
