@@ -355,9 +355,10 @@ class Method:
         return schedules.accumulation_steps(num_stages - 1 - stage, self.max_delay)
 
     def weight_copies(self, stage: int, num_stages: int) -> int:
-        """Weight-sized copies stage ``stage`` of ``num_stages`` holds."""
+        """Weight-sized copies stage ``stage`` of ``num_stages`` holds: the versions its
+        rule keeps and the buffers its correction keeps."""
         rule = self.copies_rule or _copies_by_policy(self.weight_policy)
-        return rule(stage, num_stages)
+        return rule(stage, num_stages) + self.correction_buffers
 
     def activation_slots(self, stage: int, num_stages: int, micro_batches: int) -> int:
         """Activation slots (units of one pipeline unit's activations) the stage holds."""

@@ -21,12 +21,6 @@ def corrected(base: Method, correction: str, suffix: str, what: str, *, buffers:
     correction's update (a prediction fixes the forward's weights, a correction the update).
     ``buffers``: weight-sized tensors the correction keeps on every stage between updates
     (the extrapolation's previous update), counted as weight copies on top of the base's."""
-    copies = base.copies_rule
-    if buffers:
-
-        def copies(k: int, p: int) -> int:
-            return base.weight_copies(k, p) + buffers
-
     return replace(
         base,
         name=f"{base.name}+{suffix}",
@@ -34,7 +28,6 @@ def corrected(base: Method, correction: str, suffix: str, what: str, *, buffers:
         delay_correction=correction,
         corrects=base.name,
         correction_buffers=base.correction_buffers + buffers,
-        copies_rule=copies,
     )
 
 
