@@ -295,6 +295,16 @@ def run_plan(args: argparse.Namespace) -> int:
     family = args.optimizer or (
         profile.optimizer if profile.optimizer in OPTIMIZER_FAMILIES else "sgd"
     )
+    timed = any(layer.update_s > 0 for layer in profile.layers)
+    if timed and family != profile.optimizer and profile.optimizer in OPTIMIZER_FAMILIES:
+        # update and prediction times are the optimizer's (Muon's Newton–Schulz costs far
+        # more than AdamW's step): planning one with another's hides that
+        print(
+            f"note: --optimizer {family}, but the profile's update and prediction times are "
+            f"{profile.optimizer}'s, so the plan times {family}'s steps as {profile.optimizer}'s; "
+            f"profile with `pipeoptim profile --optimizer {family}` for {family}'s own times",
+            file=sys.stderr,
+        )
     # a calibrated profile knows its run's links
     latency: float = args.latency
     if latency is None:

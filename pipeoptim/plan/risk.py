@@ -16,9 +16,12 @@ every method on one scale, in updates:
   moves away) makes e larger than s.
 
 The **convergence risk** is the extra samples a method needs to reach a target metric,
-relative to a synchronous method: ``risk = κ_optimizer · e`` at the stage with the largest e
-(stage 0 in an asynchronous 1F1B), κ fitted through the origin to the study's measured
-samples-to-target (:data:`KAPPA`). The planner ranks candidates by
+relative to a synchronous method, read at the stage with the largest e (stage 0 in an
+asynchronous 1F1B) off the optimizer's **measured risk curve** (:data:`RISK_CURVE`,
+:mod:`pipeoptim.plan.delay_risk`: the non-decreasing fit of the study's samples-to-target
+against e, which holds that one update of delay is cheap and a few are not); an optimizer
+the study measured too little for a curve keeps the straight line ``risk = κ_optimizer · e``
+fitted through the origin (:data:`KAPPA`). The planner ranks candidates by
 ``throughput / (1 + risk)``: samples per second that count toward accuracy.
 
 The constants are from small models (digits MLP and CNN, a character GPT) and are a
@@ -36,6 +39,7 @@ from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
 
+from pipeoptim.plan.delay_risk import RiskCurve
 from pipeoptim.plan.methods import METHODS, Method, WeightPolicy, get_method
 from pipeoptim.plan.risk_tables import packaged_risk_tables
 from pipeoptim.plan.versions import analyze_versions
@@ -48,6 +52,7 @@ __all__ = [
     "DEPTH_EXCESS",
     "DEPTH_SPEED",
     "KAPPA",
+    "RISK_CURVE",
     "MethodRisk",
     "RiskFitPoint",
     "StudyRow",
@@ -95,6 +100,12 @@ gpipe's that the delay correction removed on the study's language model at depth
 (``risk_fit.json`` and ``risk_tables.json``, ``correction_gain``). A corrected method's
 uncorrected distance is its base's times ``1 − gain``; an unmeasured pair gains nothing,
 so the planner ranks it level with its base, and the base, registered first, wins."""
+
+RISK_CURVE: dict[str, RiskCurve] = dict(_TABLES.risk_curve)
+"""Optimizer -> extra samples to target as a non-decreasing function of the uncorrected
+distance e, fitted to every model's points of the study (``risk_fit.json`` and
+``risk_tables.json``, ``risk_curve``); where an optimizer has one, :func:`method_risk`
+reads it in place of κ·e."""
 
 DEFAULT_KAPPA = max(KAPPA[o] for o in ("sgd", "adam", "adamw"))
 """κ for an optimizer the study did not measure (RMSprop...): the largest of the three it
@@ -166,6 +177,9 @@ class MethodRisk:
     risk: float
     """Predicted extra samples to a target, relative to a synchronous method."""
     kappa: float
+    """The optimizer's κ (extra samples per update of e on the straight-line fit)."""
+    curve: RiskCurve | None = None
+    """The measured risk curve ``risk`` was read off (None: ``risk = kappa · e``)."""
 
 
 def method_risk(
@@ -175,7 +189,9 @@ def method_risk(
     staleness: Iterable[int],
     kappa: Mapping[str, float] | None = None,
 ) -> MethodRisk:
-    """Risk of ``method`` from the per-stage distances and staleness of its schedule."""
+    """Risk of ``method`` from the per-stage distances and staleness of its schedule: the
+    optimizer's measured curve at the largest e (:data:`RISK_CURVE`), else κ·e; a given
+    ``kappa`` asks for the straight line with those κ."""
     ds, st = tuple(distances), tuple(staleness)
     spec = method if isinstance(method, Method) else get_method(method)
     rule = spec.predictor or "optimizer"
@@ -188,7 +204,9 @@ def method_risk(
     e = es[worst] if es else 0.0
     closed = closure(rule, optimizer, ds[worst]) if spec.predicts and ds else None
     k = (kappa or KAPPA).get(optimizer, DEFAULT_KAPPA)
-    return MethodRisk(ds, st, e, closed, k * e, k)
+    curve = None if kappa is not None else RISK_CURVE.get(optimizer)
+    risk = curve(e) if curve is not None else k * e
+    return MethodRisk(ds, st, e, closed, risk, k, curve)
 
 
 def schedule_versions(

@@ -21,8 +21,10 @@ from typing import Any
 
 from pipeoptim.errors import PlanError
 from pipeoptim.jsonfile import read_json
+from pipeoptim.plan.delay_risk import RiskCurve, curves_from_json
 
 __all__ = [
+    "CURVES",
     "OPTIONAL_TABLES",
     "RiskTables",
     "packaged_risk_tables",
@@ -47,6 +49,10 @@ TABLES = (
 OPTIONAL_TABLES = ("depth_speed", "depth_equal_time")
 """Tables a ``risk_tables.json`` may lack (a file written before the study measured time):
 read as empty, written only where they hold a row."""
+
+CURVES = "risk_curve"
+"""The measured risk curves' table (optional like :data:`OPTIONAL_TABLES`: a file written
+before them has none, and the risk model keeps κ)."""
 
 REMEDY = (
     "regenerate it with `python examples/convergence/run.py --report-only` (from the "
@@ -76,6 +82,9 @@ class RiskTables:
     depth_equal_time: dict[int, dict[str, float]] = field(default_factory=dict)
     """Stages -> study row -> final test loss of its equal-time run over zb-h1's (gpipe's
     final under the same optimizer), - 1."""
+    risk_curve: dict[str, RiskCurve] = field(default_factory=dict)
+    """Optimizer -> extra samples to target as a non-decreasing function of e
+    (:mod:`pipeoptim.plan.delay_risk`)."""
     meta: dict[str, Any] = field(default_factory=dict)
     """Where the numbers come from and what regenerates them (free-form, not read)."""
 
@@ -148,6 +157,7 @@ def risk_tables_from_json(data: object) -> RiskTables:
         depth_excess_first=_by_depth(top["depth_excess_first"], "depth_excess_first"),
         depth_speed=_by_depth(top.get("depth_speed", {}), "depth_speed"),
         depth_equal_time=_by_depth(top.get("depth_equal_time", {}), "depth_equal_time"),
+        risk_curve=curves_from_json(top.get(CURVES, {}), CURVES),
         meta=dict(_mapping(top.get("meta", {}), "meta")),
     )
 
@@ -177,6 +187,8 @@ def risk_tables_json(tables: RiskTables) -> str:
         table = getattr(tables, name)
         if table:
             data[name] = by_depth(table)
+    if tables.risk_curve:
+        data[CURVES] = {o: c.to_json() for o, c in tables.risk_curve.items()}
     return json.dumps(data, indent=1, ensure_ascii=False) + "\n"
 
 

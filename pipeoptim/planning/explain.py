@@ -169,9 +169,14 @@ def _passed_over(passed: Sequence[Candidate], best: Candidate) -> str:
     who = names[0] if len(names) == 1 else ", ".join(names[:-1]) + f" and {names[-1]}"
     verb = "is" if len(names) == 1 else "are"
     reasons = [_risk_reason(c) for c in first.values()]
-    kappa = next((c.risk.kappa for c in first.values() if c.risk is not None), None)
+    risks = [c.risk for c in first.values() if c.risk is not None]
     closest = max(passed, key=lambda c: c.effective_throughput)
-    scale = f"κ = {kappa:.3g} per update of uncorrected distance, " if kappa is not None else ""
+    if risks and risks[0].curve is not None:
+        scale = "read off the optimizer's measured curve of extra samples by uncorrected distance, "
+    elif risks:
+        scale = f"κ = {risks[0].kappa:.3g} per update of uncorrected distance, "
+    else:
+        scale = ""
     return (
         f"{who} {verb} {pace} per sample but not chosen because of the convergence risk "
         f"({scale}fitted by the convergence study; pipeoptim.plan.risk): "

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeoptim.errors import PipeoptimError
+from pipeoptim.plan.delay_risk import fit_risk_curves
 from pipeoptim.plan.risk import WITHIN, RiskFitPoint, closure_from_rows, fit_risk, gain_table
 from pipeoptim.plan.risk_tables import RiskTables, risk_tables_from_json
 from pipeoptim.study.cells import Cell, aggregate, method_labels, synchronous_label
@@ -66,6 +67,7 @@ TABLES_META: dict[str, Any] = {
     "derived_from_committed_results": [
         "closure",
         "kappa",
+        "risk_curve",
         "correction_gain",
         "depth_excess",
         "depth_copies",
@@ -186,6 +188,12 @@ class RiskFitParts:
         """The content of ``risk_fit.json``."""
         return {
             "kappa": {o: round(k, 4) for o, (k, _) in sorted(fit_risk(self.points).items())},
+            "risk_curve": {
+                o: c.to_json()
+                for o, c in fit_risk_curves(
+                    (p.optimizer, p.uncorrected, p.extra_samples) for p in self.points
+                ).items()
+            },
             "closure_table": {
                 f"{rule}/{opt}": by_s
                 for (rule, opt), by_s in closure_from_rows(self.closure).items()
@@ -276,6 +284,8 @@ def risk_tables_from_fit(fit: Mapping[str, Any]) -> RiskTables:
             "meta": TABLES_META,
             "closure": closure,
             "kappa": fit["kappa"],
+            # a fit written before the curves has none: the risk model keeps κ
+            "risk_curve": fit.get("risk_curve", {}),
             "correction_gain": fit["correction_gain"],
             "depth_excess": fit["depth_excess"],
             "depth_copies": fit["depth_copies"],

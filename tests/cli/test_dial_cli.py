@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -65,3 +66,21 @@ def test_train_runs_pipeoptim_at_two_micro_batches(
     # stage 0 of 4 at M = 2 (steady from mini-batch 3): micro-batch 0 of a mini-batch
     # meets two updates before its backward, micro-batch 1 one
     assert [e["distance"] for e in forwards if e["mb"] >= 6] == [2, 1] * 3
+
+
+def test_plan_notes_a_profile_timed_for_another_optimizer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Planning Muon on a profile whose step times are AdamW's says so and how to fix it;
+    a profile of the same optimizer (or one without step times) plans without the note."""
+    path = tmp_path / "adamw.json"
+    base = Profile.uniform(8, forward_s=0.01, backward_s=0.02, param_bytes=1000, batch_size=32)
+    timed = [dataclasses.replace(layer, update_s=0.001) for layer in base.layers]
+    dataclasses.replace(base, layers=timed, optimizer="adamw").save(path)
+    argv = ["plan", "--profile", str(path), "--stages", "4", "--method", "gpipe", "--json"]
+    assert main([*argv, "--optimizer", "muon"]) == 0
+    note = capsys.readouterr().err
+    assert "--optimizer muon, but the profile's update and prediction times are adamw's" in note
+    assert "pipeoptim profile --optimizer muon" in note
+    assert main([*argv, "--optimizer", "adamw"]) == 0
+    assert "prediction times are" not in capsys.readouterr().err

@@ -78,6 +78,7 @@ def uniform_profile() -> Profile:
 def test_planner_passes_over_a_faster_method_with_high_risk(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setattr(risk, "RISK_CURVE", {})  # the straight line: κ decides
     monkeypatch.setattr(risk, "KAPPA", {"sgd": 0.0})
     fast = search(uniform_profile(), 8, methods=["gpipe", "pipeoptim"], optimizer="sgd")
     assert fast[0].method == "pipeoptim"  # no risk: the fastest wins

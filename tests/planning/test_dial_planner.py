@@ -80,6 +80,8 @@ def test_the_planner_picks_an_intermediate_m_by_time_to_target(
     # a closure of the test's own (the study's tables change as it grows): one update is
     # predicted better than several, as the study measures
     monkeypatch.setitem(risk_module.CLOSURE, ("optimizer", "adamw"), {1: 0.6, 2: 0.4, 3: 0.2})
+    # and the straight line κ·e, whose κ the test varies (no measured curve)
+    monkeypatch.delitem(risk_module.RISK_CURVE, "adamw", raising=False)
     ranked = search(profile, P, methods=["pipeoptim"], optimizer="adamw")
     by_m = {c.micro_batches: c for c in ranked}
     low, high = _kappa_range(by_m)
