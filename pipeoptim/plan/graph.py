@@ -75,6 +75,7 @@ class StageFile(TypedDict, total=False):
     weight_grad_s: NonNegativeNumber
     update_s: NonNegativeNumber
     predict_s: NonNegativeNumber
+    prediction_setup_s: NonNegativeNumber
     param_bytes: Required[StageBytes]
     grad_bytes: Required[StageBytes]
     optimizer_state_bytes: Required[StageBytes]
@@ -236,7 +237,8 @@ def stage_graph(
 
     Node ``k`` attributes: ``start, end, layers`` (list of layer indices), ``layer_names``,
     ``forward_s, backward_s, forward_fixed_s, backward_fixed_s, update_s, predict_s``
-    (summed), ``weight_grad_s`` (the backward's weight-gradient seconds, summed),
+    (summed), ``prediction_setup_s`` (summed, only where a layer measured it),
+    ``weight_grad_s`` (the backward's weight-gradient seconds, summed),
     ``param_bytes, grad_bytes, optimizer_state_bytes, activation_bytes`` (summed),
     ``weight_copies, activation_slots, memory_bytes``, ``param_count``. The graph keeps the
     profile's ``threads`` (CPU threads it was measured with) when it recorded them, and the
@@ -289,6 +291,9 @@ def stage_graph(
             memory_bytes=stage_memory_bytes(param, state, act, copies[k], slots[k]),
             param_count=sum(layer.param_count for layer in layers),
         )
+        setups = [layer.prediction_setup_s for layer in layers]
+        if any(x is not None for x in setups):  # stored graphs of older profiles stay as they were
+            graph.nodes[k]["prediction_setup_s"] = sum(x or 0.0 for x in setups)
     nx.add_path(graph, range(len(stages)))
     for k, (_, end) in enumerate(stages[:-1]):
         graph.edges[k, k + 1]["bytes"] = profile.layers[end - 1].activation_bytes

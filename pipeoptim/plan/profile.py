@@ -47,6 +47,7 @@ __all__ = [
     "LayerProfile",
     "Profile",
     "ProfileFile",
+    "added_setup",
     "conditions_warning",
     "optimizer_state_factor",
     "threads_per_rank",
@@ -150,8 +151,10 @@ class LayerProfile:
     """Optimizer step time for the layer's parameters, in seconds (0: not measured)."""
 
     predict_s: float = 0.0
-    """Time to write the layer's predicted weights for a forward and restore them after
-    (PipeOptim's prediction with the profile's optimizer), in seconds (0: not measured)."""
+    """Time to write the layer's predicted weights for a forward (PipeOptim's prediction
+    with the profile's optimizer), in seconds (0: not measured): each write, where
+    :attr:`prediction_setup_s` is measured; else the first write after an update, Δ
+    included (files from before the split)."""
 
     forward_fixed_s: float = 0.0
     """The part of ``forward_s`` that does not shrink with the batch (per call), fitted
@@ -168,6 +171,13 @@ class LayerProfile:
     MLP hidden, a max-pool's indices, a Linear's input. The output is booked where it is kept
     (``plan/kept_bytes.py``). None (files from before it was measured): the memory model
     books ``activation_bytes`` instead."""
+
+    prediction_setup_s: float | None = None
+    """Seconds to compute, once per update, the direction Δ a predictor keeps for its
+    writes until the next update (Muon's Newton–Schulz, basis rotation's rotations: the
+    runtime computes it at the end of the update, ``Stage._prepare_deltas``), measured as
+    the first prediction after a step less a second one. None: not measured (files from
+    before it, whose :attr:`predict_s` includes it; the simulator charges none)."""
 
     weight_grad_fraction: float = 0.5
     """Share of ``backward_s`` that computes the weight gradient (W), in [0, 1]; the rest
@@ -195,6 +205,11 @@ class LayerProfile:
         for name in ("update_s", "predict_s", "forward_fixed_s", "backward_fixed_s"):
             number = _check_nonnegative_number(f"{where} {name}", getattr(self, name))
             object.__setattr__(self, name, number)
+        if self.prediction_setup_s is not None:
+            setup = _check_nonnegative_number(
+                f"{where} prediction_setup_s", self.prediction_setup_s
+            )
+            object.__setattr__(self, "prediction_setup_s", setup)
         share = self.weight_grad_fraction
         if (
             isinstance(share, bool)
@@ -235,6 +250,15 @@ class LayerProfile:
         return self.forward_s + self.backward_s
 
 
+def added_setup(own: float | None, timed: float | None, base: float | None) -> float | None:
+    """``own`` raised by what ``timed`` adds over ``base`` (never below 0): how a layer's
+    ``prediction_setup_s`` takes the matrix part (or another optimizer's part) on top of
+    the part already measured. None where neither measured one (nothing kept)."""
+    if timed is None and own is None:
+        return None
+    return (own or 0.0) + max(0.0, (timed or 0.0) - (base or 0.0))
+
+
 LayerBytes = Annotated[int, Whole(ge=0, le=MAX_LAYER_BYTES)]
 
 
@@ -251,6 +275,7 @@ class LayerFile(TypedDict, total=False):
     param_count: Required[LayerBytes]
     update_s: NonNegativeNumber
     predict_s: NonNegativeNumber
+    prediction_setup_s: NonNegativeNumber
     forward_fixed_s: NonNegativeNumber
     backward_fixed_s: NonNegativeNumber
     weight_grad_fraction: NonNegativeNumber
@@ -278,6 +303,8 @@ def _layer_args(raw: LayerFile) -> dict[str, Any]:
 
 
 _LAYER_FIELDS = frozenset(f.name for f in fields(LayerProfile))
+_OPTIONAL = frozenset({"saved_bytes", "prediction_setup_s"})
+"""Layer fields the format gained since, left out of a file where not measured (None)."""
 
 
 @dataclass(frozen=True)
@@ -505,9 +532,9 @@ class Profile:
             "device": self.device,
             "dtype_bytes": self.dtype_bytes,
             "meta": self.meta,
-            # a layer without saved_bytes is written as older files had it
+            # a layer without saved_bytes (prediction_setup_s) is written as older files had it
             "layers": [
-                {k: v for k, v in asdict(layer).items() if k != "saved_bytes" or v is not None}
+                {k: v for k, v in asdict(layer).items() if k not in _OPTIONAL or v is not None}
                 for layer in self.layers
             ],
         }

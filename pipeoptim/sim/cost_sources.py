@@ -51,6 +51,7 @@ def from_stages(
     source_optimizer: str = "sgd",
     update_s: float | Sequence[float] | None = None,
     predict_s: float | Sequence[float] | None = None,
+    prediction_setup_s: float | Sequence[float] | None = None,
     latency_s: float = 0.0,
     bandwidth: float = math.inf,
     weight_grad_fraction: float | Sequence[float] | None = None,
@@ -59,7 +60,8 @@ def from_stages(
 
     ``stages[k]`` has ``forward_s, backward_s, param_bytes, optimizer_state_bytes,
     activation_bytes`` and optionally ``forward_fixed_s, backward_fixed_s, update_s,
-    predict_s, weight_grad_s`` and, where it recomputes (:func:`_with_recompute`),
+    predict_s, prediction_setup_s, weight_grad_s`` and, where it recomputes
+    (:func:`_with_recompute`),
     ``kept_activation_bytes, rebuilt_activation_bytes, recompute_forward_s,
     recompute_forward_fixed_s, recompute_param_bytes``; ``edge_bytes[k]`` is what
     crosses edge ``k`` for that batch. A stage's weight-gradient share is
@@ -71,8 +73,8 @@ def from_stages(
     ``batch_size / micro_batches`` samples. Times scale from ``profile_batch`` to it
     with their fixed part kept (linearly when there is none), activation and transfer
     bytes linearly; parameter bytes, update and prediction times do not scale.
-    ``update_s``/``predict_s`` given here replace the stages' own. Optimizer state is
-    recomputed from the parameters when ``optimizer`` differs from
+    ``update_s``/``predict_s``/``prediction_setup_s`` given here replace the stages' own.
+    Optimizer state is recomputed from the parameters when ``optimizer`` differs from
     ``source_optimizer``; so are the update and prediction times, which were measured
     with the other optimizer (they become 0: unknown).
     """
@@ -120,6 +122,7 @@ def from_stages(
         backward_s=tuple(scaled(st, "backward") for st in stages),
         update_s=measured("update_s", update_s),
         predict_s=measured("predict_s", predict_s),
+        prediction_setup_s=measured("prediction_setup_s", prediction_setup_s),
         param_bytes=tuple(int(st["param_bytes"]) for st in stages),
         optimizer_state_bytes=tuple(state),
         activation_bytes=tuple(
@@ -154,8 +157,8 @@ def from_profile(
     Each stage's weight-gradient share is its layers' W seconds over their backward
     seconds (``LayerProfile.weight_grad_fraction``). ``options`` as for
     :meth:`from_stages` (``batch_size``, ``optimizer``, ``update_s``, ``predict_s``,
-    ``latency_s``, ``bandwidth``, ``weight_grad_fraction``). ``recompute``: per stage
-    the stage-local indices of the units it recomputes (None: none; see
+    ``prediction_setup_s``, ``latency_s``, ``bandwidth``, ``weight_grad_fraction``).
+    ``recompute``: per stage the stage-local indices of the units it recomputes (None: none; see
     :func:`pipeoptim.plan.recompute_costs.stage_unit_sets`).
     """
     from pipeoptim.plan.graph import validate_boundaries
@@ -175,6 +178,7 @@ def from_profile(
                 "weight_grad_s": math.fsum(x.weight_grad_s for x in layers),
                 "update_s": math.fsum(x.update_s for x in layers),
                 "predict_s": math.fsum(x.predict_s for x in layers),
+                "prediction_setup_s": math.fsum(x.prediction_setup_s or 0.0 for x in layers),
                 "param_bytes": sum(x.param_bytes for x in layers),
                 "optimizer_state_bytes": sum(x.optimizer_state_bytes for x in layers),
                 "activation_bytes": stage_kept_bytes(layers),

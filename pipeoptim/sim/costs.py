@@ -93,8 +93,9 @@ class CostModel:
     update_s: tuple[float, ...]
     """Seconds of one optimizer step, per stage. 0 makes updates instantaneous."""
     predict_s: tuple[float, ...]
-    """Extra seconds a forward on predicted weights spends computing them, per stage
-    (added to the forward's duration; only forwards the version analysis marks predicted)."""
+    """Extra seconds a forward on predicted weights spends writing them, per stage (added
+    to the duration of a forward that writes a prediction: the first of the forwards the
+    version analysis marks predicted at one distance between two updates)."""
     param_bytes: tuple[int, ...]
     """Bytes of one weight copy, per stage. Gradients take as much again."""
     optimizer_state_bytes: tuple[int, ...]
@@ -157,6 +158,13 @@ class CostModel:
     """The host the ranks share (:class:`~pipeoptim.plan.machine.Machine`). Where its busy
     ranks can ask for more cores than it has, the engines run them by processor sharing
     (:mod:`pipeoptim.sim.sharing`); None, or enough cores, is a core (or device) per rank."""
+    prediction_setup_s: tuple[float, ...] = ()
+    """Seconds a predicting stage spends once per update computing the direction Δ its
+    predictor keeps for the writes until the next update (Muon's Newton–Schulz, basis
+    rotation's rotations: ``keeps_deltas``), per stage. The runtime computes it at the end
+    of the update after which a forward predicts (``Stage._prepare_deltas``), so it is
+    added to that U's duration, not to the forward's. Empty or 0: none (older profiles,
+    whose ``predict_s`` holds all of it)."""
     action_s: tuple[float, ...] = ()
     """Fixed seconds the runtime works around each action beyond its layers (the executor's
     loop, the stage's weight versions and bookkeeping), for an F, B, U, I and W action in
@@ -187,7 +195,7 @@ class CostModel:
         check_replicas(self.data_parallel, "data_parallel")
         ar = self.allreduce_s if len(self.allreduce_s) else (0.0,) * s
         object.__setattr__(self, "allreduce_s", stage_floats("allreduce_s", ar, s))
-        for name in ("recompute_s", "gather_s"):
+        for name in ("recompute_s", "gather_s", "prediction_setup_s"):
             given = getattr(self, name)
             object.__setattr__(
                 self, name, stage_floats(name, given if len(given) else (0.0,) * s, s)
@@ -346,7 +354,8 @@ class CostModel:
         weights on ``cluster`` (:func:`~pipeoptim.sim.collectives.allgather_times`). A
         predicting method's replicas each predict their shard of Ŵ and broadcast it
         (``runtime/optim/sharded.py``): the same gather is added to ``predict_s``, which
-        the simulator charges on predicted forwards only. Call it after
+        the simulator charges on predicted forwards only; each replica computes its shard's
+        kept Δ (``prediction_setup_s / D``). Call it after
         :meth:`with_data_parallel`; it refuses D < 2."""
         d = self.data_parallel
         check_shard_optimizer(True, d, flag="--shard-optimizer")
@@ -358,6 +367,7 @@ class CostModel:
             optimizer_state_bytes=tuple(-(-b // d) for b in self.optimizer_state_bytes),
             update_s=tuple(u / d for u in self.update_s),
             predict_s=tuple(p + g for p, g in zip(self.predict_s, gather, strict=True)),
+            prediction_setup_s=tuple(v / d for v in self.prediction_setup_s),  # its shard's Δ
             gather_s=gather,
             shard_optimizer=True,
         )
@@ -371,6 +381,7 @@ class CostModel:
             backward_s=tuple(v * factor for v in self.backward_s),
             update_s=tuple(v * factor for v in self.update_s),
             predict_s=tuple(v * factor for v in self.predict_s),
+            prediction_setup_s=tuple(v * factor for v in self.prediction_setup_s),
             recompute_s=tuple(v * factor for v in self.recompute_s),
         )
 
@@ -384,6 +395,7 @@ class CostModel:
         update_s: float = 0.0,
         *,
         predict_s: float = 0.0,
+        prediction_setup_s: float = 0.0,
         param_bytes: int = 0,
         activation_bytes: int = 0,
         boundary_bytes: int | None = None,
@@ -408,6 +420,7 @@ class CostModel:
             backward_s=(backward_s,) * num_stages,
             update_s=(update_s,) * num_stages,
             predict_s=(predict_s,) * num_stages,
+            prediction_setup_s=(prediction_setup_s,) * num_stages,
             param_bytes=(param_bytes,) * num_stages,
             optimizer_state_bytes=(factor * param_bytes,) * num_stages,
             activation_bytes=(activation_bytes,) * num_stages,

@@ -47,15 +47,18 @@ __all__ = ["KIND_B", "KIND_CODES", "KIND_F", "KIND_I", "KIND_U", "KIND_W", "Prog
 
 _KINDS = len(KIND_CODES)
 """Kinds with a duration of their own: the cost table has one block of stages per kind,
-then the predicted forwards."""
+then the forwards that write a prediction, then the updates that compute the predictor's
+kept Δ (:data:`_BLOCKS` in all)."""
+_BLOCKS = _KINDS + 2
 
 
 FloatArray = npt.NDArray[np.float64]
 
 
 def _code_key(costs: CostModel) -> tuple[bool, bool]:
-    """Which cost codes ``costs`` needs: (predicted forwards cost more, messages cost)."""
-    return any(costs.predict_s), costs.charges_messages
+    """Which cost codes ``costs`` needs: (predicted forwards or the updates before them
+    cost more, messages cost)."""
+    return any(costs.predict_s) or any(costs.prediction_setup_s), costs.charges_messages
 
 
 @dataclass
@@ -110,6 +113,7 @@ class Program:
         """Link of that wait: ``2*k`` forward over edge k, ``2*k+1`` backward, -1 none."""
         self._versions: VersionReport | None = None
         self._prediction_writes: BoolArray | None = None
+        self._prediction_setups: BoolArray | None = None
         self._flat_versions: tuple[list[int], list[int], list[bool]] | None = None
         self._steps: Steps | None = None
         # cost codes by (predicting, charging messages): see duration_codes
@@ -287,21 +291,43 @@ class Program:
             self._prediction_writes = writes
         return self._prediction_writes
 
+    def prediction_setups(self) -> BoolArray:
+        """Per action whether it is an update after which its stage writes a prediction
+        before its next update: there the runtime computes the predictor's kept Δ, at the
+        end of the update (``Stage._prepare_deltas``), once for every write that follows."""
+        if self._prediction_setups is None:
+            a = self.arrays
+            order = np.argsort(a.stage, kind="stable")
+            stage, kind = a.stage[order], a.kind[order]
+            updates = np.cumsum(kind == KIND_U)  # a write follows the update of equal count
+            writes = np.flatnonzero(self.prediction_writes()[order])
+            at = np.flatnonzero(kind == KIND_U)
+            span = int(updates[-1]) + 1 if updates.size else 1
+            read = stage[writes] * span + updates[writes]
+            setups = np.zeros(a.size, dtype=bool)
+            # a key of another stage's update (none of its own before the write) never matches
+            setups[order[at[np.isin(stage[at] * span + updates[at], read)]]] = True
+            self._prediction_setups = setups
+        return self._prediction_setups
+
     def duration_codes(self, predicting: bool, messages: bool = False) -> IntArray:
         """Per action its index into :meth:`duration_table`: the cost code, moved to the
         predicted-forward entries (``5 * num_stages + stage``) for forwards that write a
-        prediction (:meth:`prediction_writes`) when ``predicting`` (the costs have a
-        prediction time; a forward on a Ŵ already written costs a forward), and when
+        prediction (:meth:`prediction_writes`) and updates to the entries with Δ
+        (``6 * num_stages + stage``, :meth:`prediction_setups`) when ``predicting`` (the
+        costs have a prediction time; a forward on a Ŵ already written costs a forward),
+        and when
         ``messages`` (the costs charge each message) into the block of its messages: one
-        block of ``6 * num_stages`` codes each for an action that sends a message to another
+        block of ``7 * num_stages`` codes each for an action that sends a message to another
         rank, receives one, or both (:meth:`message_roles`)."""
         key = (predicting, messages)
         if key not in self._codes:
             codes = self.cost_code_array()
             if predicting:
                 codes[self.prediction_writes()] += _KINDS * self.num_stages
+                codes[self.prediction_setups()] += (_KINDS + 1 - KIND_U) * self.num_stages
             if messages:
-                codes += self.message_roles() * ((_KINDS + 1) * self.num_stages)
+                codes += self.message_roles() * (_BLOCKS * self.num_stages)
             self._codes[key] = codes
         return self._codes[key]
 
@@ -313,7 +339,8 @@ class Program:
         return roles
 
     def duration_table(self, costs: CostModel) -> list[float]:
-        """Seconds per cost code: ``[F..., B..., U..., I..., W..., predicted F...]`` of
+        """Seconds per cost code: ``[F..., B..., U..., I..., W..., predicted F..., U with
+        Δ...]`` of
         every stage (an update with its stage's all-reduce, :attr:`CostModel.update_total_s`;
         I and W the halves of the backward, :attr:`CostModel.backward_input_s` and
         :attr:`CostModel.backward_weight_s`; a recomputing stage's B and I also run the
@@ -321,9 +348,12 @@ class Program:
 
         A forward that writes a prediction (code ``5 * num_stages + stage``, see
         :meth:`duration_codes` and :meth:`prediction_writes`) costs its forward plus the
-        prediction; a predicted forward on the Ŵ its stage already wrote, its forward. Where
-        the costs have a fixed time per action (:attr:`CostModel.action_s`) each block adds
-        its kind's (a predicted forward the F's). Where the costs charge messages
+        prediction (:attr:`CostModel.predict_s`); a predicted forward on the Ŵ its stage
+        already wrote, its forward. An update after which its stage writes a prediction
+        (code ``6 * num_stages + stage``, :meth:`prediction_setups`) costs the update plus
+        the predictor's kept Δ (:attr:`CostModel.prediction_setup_s`). Where the costs have
+        a fixed time per action (:attr:`CostModel.action_s`) each block adds its kind's (a
+        predicted forward the F's, an update with Δ the U's). Where the costs charge messages
         (:attr:`CostModel.charges_messages`), three more blocks follow: the same seconds
         plus :attr:`CostModel.message_send_s`, plus :attr:`CostModel.message_receive_s`,
         and plus both (the sending and receiving rank's fixed time per message)."""
@@ -334,6 +364,8 @@ class Program:
             )
         s = self.num_stages
         extra = [f + p for f, p in zip(costs.forward_s[:s], costs.predict_s[:s], strict=True)]
+        update = costs.update_total_s[:s]
+        setup = [u + d for u, d in zip(update, costs.prediction_setup_s[:s], strict=True)]
         backward, backward_input = costs.backward_s[:s], costs.backward_input_s[:s]
         if costs.recomputes:  # the backward (a split one's I) runs the forward again first
             again = costs.recompute_s[:s]
@@ -342,13 +374,14 @@ class Program:
         blocks = [
             costs.forward_s[:s],
             backward,
-            costs.update_total_s[:s],
+            update,
             backward_input,
             costs.backward_weight_s[:s],
             extra,
+            setup,
         ]
         if costs.action_s:  # the runtime's own work around each action, per kind (F for F')
-            fixed = (*costs.action_s, costs.action_s[0])
+            fixed = (*costs.action_s, costs.action_s[KIND_F], costs.action_s[KIND_U])
             blocks = [tuple(d + a for d in block) for block, a in zip(blocks, fixed, strict=True)]
         table = [d for block in blocks for d in block]
         if not costs.charges_messages:

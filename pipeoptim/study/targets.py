@@ -14,11 +14,11 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.methods import get_method
-from pipeoptim.plan.profile import Profile
+from pipeoptim.plan.profile import LayerProfile, Profile, added_setup
 from pipeoptim.plan.risk import (
     RiskFitPoint,
     join_row,
@@ -38,6 +38,9 @@ from pipeoptim.study.cells import (
 from pipeoptim.study.grid import StudyConfig
 from pipeoptim.study.runs import RunRecord, split_label
 
+if TYPE_CHECKING:
+    from pipeoptim.runtime.profiling.layer_timing import StepTiming
+
 __all__ = [
     "Target",
     "Targets",
@@ -51,6 +54,7 @@ __all__ = [
     "optimizer_profile",
     "pinned_profiles",
     "profile_fingerprint",
+    "retimed_predictions",
     "risk_points",
     "row_optimizers",
     "row_seconds_per_sample",
@@ -166,7 +170,59 @@ def optimizer_profile(profile: Profile, model: str, optimizer: str) -> Profile:
     costs over the profile's own optimizer, both measured on the unit's own parameters on
     this machine (one thread): a row trained under Muon is simulated with its
     Newton–Schulz steps, which a flat buffer (how the profiler times an update) cannot
-    show, as Muon orthogonalises matrices only."""
+    show, as Muon orthogonalises matrices only. A predictor that keeps Δ has its per-update
+    part in ``prediction_setup_s`` and its per-write part in ``predict_s``."""
+    layers = [
+        dataclasses.replace(
+            layer,
+            update_s=layer.update_s + max(0.0, own.step_s - base.step_s),
+            predict_s=layer.predict_s + max(0.0, own.predict_s - base.predict_s),
+            prediction_setup_s=added_setup(
+                layer.prediction_setup_s, own.prediction_setup_s, base.prediction_setup_s
+            ),
+            optimizer_state_bytes=own.state_bytes,
+        )
+        for layer, own, base in _unit_timings(profile, model, optimizer)
+    ]
+    meta = {**profile.meta, "update_times_of": optimizer, "base": profile_fingerprint(profile)}
+    return dataclasses.replace(profile, layers=tuple(layers), optimizer=optimizer, meta=meta)
+
+
+def retimed_predictions(
+    made: Profile, profile: Profile, model: str, *, repeats: int = 7
+) -> Profile:
+    """``made`` (an :func:`optimizer_profile` of ``profile``) with only its prediction
+    times measured again, as :func:`optimizer_profile` now splits them (``predict_s`` per
+    write, ``prediction_setup_s`` per update); its update times, state bytes and meta
+    (so its ``base``) are kept. For optimizer profiles kept from before the split, whose
+    ``predict_s`` holds the whole first prediction after a step."""
+    optimizer = made.optimizer
+    if made.meta.get("base") != profile_fingerprint(profile):
+        raise RuntimeConfigError(
+            f"the {optimizer} profile was not made from this base profile (its base "
+            f"{made.meta.get('base')!r}, the profile's {profile_fingerprint(profile)!r}); "
+            f"pass the profile.json it was made from"
+        )
+    layers = [
+        dataclasses.replace(
+            kept,
+            predict_s=layer.predict_s + max(0.0, own.predict_s - base.predict_s),
+            prediction_setup_s=added_setup(
+                layer.prediction_setup_s, own.prediction_setup_s, base.prediction_setup_s
+            ),
+        )
+        for kept, (layer, own, base) in zip(
+            made.layers, _unit_timings(profile, model, optimizer, repeats), strict=True
+        )
+    ]
+    return dataclasses.replace(made, layers=tuple(layers))
+
+
+def _unit_timings(
+    profile: Profile, model: str, optimizer: str, repeats: int = 7
+) -> list[tuple[LayerProfile, StepTiming, StepTiming]]:
+    """Per unit of ``model``: its layer in ``profile``, and its step and prediction timed
+    under ``optimizer`` and under the profile's own, on this machine with one thread."""
     import torch
 
     from pipeoptim.plan.plan import OptimizerSpec
@@ -179,29 +235,19 @@ def optimizer_profile(profile: Profile, model: str, optimizer: str) -> Profile:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
 
-    def times(params: list[torch.nn.Parameter], family: str) -> tuple[float, float, int]:
+    def times(params: list[torch.nn.Parameter], family: str) -> StepTiming:
         return time_step_and_prediction(
-            params, OptimizerSpec(family, 1e-3), warmup=2, repeats=7, timer=timer
+            params, OptimizerSpec(family, 1e-3), warmup=2, repeats=repeats, timer=timer
         )
 
     try:
-        layers = []
+        out = []
         for layer, unit in zip(profile.layers, units, strict=True):
             params = list(unit.parameters())
-            own_step, own_predict, own_state = times(params, optimizer)
-            base_step, base_predict, _ = times(params, profile.optimizer)
-            layers.append(
-                dataclasses.replace(
-                    layer,
-                    update_s=layer.update_s + max(0.0, own_step - base_step),
-                    predict_s=layer.predict_s + max(0.0, own_predict - base_predict),
-                    optimizer_state_bytes=own_state,
-                )
-            )
+            out.append((layer, times(params, optimizer), times(params, profile.optimizer)))
     finally:
         torch.set_num_threads(threads)
-    meta = {**profile.meta, "update_times_of": optimizer, "base": profile_fingerprint(profile)}
-    return dataclasses.replace(profile, layers=tuple(layers), optimizer=optimizer, meta=meta)
+    return out
 
 
 def row_optimizers(config: StudyConfig) -> list[str]:

@@ -83,6 +83,9 @@ def adopt_layout(profile: Profile, trace: Trace) -> Profile:
             _excess_fixed(loop, fitted, probed, profile.batch_size),
             update_s=fitted.update_s,
             predict_s=loop.predict_s * slowdown,
+            prediction_setup_s=(
+                None if loop.prediction_setup_s is None else loop.prediction_setup_s * slowdown
+            ),
         )
         for loop, fitted in zip(profile.layers, calibrated.layers, strict=True)
     )

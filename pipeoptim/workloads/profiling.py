@@ -294,6 +294,14 @@ def _method_costs(
     bounds = [tuple(b) for b in trace.meta["boundaries"]]
     skip = len(batches) // 3
     spent: dict[tuple[str, int], list[float]] = defaultdict(list)
+    # a predicting stage's updates compute the kept Δ (``Stage._prepare_deltas``)
+    predicting = {e.stage for e in trace.events if e.kind == "F" and e.distance > 0}
+    setup = {
+        k: math.fsum(x.prediction_setup_s or 0.0 for x in profile.layers[a:b])
+        if k in predicting
+        else 0.0
+        for k, (a, b) in enumerate(bounds)
+    }
     for e in trace.events:
         if e.kind not in ACTION_KINDS or (e.mb if e.kind == "U" else e.mb // m) < skip:
             continue
@@ -306,7 +314,7 @@ def _method_costs(
         layer_s = {
             "F": forward + (math.fsum(x.predict_s for x in own) if e.distance > 0 else 0.0),
             "B": backward,
-            "U": math.fsum(x.update_s for x in own),
+            "U": math.fsum(x.update_s for x in own) + setup[e.stage],
             "I": backward - weight,
             "W": weight,
         }[e.kind]

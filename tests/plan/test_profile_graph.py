@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -218,3 +219,23 @@ def test_plan_core_does_not_import_torch() -> None:
         "pipeoptim.plan.units; assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_prediction_setup_is_kept_where_measured_and_left_out_where_not(tmp_path: Path) -> None:
+    """``prediction_setup_s`` round-trips through the file and sums per stage; a layer
+    without it is written as older files were (no key), so their digests and stage graphs
+    stay as they were."""
+    base = Profile.uniform(3, optimizer="muon")
+    assert all("prediction_setup_s" not in x for x in base.to_dict()["layers"])
+    assert "prediction_setup_s" not in stage_graph(base, [(0, 2), (2, 3)]).nodes[0]
+    timed = dataclasses.replace(
+        base,
+        layers=tuple(dataclasses.replace(x, prediction_setup_s=0.25) for x in base.layers),
+    )
+    path = tmp_path / "profile.json"
+    timed.save(path)
+    assert Profile.load(path) == timed
+    graph = stage_graph(timed, [(0, 2), (2, 3)])
+    assert [graph.nodes[k]["prediction_setup_s"] for k in (0, 1)] == [0.5, 0.25]
+    with pytest.raises(PlanError, match="prediction_setup_s"):
+        dataclasses.replace(base.layers[0], prediction_setup_s=-1.0)

@@ -113,8 +113,10 @@ def _check_every_path(program: Program, costs: CostModel) -> None:
     assert fast.steady_throughput == pytest.approx(reference.steady_throughput)
     assert fast.overall_bubble == pytest.approx(reference.overall_bubble)
     # a forward that writes a prediction costs its forward plus the prediction; one on the
-    # Ŵ its stage already wrote since its last update costs a forward
+    # Ŵ its stage already wrote since its last update costs a forward; an update a write
+    # follows costs the update plus the kept Δ
     predicted = program.prediction_writes().tolist()
+    setups = program.prediction_setups().tolist()
     for i in range(program.size):
         k, kind = program.stage[i], program.kind[i]
         plain = (
@@ -124,7 +126,12 @@ def _check_every_path(program: Program, costs: CostModel) -> None:
             costs.backward_input_s,
             costs.backward_weight_s,
         )[kind][k]
-        assert durations[i] == (plain + costs.predict_s[k] if predicted[i] else plain)
+        if predicted[i]:
+            assert durations[i] == plain + costs.predict_s[k]
+        elif setups[i]:
+            assert durations[i] == plain + costs.prediction_setup_s[k]
+        else:
+            assert durations[i] == plain
 
 
 def test_flat_buffer_keeps_every_value_in_the_narrowest_form() -> None:
@@ -194,3 +201,23 @@ def test_key_index_finds_keys_and_names_the_first_repeat(spread: int) -> None:
     assert index.duplicate() == (3, 1)  # entry 3 repeats entry 1's key, before 4 repeats 0
     assert KeyIndex(np.array([2, 0, 1], dtype=np.int64) * spread).duplicate() is None
     assert KeyIndex(np.zeros(0, dtype=np.int64)).find(np.array([1])).tolist() == [-1]
+
+
+def test_the_update_a_prediction_follows_pays_the_kept_delta_once() -> None:
+    """PipeOptim on 2 stages, 1 micro-batch, 4 mini-batches: stage 0 predicts (s = 1) on
+    F1..F3; F1 reads the initial weights (no update before it: no Δ to compute), F2 and
+    F3 follow U0 and U1, which pay update + setup, and each predicted forward pays
+    forward + write; U2, U3 (no forward after them) and stage 1 (s = 0) pay neither."""
+    method = get_method("pipeoptim")
+    shape = method.shape(2, 1, 4)
+    program = Program(method.order(shape), shape.micro_batches, method.weight_policy)
+    costs = CostModel.uniform(2, 1.0, 2.0, 0.5, predict_s=0.25, prediction_setup_s=0.125)
+    names = [program.describe(i) for i in range(program.size)]
+    got = dict(zip(names, program.durations(costs), strict=True))
+    assert got == {
+        **{"0F0": 1.0, "0F1": 1.25, "0F2": 1.25, "0F3": 1.25},
+        **{"0U0": 0.625, "0U1": 0.625, "0U2": 0.5, "0U3": 0.5},
+        **{f"0B{mb}": 2.0 for mb in range(4)},
+        **{f"1{k}{mb}": t for k, t in (("F", 1.0), ("B", 2.0), ("U", 0.5)) for mb in range(4)},
+    }
+    _check_every_path(program, costs)

@@ -301,8 +301,10 @@ def test_optimizer_profile_keeps_the_passes_and_adds_the_update_cost() -> None:
     for before, after in zip(base.layers, muon.layers, strict=True):
         assert (after.forward_s, after.backward_s) == (before.forward_s, before.backward_s)
     # the base costs nothing to update: Newton–Schulz on a weight matrix costs something,
-    # and Muon's momentum buffer (plus AdamW's two moments for the biases) is its state
-    assert any(layer.update_s > 0 and layer.predict_s > 0 for layer in muon.layers)
+    # in the step and once per update in the prediction (its per-update setup, the writes
+    # then costing about AdamW's), and Muon's momentum buffer (plus AdamW's two moments for
+    # the biases) is its state
+    assert any(x.update_s > 0 and (x.prediction_setup_s or 0) > 0 for x in muon.layers)
     assert sum(layer.optimizer_state_bytes for layer in muon.layers) > 0
     with pytest.raises(RuntimeConfigError, match="has 4 layers but the model has 9"):
         optimizer_profile(Profile.uniform(4), "mlp", "muon")
@@ -517,3 +519,28 @@ def test_the_committed_optimizer_profiles_are_made_from_the_committed_base() -> 
     for path in kept:
         base = Profile.load(path.parent / "profile.json")
         assert Profile.load(path).meta["base"] == profile_fingerprint(base), path
+
+
+def test_a_kept_optimizer_profile_is_retimed_in_its_prediction_alone() -> None:
+    """``retimed_predictions``: the mlp's units under Muon get a per-update setup where they
+    hold a matrix (Newton–Schulz runs once per update) and a new per-write time; updates,
+    state bytes and meta (its base) stay; a profile of another base is refused."""
+    from pipeoptim.plan.profile import Profile
+    from pipeoptim.study.targets import optimizer_profile, retimed_predictions
+
+    base = Profile.uniform(9, forward_s=0.5, backward_s=1.0, batch_size=32, optimizer="adam")
+    made = optimizer_profile(base, "mlp", "muon")
+    old = replace(made, layers=tuple(replace(x, prediction_setup_s=None) for x in made.layers))
+    new = retimed_predictions(old, base, "mlp", repeats=1)
+    assert new.meta == old.meta
+    for was, now in zip(old.layers, new.layers, strict=True):
+        assert (now.update_s, now.optimizer_state_bytes) == (
+            was.update_s,
+            was.optimizer_state_bytes,
+        )
+    # the mlp's units alternate Linear (a matrix: Newton–Schulz) and ReLU (nothing kept)
+    setups = [x.prediction_setup_s for x in new.layers]
+    assert all(x is not None for x in setups[::2]) and setups[1::2] == [None] * 4
+    other = Profile.uniform(9, forward_s=0.7, backward_s=1.0, batch_size=32, optimizer="adam")
+    with pytest.raises(RuntimeConfigError, match="not made from this base profile"):
+        retimed_predictions(old, other, "mlp", repeats=1)

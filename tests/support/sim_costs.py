@@ -13,4 +13,5 @@ def unequal_costs(stages: int) -> CostModel:
         base,
         forward_s=tuple(0.5 + 0.25 * (k % 3) for k in range(stages)),
         predict_s=tuple(0.1 * (k + 1) for k in range(stages)),
+        prediction_setup_s=tuple(0.0625 * (k + 1) for k in range(stages)),
     )

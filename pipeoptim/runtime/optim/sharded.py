@@ -382,6 +382,14 @@ class ShardedPredictor(WeightPredictor):
         return out
 
     # -- the record lives in the inner predictor (hooked on the local optimizer) ------------
+    def prepare_deltas(self) -> None:
+        """This replica's shard of Δ, kept by the inner predictor (no collective), from the
+        hyper-parameters :meth:`predict_into` would read."""
+        sync = cast(Any, ZeroRedundancyOptimizer)._sync_param_groups
+        sync(self.zero.param_groups, self.inner.optimizer.param_groups)
+        self.inner.prepare_deltas()
+        self.kept_computations = self.inner.kept_computations
+
     def before_step(self) -> None:
         self.inner.before_step()
 

@@ -15,7 +15,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -23,11 +23,12 @@ from torch import Tensor, nn
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.optimizer_families import FAMILIES, optimizer_family
 from pipeoptim.plan.plan import OptimizerSpec
-from pipeoptim.plan.profile import LayerProfile
+from pipeoptim.plan.profile import LayerProfile, added_setup
 from pipeoptim.runtime.profiling.layer_memory import optimizer_state_bytes
 
 __all__ = [
     "SHAPED_STEPS",
+    "StepTiming",
     "check_output",
     "leaf_input",
     "shaped_steps",
@@ -88,6 +89,22 @@ def _fixed_part(sizes: Sequence[int], times: Sequence[float]) -> float:
     return min(max(mean_t - slope * mean_b, 0.0), largest)
 
 
+class StepTiming(NamedTuple):
+    """What :func:`time_step_and_prediction` measured for one set of parameters."""
+
+    step_s: float
+    """Median seconds of one optimizer step."""
+    predict_s: float
+    """Median seconds of one prediction write (Ŵ into a buffer, as a predicting stage does
+    before its forward): for a predictor that keeps Δ, a write from the kept Δ."""
+    state_bytes: int
+    """Optimizer state bytes after the steps."""
+    prediction_setup_s: float | None = None
+    """Seconds to compute the kept Δ once per update: the median first prediction after a
+    step less the median second one (never below 0). None: the predictor keeps no Δ (each
+    write forms its own, in :attr:`predict_s`)."""
+
+
 def time_step_and_prediction(
     params: list[nn.Parameter],
     optimizer: OptimizerSpec,
@@ -95,10 +112,16 @@ def time_step_and_prediction(
     warmup: int,
     repeats: int,
     timer: Callable[[Callable[[], Any]], float],
-) -> tuple[float, float, int]:
+) -> StepTiming:
     """Median seconds of one optimizer step and of one prediction (Ŵ written into a
     buffer, as a predicting stage does before its forward) for ``params``, and the
     optimizer state bytes after the steps. The weights are restored afterwards.
+
+    A predictor that keeps Δ (``keeps_deltas``: Muon's Newton–Schulz, basis rotation's
+    rotations) forms it once per update, at the end of the update in the runtime
+    (``Stage._prepare_deltas``): after each step the first prediction (Δ and the write)
+    and a second one (the write) are timed, and their difference is the per-update
+    :attr:`StepTiming.prediction_setup_s`.
 
     An optimizer whose step cost repeats over a period of steps (``cost_period``:
     ``basis-rotation`` refreshes its basis once every ``precondition_frequency``) is timed
@@ -110,7 +133,7 @@ def time_step_and_prediction(
 
     trainable = [p for p in params if p.requires_grad]
     if not trainable:
-        return 0.0, 0.0, 0
+        return StepTiming(0.0, 0.0, 0)
     saved = [p.detach().clone() for p in trainable]
     opt = make_optimizer(optimizer, trainable)
     predictor = predictor_for(opt, "optimizer")
@@ -126,15 +149,21 @@ def time_step_and_prediction(
         repeats = period * max(1, repeats // period)
     steps: list[float] = []
     predictions: list[float] = []
+    writes: list[float] = []
     try:
         for p in trainable:
             p.grad = torch.full_like(p, 1e-3)
         for run in range(warmup + repeats):
             step_s = timer(opt.step)
+            kept = predictor.kept_computations
             predict_s = timer(predict)
+            # where Δ was formed and kept, a second write reads it: the write alone
+            splits = predictor.kept_computations != kept
+            write_s = timer(predict) if splits else predict_s
             if run >= warmup:
                 steps.append(step_s)
                 predictions.append(predict_s)
+                writes.append(write_s)
         state = optimizer_state_bytes(opt)
         if period > 1:  # one mean per period: each holds one refresh
             steps = [statistics.fmean(steps[i : i + period]) for i in range(0, repeats, period)]
@@ -144,7 +173,11 @@ def time_step_and_prediction(
             for p, w in zip(trainable, saved, strict=True):
                 p.copy_(w)
                 p.grad = None
-    return statistics.median(steps), statistics.median(predictions), state
+    if predictor.kept_computations == 0:  # nothing kept: every write costs alike
+        return StepTiming(statistics.median(steps), statistics.median(predictions), state)
+    write = statistics.median(writes)
+    setup = max(0.0, statistics.median(predictions) - write)
+    return StepTiming(statistics.median(steps), write, state, setup)
 
 
 def time_passes(
@@ -202,12 +235,18 @@ def streamed_steps(
     """``layers`` with update and prediction times from one step and one prediction over
     ``stream_bytes`` of weights, per byte times each layer's trainable bytes."""
     flat = nn.Parameter(torch.zeros(max(1, stream_bytes // 4), device=device))
-    step_s, predict_s, _ = time_step_and_prediction(
+    timed = time_step_and_prediction(
         [flat], optimizer, warmup=max(warmup, 1), repeats=repeats, timer=timer
     )
     size = flat.numel() * flat.element_size()
+    setup = timed.prediction_setup_s
     return [
-        dataclasses.replace(x, update_s=step_s * b / size, predict_s=predict_s * b / size)
+        dataclasses.replace(
+            x,
+            update_s=timed.step_s * b / size,
+            predict_s=timed.predict_s * b / size,
+            prediction_setup_s=None if setup is None else setup * b / size,
+        )
         for x, b in zip(layers, trainable, strict=True)
     ]
 
@@ -249,13 +288,17 @@ def shaped_steps(
             repeats=repeats,
             timer=timer,
         )
-        step_s, predict_s, _ = timed(params)
-        flat_step, flat_predict, _ = timed(flat)
+        shaped, flat_timed = timed(params), timed(flat)
         out.append(
             dataclasses.replace(
                 layer,
-                update_s=layer.update_s + max(0.0, step_s - flat_step),
-                predict_s=layer.predict_s + max(0.0, predict_s - flat_predict),
+                update_s=layer.update_s + max(0.0, shaped.step_s - flat_timed.step_s),
+                predict_s=layer.predict_s + max(0.0, shaped.predict_s - flat_timed.predict_s),
+                prediction_setup_s=added_setup(
+                    layer.prediction_setup_s,
+                    shaped.prediction_setup_s,
+                    flat_timed.prediction_setup_s,
+                ),
             )
         )
     return out

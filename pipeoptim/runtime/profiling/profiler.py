@@ -99,9 +99,9 @@ def _measure_layer(
     trainable = trainable_bytes(module)
     state_bytes = estimated_state_bytes(module, family, state_factor)
     if optimizer is not None and trainable:
-        _, _, state_bytes = time_step_and_prediction(
+        state_bytes = time_step_and_prediction(
             params, optimizer, warmup=0, repeats=1, timer=timer
-        )
+        ).state_bytes
     profile = LayerProfile(
         name=f"{name}:{type(module).__name__}",
         forward_s=0.0,

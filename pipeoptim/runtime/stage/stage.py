@@ -231,6 +231,9 @@ class Stage(StageForward, StageState):
         self._slots = ParameterSlots(self.module, self._params)
         """Where the module holds each weight: a forward on another version fills them."""
         self._prediction_key: tuple[int, int] | None = None
+        self._predicted_bases: frozenset[int] = frozenset()
+        """Updates made (in this segment) before which a predicted forward runs: after those
+        updates the predictor's kept Δ is computed in the update (:meth:`_prepare_deltas`)."""
         """(updates made, s) of the Ŵ in the prediction buffer; None: none is valid."""
         self._reads_buffer = False
         """This segment's predicted forwards leave their graphs on the prediction buffer,
@@ -359,6 +362,13 @@ class Stage(StageForward, StageState):
         self._updates_before_segment += self.weights.current
         self.weights.begin_segment(passes)
         self._prediction_key = None
+        self._predicted_bases = frozenset(
+            v.forward_base
+            for v in passes.values()
+            if self.predictor is not None
+            and prediction_distance(v.distance, self.prediction_offset) > 0
+        )
+        self._prepare_deltas()  # after a resume: kept before the first forward, not in it
         self._reads_buffer = self._buffer_becomes_live(passes)
         self.weights.leaf_grads = self._grads_on_leaves()
         self._delays = {}
@@ -446,4 +456,17 @@ class Stage(StageForward, StageState):
             delay = self._delays.get(self.weights.current, 0)
             self.updater.step(self._params, delay, mini_batches, clip)
         self.weights.after_update()
+        self._prepare_deltas()
         self.memory_count.updated()  # recounted when memory() is next read, not per update
+
+    def _prepare_deltas(self) -> None:
+        """Have the predictor compute the Δ it keeps now, where a predicted forward is to
+        read the weights as they now are: the work (Muon's Newton–Schulz) is then the
+        update's, not that forward's, which in an asynchronous pipeline lies on the
+        critical path of every later stage. Not where no forward predicts from these
+        weights (the last stage, a segment's last update): nothing would read it."""
+        if self.predictor is not None and self.weights.current in self._predicted_bases:
+            kept = self.predictor.kept_computations
+            self.predictor.prepare_deltas()
+            if self.predictor.kept_computations != kept:
+                self.memory_count.stale()  # a newly kept Δ counts in the predictor's bytes

@@ -124,6 +124,21 @@ class WeightPredictor:
         # Frozen parameters are never updated by torch.optim: forward uses W as it is.
         return [d if p.requires_grad else None for p, d in zip(params, ds, strict=True)]
 
+    def prepare_deltas(self) -> None:
+        """Compute and keep Δ now, for every param group that would keep one at its first
+        prediction (:attr:`keeps_deltas`, kept while a step hook can drop it, and not fused
+        by :attr:`fuses_first_write`): the stage calls it at the end of its update, once the
+        weights and hyper-parameters are final (a correction's ``after_step``, the
+        scheduler), so the work lands in the update and the next predicted forward only
+        writes Ŵ. The same Δ, from the same state, as the first prediction would form: the
+        predictions are unchanged. A group already kept is left as it is."""
+        if not self.keeps_deltas or self.fuses_first_write or not self._hooks:
+            return
+        with torch.no_grad():
+            for index, group in enumerate(self.optimizer.param_groups):
+                if not self._uses_displacement(group):
+                    self._group_deltas(group, index)
+
     def _drop_kept(self) -> None:
         """Forget what was kept or written since the last step (the state moves on)."""
         self._kept.clear()

@@ -158,6 +158,11 @@ class MuonWithAdamWPredictor(WeightPredictor):
             offset, row = offset + k, row + len(groups)
         self._count()
 
+    def prepare_deltas(self) -> None:
+        for p in self.parts:
+            p.prepare_deltas()
+        self._count()
+
     def before_step(self) -> None:
         for p in self.parts:
             p.before_step()
