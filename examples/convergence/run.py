@@ -178,9 +178,11 @@ STUDIES = {
         repeat_seeds=3,
         repeat_stages=8,
         **LM_DEPTH_ROWS,
-        # the λ scan at 8 stages, the middle λ at every depth
-        extrapolations=tuple(
-            (EXTRAPOLATE, o, lam) for o in ("adamw", "muon") for lam in (0.25, 1.0)
+        # the λ scan at 8 stages, the middle λ at every depth; and at 8 stages the middle λ on
+        # 2bw under Muon, the one-step row that predicts nothing (no Newton–Schulz to pay)
+        extrapolations=(
+            *((EXTRAPOLATE, o, lam) for o in ("adamw", "muon") for lam in (0.25, 1.0)),
+            ("2bw+extrapolate", "muon", 0.5),
         ),
         extrapolations_every_depth=tuple((EXTRAPOLATE, o, 0.5) for o in ("adamw", "muon")),
     ),
