@@ -3,12 +3,14 @@ Hugging Face Llama (RMSNorm, rotary positions, SwiGLU; built from a config, noth
 downloaded) on English prose, the text of Python's documentation topics
 (``pydoc_data.topics``, in the standard library), with the study's recipe.
 
-    python examples/convergence/heldout.py              # 6 runs of 2,000 updates, two at a
-                                                        # time: ~20 minutes on 2 cores
+    python examples/convergence/heldout.py              # 11 runs of 2,000 updates, two at a
+                                                        # time: ~40 minutes on 2 cores
     python examples/convergence/heldout.py --report-only
 
 Rows: gpipe and pipeoptim under AdamW, gpipe and pipeoptim+nesterov under Muon, gpipe and
-pipeoptim under Basis Rotation (Adam in each matrix's gradient eigenbasis), 8 stages
+pipeoptim under Basis Rotation (Adam in each matrix's gradient eigenbasis); the one-step
+family (xpipe under AdamW and Muon, with and without the extrapolation at λ = 0.5, and
+2bw+extrapolate under Muon; M = 8 micro-batches), 8 stages
 (9 units: the embedding, 7 decoder layers, the final norm with the head), 2,000 updates of
 32 windows of 64 characters, AdamW's recipe of the study (2e-3, weight decay 0.01, 10 %
 warm-up, cosine to 0.1x, clipping 1.0 per stage; Muon and Basis Rotation at the same rate
@@ -37,7 +39,18 @@ RUNS = {
     "pipeoptim+nesterov (muon)": ("pipeoptim+nesterov", "muon"),
     "gpipe (basis-rotation)": ("gpipe", "basis-rotation"),
     "pipeoptim (basis-rotation)": ("pipeoptim", "basis-rotation"),
+    # the one-step family and its extrapolation (issue 65), under both optimizers
+    "xpipe": ("xpipe", "adamw"),
+    "xpipe+extrapolate λ=0.5": ("xpipe+extrapolate", "adamw"),
+    "xpipe (muon)": ("xpipe", "muon"),
+    "xpipe+extrapolate λ=0.5 (muon)": ("xpipe+extrapolate", "muon"),
+    "2bw+extrapolate λ=0.5 (muon)": ("2bw+extrapolate", "muon"),
 }
+
+OPTIONS: dict[str, dict[str, object]] = {
+    name: {"extrapolation": 0.5} for name in RUNS if "+extrapolate λ=0.5" in name
+}
+"""Pipeline keywords of the rows that need more than their method and optimizer."""
 
 
 def corpus() -> tuple[object, object, object, object]:
@@ -95,6 +108,7 @@ def run(name: str) -> dict[str, object]:
         seed=0,
         progress=False,
         log_every=10**9,
+        **OPTIONS.get(name, {}),  # type: ignore[arg-type]
     )
     train = DatasetLoader(train_x, train_y, BATCH, seed=0)  # type: ignore[arg-type]
     test = DatasetLoader(test_x[:1024], test_y[:1024], 256, shuffle=False)  # type: ignore[index]
