@@ -47,6 +47,7 @@ from pipeoptim.plan.versions import analyze_versions
 __all__ = [
     "CLOSURE",
     "CORRECTION_GAIN",
+    "CORRECTION_GAIN_DELAY",
     "DEPTH_COPIES",
     "DEPTH_EQUAL_TIME",
     "DEPTH_EXCESS",
@@ -62,6 +63,7 @@ __all__ = [
     "depth_advice",
     "faster_to_target",
     "fit_risk",
+    "gain_delay_table",
     "gain_table",
     "join_row",
     "method_risk",
@@ -107,6 +109,11 @@ distance e, fitted to every model's points of the study (``risk_fit.json`` and
 ``risk_tables.json``, ``risk_curve``); where an optimizer has one, :func:`method_risk`
 reads it in place of κ·e."""
 
+CORRECTION_GAIN_DELAY: dict[str, int] = dict(_TABLES.correction_gain_delay)
+"""``correction/optimizer`` -> the longest stage-0 delay (updates) its gain in
+:data:`CORRECTION_GAIN` was measured at; a stage further behind gets no gain from it
+(``risk_tables.json``, ``correction_gain_delay``; absent: no bound)."""
+
 DEFAULT_KAPPA = max(KAPPA[o] for o in ("sgd", "adam", "adamw"))
 """κ for an optimizer the study did not measure (RMSprop...): the largest of the three it
 measured on every model (SGD, Adam, AdamW); NAdam's and Muon's come from a few rows of the
@@ -147,7 +154,8 @@ def uncorrected_distance(
     spec = method if isinstance(method, Method) else get_method(method)
     policy = spec.version_rule
     # per missed update: the share the correction keeps, of the A_k mini-batches it carries
-    kept = (1.0 - correction_gain(spec.correction, optimizer)) * accumulation
+    delay = max(max_distance, max_staleness)
+    kept = (1.0 - correction_gain(spec.correction, optimizer, delay)) * accumulation
     if policy is WeightPolicy.FLUSH:
         return 0.0
     if policy is WeightPolicy.STASH:
@@ -273,11 +281,29 @@ def gain_table(rows: Iterable[Mapping[str, Any]]) -> dict[str, float]:
     return {key: round(sum(v) / len(v), 2) for key, v in sorted(sums.items())}
 
 
-def correction_gain(correction: str | None, optimizer: str) -> float:
-    """The measured gain of ``correction`` under ``optimizer`` (0 where unmeasured)."""
+def gain_delay_table(rows: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    """:data:`CORRECTION_GAIN_DELAY` from the study's gain rows: per
+    ``correction/optimizer``, the longest stage-0 delay (updates) a gain was measured at
+    (rows written before the delay was recorded bound nothing)."""
+    out: dict[str, int] = {}
+    for row in rows:
+        if "delay" in row:
+            key = f"{row['correction']}/{row['optimizer']}"
+            out[key] = max(out.get(key, 0), int(row["delay"]))
+    return dict(sorted(out.items()))
+
+
+def correction_gain(correction: str | None, optimizer: str, delay: int | None = None) -> float:
+    """The measured gain of ``correction`` under ``optimizer`` (0 where unmeasured, and on
+    a stage whose ``delay`` is longer than any the gain was measured at: a correction that
+    closed a one-update delay says nothing of seven)."""
     if correction is None:
         return 0.0
-    return CORRECTION_GAIN.get(f"{correction}/{optimizer}", 0.0)
+    key = f"{correction}/{optimizer}"
+    longest = CORRECTION_GAIN_DELAY.get(key)
+    if delay is not None and longest is not None and delay > longest:
+        return 0.0
+    return CORRECTION_GAIN.get(key, 0.0)
 
 
 def fit_risk(points: Iterable[RiskFitPoint]) -> dict[str, tuple[float, int]]:

@@ -25,6 +25,7 @@ from pipeoptim.plan.delay_risk import RiskCurve, curves_from_json
 
 __all__ = [
     "CURVES",
+    "GAIN_DELAY",
     "OPTIONAL_TABLES",
     "RiskTables",
     "packaged_risk_tables",
@@ -49,6 +50,9 @@ TABLES = (
 OPTIONAL_TABLES = ("depth_speed", "depth_equal_time")
 """Tables a ``risk_tables.json`` may lack (a file written before the study measured time):
 read as empty, written only where they hold a row."""
+
+GAIN_DELAY = "correction_gain_delay"
+"""The delays the corrections' gains were measured at (optional: an older file bounds none)."""
 
 CURVES = "risk_curve"
 """The measured risk curves' table (optional like :data:`OPTIONAL_TABLES`: a file written
@@ -82,6 +86,8 @@ class RiskTables:
     depth_equal_time: dict[int, dict[str, float]] = field(default_factory=dict)
     """Stages -> study row -> final test loss of its equal-time run over zb-h1's (gpipe's
     final under the same optimizer), - 1."""
+    correction_gain_delay: dict[str, int] = field(default_factory=dict)
+    """``correction/optimizer`` -> the longest stage-0 delay its gain was measured at."""
     risk_curve: dict[str, RiskCurve] = field(default_factory=dict)
     """Optimizer -> extra samples to target as a non-decreasing function of e
     (:mod:`pipeoptim.plan.delay_risk`)."""
@@ -158,6 +164,10 @@ def risk_tables_from_json(data: object) -> RiskTables:
         depth_speed=_by_depth(top.get("depth_speed", {}), "depth_speed"),
         depth_equal_time=_by_depth(top.get("depth_equal_time", {}), "depth_equal_time"),
         risk_curve=curves_from_json(top.get(CURVES, {}), CURVES),
+        correction_gain_delay={
+            k: _count(v, f"{GAIN_DELAY}[{k!r}]")
+            for k, v in _mapping(top.get(GAIN_DELAY, {}), GAIN_DELAY).items()
+        },
         meta=dict(_mapping(top.get("meta", {}), "meta")),
     )
 
@@ -187,6 +197,8 @@ def risk_tables_json(tables: RiskTables) -> str:
         table = getattr(tables, name)
         if table:
             data[name] = by_depth(table)
+    if tables.correction_gain_delay:
+        data[GAIN_DELAY] = tables.correction_gain_delay
     if tables.risk_curve:
         data[CURVES] = {o: c.to_json() for o, c in tables.risk_curve.items()}
     return json.dumps(data, indent=1, ensure_ascii=False) + "\n"

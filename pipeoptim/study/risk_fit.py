@@ -21,7 +21,14 @@ from typing import Any
 
 from pipeoptim.errors import PipeoptimError
 from pipeoptim.plan.delay_risk import fit_risk_curves
-from pipeoptim.plan.risk import WITHIN, RiskFitPoint, closure_from_rows, fit_risk, gain_table
+from pipeoptim.plan.risk import (
+    WITHIN,
+    RiskFitPoint,
+    closure_from_rows,
+    fit_risk,
+    gain_delay_table,
+    gain_table,
+)
 from pipeoptim.plan.risk_tables import RiskTables, risk_tables_from_json
 from pipeoptim.study.cells import Cell, aggregate, method_labels, synchronous_label
 from pipeoptim.study.equal_time import EqualTimeResult, SecondsPerSample, equal_time_results
@@ -69,6 +76,7 @@ TABLES_META: dict[str, Any] = {
         "kappa",
         "risk_curve",
         "correction_gain",
+        "correction_gain_delay",
         "depth_excess",
         "depth_copies",
         "depth_excess_first",
@@ -200,6 +208,7 @@ class RiskFitParts:
             },
             "closure": self.closure,
             "correction_gain": gain_table(self.gains),
+            "correction_gain_delay": gain_delay_table(self.gains),
             "correction_gains": self.gains,
             "depth_excess": {str(p): rows for p, rows in sorted(self.depth_excess.items())},
             "depth_copies": {str(p): rows for p, rows in sorted(self.depth_copies.items())},
@@ -287,6 +296,7 @@ def risk_tables_from_fit(fit: Mapping[str, Any]) -> RiskTables:
             # a fit written before the curves has none: the risk model keeps κ
             "risk_curve": fit.get("risk_curve", {}),
             "correction_gain": fit["correction_gain"],
+            "correction_gain_delay": fit.get("correction_gain_delay", {}),
             "depth_excess": fit["depth_excess"],
             "depth_copies": fit["depth_copies"],
             "depth_excess_first": fit["depth_excess_first"],

@@ -624,6 +624,9 @@ def correction_gains(
             )
             if not all(math.isfinite(v) for v in (mine, base, sync)) or base < 1.01 * sync:
                 continue
+            distances, staleness = schedule_versions(
+                schedule_of(label), p, row_micro_batches(label, p)
+            )
             out.append(
                 {
                     "model": config.model,
@@ -632,6 +635,8 @@ def correction_gains(
                     "optimizer": trained,
                     "stages": p,
                     "gain": 1.0 - (mine - sync) / (base - sync),
+                    # the longest delay the gain was measured at (stage 0's)
+                    "delay": max(distances[0], staleness[0]),
                 }
             )
     return out

@@ -126,3 +126,28 @@ def test_the_curve_holds_the_measured_convexity_under_adamw() -> None:
     curve = packaged_risk_tables().risk_curve["adamw"]
     one, three = curve(1.0), curve(3.0)
     assert 0 < one < three and three / one > 2.0
+
+
+def test_a_correction_gain_holds_only_up_to_the_delay_it_was_measured_at(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A correction measured on a one-update delay (the extrapolation on xpipe) gives its
+    gain to a stage one update behind, not to one seven behind."""
+    monkeypatch.setitem(risk.CORRECTION_GAIN, "extrapolate/muon", 1.0)
+    monkeypatch.setitem(risk.CORRECTION_GAIN_DELAY, "extrapolate/muon", 1)
+    assert risk.correction_gain("extrapolate", "muon", delay=1) == 1.0
+    assert risk.correction_gain("extrapolate", "muon", delay=7) == 0.0
+    assert risk.correction_gain("extrapolate", "muon") == 1.0  # no delay asked: no bound
+    near = risk.uncorrected_distance("pipeoptim+extrapolate", "muon", 1, 0)
+    far = risk.uncorrected_distance("pipeoptim+extrapolate", "muon", 7, 0)
+    assert near == 0.0 and far == risk.uncorrected_distance("pipeoptim", "muon", 7, 0) > 0
+
+
+def test_gain_delays_are_the_longest_measured_per_correction() -> None:
+    rows = [
+        {"correction": "extrapolate", "optimizer": "muon", "delay": 1},
+        {"correction": "delay-momentum", "optimizer": "muon", "delay": 7},
+        {"correction": "delay-momentum", "optimizer": "muon", "delay": 15},
+        {"correction": "qk-clip", "optimizer": "adamw"},  # written before delays: no bound
+    ]
+    assert risk.gain_delay_table(rows) == {"delay-momentum/muon": 15, "extrapolate/muon": 1}

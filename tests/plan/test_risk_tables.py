@@ -14,6 +14,7 @@ from pipeoptim.errors import PlanError
 from pipeoptim.plan import risk
 from pipeoptim.plan.risk_tables import (
     CURVES,
+    GAIN_DELAY,
     OPTIONAL_TABLES,
     TABLES,
     packaged_path,
@@ -39,7 +40,12 @@ def test_the_package_holds_every_table_and_reads_it_once() -> None:
     assert tables.depth_copies[8]["pipedream"] == 8
     assert list(tables.depth_excess) == [4, 8, 16, 32]
     assert tables.meta["not_derived"] == []
-    assert set(tables.meta["derived_from_committed_results"]) == {*TABLES, *OPTIONAL_TABLES, CURVES}
+    assert set(tables.meta["derived_from_committed_results"]) == {
+        *TABLES,
+        *OPTIONAL_TABLES,
+        CURVES,
+        GAIN_DELAY,
+    }
     assert tables.depth_speed[8]["xpipe"] > 1  # simulated faster than zb-h1 there
 
 
@@ -62,6 +68,7 @@ def test_the_risk_constants_are_the_tables_as_copies(monkeypatch: pytest.MonkeyP
     assert tables.depth_speed == risk.DEPTH_SPEED
     assert tables.depth_equal_time == risk.DEPTH_EQUAL_TIME
     assert tables.risk_curve == risk.RISK_CURVE
+    assert tables.correction_gain_delay == risk.CORRECTION_GAIN_DELAY
     monkeypatch.setitem(risk.KAPPA, "adamw", 9.0)
     monkeypatch.setitem(risk.DEPTH_EXCESS[8], "pipeoptim", 9.0)
     assert tables.kappa["adamw"] == 0.3793  # a test's change stays in the risk module
