@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields
 from typing import Annotated, Any, Literal
 
@@ -222,10 +223,18 @@ def test_file_types_mirror_the_classes_they_build() -> None:
 
 def test_stage_file_keeps_the_order_stage_graph_writes() -> None:
     profile = Profile.uniform(4, activation_bytes=10, param_bytes=100)
-    data = stage_graph_to_dict(stage_graph(profile, [(0, 2), (2, 4)]))
-    assert list(StageFile.__annotations__) == list(data["stages"][0])
-    checked = check(StageGraphFile, data, source="s", remedy="r")
-    assert [list(s) for s in checked["stages"]] == [list(s) for s in data["stages"]]
+    # a profile that measured the prediction's per-update setup writes it; one that did not,
+    # leaves it out (the field is optional)
+    measured = dataclasses.replace(
+        profile,
+        layers=[dataclasses.replace(x, prediction_setup_s=0.001) for x in profile.layers],
+    )
+    for source, optional in ((measured, set()), (profile, {"prediction_setup_s"})):
+        data = stage_graph_to_dict(stage_graph(source, [(0, 2), (2, 4)]))
+        keys = list(data["stages"][0])
+        assert [k for k in StageFile.__annotations__ if k not in optional] == keys
+        checked = check(StageGraphFile, data, source="s", remedy="r")
+        assert [list(s) for s in checked["stages"]] == [list(s) for s in data["stages"]]
 
 
 def test_trace_events_are_built_by_the_check() -> None:

@@ -75,7 +75,6 @@ class StageFile(TypedDict, total=False):
     weight_grad_s: NonNegativeNumber
     update_s: NonNegativeNumber
     predict_s: NonNegativeNumber
-    prediction_setup_s: NonNegativeNumber
     param_bytes: Required[StageBytes]
     grad_bytes: Required[StageBytes]
     optimizer_state_bytes: Required[StageBytes]
@@ -84,6 +83,7 @@ class StageFile(TypedDict, total=False):
     activation_slots: Required[NonNegativeWhole]
     memory_bytes: Required[StageBytes]
     param_count: Required[StageBytes]
+    prediction_setup_s: NonNegativeNumber  # last: written only where a layer measured it
 
 
 @with_config(ConfigDict(extra="allow"))
