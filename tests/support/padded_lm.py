@@ -112,6 +112,9 @@ def main() -> None:
         },
     }
     torch.save(record, args.out / f"rank-{rank}.pt")
+    # leave the process group before exit: a rank that exits with gloo's threads alive can
+    # abort ("terminate called without an active exception") and fail the run
+    pipe.close()
 
 
 if __name__ == "__main__":
