@@ -22,7 +22,7 @@ than synchronous) counts as 0.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from pipeoptim.errors import PlanError
@@ -31,7 +31,6 @@ __all__ = [
     "MIN_POINTS",
     "SPREAD",
     "RiskCurve",
-    "curves_from_json",
     "fit_risk_curve",
     "fit_risk_curves",
 ]
@@ -169,10 +168,3 @@ def fit_risk_curves(
         by_optimizer.setdefault(optimizer, []).append((e, extra))
     curves = {o: fit_risk_curve(p) for o, p in sorted(by_optimizer.items())}
     return {o: c for o, c in curves.items() if c is not None}
-
-
-def curves_from_json(value: object, where: str = "risk_curve") -> dict[str, RiskCurve]:
-    """``{optimizer: [[e, extra], ...]}`` as curves."""
-    if not isinstance(value, Mapping):
-        raise PlanError(f"risk tables: {where} must be a JSON object (got {value!r:.60})")
-    return {str(o): RiskCurve.from_json(v, f"{where}[{o!r}]") for o, v in value.items()}

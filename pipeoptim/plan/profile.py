@@ -47,7 +47,6 @@ __all__ = [
     "LayerProfile",
     "Profile",
     "ProfileFile",
-    "added_setup",
     "conditions_warning",
     "optimizer_state_factor",
     "threads_per_rank",
@@ -248,15 +247,6 @@ class LayerProfile:
     def compute_s(self) -> float:
         """Forward plus backward time, in seconds."""
         return self.forward_s + self.backward_s
-
-
-def added_setup(own: float | None, timed: float | None, base: float | None) -> float | None:
-    """``own`` raised by what ``timed`` adds over ``base`` (never below 0): how a layer's
-    ``prediction_setup_s`` takes the matrix part (or another optimizer's part) on top of
-    the part already measured. None where neither measured one (nothing kept)."""
-    if timed is None and own is None:
-        return None
-    return (own or 0.0) + max(0.0, (timed or 0.0) - (base or 0.0))
 
 
 LayerBytes = Annotated[int, Whole(ge=0, le=MAX_LAYER_BYTES)]

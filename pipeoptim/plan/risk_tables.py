@@ -21,7 +21,7 @@ from typing import Any
 
 from pipeoptim.errors import PlanError
 from pipeoptim.jsonfile import read_json
-from pipeoptim.plan.delay_risk import RiskCurve, curves_from_json
+from pipeoptim.plan.delay_risk import RiskCurve
 
 __all__ = [
     "CURVES",
@@ -163,7 +163,10 @@ def risk_tables_from_json(data: object) -> RiskTables:
         depth_excess_first=_by_depth(top["depth_excess_first"], "depth_excess_first"),
         depth_speed=_by_depth(top.get("depth_speed", {}), "depth_speed"),
         depth_equal_time=_by_depth(top.get("depth_equal_time", {}), "depth_equal_time"),
-        risk_curve=curves_from_json(top.get(CURVES, {}), CURVES),
+        risk_curve={
+            o: RiskCurve.from_json(v, f"{CURVES}[{o!r}]")
+            for o, v in _mapping(top.get(CURVES, {}), CURVES).items()
+        },
         correction_gain_delay={
             k: _count(v, f"{GAIN_DELAY}[{k!r}]")
             for k, v in _mapping(top.get(GAIN_DELAY, {}), GAIN_DELAY).items()

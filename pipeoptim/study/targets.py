@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.methods import get_method
-from pipeoptim.plan.profile import LayerProfile, Profile, added_setup
+from pipeoptim.plan.profile import LayerProfile, Profile
 from pipeoptim.plan.risk import (
     RiskFitPoint,
     join_row,
@@ -173,15 +173,7 @@ def optimizer_profile(profile: Profile, model: str, optimizer: str) -> Profile:
     show, as Muon orthogonalises matrices only. A predictor that keeps Δ has its per-update
     part in ``prediction_setup_s`` and its per-write part in ``predict_s``."""
     layers = [
-        dataclasses.replace(
-            layer,
-            update_s=layer.update_s + max(0.0, own.step_s - base.step_s),
-            predict_s=layer.predict_s + max(0.0, own.predict_s - base.predict_s),
-            prediction_setup_s=added_setup(
-                layer.prediction_setup_s, own.prediction_setup_s, base.prediction_setup_s
-            ),
-            optimizer_state_bytes=own.state_bytes,
-        )
+        dataclasses.replace(own.added_to(layer, base), optimizer_state_bytes=own.state_bytes)
         for layer, own, base in _unit_timings(profile, model, optimizer)
     ]
     meta = {**profile.meta, "update_times_of": optimizer, "base": profile_fingerprint(profile)}
@@ -203,18 +195,18 @@ def retimed_predictions(
             f"{made.meta.get('base')!r}, the profile's {profile_fingerprint(profile)!r}); "
             f"pass the profile.json it was made from"
         )
-    layers = [
-        dataclasses.replace(
-            kept,
-            predict_s=layer.predict_s + max(0.0, own.predict_s - base.predict_s),
-            prediction_setup_s=added_setup(
-                layer.prediction_setup_s, own.prediction_setup_s, base.prediction_setup_s
-            ),
+    layers = []
+    for kept, (layer, own, base) in zip(
+        made.layers, _unit_timings(profile, model, optimizer, repeats), strict=True
+    ):
+        raised = own.added_to(layer, base)
+        layers.append(
+            dataclasses.replace(
+                kept,
+                predict_s=raised.predict_s,
+                prediction_setup_s=raised.prediction_setup_s,
+            )
         )
-        for kept, (layer, own, base) in zip(
-            made.layers, _unit_timings(profile, model, optimizer, repeats), strict=True
-        )
-    ]
     return dataclasses.replace(made, layers=tuple(layers))
 
 

@@ -14,7 +14,6 @@ from pipeoptim.plan.delay_risk import (
     MIN_POINTS,
     SPREAD,
     RiskCurve,
-    curves_from_json,
     fit_risk_curve,
     fit_risk_curves,
 )
@@ -77,9 +76,9 @@ def test_malformed_knots_are_refused_with_the_fix(knots: tuple[tuple[float, floa
 
 def test_json_round_trip_and_refusal() -> None:
     curve = RiskCurve(((0.5, 0.1), (2.0, 0.7)))
-    assert curves_from_json({"adamw": curve.to_json()}) == {"adamw": curve}
+    assert RiskCurve.from_json(curve.to_json(), "risk_curve['adamw']") == curve
     with pytest.raises(PlanError, match=r"\[e, extra\]"):
-        curves_from_json({"adamw": [[1.0]]})
+        RiskCurve.from_json([[1.0]], "risk_curve['adamw']")
 
 
 def test_method_risk_reads_the_optimizer_curve(monkeypatch: pytest.MonkeyPatch) -> None:

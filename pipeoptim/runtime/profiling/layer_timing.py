@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.optimizer_families import FAMILIES, optimizer_family
 from pipeoptim.plan.plan import OptimizerSpec
-from pipeoptim.plan.profile import LayerProfile, added_setup
+from pipeoptim.plan.profile import LayerProfile
 from pipeoptim.runtime.profiling.layer_memory import optimizer_state_bytes
 
 __all__ = [
@@ -103,6 +103,22 @@ class StepTiming(NamedTuple):
     """Seconds to compute the kept Δ once per update: the median first prediction after a
     step less the median second one (never below 0). None: the predictor keeps no Δ (each
     write forms its own, in :attr:`predict_s`)."""
+
+    def added_to(self, layer: LayerProfile, base: StepTiming) -> LayerProfile:
+        """``layer`` with its update, prediction write and per-update setup each raised by
+        what this timing adds over ``base`` (never below 0): how a matrix part, or another
+        optimizer's, goes on top of what the layer already measured. The setup stays None
+        where neither the layer nor this timing measured one (nothing kept)."""
+        setup = layer.prediction_setup_s
+        if setup is not None or self.prediction_setup_s is not None:
+            extra = (self.prediction_setup_s or 0.0) - (base.prediction_setup_s or 0.0)
+            setup = (setup or 0.0) + max(0.0, extra)
+        return dataclasses.replace(
+            layer,
+            update_s=layer.update_s + max(0.0, self.step_s - base.step_s),
+            predict_s=layer.predict_s + max(0.0, self.predict_s - base.predict_s),
+            prediction_setup_s=setup,
+        )
 
 
 def time_step_and_prediction(
@@ -288,19 +304,7 @@ def shaped_steps(
             repeats=repeats,
             timer=timer,
         )
-        shaped, flat_timed = timed(params), timed(flat)
-        out.append(
-            dataclasses.replace(
-                layer,
-                update_s=layer.update_s + max(0.0, shaped.step_s - flat_timed.step_s),
-                predict_s=layer.predict_s + max(0.0, shaped.predict_s - flat_timed.predict_s),
-                prediction_setup_s=added_setup(
-                    layer.prediction_setup_s,
-                    shaped.prediction_setup_s,
-                    flat_timed.prediction_setup_s,
-                ),
-            )
-        )
+        out.append(timed(params).added_to(layer, timed(flat)))
     return out
 
 

@@ -231,10 +231,10 @@ class Stage(StageForward, StageState):
         self._slots = ParameterSlots(self.module, self._params)
         """Where the module holds each weight: a forward on another version fills them."""
         self._prediction_key: tuple[int, int] | None = None
+        """(updates made, s) of the Ŵ in the prediction buffer; None: none is valid."""
         self._predicted_bases: frozenset[int] = frozenset()
         """Updates made (in this segment) before which a predicted forward runs: after those
         updates the predictor's kept Δ is computed in the update (:meth:`_prepare_deltas`)."""
-        """(updates made, s) of the Ŵ in the prediction buffer; None: none is valid."""
         self._reads_buffer = False
         """This segment's predicted forwards leave their graphs on the prediction buffer,
         which becomes the live weights at the next update (``weights.py``), instead of

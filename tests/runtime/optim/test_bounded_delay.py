@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from support.versions import passes
+from support.versions import passes, play
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
@@ -88,14 +88,7 @@ def test_the_scheduler_steps_once_per_mini_batch_and_prediction_reads_rates_a_k_
         scheduler=lambda opt: LambdaLR(opt, lambda step: 0.5**step),
     )
     stage.begin_segment(passes("pipeoptim+bounded", ORDER))
-    for action in ORDER.split()[:7]:  # to the first update
-        kind, mb = action[1], int(action[2:])
-        if kind == "F":
-            stage.forward(mb, torch.randn(4, 3))
-        elif kind == "B":
-            stage.backward(mb, torch.randn(4, 2))
-        else:
-            stage.update()
+    play(stage, " ".join(ORDER.split()[:7]))  # to the first update
     assert stage.optimizer is not None
     assert stage.optimizer.param_groups[0]["lr"] == pytest.approx(0.2)
     assert stage.updater is not None

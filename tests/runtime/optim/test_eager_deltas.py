@@ -9,13 +9,12 @@ from typing import Any
 
 import pytest
 import torch
+from support.versions import passes, play
 from torch import Tensor, nn
 from torch.optim import Muon, Optimizer
 
-from pipeoptim.plan.actions import Action
 from pipeoptim.plan.methods import get_method
 from pipeoptim.plan.plan import OptimizerSpec
-from pipeoptim.plan.versions import analyze_versions
 from pipeoptim.runtime.optim.basis_rotation import BasisRotation
 from pipeoptim.runtime.optim.optimizers import MuonWithAdamW
 from pipeoptim.runtime.optim.predict import WeightPredictor, predictor_for
@@ -123,9 +122,6 @@ def test_the_stage_computes_delta_in_the_update_before_a_predicted_forward(
 ) -> None:
     """F2 runs after U0 and meets U1 before its backward: it predicts from the weights U0
     left, so U0 computes the Δ; U1 and U2 have no predicted forward after them."""
-    order = {0: [Action.parse(a) for a in ORDER.split()]}
-    report = analyze_versions(order, get_method("pipeoptim").weight_policy, 1)
-    passes = {mb: v for (_, mb), v in report.passes.items()}
     torch.manual_seed(0)
     stage = Stage(
         1,
@@ -144,14 +140,11 @@ def test_the_stage_computes_delta_in_the_update_before_a_predicted_forward(
 
     monkeypatch.setattr(matrix, "_zeropower_via_newtonschulz", counted)
     where = "begin"
-    stage.begin_segment(passes)
-    for action in ORDER.split():
+    stage.begin_segment(passes("pipeoptim", ORDER))
+
+    def at(action: str) -> None:
+        nonlocal where
         where = action
-        kind, mb = action[1], int(action[2:])
-        if kind == "F":
-            stage.forward(mb, torch.randn(4, 3))
-        elif kind == "B":
-            stage.backward(mb, torch.randn(4, 2))
-        else:
-            stage.update()
+
+    play(stage, ORDER, before=at)
     assert calls == ["0U0", "0U0"]  # two matrices, once, in the update F2 follows
