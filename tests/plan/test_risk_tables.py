@@ -106,6 +106,17 @@ def test_a_file_without_a_table_is_refused_naming_it_and_the_fix() -> None:
         ),
         (("depth_excess", "8"), [0.1], r"depth_excess\['8'\] must be a JSON object"),
         (("closure", "xpipe"), {"sgd": {"one": 0.7}}, r"keys of closure\['xpipe'\]\['sgd'\]"),
+        (
+            ("correction_gain_delay", "extrapolate/muon"),
+            -1,
+            r"correction_gain_delay\['extrapolate/muon'\] must be an integer >= 0 \(got -1\)",
+        ),
+        (
+            ("risk_curve", "adamw"),
+            [[1.0]],
+            r"risk_curve\['adamw'\] holds \[1.0\], not an \[e, extra\]",
+        ),
+        (("risk_curve", "muon"), [[2.0, 0.5], [1.0, 0.6]], r"e increasing.*refit"),
     ],
 )
 def test_a_bad_value_is_refused_with_its_key(
