@@ -3,8 +3,8 @@ width and depth at 2 and 4 ranks.
 
 Run from the repository root::
 
-    .venv/bin/python benchmarks/bench_fidelity_set.py            # 30 steps per run
-    .venv/bin/python benchmarks/bench_fidelity_set.py --quick    # 12 steps, 3 repeats
+    .venv/bin/python benchmarks/bench_fidelity_set.py            # 30 steps, 3 runs per row
+    .venv/bin/python benchmarks/bench_fidelity_set.py --quick    # 12 steps, 1 run, 3 repeats
     .venv/bin/python benchmarks/bench_fidelity_set.py --models wide --ranks 2  # a subset
 
 Each model and rank count is a profile (its probes included) and two short real runs: on a
@@ -20,15 +20,16 @@ Models (each with the batch it trains at):
 
 For each model and rank count P (2 and 4, one gloo process per rank on this machine) it
 profiles as a user does (``pipeoptim profile --ranks P``: :func:`profile_builtin`), trains
-1f1b (M = P) and pipeoptim (M = 1) for real (``pipeoptim train --transport dist``) and sets
-each run's measured steady throughput against:
+1f1b (M = P) and pipeoptim (M = 1) for real (``pipeoptim train --transport dist``),
+``--runs`` times each, in turn, and sets the median of the runs' steady throughputs (the
+runs' lowest and highest beside it: the floor under any prediction) against:
 
 * **offline**: the profile cut at the run's boundaries on the profiled host, as ``plan``
   and ``simulate --profile`` predict it (:func:`~pipeoptim.sim.host.on_profiled_host`);
 * **offline, before**: the same with the model before the burst fix (every action's work
   multiplied by the ping-pong's ``burst_slowdown``; kept here to show the change in one run);
-* **what-if**: the 1f1b run calibrated and asked for the method
-  (:func:`pipeoptim.calibrate.what_if`; for 1f1b its own calibration);
+* **what-if**: each 1f1b run calibrated and asked for the method, the median of those
+  predictions (:func:`pipeoptim.calibrate.what_if`; for 1f1b its own calibration);
 * **what-if, before**: the same with the calibration before the sharing fix (every busy
   piece of the run divided by processor sharing, and no work of the asked method's weight
   policy beyond the run's; kept here to show the change in one run).
@@ -43,6 +44,7 @@ import argparse
 import dataclasses
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -110,12 +112,15 @@ def offline(
 
 
 class Row(NamedTuple):
-    """One model, rank count and method: samples/s measured and predicted."""
+    """One model, rank count and method: samples/s measured (the median of its runs, and
+    their lowest and highest) and predicted."""
 
     model: str
     ranks: int
     method: str
     measured: float
+    lowest: float
+    highest: float
     before: float
     offline: float
     what_if_before: float
@@ -123,37 +128,53 @@ class Row(NamedTuple):
 
 
 def compare(
-    name: str, ranks: int, method: str, profile: Profile, runs: dict[str, Trace], batch: int
+    name: str,
+    ranks: int,
+    method: str,
+    profile: Profile,
+    runs: dict[str, list[Trace]],
+    batch: int,
 ) -> Row:
-    """The run of ``method`` against the profile's predictions and the 1f1b run's what-if."""
-    run = runs[method]
+    """The runs of ``method`` against the profile's predictions and the median of the 1f1b
+    runs' what-ifs."""
+    run = runs[method][0]
     bounds = run_boundaries(run)
     micro = int(run.meta.get("micro_batches") or 1)
     before, after = (
         offline(profile, method, bounds, micro, batch, before=b) for b in (True, False)
     )
     m = ranks if get_method(method).micro_batched_by_default else None
-    guess = what_if(runs["1f1b"], method, micro_batches=m, profile=profile)
-    # the calibration before the sharing fix: processor sharing only, no policy's work
-    with mock.patch.object(machine_fit, "_RULES", (PROCESSOR_SHARING,)):
-        plain = dataclasses.replace(profile, runtime_costs=None)
-        old = what_if(runs["1f1b"], method, micro_batches=m, profile=plain)
+    guesses, olds = [], []
+    plain = dataclasses.replace(profile, runtime_costs=None)
+    for base in runs["1f1b"]:
+        guesses.append(what_if(base, method, micro_batches=m, profile=profile))
+        # the calibration before the sharing fix: processor sharing only, no policy's work
+        with mock.patch.object(machine_fit, "_RULES", (PROCESSOR_SHARING,)):
+            olds.append(what_if(base, method, micro_batches=m, profile=plain))
+    rates = [batch / per_batch(r) for r in runs[method]]
     return Row(
         name,
         ranks,
         method,
-        batch / per_batch(run),
+        statistics.median(rates),
+        min(rates),
+        max(rates),
         batch / before,
         batch / after,
-        batch / old.time_per_mini_batch,
-        batch / guess.time_per_mini_batch,
+        statistics.median(batch / w.time_per_mini_batch for w in olds),
+        statistics.median(batch / w.time_per_mini_batch for w in guesses),
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30, help="mini-batches per run")
-    parser.add_argument("--quick", action="store_true", help="12 steps per run, 3 repeats")
+    parser.add_argument(
+        "--runs", type=int, default=None, help="real runs per row, their median (default 3)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="12 steps, 1 run per row, 3 profile repeats"
+    )
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated subset")
     parser.add_argument("--ranks", default="2,4", help="comma-separated rank counts")
     parser.add_argument("--keep", type=Path, default=None, help="keep profiles and traces here")
@@ -162,12 +183,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     steps, repeats = (12, 3) if args.quick else (args.steps, 5)
+    tries = args.runs if args.runs is not None else (1 if args.quick else 3)
+    if tries < 1:
+        parser.error(f"--runs must be at least 1 (got {tries})")
     models = [m for m in args.models.split(",") if m]
     ranks = [int(r) for r in args.ranks.split(",") if r]
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
         f"# {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
-        f"gloo ranks on this host, {steps} steps per run; load average {load:.1f} at start"
+        f"gloo ranks on this host, {steps} steps per run, {tries} run(s) per row; "
+        f"load average {load:.1f} at start"
     )
     rows: list[Row] = []
     began = time.perf_counter()
@@ -178,35 +203,50 @@ def main(argv: list[str] | None = None) -> int:
             model, batch = MODELS[name]
             for p in ranks:
                 kept = where / f"{name}-{p}-profile.json"
-                files = [kept, *(where / f"{name}-{p}-{m}.json" for m in METHODS)]
-                if args.reuse and not all(f.exists() for f in files):
-                    print(f"# {name} P={p}: nothing kept in {where}, skipped")
-                    continue
+                paths = {
+                    m: [where / f"{name}-{p}-{m}-{i}.json" for i in range(tries)] for m in METHODS
+                }
                 if args.reuse:
+                    paths = {m: [f for f in fs if f.exists()] for m, fs in paths.items()}
+                    if not kept.exists() or not all(paths.values()):
+                        print(f"# {name} P={p}: nothing kept in {where}, skipped")
+                        continue
                     profile = Profile.load(kept)
+                    runs = {m: [Trace.load(f) for f in fs] for m, fs in paths.items()}
                 else:
                     profile = profile_builtin(model, batch_size=batch, ranks=p, repeats=repeats)
                     profile.save(kept)
-                runs = {}
-                for method in METHODS:
-                    path = where / f"{name}-{p}-{method}.json"
-                    if args.reuse:
-                        runs[method] = Trace.load(path)
-                        continue
-                    m = p if get_method(method).micro_batched_by_default else 1
-                    runs[method] = train(
-                        method, m, steps, path, "dist", "cpu", model=model, stages=p, batch=batch
-                    )
+                    runs = {m: [] for m in METHODS}
+                    for i in range(tries):  # in turn: the machine's drift meets every method
+                        for method in METHODS:
+                            mb = p if get_method(method).micro_batched_by_default else 1
+                            runs[method].append(
+                                train(
+                                    method,
+                                    mb,
+                                    steps,
+                                    paths[method][i],
+                                    "dist",
+                                    "cpu",
+                                    model=model,
+                                    stages=p,
+                                    batch=batch,
+                                )
+                            )
                 for method in METHODS:
                     rows.append(compare(name, p, method, profile, runs, batch))
-                    print(f"ran {name} P={p} {method}: {rows[-1].measured:,.0f} samples/s")
+                    r = rows[-1]
+                    print(
+                        f"ran {name} P={p} {method}: {r.measured:,.0f} samples/s "
+                        f"(runs {r.lowest:,.0f} to {r.highest:,.0f})"
+                    )
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"\n# {time.perf_counter() - began:.0f} s; load average {load:.1f} at the end\n")
     print(
-        "| model | P | method | measured samples/s | offline before (err) | "
+        "| model | P | method | measured samples/s | runs' range | offline before (err) | "
         "offline (err) | what-if before (err) | what-if from 1f1b (err) |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     worst = {key: 0.0 for key in TARGETS}
     for row in rows:
         real = row.measured
@@ -215,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         worst["what-if"] = max(worst["what-if"], abs(wif))
         print(
             f"| {row.model} | {row.ranks} | {row.method} | {real:,.0f} | "
+            f"{error(row.lowest, real):+.0%} to {error(row.highest, real):+.0%} | "
             f"{row.before:,.0f} ({error(row.before, real):+.0%}) | "
             f"{row.offline:,.0f} ({off:+.0%}) | "
             f"{row.what_if_before:,.0f} ({error(row.what_if_before, real):+.0%}) | "
