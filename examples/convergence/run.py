@@ -185,6 +185,9 @@ STUDIES = {
             ("2bw+extrapolate", "muon", 0.5),
         ),
         extrapolations_every_depth=tuple((EXTRAPOLATE, o, 0.5) for o in ("adamw", "muon")),
+        # the dial's fast end (M = P/4) with the middle λ under Muon: can the extrapolation
+        # close a delay of several updates as it closes one?
+        dial_extrapolations=(("muon", 0.25, 0.5),),
     ),
     # A deeper model and a shorter run: 16 blocks cut in halves (35 units, so 32 stages
     # exist), 1,000 updates, gpt-deep's recipe and windows; the reference rows and the best

@@ -94,7 +94,8 @@ def rate_sets(
 
 def method_labels(config: StudyConfig) -> list[str]:
     """Table rows: every method, the predicted-backward variants, the other optimizers, the
-    dial's rows (each M it trains at some depth) and the extrapolation's (each λ)."""
+    dial's rows (each M it trains at some depth), the extrapolation's (each λ) and the
+    dial's with the extrapolation (each M and λ)."""
     first = config.optimizers[0]
     dial = sorted({m for p in config.stages for m in config.dial_counts(p)}) if config.dial else []
     extrapolated = dict.fromkeys((*config.extrapolations_every_depth, *config.extrapolations))
@@ -110,6 +111,16 @@ def method_labels(config: StudyConfig) -> list[str]:
         *(
             row_label(method, None if o == first else o, extrapolation=lam)
             for method, o, lam in sorted(extrapolated, key=lambda r: (r[0], r[1], r[2]))
+        ),
+        *dict.fromkeys(
+            row_label(
+                config.dial_extrapolated_method,
+                config.trained_as(o),
+                micro_batches=max(1, round(p * share)),
+                extrapolation=lam,
+            )
+            for o, share, lam in config.dial_extrapolations
+            for p in sorted(config.stages)
         ),
     ]
 

@@ -135,6 +135,12 @@ class StudyConfig:
     extrapolations_every_depth: tuple[tuple[str, str, float], ...] = ()
     """(method, optimizer, λ) rows trained at every depth, as ``extrapolations``: the λ
     carried to depth."""
+    dial_extrapolations: tuple[tuple[str, float, float], ...] = ()
+    """(optimizer, share, λ) rows of the dial with the extrapolation correction:
+    ``dial_method+extrapolate`` at M = round(P·share) micro-batches per update and λ, at
+    every depth, in the first optimizer's column at its chosen rate (``pipeoptim+extrapolate
+    M=4 λ=0.5 (muon)``): the dial's fast settings, whose stages lag several updates, with
+    the short-delay correction."""
     equal_time: tuple[str, ...] = ()
     """Rows, as ``method`` or ``method (optimizer)`` without settings, that also train at
     equal time (:mod:`pipeoptim.study.equal_time`): the row itself, each of its dial rows
@@ -181,6 +187,7 @@ class StudyConfig:
                 *(m for m, _ in self.pairs),
                 *([self.dial_method] if self.dial else []),
                 *(m for m, _, _ in extrapolated),
+                *([self.dial_extrapolated_method] if self.dial_extrapolations else []),
             }
             - set(METHODS)
         )
@@ -213,6 +220,12 @@ class StudyConfig:
                 f"repeat_stages={self.repeat_stages}: their seed 0 would be missing there; "
                 f"set repeat_stages to {self.sweep_stages} or train them at every depth"
             )
+        for _, share, lam in self.dial_extrapolations:
+            if not (share > 0.0 and math.isfinite(lam) and lam >= 0.0):
+                raise RuntimeConfigError(
+                    f"dial_extrapolations are (optimizer, share, λ) with a share of the depth "
+                    f"above 0 and λ >= 0 (got share {share}, λ {lam}); e.g. ('muon', 0.25, 0.5)"
+                )
         if any(not share > 0.0 for share in self.dial_shares):
             raise RuntimeConfigError(
                 f"dial_shares are shares of the depth above 0 (got {list(self.dial_shares)}); "
@@ -267,6 +280,11 @@ class StudyConfig:
         (its rows carry no optimizer in their names), else the optimizer."""
         return None if optimizer == self.optimizers[0] else optimizer
 
+    @property
+    def dial_extrapolated_method(self) -> str:
+        """The method of ``dial_extrapolations``' rows: the dial's with the extrapolation."""
+        return f"{self.dial_method}+extrapolate"
+
     def dial_counts(self, stages: int) -> list[int]:
         """The dial's micro-batches per update at ``stages`` stages, ascending, without the
         method's own default (its plain row)."""
@@ -308,6 +326,19 @@ class StudyConfig:
                 extrapolation=lam,
             )
             for method, o, lam in self.extrapolation_rows(stages)
+        ]
+        specs += [
+            self.spec(
+                self.dial_extrapolated_method,
+                first,
+                lr,
+                stages,
+                seed,
+                trained_optimizer=self.trained_as(o),
+                micro_batch_count=max(1, round(stages * share)),
+                extrapolation=lam,
+            )
+            for o, share, lam in self.dial_extrapolations
         ]
         return specs
 

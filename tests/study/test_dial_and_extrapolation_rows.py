@@ -35,13 +35,18 @@ CONFIG = StudyConfig(
     dial_method="xpipe",
     extrapolations=(("pipedream+pipemare", "muon", 0.25),),
     extrapolations_every_depth=(("pipedream+pipemare", "adamw", 0.5),),
+    dial_extrapolations=(("muon", 0.25, 0.5),),
 )
 
 
 def test_the_dial_trains_p_over_4_and_p_over_2_without_the_default() -> None:
     assert CONFIG.dial_counts(8) == [2, 4]
     assert CONFIG.dial_counts(4) == [1, 2]  # xpipe's own M = 4 is its plain row
-    specs = [s for s in main_specs(CONFIG, RATES) if s.micro_batch_count is not None]
+    specs = [
+        s
+        for s in main_specs(CONFIG, RATES)
+        if s.micro_batch_count is not None and s.extrapolation is None
+    ]
     assert [(s.label, s.stages) for s in specs] == [
         ("xpipe M=2", 8),
         ("xpipe M=4", 8),
@@ -63,7 +68,11 @@ def test_the_dial_trains_p_over_4_and_p_over_2_without_the_default() -> None:
 
 
 def test_extrapolation_rows_at_the_sweep_depth_and_at_every_depth() -> None:
-    specs = [s for s in main_specs(CONFIG, RATES) if s.extrapolation is not None]
+    specs = [
+        s
+        for s in main_specs(CONFIG, RATES)
+        if s.extrapolation is not None and s.micro_batch_count is None
+    ]
     assert [(s.label, s.stages) for s in specs] == [
         ("pipedream+pipemare λ=0.5", 8),
         ("pipedream+pipemare λ=0.25 (muon)", 8),
@@ -71,8 +80,33 @@ def test_extrapolation_rows_at_the_sweep_depth_and_at_every_depth() -> None:
     ]
     assert specs[1].key.endswith("/extrapolation=0.25")
     labels = method_labels(CONFIG)
-    assert labels[-2:] == ["pipedream+pipemare λ=0.5", "pipedream+pipemare λ=0.25 (muon)"]
+    assert labels[-4:-2] == ["pipedream+pipemare λ=0.5", "pipedream+pipemare λ=0.25 (muon)"]
     assert {"xpipe M=1", "xpipe M=2 (muon)", "xpipe M=4 (muon)"} <= set(labels)
+
+
+def test_the_dial_with_the_extrapolation_trains_at_every_depth_with_both_settings() -> None:
+    specs = [
+        s
+        for s in main_specs(CONFIG, RATES)
+        if s.extrapolation is not None and s.micro_batch_count is not None
+    ]
+    # M = round(P / 4): 2 at 8 stages, 1 at 4 (xpipe takes any M)
+    assert [(s.label, s.stages, s.micro_batches) for s in specs] == [
+        ("xpipe+extrapolate M=2 λ=0.5 (muon)", 8, 2),
+        ("xpipe+extrapolate M=1 λ=0.5 (muon)", 4, 1),
+    ]
+    assert specs[0].key.endswith("/micro_batch_count=2/extrapolation=0.5")
+    assert specs[0].trained_optimizer == "muon" and specs[0].method == "xpipe+extrapolate"
+    assert method_labels(CONFIG)[-2:] == [
+        "xpipe+extrapolate M=1 λ=0.5 (muon)",
+        "xpipe+extrapolate M=2 λ=0.5 (muon)",
+    ]
+
+
+def test_a_dial_extrapolation_row_needs_a_share_above_0_and_a_lambda_of_at_least_0() -> None:
+    for share, lam in ((0.0, 0.5), (0.25, -1.0), (0.25, float("nan"))):
+        with pytest.raises(RuntimeConfigError, match=r"dial_extrapolations .* e\.g\."):
+            replace(CONFIG, dial_extrapolations=(("muon", share, lam),))
 
 
 def test_new_fields_leave_every_existing_key_as_it_was() -> None:
