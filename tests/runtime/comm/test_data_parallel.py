@@ -8,6 +8,7 @@ The ranks run ``dp_worker.py`` under torchrun (the library path); the launcher p
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -181,6 +182,8 @@ def test_replicas_checkpoint_once_and_resume_exactly(
 
     whole = run(2, 9, "whole")
     first = run(2, 6, "parts")
+    # the same 6 steps on 2 replicas, later resumed on 1: a copy, not a second launch
+    shutil.copytree(tmp_path / "parts", tmp_path / "two-then-one")
     rest = run(2, 9, "parts", resume=True)
     assert rest.start_step == 6
     assert first.losses + rest.losses == whole.losses
@@ -194,7 +197,6 @@ def test_replicas_checkpoint_once_and_resume_exactly(
         for name, tensor in a["state"]["module"].items():
             assert torch.equal(tensor, b["state"]["module"][name])
     one = run(1, 9, "one")  # the reference for a resume on one replica
-    run(2, 6, "two-then-one")
     resumed = run(1, 9, "two-then-one", resume=True)
     assert resumed.start_step == 6
     assert resumed.losses == pytest.approx(one.losses[6:], abs=1e-5)
