@@ -116,7 +116,7 @@ def method_labels(config: StudyConfig) -> list[str]:
             row_label(
                 config.dial_extrapolated_method,
                 config.trained_as(o),
-                micro_batches=max(1, round(p * share)),
+                micro_batches=config.dial_count(p, share),
                 extrapolation=lam,
             )
             for o, share, lam in config.dial_extrapolations

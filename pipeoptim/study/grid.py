@@ -285,11 +285,17 @@ class StudyConfig:
         """The method of ``dial_extrapolations``' rows: the dial's with the extrapolation."""
         return f"{self.dial_method}+extrapolate"
 
+    @staticmethod
+    def dial_count(stages: int, share: float) -> int:
+        """The dial's micro-batches per update at ``stages`` for a ``share`` of the depth:
+        round(P·share), at least 1."""
+        return max(1, round(stages * share))
+
     def dial_counts(self, stages: int) -> list[int]:
         """The dial's micro-batches per update at ``stages`` stages, ascending, without the
         method's own default (its plain row)."""
         default = METHODS[self.dial_method].default_micro_batches_at(stages)
-        counts = {max(1, round(stages * share)) for share in self.dial_shares}
+        counts = {self.dial_count(stages, share) for share in self.dial_shares}
         return sorted(counts - {default})
 
     def extrapolation_rows(self, stages: int) -> list[tuple[str, str, float]]:
@@ -335,7 +341,7 @@ class StudyConfig:
                 stages,
                 seed,
                 trained_optimizer=self.trained_as(o),
-                micro_batch_count=max(1, round(stages * share)),
+                micro_batch_count=self.dial_count(stages, share),
                 extrapolation=lam,
             )
             for o, share, lam in self.dial_extrapolations
