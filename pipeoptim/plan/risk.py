@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any
 
 from pipeoptim.plan.delay_risk import RiskCurve
@@ -217,12 +217,14 @@ def method_risk(
     return MethodRisk(ds, st, e, closed, risk, k, curve)
 
 
+@lru_cache(maxsize=1024)
 def schedule_versions(
     method: str, num_stages: int, micro_batches: int | None = None
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Per stage, the largest prediction distance s and staleness of ``method``'s schedule
     at ``micro_batches`` (None: the method's default M; a run long enough to reach the
-    steady state)."""
+    steady state). Kept per arguments: the methods are fixed classes, and a deep schedule
+    (32 stages of xpipe: 200,000 actions) is long to build and walk."""
     spec = get_method(method)
     m = micro_batches if micro_batches is not None else spec.default_micro_batches_at(num_stages)
     m = spec.micro_batches_for(m)

@@ -92,8 +92,21 @@ def _smallest_run(runs: str, *more: str) -> subprocess.CompletedProcess[str]:
     return done
 
 
-def test_bench_runtime_prints_the_share_of_the_limit_and_where_the_time_goes() -> None:
-    done = _smallest_run("pipeoptim pipeoptim,limit,limit +prediction")
+@pytest.fixture(scope="module")
+def two_rank_run() -> subprocess.CompletedProcess[str]:
+    """One smallest run at 2 ranks of every run the tests below read (each run spawns its
+    ranks, so one script start serves them all)."""
+    return _smallest_run(
+        "pipeoptim pipeoptim,limit,limit +prediction,"
+        "pipeoptim pipedream,pipeoptim pipedream (gloo),limit +stash,locked +stash,"
+        "pipeoptim 1f1b,pipeoptim 1f1b (weights in the backward)"
+    )
+
+
+def test_bench_runtime_prints_the_share_of_the_limit_and_where_the_time_goes(
+    two_rank_run: subprocess.CompletedProcess[str],
+) -> None:
+    done = two_rank_run
     assert re.search(r"\| limit \| [\d,]+ \|", done.stdout), done.stdout
     assert "host allocator: pipeoptim in every run" in done.stdout, done.stdout
     share = re.search(
@@ -121,13 +134,12 @@ def test_bench_runtime_prints_the_share_of_the_limit_and_where_the_time_goes() -
     assert [r for r, _ in ranks] == ["0", "1"] and all(float(c) > 0 for _, c in ranks)
 
 
-def test_bench_runtime_sets_twin_runs_beside_their_base_runs() -> None:
+def test_bench_runtime_sets_twin_runs_beside_their_base_runs(
+    two_rank_run: subprocess.CompletedProcess[str],
+) -> None:
     """Over gloo beside shared memory; weight gradients in the backward beside after the
     send."""
-    done = _smallest_run(
-        "pipeoptim pipedream,pipeoptim pipedream (gloo),pipeoptim 1f1b,"
-        "pipeoptim 1f1b (weights in the backward),limit"
-    )
+    done = two_rank_run
     assert re.search(r"\| pipeoptim pipedream \(gloo\) \| [\d,]+ \|", done.stdout), done.stdout
     for what, run in (
         ("against gloo alone", "pipeoptim pipedream"),
@@ -156,11 +168,16 @@ def test_paired_ratios_are_the_median_of_each_rounds_own() -> None:
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_bench_runtime_locks_the_limits_loops_in_the_pipelines_order(ranks: int) -> None:
+def test_bench_runtime_locks_the_limits_loops_in_the_pipelines_order(
+    ranks: int, request: pytest.FixtureRequest
+) -> None:
     """The limit's loops with PipeDream's stash, waiting on one another as asynchronous
     1F1B's stages do: every rank finishes (no rank waits on a message never sent, rank 0
     three forwards ahead at 4 ranks), and the script sets pipedream against it."""
-    done = _smallest_run("pipeoptim pipedream,limit +stash,locked +stash", "--ranks", str(ranks))
+    if ranks == 2:
+        done: subprocess.CompletedProcess[str] = request.getfixturevalue("two_rank_run")
+    else:
+        done = _smallest_run("pipeoptim pipedream,limit +stash,locked +stash", "--ranks", "4")
     locked = re.search(r"locked \+stash: (\d+\.\d\d)x limit \+stash \[(\d+\.\d\d)x\]", done.stdout)
     assert locked is not None and min(map(float, locked.groups())) > 0, done.stdout
     method = re.search(r"pipeoptim pipedream: (\d+\.\d\d)x locked \+stash", done.stdout)

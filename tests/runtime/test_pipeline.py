@@ -377,8 +377,9 @@ def test_no_host_sync_in_the_steady_state_on_cuda(monkeypatch: pytest.MonkeyPatc
 @pytest.mark.slow
 def test_gpt_language_model_learns_within_a_cpu_minute() -> None:
     """The built-in character LM through the library, as the CLI's default runs it
-    (PipeOptim, 4 stages, AdamW lr 5e-4, batch 32): 400 steps took 36 s on the 2-core
-    machine and reached a test perplexity of 12.2 from 98 (unigram: about 22)."""
+    (PipeOptim, 4 stages, AdamW lr 5e-4, batch 32): 250 steps reach a test perplexity of
+    16.4 from 98, below the unigram's (about 22), so the model reads its context (400
+    steps reach 12.2; 250 keep the test under half a minute on the 2-core machine)."""
     data = python_corpus()
     torch.manual_seed(0)
     pipe = Pipeline(
@@ -394,11 +395,11 @@ def test_gpt_language_model_learns_within_a_cpu_minute() -> None:
     )
     result = pipe.fit(
         train_loader,
-        max_steps=400,
+        max_steps=250,
         eval_data=DataLoader(TensorDataset(data.test_x, data.test_y), batch_size=256),
     )
     assert result.eval is not None and result.eval.samples == len(data.test_x)
-    assert result.eval.perplexity < 14.0, result.eval
+    assert result.eval.perplexity < 18.5, result.eval
     assert result.train_accuracy is not None  # token accuracy of the last epoch's steps
 
 
