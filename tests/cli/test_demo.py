@@ -203,7 +203,8 @@ def test_bench_demo_repeat_trains_the_demos_plans_again_on_its_folder(
 
 @pytest.mark.slow
 def test_an_interrupted_demo_keeps_its_finished_steps_and_resumes(tmp_path: Path) -> None:
-    """Ctrl-C (SIGINT to the whole process group) during the first real run."""
+    """Ctrl-C (SIGINT to the whole process group) during the second real run: the first
+    one's step is kept, so the resume trains for real once."""
     out = tmp_path / "out"
     # A shell without job control starts background jobs with SIGINT ignored, which a child
     # inherits (and Python then installs no KeyboardInterrupt handler); a handler of ours is
@@ -220,16 +221,17 @@ def test_an_interrupted_demo_keeps_its_finished_steps_and_resumes(tmp_path: Path
     finally:
         signal.signal(signal.SIGINT, previous)
     deadline = time.monotonic() + 300
-    while not (out / "steps" / "plan.json").exists():
+    while not any((out / "steps").glob("train-*.json")):
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    time.sleep(1.0)  # the real runs are starting their processes
+    time.sleep(1.0)  # the second real run is starting its processes
     os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-2000:]
     kept = sorted(p.stem for p in (out / "steps").glob("*.json"))
     assert {"profile", "plan"} <= set(kept) and "report" not in kept
+    assert len([k for k in kept if k.startswith("train-")]) == 1, kept
     assert f"interrupted: {len(kept)} finished step(s) are kept in {out}" in err
     assert err.strip().endswith("pipeoptim demo: interrupted")
     resumed = _demo(out)
