@@ -3,14 +3,14 @@ Hugging Face Llama (RMSNorm, rotary positions, SwiGLU; built from a config, noth
 downloaded) on English prose, the text of Python's documentation topics
 (``pydoc_data.topics``, in the standard library), with the study's recipe.
 
-    python examples/convergence/heldout.py              # 11 runs of 2,000 updates, two at a
-                                                        # time: ~40 minutes on 2 cores
+    python examples/convergence/heldout.py              # 13 runs of 2,000 updates, two at a
+                                                        # time: ~50 minutes on 2 cores
     python examples/convergence/heldout.py --report-only
 
 Rows: gpipe and pipeoptim under AdamW, gpipe and pipeoptim+nesterov under Muon, gpipe and
 pipeoptim under Basis Rotation (Adam in each matrix's gradient eigenbasis); the one-step
-family (xpipe under AdamW and Muon, with and without the extrapolation at λ = 0.5, and
-2bw+extrapolate under Muon; M = 8 micro-batches), 8 stages
+family (xpipe under AdamW and Muon, with and without the extrapolation at λ = 0.5,
+2bw+extrapolate under Muon, xpipe and 2bw under Basis Rotation; M = 8 micro-batches), 8 stages
 (9 units: the embedding, 7 decoder layers, the final norm with the head), 2,000 updates of
 32 windows of 64 characters, AdamW's recipe of the study (2e-3, weight decay 0.01, 10 %
 warm-up, cosine to 0.1x, clipping 1.0 per stage; Muon and Basis Rotation at the same rate
@@ -45,6 +45,9 @@ RUNS = {
     "xpipe (muon)": ("xpipe", "muon"),
     "xpipe+extrapolate λ=0.5 (muon)": ("xpipe+extrapolate", "muon"),
     "2bw+extrapolate λ=0.5 (muon)": ("2bw+extrapolate", "muon"),
+    # the one-step family under Basis Rotation, the study's closest one-step rows
+    "xpipe (basis-rotation)": ("xpipe", "basis-rotation"),
+    "2bw (basis-rotation)": ("2bw", "basis-rotation"),
 }
 
 OPTIONS: dict[str, dict[str, object]] = {
