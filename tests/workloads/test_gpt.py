@@ -109,7 +109,7 @@ def test_short_training_beats_unigram(corpus):
 
         initial = test_loss()
         gen = torch.Generator().manual_seed(0)
-        for _ in range(300):
+        for _ in range(200):
             idx = torch.randint(0, len(corpus.train_x), (32,), generator=gen)
             loss = lm_loss(model(corpus.train_x[idx]), corpus.train_y[idx])
             opt.zero_grad()
@@ -125,4 +125,5 @@ def test_short_training_beats_unigram(corpus):
     probs = counts / counts.sum()
     unigram = -torch.log(probs[test_y.flatten()].clamp_min(1e-12)).mean().item()
     print(f"initial {initial:.3f} final {final:.3f} unigram {unigram:.3f}")
-    assert final < unigram - 0.6  # measured: 2.10 to 2.14 over five seeds, unigram 2.96
+    # measured at 200 steps: 2.17 to 2.21 over three seeds, unigram 2.96
+    assert final < unigram - 0.6
