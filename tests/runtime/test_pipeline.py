@@ -379,7 +379,7 @@ def test_gpt_language_model_learns_within_a_cpu_minute() -> None:
     """The built-in character LM through the library, as the CLI's default runs it
     (PipeOptim, 4 stages, AdamW lr 5e-4, batch 32): 250 steps reach a test perplexity of
     16.4 from 98, below the unigram's (about 22), so the model reads its context (400
-    steps reach 12.2; 250 keep the test under half a minute on the 2-core machine)."""
+    steps reach 12.2; 250 take five eighths of their time)."""
     data = python_corpus()
     torch.manual_seed(0)
     pipe = Pipeline(
