@@ -6,6 +6,7 @@ once at the end."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -13,13 +14,13 @@ import pytest
 
 from pipeoptim.calibrate import calibrated_profile
 from pipeoptim.plan.plan import OptimizerSpec
-from pipeoptim.plan.profile import Profile
+from pipeoptim.plan.profile import LayerProfile, Profile
 from pipeoptim.runtime.pipeline import Pipeline
 from pipeoptim.runtime.profiling.messages import MessageTiming
 from pipeoptim.sim.host import host_notes
 from pipeoptim.trace import Trace
 from pipeoptim.workloads import profiling
-from pipeoptim.workloads.layout_probe import adopt_layout
+from pipeoptim.workloads.layout_probe import _excess_fixed, adopt_layout
 from pipeoptim.workloads.loader import build_model, model_loss
 from pipeoptim.workloads.message_probe import RuntimeMessages
 
@@ -79,15 +80,27 @@ def test_the_layers_take_the_calibrated_times_and_keep_the_rest(
     for before, after, cal in zip(loop.layers, adopted.layers, fitted.layers, strict=True):
         # at the probe's micro-batch the calibrated times; per sample more, the loop's:
         # what the probe costs beyond the loop is fixed (an action after a wait)
-        assert after.time_at(probed, loop.batch_size) == pytest.approx(
-            cal.time_at(probed, loop.batch_size), rel=1e-9, abs=1e-15
+        now = after.time_at(probed, loop.batch_size)
+        sides = zip(
+            before.time_at(probed, loop.batch_size),
+            now,
+            cal.time_at(probed, loop.batch_size),
+            (before.forward_fixed_s, before.backward_fixed_s),
+            (after.forward_fixed_s, after.backward_fixed_s),
+            (
+                before.forward_s - before.forward_fixed_s,
+                before.backward_s - before.backward_fixed_s,
+            ),
+            (after.forward_s - after.forward_fixed_s, after.backward_s - after.backward_fixed_s),
+            strict=True,
         )
-        assert after.forward_s - after.forward_fixed_s == pytest.approx(
-            before.forward_s - before.forward_fixed_s, rel=1e-9, abs=1e-15
-        )
-        assert after.backward_s - after.backward_fixed_s == pytest.approx(
-            before.backward_s - before.backward_fixed_s, rel=1e-9, abs=1e-15
-        )
+        for loop_t, after_t, cal_t, loop_fixed, after_fixed, loop_per, after_per in sides:
+            if loop_fixed + (cal_t - loop_t) >= 0.0:
+                assert after_t == pytest.approx(cal_t, rel=1e-9, abs=1e-15)
+                assert after_per == pytest.approx(loop_per, rel=1e-9, abs=1e-15)
+            else:  # the run was faster than the loop's fixed part: no negative fixed part
+                assert after_fixed == 0.0
+                assert cal_t <= after_t * (1 + 1e-9) and after_t <= loop_t * (1 + 1e-9)
         assert after.update_s == cal.update_s
         # what the run does not measure stays the loop's: bytes, the split of a backward
         assert (after.name, after.param_bytes, after.activation_bytes) == (
@@ -189,3 +202,18 @@ def test_the_real_probe_runs_the_ranks_as_processes(monkeypatch: pytest.MonkeyPa
     assert record["mini_batches"] >= profiling.LAYOUT_STEPS[0]
     assert record["slowdown"] > 0 and record["send_s"] > 0 and record["receive_s"] > 0
     assert all(x.forward_s > 0 and x.backward_s > 0 for x in profile.layers)
+
+
+def test_a_run_faster_than_the_loops_fixed_part_leaves_no_negative_fixed_part() -> None:
+    loop = LayerProfile("0:Linear", 4e-3, 8e-3, 0, 0, 0, 0, forward_fixed_s=1e-3)
+    # at 4 of 16 samples the loop takes 1 + 3/4 = 1.75 ms forward, 2 ms backward
+    slower = dataclasses.replace(loop, forward_s=6e-3, forward_fixed_s=3e-3, backward_s=12e-3)
+    adopted = _excess_fixed(loop, slower, 4.0, 16)
+    assert adopted.time_at(4.0, 16) == pytest.approx(slower.time_at(4.0, 16), rel=1e-12)
+    assert adopted.forward_s - adopted.forward_fixed_s == pytest.approx(3e-3, rel=1e-12)
+    # the run took 0.25 ms forward: 1.5 ms below the loop, more than its 1 ms fixed part
+    faster = dataclasses.replace(loop, forward_s=1e-3, forward_fixed_s=0.0)
+    clamped = _excess_fixed(loop, faster, 4.0, 16)
+    assert clamped.forward_fixed_s == 0.0
+    assert clamped.forward_s == pytest.approx(4e-3 - 1.5e-3, rel=1e-12)
+    assert faster.time_at(4.0, 16)[0] <= clamped.time_at(4.0, 16)[0] <= loop.time_at(4.0, 16)[0]
