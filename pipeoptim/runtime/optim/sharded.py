@@ -37,14 +37,15 @@ at any D) and keeps this replica's part, so a run resumes onto another D, sharde
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
+from typing_extensions import TypeIs
 
 from pipeoptim.errors import StageError
 from pipeoptim.runtime.comm.replicas import collective
@@ -52,6 +53,11 @@ from pipeoptim.runtime.optim.families import TORCH_FAMILIES
 from pipeoptim.runtime.optim.optimizers import MuonWithAdamW
 from pipeoptim.runtime.optim.predict import Deltas, WeightPredictor, check_distance
 from pipeoptim.runtime.optim.update_persistence import UpdatePersistence
+
+if TYPE_CHECKING:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+_ZERO_MODULE = "torch.distributed.optim.zero_redundancy_optimizer"
 
 __all__ = [
     "SHARDABLE",
@@ -94,14 +100,23 @@ SHARDABLE: frozenset[type[Optimizer]] = frozenset(
 and state only, so a replica may own whole parameters and step them alone."""
 
 
-def is_sharded(optimizer: Optimizer | None) -> bool:
-    """Whether ``optimizer`` is a stage's sharded (ZeRO) optimizer."""
-    return isinstance(optimizer, ZeroRedundancyOptimizer)
+def is_sharded(optimizer: Optimizer | None) -> TypeIs[ZeroRedundancyOptimizer]:
+    """Whether ``optimizer`` is a stage's sharded (ZeRO) optimizer. ZeRO's module is read
+    only where it is loaded (none of its instances exists otherwise): importing
+    ``torch.distributed.optim`` costs a tenth of every rank's start."""
+    module = sys.modules.get(_ZERO_MODULE)
+    return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)
+
+
+def _zero_class() -> type[ZeroRedundancyOptimizer]:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer
 
 
 def local_optimizer(optimizer: Optimizer) -> Optimizer:
     """The optimizer that holds this process's state: ZeRO's local one, else ``optimizer``."""
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    if is_sharded(optimizer):
         return cast(Optimizer, optimizer.optim)
     return optimizer
 
@@ -171,7 +186,7 @@ def shard_optimizer(opt: Optimizer, group: dist.ProcessGroup, *, stage: int) -> 
     build, defaults = _constructor(opt)
     groups = [{**g, "params": list(g["params"])} for g in opt.param_groups]
     try:
-        zero = ZeroRedundancyOptimizer(
+        zero = _zero_class()(
             groups, optimizer_class=cast(Any, build), process_group=group, **defaults
         )
     except (TypeError, ValueError, RuntimeError) as err:
@@ -212,7 +227,7 @@ def _equal(a: Any, b: Any) -> bool:
 def unsharded_twin(optimizer: Optimizer) -> Optimizer:
     """A fresh unsharded optimizer over the same groups (no state): what a checkpoint of
     unknown class is tried on before anything is loaded into the sharded one."""
-    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+    if not is_sharded(optimizer):
         return optimizer
     local = cast(Optimizer, optimizer.optim)
     if isinstance(local, MuonWithAdamW):
@@ -231,7 +246,7 @@ def full_state_dict(optimizer: Optimizer) -> dict[str, Any]:
     """The optimizer's state dict as the unsharded optimizer returns it; a sharded one is
     consolidated first, on every replica (a collective over the stage's replicas: all of
     them call it, in the same order). Tensors of a consolidated state are CPU copies."""
-    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+    if not is_sharded(optimizer):
         return optimizer.state_dict()
     zero = optimizer
     state: dict[str, Any] = {}
@@ -252,7 +267,7 @@ def full_state_dict(optimizer: Optimizer) -> dict[str, Any]:
 def load_full_state(optimizer: Optimizer, state: dict[str, Any]) -> None:
     """Load an unsharded optimizer's state dict (a checkpoint of any D, sharded or not):
     a sharded optimizer keeps this replica's part. ``state`` may be changed (pass a copy)."""
-    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+    if not is_sharded(optimizer):
         optimizer.load_state_dict(state)
         return
     zero = optimizer
@@ -335,7 +350,7 @@ class ShardedPredictor(WeightPredictor):
                     torch._foreach_copy_([d for d, _ in pairs], [p.detach() for _, p in pairs])
                 return
             # the hyper-parameters a scheduler or a correction wrote since the last step
-            sync = cast(Any, ZeroRedundancyOptimizer)._sync_param_groups
+            sync = cast(Any, _zero_class())._sync_param_groups
             sync(self.zero.param_groups, self.inner.optimizer.param_groups)
             mine = self._owned[self.replica]
             self.inner.predict_into([dest[i] for i in mine], s, lrs)
@@ -385,7 +400,7 @@ class ShardedPredictor(WeightPredictor):
     def prepare_deltas(self) -> None:
         """This replica's shard of Δ, kept by the inner predictor (no collective), from the
         hyper-parameters :meth:`predict_into` would read."""
-        sync = cast(Any, ZeroRedundancyOptimizer)._sync_param_groups
+        sync = cast(Any, _zero_class())._sync_param_groups
         sync(self.zero.param_groups, self.inner.optimizer.param_groups)
         self.inner.prepare_deltas()
         self.kept_computations = self.inner.kept_computations
@@ -422,6 +437,6 @@ class ShardedPredictor(WeightPredictor):
 def shard_predictor(inner: WeightPredictor, optimizer: Optimizer) -> WeightPredictor:
     """``inner`` (built on the local optimizer) as the stage's predictor: wrapped to gather
     the shards where ``optimizer`` is sharded, else as it is."""
-    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+    if not is_sharded(optimizer):
         return inner
     return ShardedPredictor(inner, optimizer)
