@@ -168,6 +168,9 @@ def main() -> None:
         units = wide_units()
         full = training_bytes(units)
         torch.distributed.init_process_group("gloo")
+        # torch loads its compiler stack (dynamo, sympy: about 70 MiB mapped) when the first
+        # optimizer is built: load it before the baseline, so the cap bounds the model
+        wide_adamw([nn.Parameter(torch.zeros(1))])
         # A cap on what this process may map: what it maps now plus 3/4 of the whole
         # model's training state; one stage needs half of it.
         cap = address_space() + full * 3 // 4

@@ -102,8 +102,8 @@ and state only, so a replica may own whole parameters and step them alone."""
 
 def is_sharded(optimizer: Optimizer | None) -> TypeIs[ZeroRedundancyOptimizer]:
     """Whether ``optimizer`` is a stage's sharded (ZeRO) optimizer. ZeRO's module is read
-    only where it is loaded (none of its instances exists otherwise): importing
-    ``torch.distributed.optim`` costs a tenth of every rank's start."""
+    only where it is loaded (none of its instances exists otherwise), so a rank that does
+    not shard starts without importing ``torch.distributed.optim``."""
     module = sys.modules.get(_ZERO_MODULE)
     return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)
 
