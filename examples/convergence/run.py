@@ -160,6 +160,11 @@ STUDIES = {
             ("2bw", "nadam"),
             ("xpipe", "basis-rotation"),
             ("2bw", "basis-rotation"),
+            # NAdam as AsyncPP trains it (β1 = 0.99): does the slower momentum make the one
+            # update ahead foreseeable, where torch's β1 = 0.9 left it half new gradient?
+            ("gpipe", "nadam β1=0.99"),
+            ("xpipe", "nadam β1=0.99"),
+            ("2bw", "nadam β1=0.99"),
         ),
         # the optimizer rows that ask one question each, at 8 stages only; the corrections
         # (nesterov) and the best row with its reference (muon) train at every depth

@@ -101,7 +101,9 @@ class OptimizerSpec:
     lr: float = 0.02
     """Learning rate (0.02 suits SGD with momentum 0.9; Adam-family runs want ~1e-3)."""
     options: dict[str, float | bool] = field(default_factory=dict)
-    """Further keyword arguments to the torch.optim constructor (momentum, weight_decay...)."""
+    """Further keyword arguments to the torch.optim constructor (momentum, weight_decay...);
+    ``beta1`` and ``beta2`` set one half each of Adam's kin's ``betas`` pair (AsyncPP's
+    NAdam: ``{"beta1": 0.99}``)."""
 
     def __post_init__(self) -> None:
         if self.family not in OPTIMIZER_FAMILIES:

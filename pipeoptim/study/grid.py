@@ -29,6 +29,7 @@ from pipeoptim.plan.methods import METHODS
 from pipeoptim.plan.optimizer_families import FAMILIES, find_family
 from pipeoptim.plan.risk import parse_row
 from pipeoptim.study.runs import MODEL_METRIC, RunRecord, RunSpec, run_one
+from pipeoptim.study.variants import family_of, optimizer_options
 
 __all__ = [
     "ALL_METHODS",
@@ -201,6 +202,13 @@ class StudyConfig:
                 f"variants {bad} do not predict weights; the predicted-backward variant "
                 f"applies to {sorted(PREDICTING)}"
             )
+        for _, optimizer in self.pairs:
+            family, _ = optimizer_options(optimizer)  # its settings read, or why not
+            if find_family(family) is None:
+                raise RuntimeConfigError(
+                    f"pair optimizer {optimizer!r} names no optimizer family; choose from "
+                    f"{', '.join(FAMILIES)}, with settings as 'nadam β1=0.99'"
+                )
         pair_labels = {f"{m} ({o})" for m, o in self.pairs}
         stray = sorted(set(self.pairs_only_at_sweep_depth) - pair_labels)
         if stray:
@@ -458,7 +466,7 @@ def relative_cost(spec: RunSpec) -> float:
     ``run_specs`` schedules the longest runs first by)."""
     micro = spec.micro_batches
     per_step = 1.0 + 0.25 * (micro - 1) * max(1, spec.stages) / 16
-    family = find_family(spec.trained_optimizer or spec.optimizer)
+    family = find_family(family_of(spec.trained_optimizer or spec.optimizer))
     if family is not None and family.shaped_step:
         per_step += 0.4
     return per_step * spec.steps

@@ -33,7 +33,7 @@ from pipeoptim.plan.risk_tables import RiskTables, risk_tables_from_json
 from pipeoptim.study.cells import Cell, aggregate, method_labels, synchronous_label
 from pipeoptim.study.equal_time import EqualTimeResult, SecondsPerSample, equal_time_results
 from pipeoptim.study.grid import StudyConfig, choose_rates, load_records, main_specs
-from pipeoptim.study.runs import RunRecord
+from pipeoptim.study.runs import RunRecord, split_label
 from pipeoptim.study.tables import closure_rows, gaps, peak_copies
 from pipeoptim.study.targets import (
     Targets,
@@ -43,6 +43,7 @@ from pipeoptim.study.targets import (
     risk_points,
     seconds_per_sample_of,
 )
+from pipeoptim.study.variants import is_variant
 
 __all__ = [
     "TABLES_META",
@@ -145,7 +146,12 @@ class RiskFitParts:
     ) -> None:
         """Add one model's parts (``closure``: its :func:`closure_rows`;
         ``seconds_per_sample``: each row's simulated time per sample, None where the model
-        has no profile; ``equal``: its :func:`equal_time_results`)."""
+        has no profile; ``equal``: its :func:`equal_time_results`). Rows under an
+        optimizer with settings of its family (``nadam β1=0.99``) are left out: the
+        planner's tables are keyed by family."""
+        cells = {k: c for k, c in cells.items() if not is_variant(split_label(k[0])[1])}
+        closure = [r for r in closure if not is_variant(r["optimizer"])]
+        equal = [r for r in equal if not is_variant(split_label(r.label)[1])]
         if TARGETS.get(config.model) is None:
             self._add_time(config, gaps(config, cells, rates), seconds_per_sample, equal)
             # the planner's table: at a depth two models measured, the first model's rows

@@ -17,6 +17,7 @@ from pipeoptim.errors import RuntimeConfigError
 from pipeoptim.plan.optimizer_families import find_family
 from pipeoptim.plan.risk import row_label
 from pipeoptim.plan.risk import split_row as split_label
+from pipeoptim.study.variants import optimizer_options
 
 __all__ = ["CurvePoint", "RunRecord", "RunSpec", "run_one", "split_label"]
 
@@ -220,8 +221,8 @@ def run_one(spec: RunSpec) -> RunRecord:
             f"{spec.eval_every})"
         )
     layers, data = build_model(spec.model, spec.seed)
-    family = spec.trained_optimizer or spec.optimizer
-    options: dict[str, float | bool] = {}
+    family, set_options = optimizer_options(spec.trained_optimizer or spec.optimizer)
+    options: dict[str, float | bool] = {**set_options}
     if spec.weight_decay:
         options["weight_decay"] = spec.weight_decay
         known = find_family(family)

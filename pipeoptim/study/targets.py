@@ -37,6 +37,7 @@ from pipeoptim.study.cells import (
 )
 from pipeoptim.study.grid import StudyConfig
 from pipeoptim.study.runs import RunRecord, split_label
+from pipeoptim.study.variants import family_of
 
 if TYPE_CHECKING:
     from pipeoptim.runtime.profiling.layer_timing import StepTiming
@@ -250,7 +251,8 @@ def row_optimizers(config: StudyConfig) -> list[str]:
         *config.dial,
         *(o for _, o, _ in (*config.extrapolations, *config.extrapolations_every_depth)),
     ]
-    return list(dict.fromkeys(named))
+    # a family's settings (nadam β1=0.99) leave its update's cost as it is
+    return list(dict.fromkeys(family_of(o) for o in named))
 
 
 def pinned_profiles(
@@ -366,7 +368,7 @@ def row_seconds_per_sample(
     ``profile``; ``optimizer``: the column's (a row that names none trains it). ``cache``
     keeps each simulation for the next row of the same schedule."""
     base = schedule_of(label)
-    trained = split_label(label)[1] or optimizer
+    trained = family_of(split_label(label)[1] or optimizer)
     on = (trained_profiles or {}).get(trained, profile)
     m = row_micro_batches(label, stages)
     key = (base, stages, m, trained if on is not profile else "")

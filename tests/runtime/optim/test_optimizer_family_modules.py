@@ -143,3 +143,25 @@ def test_an_unknown_family_is_refused_with_the_names() -> None:
         make_optimizer(spec, tiny_model().parameters())
     with pytest.raises(TypeError, match="builds no optimizer of its own: pass an optimizer"):
         ANY_TORCH.build(tiny_model().parameters(), 1e-3, {})
+
+
+@pytest.mark.parametrize(("family", "cls"), [("adam", Adam), ("adamw", AdamW), ("nadam", NAdam)])
+def test_beta1_and_beta2_set_the_betas_pair_one_at_a_time(
+    family: str, cls: type[Optimizer]
+) -> None:
+    """AsyncPP's NAdam (β1 = 0.99) from a plan, whose options are numbers: each given beta
+    replaces its half of the constructor's default pair, and the predictor reads it."""
+    params = list(nn.Linear(3, 2).parameters())
+    default = make_optimizer(OptimizerSpec(family, 1e-3), params).param_groups[0]["betas"]
+    first = make_optimizer(OptimizerSpec(family, 1e-3, {"beta1": 0.99}), params)
+    assert isinstance(first, cls) and first.param_groups[0]["betas"] == (0.99, default[1])
+    second = make_optimizer(OptimizerSpec(family, 1e-3, {"beta2": 0.95}), params)
+    assert second.param_groups[0]["betas"] == (default[0], 0.95)
+    both = make_optimizer(OptimizerSpec(family, 1e-3, {"beta1": 0.5, "beta2": 0.6}), params)
+    assert both.param_groups[0]["betas"] == (0.5, 0.6)
+
+
+def test_a_beta_on_an_optimizer_without_betas_is_refused_with_the_fix() -> None:
+    params = list(nn.Linear(3, 2).parameters())
+    with pytest.raises(RuntimeConfigError, match=r"SGD takes no betas pair.*drop them"):
+        make_optimizer(OptimizerSpec("sgd", 1e-3, {"beta1": 0.99}), params)

@@ -11,6 +11,7 @@ from the torch-free entry the family names (``pipeoptim.plan.optimizer_families`
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +22,11 @@ from torch.optim import Optimizer
 from pipeoptim.plan.optimizer_families import OptimizerFamily
 from pipeoptim.runtime.optim.predictors.base import WeightPredictor
 
-__all__ = ["ShapedStateBytes", "TorchOptimizerFamily"]
+__all__ = ["BETA_OPTIONS", "ShapedStateBytes", "TorchOptimizerFamily", "fold_betas"]
+
+BETA_OPTIONS = ("beta1", "beta2")
+"""Options a plan may give one at a time for the ``betas`` pair of Adam's kin (a plan's
+options are numbers and booleans: AsyncPP's NAdam is ``{"beta1": 0.99}``)."""
 
 ShapedStateBytes = Callable[[tuple[int, ...], int], int]
 """Bytes of the state kept for one parameter of a shape and element size."""
@@ -81,4 +86,26 @@ class TorchOptimizerFamily:
                 f"factory, e.g. optimizer=lambda params: torch.optim.Adagrad(params, lr=0.01)"
             )
         kwargs: dict[str, Any] = {"lr": lr, **self.default_options, **options}
-        return self.optimizer_class(list(params), **kwargs)
+        return self.optimizer_class(list(params), **fold_betas(self.optimizer_class, kwargs))
+
+
+def fold_betas(optimizer_class: type[Optimizer], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with ``beta1`` / ``beta2`` folded into the ``betas`` pair that
+    ``optimizer_class`` takes (each missing one is the constructor's default); a TypeError
+    that says why where the class takes no such pair, or ``betas`` is given too."""
+    given = {k: kwargs[k] for k in BETA_OPTIONS if k in kwargs}
+    rest = {k: v for k, v in kwargs.items() if k not in BETA_OPTIONS}
+    if not given:
+        return rest
+    name = optimizer_class.__name__
+    parameter = inspect.signature(optimizer_class).parameters.get("betas")
+    if parameter is None or not isinstance(parameter.default, tuple):
+        raise TypeError(
+            f"{name} takes no betas pair, so {', '.join(given)} cannot be set: beta1 and "
+            f"beta2 are options of Adam's kin (adam, adamw, nadam); drop them"
+        )
+    if "betas" in rest:
+        raise TypeError(f"give {name} either betas or {', '.join(given)}, not both")
+    beta1, beta2 = (float(b) for b in parameter.default)
+    betas = (float(given.get("beta1", beta1)), float(given.get("beta2", beta2)))
+    return {**rest, "betas": betas}
