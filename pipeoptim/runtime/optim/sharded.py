@@ -57,7 +57,8 @@ from pipeoptim.runtime.optim.update_persistence import UpdatePersistence
 if TYPE_CHECKING:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-_ZERO_MODULE = "torch.distributed.optim.zero_redundancy_optimizer"
+_ZERO_PACKAGE = "torch.distributed.optim"
+"""The public package that exports ZeRO (loaded before any of its modules is)."""
 
 __all__ = [
     "SHARDABLE",
@@ -104,8 +105,8 @@ def is_sharded(optimizer: Optimizer | None) -> TypeIs[ZeroRedundancyOptimizer]:
     """Whether ``optimizer`` is a stage's sharded (ZeRO) optimizer. ZeRO's module is read
     only where it is loaded (none of its instances exists otherwise), so a rank that does
     not shard starts without importing ``torch.distributed.optim``."""
-    module = sys.modules.get(_ZERO_MODULE)
-    return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)
+    package = sys.modules.get(_ZERO_PACKAGE)
+    return package is not None and isinstance(optimizer, package.ZeroRedundancyOptimizer)
 
 
 def _zero_class() -> type[ZeroRedundancyOptimizer]:
